@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup test lint demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: setup
+	$(VENV)/bin/ruff check snapshotd client proto bench tests
+	$(VENV)/bin/mypy snapshotd client proto bench
+
+demo: setup
+	$(VENV)/bin/snapshotd demo
+
+bench: setup
+	$(VENV)/bin/snapshotd-bench codec
+	$(VENV)/bin/snapshotd-bench transport
+	$(VENV)/bin/snapshotd-bench overhead
+	$(VENV)/bin/snapshotd-bench recovery
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""snapshotd's wire protocol: typed messages, their limits and errors, the tensor table, and chunk codecs.
+
+Pure: no asyncio, no sockets, no torch. See :mod:`.messages` for the message catalogue and :mod:`.errors` for
+the exception tree.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    ChecksumMismatch,
+    CodecError,
+    LimitExceeded,
+    MalformedMessage,
+    ProtocolError,
+    UnknownMessageType,
+    UnsupportedVersion,
+)
+from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, table_data_bytes
+from .messages import *  # noqa: F403
+from .messages import __all__ as _messages_all
+
+__all__ = [
+    "DTYPE_SIZES",
+    "ChecksumMismatch",
+    "CodecError",
+    "LimitExceeded",
+    "MalformedMessage",
+    "ProtocolError",
+    "TensorEntry",
+    "UnknownMessageType",
+    "UnsupportedVersion",
+    "decode_table",
+    "encode_table",
+    "table_data_bytes",
+    *_messages_all,
+]

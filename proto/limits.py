@@ -1,0 +1,50 @@
+"""Explicit limits on every field a peer controls.
+
+They bound what one message can make a process allocate or loop over before anything acts on it. The numbers
+are generous for real jobs (a 1,000-layer model has ~10^4 tensors) and small enough that a hostile peer cannot
+exhaust memory with one message.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_VERSION = 1
+
+MAX_HEADER_BYTES = 1 << 20
+"""Frame 0 (the msgpack header) of any message."""
+
+MAX_NAME_LEN = 256
+"""Job names, node names, racks, codec names, error codes."""
+
+MAX_ADDRESS_LEN = 512
+"""ZeroMQ endpoints and ipc paths."""
+
+MAX_TEXT_LEN = 4096
+"""Free-text fields such as error messages."""
+
+MAX_CHUNK_BYTES = 64 << 20
+"""One chunk payload, compressed or not."""
+
+MAX_TABLE_BYTES = 64 << 20
+"""One encoded tensor table (manifest)."""
+
+MAX_META_BYTES = 64 << 20
+"""One msgpack blob of non-tensor state."""
+
+MAX_TENSORS = 1_000_000
+"""Entries in one tensor table."""
+
+MAX_TENSOR_NDIM = 32
+
+MAX_SNAPSHOT_BYTES = 1 << 40
+"""Tensor bytes of one rank's snapshot (1 TiB)."""
+
+MAX_RANKS = 1 << 20
+"""World size and rank numbers."""
+
+MAX_STEP = (1 << 63) - 1
+
+MAX_LIST_ITEMS = 1 << 20
+"""Inventory entries, rank lists, assignment lists in one message."""
+
+MAX_SLOTS = 16
+"""Shared-memory slots per rank."""

@@ -1,0 +1,576 @@
+"""Typed messages and their wire form.
+
+Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map with ``v`` (the protocol version),
+``type`` and ``job`` plus the message's header fields; each further frame is a raw payload (a chunk of tensor
+bytes, an encoded tensor table, a msgpack blob of non-tensor state). :func:`encode` and :func:`decode` never copy a
+payload frame: memoryviews go in and memoryviews come out, so a 4 MiB chunk costs the same to encode as a 16-byte
+one.
+
+Three conversations use these messages:
+
+- ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
+  :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreReply`.
+- data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
+  :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
+- control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
+  :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
+  :class:`StatusRequest`, :class:`StatusReply`.
+
+Any side may answer with :class:`Error`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import msgpack
+
+from . import limits as L
+from .errors import LimitExceeded, MalformedMessage, ProtocolError, UnknownMessageType, UnsupportedVersion
+from .schema import Bool, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
+
+PROTOCOL_VERSION = L.PROTOCOL_VERSION
+
+Buffer = bytes | bytearray | memoryview
+
+CODECS = ("raw", "lz4", "shuffle-lz4", "delta-lz4")
+
+_JOB = Str(L.MAX_NAME_LEN)
+_NAME = Str(L.MAX_NAME_LEN)
+_ADDR = Str(L.MAX_ADDRESS_LEN)
+_TEXT = Str(L.MAX_TEXT_LEN)
+_RANK = Int(0, L.MAX_RANKS - 1)
+_WORLD = Int(1, L.MAX_RANKS)
+_STEP = Int(0, L.MAX_STEP)
+_STEP_OR_NONE = Int(-1, L.MAX_STEP)  # -1: no such step
+_SLOT = Int(0, L.MAX_SLOTS - 1)
+_NBYTES = Int(0, L.MAX_SNAPSHOT_BYTES)
+_COUNT = Int(0, L.MAX_LIST_ITEMS)
+_SECONDS = Float(0.0, 1e9)
+
+
+class Frame(Spec):
+    """A payload frame (not part of the header): any buffer up to ``max_len`` bytes."""
+
+    def __init__(self, max_len: int) -> None:
+        self.max_len = max_len
+
+    def check(self, value: Any, name: str) -> memoryview:
+        view = value if isinstance(value, memoryview) else memoryview(value)
+        if view.nbytes > self.max_len:
+            raise LimitExceeded(f"frame {name!r}: {view.nbytes} bytes, at most {self.max_len}")
+        return view
+
+
+def _frame(max_len: int) -> Any:
+    return dataclasses.field(default=b"", metadata={"spec": Frame(max_len)})
+
+
+# --------------------------------------------------------------------------------------------- nested records
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankInfo:
+    """A training rank that registered with a sidecar."""
+
+    job: str = spec_field(_JOB)
+    rank: int = spec_field(_RANK)
+    world_size: int = spec_field(_WORLD)
+    pid: int = spec_field(Int(0, 1 << 31))
+    alive: bool = spec_field(Bool())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InventoryItem:
+    """A snapshot ``(job, rank, step)`` that a sidecar holds complete.
+
+    ``local`` is true for the rank's own shared-memory slot on its own node (a cache that durability does not
+    count), false for a buddy copy.
+    """
+
+    job: str = spec_field(_JOB)
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    local: bool = spec_field(Bool())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    """Where the sidecar of ``rank``'s node streams that rank's snapshots: the buddies' data addresses."""
+
+    job: str = spec_field(_JOB)
+    rank: int = spec_field(_RANK)
+    buddies: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Watermark:
+    """A job's recoverable step G and its newest durable step (-1: none yet)."""
+
+    job: str = spec_field(_JOB)
+    recoverable: int = spec_field(_STEP_OR_NONE)
+    durable: int = spec_field(_STEP_OR_NONE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicateTask:
+    """Ask a sidecar to pull ``(job, rank, step)`` from ``sources`` and keep it as a buddy copy."""
+
+    job: str = spec_field(_JOB)
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
+
+
+# ------------------------------------------------------------------------------------------------- messages
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """Base of every message. ``job`` is empty for messages that concern no single job."""
+
+    TYPE: ClassVar[str] = ""
+    job: str = spec_field(_JOB, default="")
+
+
+# ipc: training rank <-> its sidecar
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RegisterRank(Message):
+    """A training process joins: the sidecar (re)creates the rank's arena of ``slots`` x ``data_bytes``."""
+
+    TYPE: ClassVar[str] = "register_rank"
+    rank: int = spec_field(_RANK)
+    world_size: int = spec_field(_WORLD)
+    pid: int = spec_field(Int(0, 1 << 31))
+    data_bytes: int = spec_field(_NBYTES)
+    slots: int = spec_field(Int(1, L.MAX_SLOTS), default=2)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RankRegistered(Message):
+    """The arena file to map (owner-only, under /dev/shm) and its geometry."""
+
+    TYPE: ClassVar[str] = "rank_registered"
+    rank: int = spec_field(_RANK)
+    arena: str = spec_field(_ADDR)
+    slot_bytes: int = spec_field(_NBYTES)
+    slots: int = spec_field(Int(1, L.MAX_SLOTS))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Announce(Message):
+    """Slot ``slot`` now holds the state after ``step`` optimizer steps.
+
+    ``table`` is the encoded tensor table, sent only when it changed (empty otherwise; ``table_id`` names the
+    table in force). ``meta`` is the msgpack blob of non-tensor state. ``step_seconds`` is the rank's latest
+    step time, for the pacer (0: unknown).
+    """
+
+    TYPE: ClassVar[str] = "announce"
+    FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    slot: int = spec_field(_SLOT)
+    table_id: int = spec_field(Int(0, L.MAX_STEP))
+    step_seconds: float = spec_field(_SECONDS, default=0.0)
+    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SlotUpdate(Message):
+    """The slots the client may write into now, and the newest step of this rank complete on every buddy."""
+
+    TYPE: ClassVar[str] = "slot_update"
+    rank: int = spec_field(_RANK)
+    free_slots: tuple[int, ...] = spec_field(ListOf(_SLOT, L.MAX_SLOTS))
+    durable_step: int = spec_field(_STEP_OR_NONE)
+    note: str = spec_field(_TEXT, default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreRequest(Message):
+    """A (re)started rank asks for the job's recoverable state; the sidecar answers within ``timeout_s``."""
+
+    TYPE: ClassVar[str] = "restore_request"
+    rank: int = spec_field(_RANK)
+    world_size: int = spec_field(_WORLD)
+    timeout_s: float = spec_field(_SECONDS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreReply(Message):
+    """Where the rank's state for ``step`` lies: slot ``slot`` of its arena (``source`` says how it got there).
+
+    ``source`` is ``fresh`` when the job has no snapshot at all (step 0, nothing to load).
+    """
+
+    TYPE: ClassVar[str] = "restore_reply"
+    FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    source: str = spec_field(Enum(("fresh", "local", "pull")))
+    slot: int = spec_field(_SLOT, default=0)
+    bytes_pulled: int = spec_field(_NBYTES, default=0)
+    seconds: float = spec_field(_SECONDS, default=0.0)
+    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+
+
+# data plane: sidecar <-> sidecar
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StreamBegin(Message):
+    """Offer (or, answering a :class:`PullManifest`, describe) the snapshot ``(job, rank, step)``."""
+
+    TYPE: ClassVar[str] = "stream_begin"
+    FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    src_node: str = spec_field(_NAME)
+    data_bytes: int = spec_field(_NBYTES)
+    chunk_bytes: int = spec_field(Int(1, L.MAX_CHUNK_BYTES))
+    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+
+    @property
+    def nchunks(self) -> int:
+        return -(-self.data_bytes // self.chunk_bytes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StreamAccept(Message):
+    """The receiver took the stream; ``bases`` are the steps of this rank it holds complete (delta bases)."""
+
+    TYPE: ClassVar[str] = "stream_accept"
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    bases: tuple[int, ...] = spec_field(ListOf(_STEP, 64))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk(Message):
+    """Chunk ``index`` of ``(job, rank, step)``: ``raw_len`` bytes at ``index * chunk_bytes`` once decoded.
+
+    ``checksum`` is xxh3-64 of the decoded bytes; ``base_step`` names the delta base (``delta-lz4`` only).
+    """
+
+    TYPE: ClassVar[str] = "chunk"
+    FRAMES: ClassVar[tuple[str, ...]] = ("payload",)
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    index: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
+    codec: str = spec_field(Enum(CODECS), default="raw")
+    raw_len: int = spec_field(Int(0, L.MAX_CHUNK_BYTES))
+    checksum: int = spec_field(Int(0, (1 << 64) - 1))
+    base_step: int = spec_field(_STEP_OR_NONE, default=-1)
+    elem: int = spec_field(Int(1, 16), default=1)
+    payload: memoryview | bytes = _frame(L.MAX_CHUNK_BYTES)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkAck(Message):
+    """Chunk ``index`` is in and verified; ``complete`` when it was the last one missing."""
+
+    TYPE: ClassVar[str] = "chunk_ack"
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    index: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
+    complete: bool = spec_field(Bool(), default=False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StreamAbort(Message):
+    """The sender gives up on ``(job, rank, step)``; the receiver frees what it had of it."""
+
+    TYPE: ClassVar[str] = "stream_abort"
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    reason: str = spec_field(_TEXT, default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PullManifest(Message):
+    """Ask a holder to describe its complete copy of ``(job, rank, step)``; it answers with a StreamBegin."""
+
+    TYPE: ClassVar[str] = "pull_manifest"
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PullRequest(Message):
+    """Ask a holder for chunks ``first .. first + count - 1`` of its complete ``(job, rank, step)``."""
+
+    TYPE: ClassVar[str] = "pull_request"
+    rank: int = spec_field(_RANK)
+    step: int = spec_field(_STEP)
+    first: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
+    count: int = spec_field(Int(1, 4096))
+
+
+# control plane: sidecar <-> coordinator
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RegisterSidecar(Message):
+    """A sidecar joins. A new ``incarnation`` under a known ``node`` name means that node's old data is gone."""
+
+    TYPE: ClassVar[str] = "register_sidecar"
+    node: str = spec_field(_NAME)
+    rack: str = spec_field(_NAME, default="")
+    data_addr: str = spec_field(_ADDR)
+    incarnation: str = spec_field(_NAME)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SidecarRegistered(Message):
+    TYPE: ClassVar[str] = "sidecar_registered"
+    heartbeat_interval: float = spec_field(Float(0.01, 3600.0))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat(Message):
+    """A sidecar's liveness, its local ranks and its full inventory of complete snapshots."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    node: str = spec_field(_NAME)
+    incarnation: str = spec_field(_NAME)
+    ranks: tuple[RankInfo, ...] = spec_field(ListOf(Record(RankInfo), L.MAX_LIST_ITEMS), factory=tuple)
+    inventory: tuple[InventoryItem, ...] = spec_field(
+        ListOf(Record(InventoryItem), L.MAX_LIST_ITEMS), factory=tuple
+    )
+    bytes_out: int = spec_field(Int(0, 1 << 62), default=0)
+    bytes_in: int = spec_field(Int(0, 1 << 62), default=0)
+    stored_bytes: int = spec_field(Int(0, 1 << 62), default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatReply(Message):
+    """Placement, watermarks and re-replication work for the sidecar. ``known`` false: register again."""
+
+    TYPE: ClassVar[str] = "heartbeat_reply"
+    known: bool = spec_field(Bool(), default=True)
+    assignments: tuple[Assignment, ...] = spec_field(ListOf(Record(Assignment), L.MAX_LIST_ITEMS), factory=tuple)
+    watermarks: tuple[Watermark, ...] = spec_field(ListOf(Record(Watermark), L.MAX_LIST_ITEMS), factory=tuple)
+    tasks: tuple[ReplicateTask, ...] = spec_field(ListOf(Record(ReplicateTask), 4096), factory=tuple)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PlanRequest(Message):
+    """A rank of ``job`` (on sidecar ``node``) is restoring and needs the job-wide recovery step."""
+
+    TYPE: ClassVar[str] = "plan_request"
+    rank: int = spec_field(_RANK)
+    world_size: int = spec_field(_WORLD)
+    node: str = spec_field(_NAME)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PlanReply(Message):
+    """The recovery plan for one rank.
+
+    ``status``: ``ready`` (restore ``step`` from ``sources``; ``local`` if the asking node holds it),
+    ``wait`` (not every rank is accounted for yet; ask again), ``fresh`` (the job has no snapshot: start at 0),
+    ``none`` (snapshots exist but no step is complete for every rank: ``reason`` says why).
+    """
+
+    TYPE: ClassVar[str] = "plan_reply"
+    rank: int = spec_field(_RANK)
+    status: str = spec_field(Enum(("ready", "wait", "fresh", "none")))
+    step: int = spec_field(_STEP_OR_NONE, default=-1)
+    local: bool = spec_field(Bool(), default=False)
+    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64), factory=tuple)
+    reason: str = spec_field(_TEXT, default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status_request"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StatusReply(Message):
+    """The coordinator's view as a msgpack document in ``body`` (see ``snapshotd status --json``)."""
+
+    TYPE: ClassVar[str] = "status_reply"
+    FRAMES: ClassVar[tuple[str, ...]] = ("body",)
+    body: memoryview | bytes = _frame(L.MAX_META_BYTES)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Error(Message):
+    """A refusal. ``code`` is machine-readable (e.g. ``memory_limit``, ``not_found``, ``bad_message``)."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str = spec_field(_NAME)
+    message: str = spec_field(_TEXT, default="")
+    rank: int = spec_field(Int(-1, L.MAX_RANKS), default=-1)
+    step: int = spec_field(_STEP_OR_NONE, default=-1)
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        RegisterRank, RankRegistered, Announce, SlotUpdate, RestoreRequest, RestoreReply,
+        StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
+        RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
+        StatusRequest, StatusReply, Error,
+    )
+}  # fmt: skip
+
+
+def _layout(cls: type[Message]) -> tuple[list[tuple[str, Spec]], list[tuple[str, Frame]]]:
+    header: list[tuple[str, Spec]] = []
+    frames: list[tuple[str, Frame]] = []
+    for f in dataclasses.fields(cls):
+        spec = f.metadata["spec"]
+        (frames if isinstance(spec, Frame) else header).append((f.name, spec))
+    return header, frames
+
+
+_LAYOUTS = {name: _layout(cls) for name, cls in MESSAGE_TYPES.items()}
+_RESERVED = frozenset({"v", "type"})
+
+
+def encode(msg: Message) -> list[Buffer]:
+    """The frames of ``msg``: a msgpack header, then each payload frame as given (never copied).
+
+    Raises:
+        ProtocolError: a field violates its spec (we never send what we would refuse to receive).
+    """
+    header_specs, frame_specs = _LAYOUTS[msg.TYPE]
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    for name, spec in header_specs:
+        dumped = spec.dump(getattr(msg, name))
+        spec.check(dumped, f"{msg.TYPE}.{name}")
+        header[name] = dumped
+    out: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
+    for name, fspec in frame_specs:
+        value = getattr(msg, name)
+        fspec.check(value, name)
+        out.append(value)
+    if len(out[0]) > L.MAX_HEADER_BYTES:
+        raise LimitExceeded(f"{msg.TYPE} header is {len(out[0])} bytes, at most {L.MAX_HEADER_BYTES}")
+    return out
+
+
+def _as_view(frame: Any) -> memoryview:
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is None:
+        buf = frame
+    try:
+        view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    except TypeError as exc:
+        raise MalformedMessage(f"frame of type {type(frame).__name__} is not a buffer") from exc
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Parse and validate one multipart message.
+
+    Args:
+        frames: bytes, memoryviews or ``zmq.Frame`` objects; payload frames come back as memoryviews of them.
+
+    Raises:
+        ProtocolError: and nothing else, for any input.
+    """
+    if not isinstance(frames, Sequence) or len(frames) == 0:
+        raise MalformedMessage("a message needs at least a header frame")
+    head = _as_view(frames[0])
+    if head.nbytes > L.MAX_HEADER_BYTES:
+        raise LimitExceeded(f"header frame is {head.nbytes} bytes, at most {L.MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            head,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=L.MAX_TEXT_LEN * 4,
+            max_bin_len=L.MAX_HEADER_BYTES,
+            max_array_len=L.MAX_LIST_ITEMS,
+            max_map_len=1024,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, StackError, TypeError ...)
+        raise MalformedMessage(f"header is not a valid msgpack map: {exc}") from exc
+    if type(header) is not dict:
+        raise MalformedMessage(f"header is a msgpack {type(header).__name__}, not a map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION or type(version) is not int:
+        raise UnsupportedVersion(f"protocol version {version!r}; this build speaks {PROTOCOL_VERSION}")
+    mtype = header.get("type")
+    if type(mtype) is not str or mtype not in MESSAGE_TYPES:
+        raise UnknownMessageType(f"unknown message type {mtype!r}")
+    cls = MESSAGE_TYPES[mtype]
+    header_specs, frame_specs = _LAYOUTS[mtype]
+    if len(frames) != 1 + len(frame_specs):
+        raise MalformedMessage(f"{mtype} has {len(frame_specs)} payload frames, got {len(frames) - 1}")
+    unknown = header.keys() - _RESERVED - {name for name, _ in header_specs}
+    if unknown:
+        raise MalformedMessage(f"{mtype}: unknown header fields {sorted(map(str, unknown))[:5]}")
+    kwargs: dict[str, Any] = {}
+    for name, spec in header_specs:
+        if name in header:
+            kwargs[name] = spec.check(header[name], name)
+        elif _has_default(cls, name):
+            continue
+        else:
+            raise MalformedMessage(f"{mtype}: missing field {name!r}")
+    for (name, fspec), frame in zip(frame_specs, frames[1:]):
+        kwargs[name] = fspec.check(_as_view(frame), name)
+    try:
+        return cls(**kwargs)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # defensive: a dataclass should never refuse validated values
+        raise MalformedMessage(f"{mtype}: {exc}") from exc
+
+
+def _has_default(cls: type[Message], name: str) -> bool:
+    f = cls.__dataclass_fields__[name]
+    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+
+
+__all__ = [
+    "CODECS",
+    "PROTOCOL_VERSION",
+    "Announce",
+    "Assignment",
+    "Chunk",
+    "ChunkAck",
+    "Error",
+    "Heartbeat",
+    "HeartbeatReply",
+    "InventoryItem",
+    "MESSAGE_TYPES",
+    "Message",
+    "PlanReply",
+    "PlanRequest",
+    "PullManifest",
+    "PullRequest",
+    "RankInfo",
+    "RankRegistered",
+    "RegisterRank",
+    "RegisterSidecar",
+    "ReplicateTask",
+    "RestoreReply",
+    "RestoreRequest",
+    "SidecarRegistered",
+    "SlotUpdate",
+    "StatusReply",
+    "StatusRequest",
+    "StreamAbort",
+    "StreamAccept",
+    "StreamBegin",
+    "Watermark",
+    "decode",
+    "encode",
+]
