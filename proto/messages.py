@@ -336,11 +336,17 @@ class SidecarRegistered(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat(Message):
-    """A sidecar's liveness, its local ranks and its full inventory of complete snapshots."""
+    """A sidecar's liveness and counters; with ``changed``, also its local ranks and full inventory.
+
+    A heartbeat with ``changed`` false carries no ranks or inventory: the coordinator keeps the last ones it got
+    from this incarnation. After a coordinator restart the reply says ``known=False`` and the sidecar registers
+    again and sends everything.
+    """
 
     TYPE: ClassVar[str] = "heartbeat"
     node: str = spec_field(_NAME)
     incarnation: str = spec_field(_NAME)
+    changed: bool = spec_field(Bool(), default=True)
     ranks: tuple[RankInfo, ...] = spec_field(ListOf(Record(RankInfo), L.MAX_LIST_ITEMS), factory=tuple)
     inventory: tuple[InventoryItem, ...] = spec_field(
         ListOf(Record(InventoryItem), L.MAX_LIST_ITEMS), factory=tuple
