@@ -162,6 +162,14 @@ class RankRegistered(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UnregisterRank(Message):
+    """The training process closed its Snapshotter: the sidecar stops streaming for it and frees its arena."""
+
+    TYPE: ClassVar[str] = "unregister_rank"
+    rank: int = spec_field(_RANK)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Announce(Message):
     """Slot ``slot`` now holds the state after ``step`` optimizer steps.
 
@@ -204,9 +212,10 @@ class RestoreRequest(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreReply(Message):
-    """Where the rank's state for ``step`` lies: slot ``slot`` of its arena (``source`` says how it got there).
+    """Where the rank's state for ``step`` lies: slot ``slot`` of arena ``arena`` (``source`` says how it got there).
 
-    ``source`` is ``fresh`` when the job has no snapshot at all (step 0, nothing to load).
+    ``source`` is ``fresh`` when the job has no snapshot at all (step 0, nothing to load). The arena may be a new
+    one (sized for the snapshot); the client maps it and uses it from then on.
     """
 
     TYPE: ClassVar[str] = "restore_reply"
@@ -214,6 +223,8 @@ class RestoreReply(Message):
     rank: int = spec_field(_RANK)
     step: int = spec_field(_STEP)
     source: str = spec_field(Enum(("fresh", "local", "pull")))
+    arena: str = spec_field(_ADDR, default="")
+    slot_bytes: int = spec_field(_NBYTES, default=0)
     slot: int = spec_field(_SLOT, default=0)
     bytes_pulled: int = spec_field(_NBYTES, default=0)
     seconds: float = spec_field(_SECONDS, default=0.0)
@@ -423,7 +434,7 @@ class Error(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        RegisterRank, RankRegistered, Announce, SlotUpdate, RestoreRequest, RestoreReply,
+        RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreReply,
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
         StatusRequest, StatusReply, Error,
@@ -576,6 +587,7 @@ __all__ = [
     "StreamAbort",
     "StreamAccept",
     "StreamBegin",
+    "UnregisterRank",
     "Watermark",
     "decode",
     "encode",
