@@ -191,11 +191,16 @@ class Announce(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SlotUpdate(Message):
-    """The slots the client may write into now, and the newest step of this rank complete on every buddy."""
+    """The slots the client may write into now, and the newest step of this rank complete on every buddy.
+
+    ``seen_step`` is the newest step the sidecar had been announced when it wrote this update: a client ignores
+    the update for any slot it announced (or is staging) with a newer step, since the update predates it.
+    """
 
     TYPE: ClassVar[str] = "slot_update"
     rank: int = spec_field(_RANK)
     free_slots: tuple[int, ...] = spec_field(ListOf(_SLOT, L.MAX_SLOTS))
+    seen_step: int = spec_field(_STEP_OR_NONE, default=-1)
     durable_step: int = spec_field(_STEP_OR_NONE)
     note: str = spec_field(_TEXT, default="")
 

@@ -1,0 +1,187 @@
+"""What snapshotd is measured against: the plain ways of moving the same bytes.
+
+:func:`raw_socket_transfer` is the ceiling for the transport: one TCP connection between two real processes,
+a preallocated buffer on each side, ``sendall`` and ``recv_into``, nothing else.
+
+This module is also the program those processes run::
+
+    python -m snapshotd.bench.baselines recv --host H --nbytes N [--repeat R] [--chunk C] [--timeout T]
+    python -m snapshotd.bench.baselines send --host H --port P --nbytes N [--repeat R] [--chunk C]
+        [--timeout T]
+
+The receiver prints ``port <P>`` once it listens, and at the end one JSON line ``{"rates": [...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from .links import Link
+
+__all__ = ["raw_socket_transfer"]
+
+log = logging.getLogger(__name__)
+
+_GO = b"g"
+
+
+def _receive(host: str, nbytes: int, repeat: int, chunk: int, timeout: float) -> None:
+    """Receiver process: listen, then per repeat ask for ``nbytes`` and time them; print the rates."""
+    buf = memoryview(bytearray(chunk))
+    rates = []
+    with socket.create_server((host, 0)) as server:
+        server.settimeout(timeout)
+        print(f"port {server.getsockname()[1]}", flush=True)
+        conn, _ = server.accept()
+    with conn:
+        conn.settimeout(timeout)
+        for _ in range(repeat):
+            conn.sendall(_GO)
+            first = conn.recv_into(buf, min(chunk, nbytes))
+            start = time.perf_counter()
+            got = first
+            while got < nbytes:
+                k = conn.recv_into(buf, min(chunk, nbytes - got))
+                if k == 0:
+                    raise ConnectionError(f"sender closed after {got} of {nbytes} bytes")
+                got += k
+            elapsed = time.perf_counter() - start
+            # Bytes after the first recv over the time since it returned: the first recv's own arrival
+            # time is unknown, so its bytes are left out rather than counted as instantaneous.
+            rates.append((nbytes - first) / elapsed if elapsed > 0 else float("inf"))
+        conn.shutdown(socket.SHUT_WR)
+    print(json.dumps({"rates": rates}), flush=True)
+
+
+def _send(host: str, port: int, nbytes: int, repeat: int, chunk: int, timeout: float) -> None:
+    """Sender process: connect, then per go-byte send ``nbytes`` from one preallocated buffer."""
+    buf = memoryview(os.urandom(chunk))
+    with socket.create_connection((host, port), timeout=timeout) as conn:
+        for _ in range(repeat):
+            if conn.recv(1) != _GO:
+                raise ConnectionError("receiver closed before asking for data")
+            left = nbytes
+            while left:
+                n = min(chunk, left)
+                conn.sendall(buf[:n])
+                left -= n
+        conn.shutdown(socket.SHUT_WR)
+        if conn.recv(1):
+            raise ConnectionError("receiver sent unexpected data")
+
+
+def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
+    """One line of ``proc``'s stdout, waiting until ``deadline`` (``time.monotonic``) at most.
+
+    Raises:
+        TimeoutError: when no full line came in time.
+        ConnectionError: when the process closed its stdout first.
+    """
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"no line from receiver within the deadline (got {data!r})")
+        piece = os.read(fd, 1)
+        if not piece:
+            raise ConnectionError(f"receiver exited before writing a line (got {data!r})")
+        data += piece
+    return data.decode()
+
+
+def raw_socket_transfer(
+    nbytes: int, *, chunk: int = 1 << 20, repeat: int = 1, link: Link | None = None, timeout: float = 120
+) -> float:
+    """Move ``nbytes`` over one plain TCP connection between two fresh processes; return bytes per second.
+
+    The receiver (in ``link.ns_b``, listening on ``link.addr_b``; or on 127.0.0.1 without a link) and the
+    sender (in ``link.ns_a``) are real Python processes. One connection carries all repeats; before each, the
+    receiver sends one byte and the sender answers with ``nbytes`` from a preallocated ``chunk``-sized buffer
+    (``sendall``), which the receiver reads with ``recv_into`` into its own preallocated buffer.
+
+    The rate of one repeat is measured at the receiver: the bytes after its first ``recv`` divided by the time
+    from that ``recv``'s return to the last byte, so connection setup and process start-up are excluded.
+    Returns the **median** over repeats.
+
+    Args:
+        nbytes: bytes per repeat (at least 2 * ``chunk`` for a meaningful time).
+        chunk: size of each ``sendall`` / ``recv_into``.
+        repeat: how many times to move ``nbytes``.
+        link: an emulated link from :func:`snapshotd.bench.links.shaped_link`, or None for loopback.
+        timeout: seconds for the whole transfer; also each socket operation's timeout.
+
+    Raises:
+        ValueError: on non-positive sizes or counts.
+        TimeoutError: when the transfer does not finish within ``timeout`` (both processes are killed).
+        RuntimeError: when a process fails (its exit code and stderr are in the message).
+    """
+    if nbytes <= 0 or chunk <= 0 or repeat <= 0:
+        raise ValueError(f"nbytes, chunk and repeat must be positive (got {nbytes}, {chunk}, {repeat})")
+    deadline = time.monotonic() + timeout
+    host = link.addr_b if link else "127.0.0.1"
+    common = [f"--nbytes={nbytes}", f"--repeat={repeat}", f"--chunk={chunk}", f"--timeout={timeout}"]
+    base = [sys.executable, "-m", __name__]
+    recv_argv = [*base, "recv", "--host", host, *common]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        procs["receiver"] = recv = subprocess.Popen(
+            link.exec_argv(link.ns_b, recv_argv) if link else recv_argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        port = int(_read_line(recv, deadline).split()[1])
+        send_argv = [*base, "send", "--host", host, "--port", str(port), *common]
+        procs["sender"] = send = subprocess.Popen(
+            link.exec_argv(link.ns_a, send_argv) if link else send_argv,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        _, send_err = send.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        out, recv_err = recv.communicate(timeout=max(0.1, deadline - time.monotonic()))
+    except BaseException as exc:
+        for name, p in procs.items():
+            if p.poll() is None:
+                p.kill()
+            err = p.communicate(timeout=10)[1] or b""
+            exc.add_note(f"{name} (exit {p.returncode}) stderr: {err.decode(errors='replace').strip()}")
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise TimeoutError(f"raw socket transfer of {nbytes} B x {repeat} took over {timeout} s") from exc
+        raise
+    for name, p, err in (("sender", send, send_err), ("receiver", recv, recv_err)):
+        if p.returncode != 0:
+            raise RuntimeError(f"{name} exited with {p.returncode}: {err.decode(errors='replace').strip()}")
+    rates = json.loads(out.decode())["rates"]
+    log.debug("raw socket rates (B/s): %s", rates)
+    return float(statistics.median(rates))
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m snapshotd.bench.baselines")
+    parser.add_argument("role", choices=("recv", "send"))
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--nbytes", type=int, required=True)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=1 << 20)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    if args.role == "recv":
+        _receive(args.host, args.nbytes, args.repeat, args.chunk, args.timeout)
+    else:
+        _send(args.host, args.port, args.nbytes, args.repeat, args.chunk, args.timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,385 @@
+"""The output every ``snapshotd-bench`` subcommand shares: a table, a summary, JSON and a PNG.
+
+A subcommand's ``run(args)`` returns a :class:`Report`; :func:`emit` prints it for people, writes it as JSON
+for machines (``{"bench", "machine", "config", "results", "summary"}``) and draws it. Column and summary names
+carry their unit in a suffix, which both the table and the default plot read:
+
+``_bytes`` (sizes), ``_Bps`` (bytes per second), ``_seconds`` / ``_s`` (seconds), ``_ms`` (milliseconds).
+
+:class:`Progress` is the progress bar of long runs (benchmarks, and the sidecar's restore pull).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from snapshotd.units import format_bytes, format_rate, format_seconds
+
+__all__ = ["Progress", "Report", "emit", "machine_info"]
+
+log = logging.getLogger(__name__)
+
+_MAX_PLOT_PANELS = 6
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured: host, CPU, memory, Python, torch, CUDA device, kernel.
+
+    Imports torch lazily (only here); ``torch`` and ``cuda_device`` are None when torch is missing or no CUDA
+    device is visible.
+    """
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = None
+    torch_version = cuda_device = None
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        torch_version = torch.__version__
+        if torch.cuda.is_available():
+            cuda_device = torch.cuda.get_device_name(0)
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": memory,
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "cuda_device": cuda_device,
+        "kernel": platform.release(),
+    }
+
+
+@dataclasses.dataclass(slots=True)
+class Report:
+    """One benchmark's outcome.
+
+    Attributes:
+        bench: subcommand name (``"transport"``).
+        config: the parameters the run used (plain JSON-able values).
+        results: one dict per measured configuration; keys are table columns.
+        summary: headline numbers (``{"speedup": 1.9, "best_Bps": 1.1e9}``).
+        columns: table column order; None means the union of the rows' keys in first-seen order.
+        machine: where it ran; :func:`machine_info` by default.
+    """
+
+    bench: str
+    config: dict[str, Any]
+    results: list[dict[str, Any]]
+    summary: dict[str, Any]
+    columns: list[str] | None = None
+    machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+
+    def table_columns(self) -> list[str]:
+        """``columns``, or every key of ``results`` in first-seen order."""
+        if self.columns is not None:
+            return list(self.columns)
+        return list(dict.fromkeys(key for row in self.results for key in row))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def format_value(name: str, value: Any) -> str:
+    """``value`` for a person, in the unit that ``name``'s suffix says (see the module docstring)."""
+    if value is None:
+        return "-"
+    if not _is_number(value):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    if name.endswith("_bytes"):
+        return format_bytes(value)
+    if name.endswith("_Bps"):
+        return format_rate(value)
+    if name.endswith(("_seconds", "_s")):
+        return format_seconds(value)
+    if name.endswith("_ms"):
+        return format_seconds(value / 1e3)
+    return str(value) if isinstance(value, int) else f"{value:.4g}"
+
+
+def format_table(report: Report) -> str:
+    """``report.results`` as an aligned text table (empty string when there are no rows)."""
+    columns = report.table_columns()
+    if not report.results or not columns:
+        return ""
+    cells = [[format_value(c, row[c]) if c in row else "" for c in columns] for row in report.results]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    numeric = [all(_is_number(row.get(c)) or row.get(c) is None for row in report.results) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    for r in cells:
+        padded = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric, strict=True))
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines)
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON values: non-finite floats become None, numpy scalars and arrays become Python values."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if value is None or isinstance(value, str | int | bool):
+        return value
+    if hasattr(value, "tolist"):  # numpy scalar or array, torch tensor
+        return _jsonable(value.tolist())
+    return str(value)
+
+
+def write_json(report: Report, path: str) -> None:
+    """Write the report atomically (temp file in the same folder, fsync, rename)."""
+    doc = {
+        "bench": report.bench,
+        "machine": report.machine,
+        "config": report.config,
+        "results": report.results,
+        "summary": report.summary,
+    }
+    text = json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".report-", suffix=".json.tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _axis(name: str, values: Sequence[float]) -> tuple[float, str]:
+    """(scale, label) that put ``values`` of column ``name`` in a readable unit on an axis."""
+    top = max((abs(v) for v in values), default=0.0)
+    if name.endswith("_bytes"):
+        return (1 / (1 << 30), f"{name} (GiB)") if top >= 1 << 30 else (1 / (1 << 20), f"{name} (MiB)")
+    if name.endswith("_Bps"):
+        return (1e-9, f"{name} (GB/s)") if top >= 1e9 else (1e-6, f"{name} (MB/s)")
+    if name.endswith(("_seconds", "_s")):
+        return (1e3, f"{name} (ms)") if top < 1 else (1.0, f"{name} (s)")
+    if name.endswith("_ms"):
+        return 1.0, f"{name} (ms)"
+    return 1.0, name
+
+
+def _plot_results(fig: Any, rows: list[dict[str, Any]], xcol: str, ycols: list[str]) -> None:
+    """One panel per column of ``ycols`` against ``xcol``: lines for a numeric x, bars for labels."""
+    numeric_x = all(_is_number(r[xcol]) for r in rows)
+    if numeric_x:
+        xscale, xlabel = _axis(xcol, [float(r[xcol]) for r in rows])
+        xs: list[Any] = [r[xcol] * xscale for r in rows]
+    else:
+        xlabel, xs = xcol, [str(r[xcol]) for r in rows]
+    axes = fig.subplots(len(ycols), 1, squeeze=False, sharex=True)[:, 0]
+    for ax, col in zip(axes, ycols, strict=True):
+        ys = [float(r[col]) if _is_number(r.get(col)) else math.nan for r in rows]
+        scale, label = _axis(col, [y for y in ys if math.isfinite(y)])
+        ys = [y * scale for y in ys]
+        if numeric_x:
+            ax.plot(xs, ys, marker="o")
+        else:
+            ax.bar(range(len(xs)), ys)
+            ax.set_xticks(range(len(xs)), xs, rotation=30, ha="right")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel(xlabel)
+
+
+def _plot_summary(fig: Any, summary: dict[str, float]) -> None:
+    """One horizontal bar per summary value, each on its own axis in its own unit, labelled with its value."""
+    axes = fig.subplots(len(summary), 1, squeeze=False)[:, 0]
+    for ax, (key, value) in zip(axes, summary.items(), strict=True):
+        scale, label = _axis(key, [value])
+        ax.barh([0], [value * scale], height=0.6)
+        ax.set_yticks([0], [key])
+        ax.set_xlabel(label)
+        ax.set_xlim(min(0.0, value * scale * 1.25), max(0.0, value * scale * 1.25) or 1.0)
+        ax.text(value * scale, 0, f" {format_value(key, value)}", va="center")
+        ax.grid(True, axis="x", alpha=0.3)
+
+
+def default_plot(report: Report, path: str) -> None:
+    """Draw ``report`` to a PNG at ``path`` with matplotlib's Agg canvas (no display, no pyplot state).
+
+    With at least one numeric result column besides the first column, draws one panel per numeric column
+    (up to six) against the first column; otherwise one bar per numeric summary value (up to twelve);
+    otherwise a figure that says there is nothing numeric to draw.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    columns = report.table_columns()
+    xcol = columns[0] if columns else ""
+    rows = [r for r in report.results if xcol in r]
+    ycols = [c for c in columns[1:] if any(_is_number(r.get(c)) for r in rows)][:_MAX_PLOT_PANELS]
+    summary = {k: float(v) for k, v in report.summary.items() if _is_number(v) and math.isfinite(v)}
+    summary = dict(list(summary.items())[: 2 * _MAX_PLOT_PANELS])
+
+    height = 2.6 * len(ycols) if ycols else 1.3 * len(summary)
+    fig = Figure(figsize=(7.0, max(3.0, height + 0.8)), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.suptitle(f"snapshotd-bench {report.bench}")
+    if ycols:
+        _plot_results(fig, rows, xcol, ycols)
+    elif summary:
+        _plot_summary(fig, summary)
+    else:
+        ax = fig.subplots()
+        ax.text(0.5, 0.5, "no numeric results", ha="center", va="center")
+        ax.set_xlabel("-")
+        ax.set_ylabel("-")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def emit(
+    report: Report,
+    *,
+    json_path: str | None,
+    plot_path: str | None,
+    plot_fn: Callable[[Report, str], None] | None = None,
+    out: TextIO | None = None,
+) -> None:
+    """Print ``report`` (table, then ``key: value`` summary lines); optionally write JSON and a PNG.
+
+    Args:
+        report: what to show.
+        json_path: where to write the JSON document (atomically), or None.
+        plot_path: where to write a PNG, or None.
+        plot_fn: draws the PNG (``plot_fn(report, plot_path)``); :func:`default_plot` when None.
+        out: text stream for the printout; ``sys.stdout`` when None.
+
+    Raises:
+        OSError: when a file cannot be written.
+    """
+    out = out if out is not None else sys.stdout
+    print(f"== snapshotd-bench {report.bench} ==", file=out)
+    table = format_table(report)
+    if table:
+        print(table, file=out)
+    if report.summary:
+        print(file=out)
+        for key, value in report.summary.items():
+            print(f"{key}: {format_value(key, value)}", file=out)
+    if json_path:
+        write_json(report, json_path)
+        log.info("wrote %s", json_path)
+    if plot_path:
+        (plot_fn or default_plot)(report, plot_path)
+        log.info("wrote %s", plot_path)
+
+
+class Progress:
+    """A small progress bar: count, rate and ETA, for items or bytes.
+
+    On a TTY it redraws one line (at most every ``interval`` seconds); on anything else it writes one line
+    each time another ~10% is done (nothing when ``total`` is unknown). Use as a context manager, or call
+    :meth:`close`. Not thread-safe: update it from one thread (or one event loop).
+
+    Args:
+        total: expected count (items, or bytes when ``unit="bytes"``); None when unknown.
+        desc: label in front of the bar.
+        unit: ``"bytes"`` formats counts as sizes and rates as GB/s; anything else is a plain item name.
+        stream: where to write; ``sys.stderr`` when None.
+        interval: least seconds between TTY redraws.
+    """
+
+    def __init__(
+        self,
+        total: float | None,
+        *,
+        desc: str = "",
+        unit: str = "items",
+        stream: TextIO | None = None,
+        interval: float = 0.1,
+    ) -> None:
+        self.total = total
+        self.desc = desc
+        self.unit = unit
+        self.count = 0.0
+        self._stream = stream if stream is not None else sys.stderr
+        self._tty = self._stream.isatty()
+        self._interval = interval
+        self._start = time.monotonic()
+        self._last_draw = -math.inf
+        self._tenths = 0
+        self._closed = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def update(self, n: float = 1) -> None:
+        """Add ``n`` to the count and redraw if due."""
+        self.count += n
+        now = time.monotonic()
+        if self._tty:
+            if now - self._last_draw >= self._interval:
+                self._last_draw = now
+                self._stream.write("\r" + self.line() + "\x1b[K")
+                self._stream.flush()
+        elif self.total:
+            tenths = min(10, int(10 * self.count / self.total))
+            if tenths > self._tenths:
+                self._tenths = tenths
+                self._stream.write(self.line() + "\n")
+                self._stream.flush()
+
+    def close(self) -> None:
+        """Draw the final state (on a TTY) and end the line. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._tty:
+            self._stream.write("\r" + self.line() + "\x1b[K\n")
+            self._stream.flush()
+
+    def _amount(self, n: float) -> str:
+        return format_bytes(n) if self.unit == "bytes" else f"{n:.0f} {self.unit}"
+
+    def line(self) -> str:
+        """The current state as one line: ``desc [####....] 40% 4.00 MiB/10.00 MiB 1.2 GB/s ETA 3.1 s``."""
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        rate = self.count / elapsed
+        speed = format_rate(rate) if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s"
+        parts = [self.desc] if self.desc else []
+        if not self.total:
+            return " ".join([*parts, self._amount(self.count), speed])
+        frac = min(1.0, self.count / self.total)
+        filled = int(20 * frac)
+        eta = max(0.0, self.total - self.count) / rate if rate > 0 else math.inf
+        parts += [
+            f"[{'#' * filled}{'.' * (20 - filled)}] {100 * frac:3.0f}%",
+            f"{self._amount(self.count)}/{self._amount(self.total)}",
+            speed,
+            f"ETA {format_seconds(eta) if math.isfinite(eta) else '?'}",
+        ]
+        return " ".join(parts)

@@ -1,0 +1,139 @@
+"""The training process's one background thread: it owns the ipc socket to the sidecar and runs staging copies.
+
+Everything that crosses from the training thread goes through :meth:`Channel.submit` (a job run on the thread)
+or :meth:`Channel.request` (a message sent, its reply awaited with a deadline). Unsolicited messages from the
+sidecar (slot updates, errors about earlier announces) are handed to ``on_message`` on the thread. The training
+thread never touches the socket, so network trouble never blocks or raises inside a training step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from snapshotd.proto import Message, ProtocolError, decode, encode
+
+__all__ = ["Channel", "SidecarUnavailable"]
+
+log = logging.getLogger(__name__)
+
+
+class SidecarUnavailable(TimeoutError):
+    """The node's sidecar did not answer within the deadline (is ``snapshotd serve`` running?)."""
+
+
+class Channel:
+    """A DEALER connection to the sidecar's ipc endpoint, serviced by one daemon thread."""
+
+    POLL_MS = 5
+
+    def __init__(self, endpoint: str, on_message: Callable[[Message], None]) -> None:
+        self.endpoint = endpoint
+        self._on_message = on_message
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._waiting: dict[str, concurrent.futures.Future[Message]] = {}
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, name="snapshotd-client", daemon=True)
+        self._thread.start()
+
+    # called from the training thread
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the channel thread, after every job submitted before it."""
+        self._jobs.put(job)
+
+    def send(self, msg: Message) -> None:
+        """Send a one-way message from the channel thread (after the jobs submitted before it)."""
+        self.submit(lambda: self.send_now(msg))
+
+    def request(self, msg: Message, reply_type: str, timeout: float) -> Message:
+        """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it.
+
+        Raises:
+            SidecarUnavailable: no answer within ``timeout`` seconds.
+            ProtocolError: the sidecar answered with an error (its message is in the exception).
+        """
+        fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
+        with self._lock:
+            if reply_type in self._waiting:
+                raise RuntimeError(f"a {reply_type} request is already waiting")
+            self._waiting[reply_type] = fut
+        self.send(msg)
+        try:
+            reply = fut.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            raise SidecarUnavailable(
+                f"the snapshotd sidecar at {self.endpoint} did not answer {msg.TYPE} within {timeout:.0f} s "
+                "(is `snapshotd serve` running on this node, with the same --ipc path?)"
+            ) from exc
+        finally:
+            with self._lock:
+                self._waiting.pop(reply_type, None)
+        if reply.TYPE == "error":
+            raise ProtocolError(f"sidecar refused {msg.TYPE}: {getattr(reply, 'code', '')}: {getattr(reply, 'message', '')}")
+        return reply
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish queued jobs (up to ``timeout``), then stop the thread and close the socket."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("snapshotd client thread did not stop within %.0f s", timeout)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # the channel thread
+
+    def send_now(self, msg: Message) -> None:
+        """Send on the channel thread itself (from within a job)."""
+        try:
+            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("sidecar ipc queue full; dropped %s", msg.TYPE)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.POLL_MS / 1000)
+            except queue.Empty:
+                job = False  # type: ignore[assignment]
+            if job is None:
+                return
+            if job:
+                try:
+                    job()
+                except Exception:
+                    log.exception("snapshotd background job failed")
+            while poller.poll(0):
+                self._receive()
+
+    def _receive(self) -> None:
+        try:
+            msg = decode(self._sock.recv_multipart(copy=False))
+        except ProtocolError as exc:
+            log.warning("bad message from the sidecar: %s", exc)
+            return
+        except zmq.ZMQError:
+            return
+        with self._lock:
+            fut = self._waiting.get(msg.TYPE)
+            if fut is None and msg.TYPE == "error":
+                fut = next(iter(self._waiting.values()), None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+            return
+        try:
+            self._on_message(msg)
+        except Exception:
+            log.exception("handling %s from the sidecar failed", msg.TYPE)

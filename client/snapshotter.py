@@ -1,0 +1,389 @@
+"""``Snapshotter``: the two lines a training loop adds.
+
+::
+
+    snap = Snapshotter({"model": model, "optim": opt, "sched": sched, "rng": RNGState()}, job="run-42")
+    start = snap.restore()                 # steps already completed; state loaded in place
+    for step in range(start, total_steps):
+        train_one_step()
+        snap.capture(step + 1)             # returns at once
+
+What ``capture(step)`` costs the training thread: flattening the state (walking state dicts, packing non-tensor
+data) and copying small or mutable tensors (module buffers, anything not a parameter or optimizer state)
+synchronously; parameters and optimizer moments are copied into shared memory by the background thread (CPU) or
+on a side CUDA stream (GPU) while the next forward and backward run. A step pre-hook on every optimizer found in
+the state makes the next ``optimizer.step()`` wait for that copy, so a snapshot is never torn. Nothing here does
+network I/O on the training thread, and no sidecar trouble raises inside ``capture()``: it is logged and counted
+in :attr:`Snapshotter.stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from snapshotd.proto import (
+    Announce,
+    Message,
+    ProtocolError,
+    RankRegistered,
+    RegisterRank,
+    RestoreReply,
+    RestoreRequest,
+    SlotUpdate,
+    UnregisterRank,
+    decode_table,
+    encode_table,
+)
+from snapshotd.shm import Arena, attach_arena
+
+from .channel import Channel, SidecarUnavailable
+from .staging import Stager
+from .state import FlatState, flatten, restore_into
+
+__all__ = ["NotRecoverable", "SnapshotStats", "Snapshotter"]
+
+log = logging.getLogger(__name__)
+
+
+class NotRecoverable(RuntimeError):
+    """No step of this job is complete for every rank on a live node: fall back to your disk checkpoint."""
+
+
+@dataclasses.dataclass(slots=True)
+class SnapshotStats:
+    """Counters of one Snapshotter (read them any time; they are updated from two threads)."""
+
+    started: int = 0
+    """Snapshots staged and announced to the sidecar."""
+    skipped: int = 0
+    """capture() calls that found no free slot (the network is behind) or a sidecar problem."""
+    durable: int = 0
+    """Snapshots every buddy acknowledged."""
+    failed: int = 0
+    """Snapshots the sidecar refused or could not stream to every buddy."""
+    bytes: int = 0
+    """Tensor bytes staged."""
+    last_durable_step: int = -1
+    capture_seconds: float = 0.0
+    """Training-thread time spent inside capture()."""
+    fence_seconds: float = 0.0
+    """Training-thread time the optimizer pre-hook waited for a staging copy."""
+    errors: int = 0
+    last_error: str = ""
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+class Snapshotter:
+    """Snapshot a rank's training state after every step to buddy nodes' memory, and restore it after a failure.
+
+    Args:
+        state: name -> Stateful object (``state_dict``/``load_state_dict``: modules, optimizers, schedulers,
+            StatefulDataLoader, GradScaler, :class:`RNGState`) or tensors and containers of tensors and plain data.
+        job: the job name; default ``$SNAPSHOTD_JOB``, else ``$TORCHELASTIC_RUN_ID``.
+        rank, world_size: default torch.distributed's when initialised, else ``$RANK`` / ``$WORLD_SIZE``.
+        sidecar: the sidecar's ipc path; default ``$SNAPSHOTD_SIDECAR``, else the per-user default path.
+        every: snapshot every ``every``-th step.
+        when_busy: ``"skip"`` (default) skips a step's snapshot when both slots are busy; ``"block"`` waits.
+        timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
+            its own.
+        slots: shared-memory slots (two: one streaming, one holding the newest complete copy).
+
+    Raises:
+        ValueError: missing job/rank/world size, or a bad argument.
+    """
+
+    def __init__(
+        self,
+        state: Mapping[str, Any],
+        *,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        sidecar: str | None = None,
+        every: int = 1,
+        when_busy: str = "skip",
+        timeout: float = 30.0,
+        slots: int = 2,
+    ) -> None:
+        dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.job = job or os.environ.get("SNAPSHOTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist_ready else _env_int("RANK"))  # type: ignore[assignment]
+        self.world_size = (
+            world_size if world_size is not None
+            else (torch.distributed.get_world_size() if dist_ready else _env_int("WORLD_SIZE"))
+        )  # type: ignore[assignment]  # fmt: skip
+        if not self.job:
+            raise ValueError("no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)")
+        if self.rank is None or self.world_size is None:
+            raise ValueError("rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if when_busy not in ("skip", "block"):
+            raise ValueError(f"when_busy must be 'skip' or 'block', got {when_busy!r}")
+        if not 1 <= slots <= 16:
+            raise ValueError(f"slots must be 1-16, got {slots}")
+        from snapshotd.sidecar.config import default_ipc_path
+
+        self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
+        self.state = state
+        self.every = every
+        self.when_busy = when_busy
+        self.timeout = timeout
+        self.slots = slots
+        self.stats = SnapshotStats()
+        self._lock = threading.Condition()
+        self._free: set[int] = set()
+        self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
+        self._arena: Arena | None = None
+        self._slot_tensors: list[torch.Tensor] = []
+        self._registered_bytes = -1
+        self._table_layout: Any = None
+        self._table_id = 0
+        self._table_sent = False
+        self._last_step = -1
+        self._last_capture_end: float | None = None
+        self._step_seconds = 0.0
+        self._reported_errors: set[str] = set()
+        self._closed = False
+        self._channel = Channel(f"ipc://{self.sidecar}", self._on_message)
+        self._stager = Stager(state, self.stats)
+
+    # ------------------------------------------------------------------------------------------ public
+
+    def restore(self, timeout: float = 300.0) -> int:
+        """Load the job's recoverable step into the state, in place, and return it (0 on a fresh job).
+
+        Blocks until every rank of the job has asked (so all restore the same step), at most ``timeout`` seconds.
+
+        Raises:
+            NotRecoverable: snapshots exist but no step is complete for every rank (restore from disk instead).
+            SidecarUnavailable: the sidecar or coordinator did not answer in time.
+            ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
+        """
+        flat = flatten(self.state)
+        self._register(flat.data_bytes)
+        try:
+            reply = self._channel.request(
+                RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout),
+                "restore_reply",
+                timeout + 5,
+            )
+        except ProtocolError as exc:
+            text = str(exc)
+            if "not_recoverable" in text:
+                raise NotRecoverable(
+                    f"job {self.job!r}: no step is recoverable from memory ({text}). Restore from your last disk "
+                    "checkpoint, then call restore() again or start a fresh job name."
+                ) from exc
+            if "plan_timeout" in text:
+                raise SidecarUnavailable(text) from exc
+            raise
+        assert isinstance(reply, RestoreReply)
+        if reply.source == "fresh":
+            log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
+            return 0
+        arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
+        entries = decode_table(reply.table, reply.slot_bytes)
+        restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot])
+        self._last_step = reply.step
+        self._table_sent = False
+        log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
+                 f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
+        del arena
+        return reply.step
+
+    def capture(self, step: int) -> bool:
+        """Start a snapshot of the state as it is after ``step`` completed optimizer steps.
+
+        Returns at once (the tensor copy runs in the background). True if a snapshot of this step was started;
+        False if skipped (not an ``every``-th step, no free slot, or a sidecar problem, all counted in ``stats``).
+        Never raises for sidecar or network trouble.
+
+        Raises:
+            TypeError: a state value cannot be snapshotted (named by key path), at the first capture.
+            ValueError: ``step`` did not grow.
+        """
+        if self._closed:
+            raise RuntimeError("capture() after close()")
+        if step <= self._last_step:
+            raise ValueError(f"capture({step}) after capture({self._last_step}): steps only grow")
+        t0 = time.perf_counter()
+        if self._last_capture_end is not None:
+            self._step_seconds = t0 - self._last_capture_end
+        try:
+            if step % self.every:
+                return False
+            flat = flatten(self.state)  # TypeError for unsnapshottable values propagates: a user error
+            return self._start(step, flat)
+        finally:
+            end = time.perf_counter()
+            self.stats.capture_seconds += end - t0
+            self._last_capture_end = end
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the last started snapshot is durable on every buddy (or failed). True if durable."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        target = self._last_step
+        with self._lock:
+            while self.stats.last_durable_step < target and self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            return self.stats.last_durable_step >= target
+
+    def close(self, *, unregister: bool = True) -> None:
+        """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stager.fence(timeout=self.timeout)
+        self._stager.remove_hooks()
+        if unregister:
+            self._channel.send(UnregisterRank(job=self.job, rank=self.rank))
+        self._channel.close()
+        if self._arena is not None:
+            self._slot_tensors = []
+            self._arena.close()
+
+    def __enter__(self) -> Snapshotter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # A crash keeps the rank's arena (the local fast path); a clean exit frees it.
+        self.close(unregister=exc_type is None)
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _register(self, data_bytes: int) -> None:
+        with self._lock:
+            self._free.clear()
+            self._inflight.clear()
+        reply = self._channel.request(
+            RegisterRank(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+                         data_bytes=data_bytes, slots=self.slots),  # fmt: skip
+            "rank_registered",
+            self.timeout,
+        )
+        assert isinstance(reply, RankRegistered)
+        self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
+        self._registered_bytes = reply.slot_bytes
+        self._table_sent = False
+        with self._lock:  # the sidecar sends the free slots right after its reply
+            self._lock.wait_for(lambda: bool(self._free), timeout=min(self.timeout, 5.0))
+
+    def _map_arena(self, path: str, slot_bytes: int, slots: int) -> Arena:
+        if self._arena is not None and self._arena.path == path:
+            return self._arena
+        self._stager.fence(timeout=self.timeout)
+        old = self._arena
+        self._arena = attach_arena(path, slot_bytes, slots)
+        self._slot_tensors = [
+            torch.frombuffer(self._arena.slot(i), dtype=torch.uint8) if slot_bytes else torch.empty(0, dtype=torch.uint8)
+            for i in range(slots)
+        ]
+        self._stager.pin(self._arena)
+        if old is not None:
+            old.close()
+        return self._arena
+
+    def _start(self, step: int, flat: FlatState) -> bool:
+        try:
+            if flat.data_bytes > self._registered_bytes or self._arena is None:
+                self._register(flat.data_bytes)
+        except (SidecarUnavailable, ProtocolError, OSError, ValueError) as exc:
+            self._problem(f"cannot register with the sidecar: {exc}")
+            self.stats.skipped += 1
+            return False
+        slot = self._take_slot(step)
+        if slot is None:
+            self.stats.skipped += 1
+            return False
+        table = b""
+        if not self._table_sent or flat.layout != self._table_layout:
+            self._table_id += 1
+            table = encode_table(flat.entries)
+            self._table_layout = flat.layout
+            self._table_sent = True
+        announce = Announce(
+            job=self.job, rank=self.rank, step=step, slot=slot, table_id=self._table_id,
+            step_seconds=self._step_seconds, table=table, meta=flat.meta,
+        )  # fmt: skip
+        self._last_step = step
+        self._stager.stage(flat, self._slot_tensors[slot], self._channel, announce, lambda: self._release(slot))
+        self.stats.started += 1
+        self.stats.bytes += flat.data_bytes
+        return True
+
+    def _take_slot(self, step: int) -> int | None:
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while not self._free:
+                if self.when_busy == "skip":
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._problem(f"no free slot within {self.timeout:.0f} s (is the sidecar streaming?)")
+                    return None
+                self._lock.wait(left)
+            slot = min(self._free)
+            self._free.discard(slot)
+            self._inflight[slot] = step
+            return slot
+
+    def _release(self, slot: int) -> None:
+        """A staged slot that was never announced (its copy was abandoned) is ours to reuse."""
+        with self._lock:
+            self._inflight.pop(slot, None)
+            self._free.add(slot)
+            self._lock.notify_all()
+
+    def _on_message(self, msg: Message) -> None:
+        """Channel thread: slot updates and errors about announces."""
+        if isinstance(msg, SlotUpdate):
+            with self._lock:
+                for slot in msg.free_slots:
+                    staged = self._inflight.get(slot)
+                    if staged is not None and staged > msg.seen_step:
+                        continue  # this update predates our announce of that slot
+                    self._inflight.pop(slot, None)
+                    self._free.add(slot)
+                if msg.durable_step > self.stats.last_durable_step:
+                    self.stats.durable += 1
+                    self.stats.last_durable_step = msg.durable_step
+                elif msg.note:
+                    self.stats.failed += 1
+                    self._problem(msg.note)
+                self._lock.notify_all()
+        elif msg.TYPE == "error":
+            text = f"{getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}"
+            with self._lock:
+                self.stats.failed += 1
+                # the sidecar forgot us (it restarted) or lost our table: register and resend on the next capture
+                self._registered_bytes = -1
+                self._table_sent = False
+                self._inflight.clear()
+                self._free.clear()
+                self._lock.notify_all()
+            self._problem(text)
+
+    def _problem(self, text: str) -> None:
+        self.stats.errors += 1
+        self.stats.last_error = text
+        if text not in self._reported_errors:
+            self._reported_errors.add(text)
+            log.warning("[job %s rank %d] snapshot problem: %s", self.job, self.rank, text)

@@ -1,0 +1,141 @@
+"""The ``snapshotd`` command: ``coordinator``, ``serve``, ``status`` and ``demo``.
+
+The CLI only maps flags onto the config dataclasses that own validation; a bad value is one clear line on stderr
+and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from snapshotd.units import parse_bytes, parse_duration, parse_rate
+
+__all__ = ["main"]
+
+DEFAULT_COORDINATOR = "tcp://127.0.0.1:7070"
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    if verbose == 0:  # the daemons' own lifecycle lines are worth seeing by default
+        logging.getLogger("snapshotd").setLevel(logging.INFO)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snapshotd", description="In-memory, every-step snapshots for PyTorch training.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("coordinator", help="run the job's recovery coordinator")
+    c.add_argument("--bind", default=DEFAULT_COORDINATOR, help="control-plane endpoint (default %(default)s)")
+    c.add_argument("--replicas", type=int, default=1, help="buddy copies per rank (default %(default)s)")
+    c.add_argument("--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)")
+    c.add_argument("--heartbeat-interval", default="0.5s", help="sidecar heartbeat period (default %(default)s)")
+    c.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+
+    s = sub.add_parser("serve", help="run this node's sidecar")
+    s.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    s.add_argument("--node", default=None, help="node name (default: the host name)")
+    s.add_argument("--rack", default="", help="failure-domain label; buddies are never in the same rack")
+    s.add_argument("--ipc", default=None, help="ipc socket path for local ranks (default: per-user path)")
+    s.add_argument("--data-bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (default %(default)s)")
+    s.add_argument("--advertise", default=None, help="host name peers use to reach --data-bind")
+    s.add_argument("--memory-limit", default="64GiB", help="host memory for buddy copies (default %(default)s)")
+    s.add_argument("--max-rate", default="auto", help="outgoing snapshot rate, e.g. 10Gbit, or auto")
+    s.add_argument("--chunk", default="1MiB", help="data-plane chunk size (default %(default)s)")
+    s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
+    s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+
+    st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
+    st.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    st.add_argument("--watch", action="store_true", help="refresh every second")
+    st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
+
+    d = sub.add_parser("demo", help="the whole story on one machine: train, lose a node, recover bit-identically")
+    d.add_argument("--steps", type=int, default=30, help="training steps (default %(default)s)")
+    d.add_argument("--kill-at", type=int, default=15, help="step after which node B dies (default %(default)s)")
+    d.add_argument("--params", default="4M", help="model size in parameters (default %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    secret = os.environ.get("SNAPSHOTD_SECRET") or None
+    try:
+        if args.command == "coordinator":
+            return _coordinator(args, secret)
+        if args.command == "serve":
+            return _serve(args, secret)
+        if args.command == "status":
+            from snapshotd.status import status_main
+
+            return status_main(args.coordinator, watch=args.watch, as_json=args.json, secret=secret)
+        if args.command == "demo":
+            from snapshotd.demo import run_demo
+
+            return run_demo(steps=args.steps, kill_at=args.kill_at, params=int(parse_bytes(args.params)))
+    except ValueError as exc:
+        print(f"snapshotd {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _coordinator(args: argparse.Namespace, secret: str | None) -> int:
+    import uvloop
+
+    from snapshotd.coordinator.config import CoordinatorConfig
+    from snapshotd.coordinator.server import run_coordinator
+
+    cfg = CoordinatorConfig(
+        bind=args.bind,
+        replicas=args.replicas,
+        heartbeat_interval=parse_duration(args.heartbeat_interval),
+        heartbeat_timeout=parse_duration(args.heartbeat_timeout),
+        secret=secret,
+        insecure=args.insecure,
+    )
+    uvloop.run(run_coordinator(cfg, ready=lambda ep: print(f"snapshotd coordinator ready {ep}", flush=True)))
+    return 0
+
+
+def _serve(args: argparse.Namespace, secret: str | None) -> int:
+    import uvloop
+
+    from snapshotd.sidecar.config import SidecarConfig
+    from snapshotd.sidecar.daemon import run_sidecar
+
+    extra = {}
+    if args.node:
+        extra["node"] = args.node
+    if args.ipc:
+        extra["ipc"] = args.ipc
+    cfg = SidecarConfig(
+        coordinator=args.coordinator,
+        rack=args.rack,
+        data_bind=args.data_bind,
+        advertise=args.advertise,
+        memory_limit=parse_bytes(args.memory_limit),
+        max_rate=None if args.max_rate == "auto" else parse_rate(args.max_rate),
+        chunk_bytes=parse_bytes(args.chunk),
+        codec=args.codec,
+        secret=secret,
+        insecure=args.insecure,
+        **extra,
+    )
+
+    def ready(data_addr: str, ipc: str) -> None:
+        print(f"snapshotd serve ready node={cfg.node} data={data_addr} ipc={ipc}", flush=True)
+
+    uvloop.run(run_sidecar(cfg, ready=ready))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

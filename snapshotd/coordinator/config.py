@@ -1,0 +1,57 @@
+"""The coordinator's configuration: one validated dataclass that the CLI fills from its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["CoordinatorConfig"]
+
+_MAX_REPLICAS = 64  # Assignment.buddies carries at most 64 addresses
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CoordinatorConfig:
+    """Settings of one ``snapshotd coordinator`` process.
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the offending field, for any value out of range.
+    """
+
+    bind: str = "tcp://127.0.0.1:7070"
+    """ZeroMQ endpoint of the control-plane ROUTER socket (``tcp://HOST:PORT``; port 0 picks a free one)."""
+
+    replicas: int = 1
+    """Buddy copies of every rank's snapshot on nodes in other racks (1..64); durability counts these."""
+
+    heartbeat_interval: float = 0.5
+    """Seconds between a sidecar's heartbeats; told to each sidecar when it registers."""
+
+    heartbeat_timeout: float = 3.0
+    """A node silent for this many seconds is dead. Also the length of the rebuild window after a start, during
+    which plan requests wait for the sidecars to report their inventories again."""
+
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    """The job's ``SNAPSHOTD_SECRET``; when set, the socket is a CURVE server that admits only job members."""
+
+    insecure: bool = False
+    """Allow a routable bind without a secret (``--insecure``); loopback binds never need it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind: {self.bind!r} is not a ZeroMQ endpoint (tcp://HOST:PORT)")
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= _MAX_REPLICAS:
+            raise ValueError(f"replicas: {self.replicas!r} is not an integer in [1, {_MAX_REPLICAS}]")
+        if not _finite(self.heartbeat_interval) or not 0.01 <= self.heartbeat_interval <= 3600.0:
+            raise ValueError(f"heartbeat_interval: {self.heartbeat_interval!r} s is not in [0.01, 3600]")
+        if not _finite(self.heartbeat_timeout) or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout: {self.heartbeat_timeout!r} s must be longer than heartbeat_interval "
+                f"({self.heartbeat_interval} s)"
+            )
+        if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
+            raise ValueError("secret: must be a non-empty string, or None for no secret")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)

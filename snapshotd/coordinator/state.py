@@ -1,0 +1,608 @@
+"""The coordinator's soft state: membership, placement, watermarks, recovery plans, re-replication.
+
+Pure logic: no sockets, no asyncio, no clock. Every entry point takes ``now`` (seconds, monotonic) so that tests
+drive time by hand. Everything here is rebuilt from the sidecars' reports after a restart: a heartbeat from a
+node this process does not know gets ``known=False`` and the sidecar registers and reports everything again.
+
+Cost model (10,000 sidecars, ~20k heartbeats/s): a heartbeat costs O(ranks and inventory of that node). The
+inventory of all live nodes is kept in one index, ``job -> rank -> step -> {node: local}``; each job keeps, per
+step, how many of its ranks hold that step (for G) and how many hold it durably (for D), updated lazily from the
+ranks a report touched. Placement is cached per node until membership changes. The re-replication sweep, the
+only O(ranks of all jobs) pass, runs at most once per second from :meth:`CoordinatorState.expire`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import logging
+
+from snapshotd.proto import (
+    Assignment,
+    Heartbeat,
+    HeartbeatReply,
+    PlanReply,
+    PlanRequest,
+    RankInfo,
+    RegisterSidecar,
+    ReplicateTask,
+    SidecarRegistered,
+    Watermark,
+)
+
+from .config import CoordinatorConfig
+
+__all__ = ["CoordinatorState"]
+
+log = logging.getLogger(__name__)
+
+TASK_MEMORY_S = 10.0
+"""An issued re-replication task is not issued again (same snapshot, same target) for this long."""
+SWEEP_PERIOD_S = 1.0
+"""Seconds between two re-replication sweeps."""
+_RATE_WINDOW_S = 1.0
+_MAX_LISTED = 8  # ranks named in one wait or none reason
+_EMPTY: frozenset[int] = frozenset()
+
+_Item = tuple[str, int, int, bool]  # (job, rank, step, local)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Node:
+    name: str
+    rack: str  # as registered; "" means the node is its own failure domain
+    data_addr: str
+    incarnation: str
+    last_seen: float
+    alive: bool = True
+    ranks: dict[tuple[str, int], RankInfo] = dataclasses.field(default_factory=dict)
+    inventory: frozenset[_Item] = frozenset()
+    jobs: tuple[str, ...] = ()  # jobs it hosts ranks of or holds inventory for, sorted
+    homed: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # ranks whose home it is
+    tasks: list[ReplicateTask] = dataclasses.field(default_factory=list)
+    assignments: tuple[Assignment, ...] | None = None  # cache, valid while assign_epoch == membership epoch
+    assign_epoch: int = -1
+    stored_bytes: int = 0
+    rate_ref: tuple[float, int, int] | None = None  # (time, bytes_out, bytes_in) the rates are measured from
+    out_bps: float = 0.0
+    in_bps: float = 0.0
+
+    @property
+    def domain(self) -> str:
+        return self.rack or self.name
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Round:
+    """One plan round of a job.
+
+    Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
+    ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
+    after its answer restarted again and opens a new round. The round stays open (durable capped at ``step``)
+    until every rank was answered and G moved past ``step``: training resumed.
+    """
+
+    asked: set[int] = dataclasses.field(default_factory=set)
+    answered: set[int] = dataclasses.field(default_factory=set)
+    frozen: bool = False
+    closed: bool = False
+    outcome: str = ""
+    step: int = -1
+    reason: str = ""
+    waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
+
+    def wait_reason(self, world_size: int) -> str:
+        if self.waiting_note[0] != len(self.asked):
+            missing = world_size - len(self.asked)
+            if missing <= _MAX_LISTED:
+                who = "rank(s) " + ", ".join(str(r) for r in range(world_size) if r not in self.asked)
+            else:
+                who = f"{missing} more ranks"
+            text = f"{len(self.asked)} of {world_size} ranks accounted for; waiting for {who}"
+            self.waiting_note = (len(self.asked), text)
+        return self.waiting_note[1]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Job:
+    name: str
+    world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
+    seen_inventory: bool = False
+    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)
+    homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
+    last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
+    contrib: dict[int, tuple[frozenset[int], frozenset[int]]] = dataclasses.field(default_factory=dict)
+    covered: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> ranks holding it
+    durable: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> ranks holding it durably
+    dirty_ranks: set[int] = dataclasses.field(default_factory=set)
+    watermark: Watermark | None = None  # cache; None when stale
+    round: _Round | None = None
+
+    def touch(self, rank: int) -> None:
+        self.dirty_ranks.add(rank)
+        self.watermark = None
+
+
+class CoordinatorState:
+    """Everything the coordinator knows, and the answers to every control-plane request.
+
+    Args:
+        cfg: replicas, heartbeat interval and timeout are used here.
+        now: the start time; plan requests wait for ``heartbeat_timeout`` after it (the rebuild window).
+
+    ``bad_messages`` and ``heartbeats`` are counters shown by :meth:`status`; the server increments the first.
+    """
+
+    def __init__(self, cfg: CoordinatorConfig, now: float) -> None:
+        self.cfg = cfg
+        self.started = now
+        self.bad_messages = 0
+        self.heartbeats = 0
+        self._nodes: dict[str, _Node] = {}
+        self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
+        self._ring: list[str] = []  # live node names, sorted
+        self._domains: collections.Counter[str] = collections.Counter()  # live nodes per failure domain
+        self._epoch = 0  # bumped on every membership change
+        self._placement: dict[str, tuple[str, ...]] = {}  # node -> buddy node names, for this epoch
+        self._warned_short = False
+        self._jobs: dict[str, _Job] = {}
+        self._issued: dict[tuple[str, int, int], dict[str, float]] = {}
+        self._deficit_since: dict[tuple[str, int, int], float] = {}
+        self._next_sweep = now
+
+    # ------------------------------------------------------------------------------------------ membership
+
+    def register(self, msg: RegisterSidecar, now: float) -> SidecarRegistered:
+        """A sidecar joins. A new incarnation of a known node name drops that node's old ranks and inventory.
+
+        The same incarnation registering again (a lost reply, or a node declared dead that came back) keeps
+        what the coordinator still has of it; a dead node's inventory was already dropped at expiry, and the
+        sidecar reports everything in the heartbeat that follows its registration.
+        """
+        node = self._nodes.get(msg.node)
+        if node is None:
+            node = self._nodes[msg.node] = _Node(msg.node, msg.rack, msg.data_addr, msg.incarnation, now)
+            log.info("node %s joined (rack %s, data %s)", msg.node, msg.rack or "-", msg.data_addr)
+            self._add_live(node)
+        else:
+            if node.incarnation != msg.incarnation:
+                log.info("node %s restarted (incarnation %s -> %s): its old ranks and snapshots are gone",
+                         msg.node, node.incarnation, msg.incarnation)  # fmt: skip
+                self._drop_data(node)
+                node.incarnation, node.rate_ref = msg.incarnation, None
+            if not node.alive:
+                log.info("node %s is back", msg.node)
+                node.ranks, node.alive, node.last_seen = {}, True, now
+                self._add_live(node)
+            if (node.rack, node.data_addr) != (msg.rack, msg.data_addr):
+                self._remove_live(node)
+                node.rack, node.data_addr = msg.rack, msg.data_addr
+                self._add_live(node)
+        self._seen(node, now)
+        return SidecarRegistered(heartbeat_interval=self.cfg.heartbeat_interval)
+
+    def expire(self, now: float) -> None:
+        """Declare dead every node silent for ``heartbeat_timeout``; run the re-replication sweep when due.
+
+        A dead node stays listed in :meth:`status` (with the ranks it last reported) and counts nowhere else:
+        its inventory leaves the index, its ranks lose their home, its pending tasks are dropped.
+        """
+        deadline = now - self.cfg.heartbeat_timeout
+        while self._live:
+            node = self._nodes[next(iter(self._live))]
+            if node.last_seen > deadline:
+                break
+            log.warning("node %s missed heartbeats for %.1f s: declared dead", node.name, now - node.last_seen)
+            shown = node.ranks
+            self._drop_data(node)
+            self._remove_live(node)
+            node.alive, node.ranks = False, shown
+        if now >= self._next_sweep:
+            self._sweep(now)
+
+    def _seen(self, node: _Node, now: float) -> None:
+        node.last_seen = now
+        self._live.move_to_end(node.name)
+
+    def _add_live(self, node: _Node) -> None:
+        self._live[node.name] = None
+        bisect.insort(self._ring, node.name)
+        self._domains[node.domain] += 1
+        self._membership_changed()
+
+    def _remove_live(self, node: _Node) -> None:
+        del self._live[node.name]
+        del self._ring[bisect.bisect_left(self._ring, node.name)]
+        self._domains[node.domain] -= 1
+        self._membership_changed()
+
+    def _membership_changed(self) -> None:
+        self._epoch += 1
+        self._placement.clear()
+
+    def _drop_data(self, node: _Node) -> None:
+        self._set_ranks(node, {})
+        self._set_inventory(node, frozenset())
+        node.jobs, node.tasks = (), []
+
+    # ------------------------------------------------------------------------------------------ heartbeats
+
+    def heartbeat(self, msg: Heartbeat, now: float) -> HeartbeatReply:
+        """Record a heartbeat; answer with this node's assignments, its jobs' watermarks and its tasks.
+
+        A heartbeat from an unknown node, a dead node or another incarnation gets ``known=False`` (register
+        again). With ``changed`` the node's ranks and inventory are replaced wholesale; without, kept.
+
+        Raises:
+            ValueError: a reported rank is outside its world size (nothing is recorded).
+        """
+        self.heartbeats += 1
+        node = self._nodes.get(msg.node)
+        if node is None or not node.alive or node.incarnation != msg.incarnation:
+            return HeartbeatReply(known=False)
+        for info in msg.ranks:
+            _check_rank(info.job, info.rank, info.world_size)
+        self._seen(node, now)
+        self._measure(node, msg, now)
+        if msg.changed:
+            self._set_ranks(node, {(info.job, info.rank): info for info in msg.ranks})
+            inventory: dict[tuple[str, int, int], bool] = {}
+            for it in msg.inventory:  # a buddy copy wins over a local one of the same snapshot
+                key = (it.job, it.rank, it.step)
+                inventory[key] = it.local and inventory.get(key, True)
+            self._set_inventory(node, frozenset((j, r, s, loc) for (j, r, s), loc in inventory.items()))
+            node.jobs = tuple(sorted({j for j, _ in node.ranks} | {j for j, _, _ in inventory}))
+        tasks, node.tasks = node.tasks, []
+        return HeartbeatReply(
+            known=True,
+            assignments=self._assignments(node),
+            watermarks=tuple(self._watermark(self._jobs[j]) for j in node.jobs),
+            tasks=tuple(tasks),
+        )
+
+    def _measure(self, node: _Node, msg: Heartbeat, now: float) -> None:
+        node.stored_bytes = msg.stored_bytes
+        ref = node.rate_ref
+        if ref is None or msg.bytes_out < ref[1] or msg.bytes_in < ref[2]:  # first sample, or counters reset
+            node.rate_ref, node.out_bps, node.in_bps = (now, msg.bytes_out, msg.bytes_in), 0.0, 0.0
+        elif now - ref[0] >= _RATE_WINDOW_S:
+            node.out_bps = (msg.bytes_out - ref[1]) / (now - ref[0])
+            node.in_bps = (msg.bytes_in - ref[2]) / (now - ref[0])
+            node.rate_ref = (now, msg.bytes_out, msg.bytes_in)
+
+    def _job(self, name: str) -> _Job:
+        job = self._jobs.get(name)
+        if job is None:
+            job = self._jobs[name] = _Job(name)
+        return job
+
+    def _set_ranks(self, node: _Node, ranks: dict[tuple[str, int], RankInfo]) -> None:
+        """Replace the ranks a node reports; move homes accordingly.
+
+        "Latest report wins" for a rank's home, with one refinement: a report of a dead process does not take
+        the home away from another live node that reports the same rank alive (the restarted replacement).
+        """
+        old = node.ranks
+        for key, info in ranks.items():
+            job = self._job(info.job)
+            if job.world_size != info.world_size:
+                self._set_world_size(job, info.world_size)
+            prev = old.get(key)
+            if not info.alive and (prev is None or prev.alive or prev.pid != info.pid):
+                log.warning("rank %d of job %s on node %s died (pid %d)", info.rank, info.job, node.name, info.pid)
+            home = job.homes.get(info.rank)
+            if home != node.name and (info.alive or home is None or not self._reports_alive(home, key)):
+                self._set_home(job, info.rank, node)
+        for job_name, rank in old.keys() - ranks.keys():
+            job = self._jobs[job_name]
+            if job.homes.get(rank) == node.name:
+                del job.homes[rank]
+                node.homed.discard((job_name, rank))
+                node.assignments = None
+                job.touch(rank)
+        node.ranks = ranks
+
+    def _reports_alive(self, name: str, key: tuple[str, int]) -> bool:
+        node = self._nodes[name]
+        info = node.ranks.get(key)
+        return node.alive and info is not None and info.alive
+
+    def _set_home(self, job: _Job, rank: int, node: _Node) -> None:
+        previous = job.homes.get(rank)
+        if previous is not None:
+            prev_node = self._nodes[previous]
+            prev_node.homed.discard((job.name, rank))
+            prev_node.assignments = None
+        job.homes[rank] = job.last_home[rank] = node.name
+        node.homed.add((job.name, rank))
+        node.assignments = None
+        job.touch(rank)
+
+    def _set_inventory(self, node: _Node, inventory: frozenset[_Item]) -> None:
+        old = node.inventory
+        for j, r, s, _ in old - inventory:
+            job = self._jobs[j]
+            by_step = job.holders[r]
+            nodes = by_step[s]
+            nodes.pop(node.name, None)
+            if not nodes:
+                del by_step[s]
+                if not by_step:
+                    del job.holders[r]
+            job.touch(r)
+        for j, r, s, loc in inventory - old:
+            job = self._job(j)
+            job.seen_inventory = True
+            job.holders.setdefault(r, {}).setdefault(s, {})[node.name] = loc
+            job.touch(r)
+        node.inventory = inventory
+
+    def _set_world_size(self, job: _Job, world_size: int) -> None:
+        """Latest report wins. Rebuilds the job's step counts; a frozen plan round is abandoned."""
+        log.info("job %s: world size %d -> %d", job.name, job.world_size, world_size)
+        job.world_size = world_size
+        job.contrib, job.covered, job.durable = {}, {}, {}
+        job.dirty_ranks = set(job.holders)
+        job.watermark = None
+        if job.round is not None:
+            if job.round.frozen:
+                job.round = None
+            else:
+                job.round.asked = {r for r in job.round.asked if r < world_size}
+
+    # ------------------------------------------------------------------------------------ placement
+
+    def _buddies(self, name: str) -> tuple[str, ...]:
+        """The first ``replicas`` live nodes after ``name`` in ring order whose failure domain differs."""
+        cached = self._placement.get(name)
+        if cached is not None:
+            return cached
+        domain = self._nodes[name].domain
+        want = min(self.cfg.replicas, len(self._ring) - self._domains[domain])
+        if want < self.cfg.replicas and not self._warned_short:
+            self._warned_short = True
+            log.warning("only %d live node(s) outside %s's rack for %d replica(s): placing fewer buddies "
+                        "(warned once)", want, name, self.cfg.replicas)  # fmt: skip
+        out: list[str] = []
+        start = bisect.bisect_right(self._ring, name)
+        for i in range(len(self._ring)):
+            if len(out) >= want:
+                break
+            cand = self._ring[(start + i) % len(self._ring)]
+            if self._nodes[cand].domain != domain:
+                out.append(cand)
+        result = self._placement[name] = tuple(out)
+        return result
+
+    def _assignments(self, node: _Node) -> tuple[Assignment, ...]:
+        if node.assignments is None or node.assign_epoch != self._epoch:
+            addrs = tuple(self._nodes[b].data_addr for b in self._buddies(node.name))
+            node.assignments = tuple(Assignment(job=j, rank=r, buddies=addrs) for j, r in sorted(node.homed))
+            node.assign_epoch = self._epoch
+        return node.assignments
+
+    # ------------------------------------------------------------------------------------ watermarks
+
+    def _watermark(self, job: _Job) -> Watermark:
+        """G and D of a job (see DESIGN "Watermark"); D is capped at the plan step while a round is open."""
+        if job.watermark is not None:
+            return job.watermark
+        ws, k = job.world_size, self.cfg.replicas
+        for r in job.dirty_ranks:
+            old_cov, old_dur = job.contrib.pop(r, (_EMPTY, _EMPTY))
+            cov, dur = _EMPTY, _EMPTY
+            if r < ws and r in job.holders:
+                home = job.homes.get(r)
+                steps = job.holders[r]
+                cov = frozenset(steps)
+                dur = frozenset(s for s, h in steps.items() if _buddy_copies(h, home) >= k)
+                job.contrib[r] = (cov, dur)
+            _apply(job.covered, old_cov, cov)
+            _apply(job.durable, old_dur, dur)
+        job.dirty_ranks.clear()
+        g = max((s for s, n in job.covered.items() if n == ws), default=-1) if ws else -1
+        d = max((s for s, n in job.durable.items() if n == ws), default=-1) if ws else -1
+        rnd = job.round
+        if rnd is not None and rnd.frozen and not rnd.closed:
+            if g > rnd.step and len(rnd.answered) >= ws:  # every rank holds a newer step: training resumed
+                rnd.closed = True
+            else:
+                d = min(d, rnd.step)
+        job.watermark = Watermark(job=job.name, recoverable=g, durable=d)
+        return job.watermark
+
+    # ------------------------------------------------------------------------------------ plans
+
+    def plan(self, msg: PlanRequest, now: float) -> PlanReply:
+        """Answer a polled plan request at once (see DESIGN "Recovery" and :class:`_Round` for the rules).
+
+        For the first ``heartbeat_timeout`` seconds after the start (the rebuild window) every request gets
+        ``wait`` and is not recorded: inventories are still coming back from the sidecars. A ``ready`` answer
+        names the live nodes holding ``(job, rank, step)`` other than the asking one as sources, and sets
+        ``local`` when the asking node holds it; if none of them is left it becomes ``none``.
+
+        Raises:
+            ValueError: ``rank`` is outside ``world_size`` (nothing is recorded).
+        """
+        _check_rank(msg.job, msg.rank, msg.world_size)
+        job = self._job(msg.job)
+        if job.world_size != msg.world_size:
+            self._set_world_size(job, msg.world_size)
+        age = now - self.started
+        if age < self.cfg.heartbeat_timeout:
+            return _wait(msg, f"the coordinator started {age:.1f} s ago; waiting {self.cfg.heartbeat_timeout:g} s "
+                              "for sidecars to report their snapshots")  # fmt: skip
+        rnd = job.round
+        if rnd is None or msg.rank in rnd.answered:
+            if rnd is not None:
+                log.info("job %s: rank %d asked again after its answer: new plan round", job.name, msg.rank)
+            rnd = job.round = _Round()
+            job.watermark = None
+        rnd.asked.add(msg.rank)
+        if not rnd.frozen:
+            if len(rnd.asked) < job.world_size:
+                return _wait(msg, rnd.wait_reason(job.world_size))
+            g = self._watermark(job).recoverable
+            rnd.frozen = True
+            if not job.seen_inventory:
+                rnd.outcome, rnd.step, rnd.reason = "fresh", 0, f"job {job.name} has no snapshot yet: start at 0"
+            elif g < 0:
+                rnd.outcome, rnd.reason = "none", _why_none(job)
+            else:
+                rnd.outcome, rnd.step = "ready", g
+            log.info("job %s: every rank asked; plan %s at step %d", job.name, rnd.outcome, rnd.step)
+            job.watermark = None  # the durable cap starts now
+        rnd.answered.add(msg.rank)
+        if len(rnd.answered) == job.world_size:
+            job.watermark = None  # the round may close now
+        if rnd.outcome != "ready":
+            return PlanReply(job=msg.job, rank=msg.rank, status=rnd.outcome, step=rnd.step, reason=rnd.reason)
+        holders = job.holders.get(msg.rank, {}).get(rnd.step, {})
+        local = msg.node in holders
+        sources = tuple(sorted(self._nodes[n].data_addr for n in holders if n != msg.node))
+        if not local and not sources:
+            return PlanReply(job=msg.job, rank=msg.rank, status="none", reason=(
+                f"rank {msg.rank}: every node holding step {rnd.step} died after the plan was made; restore "
+                "from your last disk checkpoint"))  # fmt: skip
+        return PlanReply(job=msg.job, rank=msg.rank, status="ready", step=rnd.step, local=local, sources=sources)
+
+    # ------------------------------------------------------------------------------------ re-replication
+
+    def _sweep(self, now: float) -> None:
+        """Issue tasks so that every rank's snapshot at G has ``1 + replicas`` copies on live nodes.
+
+        A deficit where the rank's own live home holds the snapshot is given ``heartbeat_timeout`` to heal by
+        itself first: that is the normal stream to the buddies, still in flight.
+        """
+        self._next_sweep = now + SWEEP_PERIOD_S
+        self._issued = {key: kept for key, targets in self._issued.items()
+                        if (kept := {t: at for t, at in targets.items() if now - at < TASK_MEMORY_S})}  # fmt: skip
+        deficits: dict[tuple[str, int, int], float] = {}
+        want = 1 + self.cfg.replicas
+        for job in self._jobs.values():
+            g = self._watermark(job).recoverable
+            if g < 0:
+                continue
+            for r in range(job.world_size):
+                holders = job.holders[r][g]
+                if len(holders) >= want:
+                    continue
+                key = (job.name, r, g)
+                since = deficits[key] = self._deficit_since.get(key, now)
+                if job.homes.get(r) in holders and now - since < self.cfg.heartbeat_timeout:
+                    continue
+                pending = {t for t in self._issued.get(key, ()) if t not in holders and self._nodes[t].alive}
+                count = want - len(holders) - len(pending)
+                if count <= 0:
+                    continue
+                sources = tuple(sorted(self._nodes[n].data_addr for n in holders))
+                for target in self._targets(job, r, holders.keys() | pending, count):
+                    self._nodes[target].tasks.append(ReplicateTask(job=job.name, rank=r, step=g, sources=sources))
+                    self._issued.setdefault(key, {})[target] = now
+                    log.info("job %s rank %d step %d has %d of %d copies: replicating to %s",
+                             job.name, r, g, len(holders), want, target)  # fmt: skip
+        self._deficit_since = deficits
+
+    def _targets(self, job: _Job, rank: int, exclude: set[str], count: int) -> list[str]:
+        """Up to ``count`` live nodes for a new copy: the rank's buddies first, then ring order from its home.
+
+        Never the home (or last home) itself nor its failure domain; domains not holding a copy yet first.
+        """
+        home = job.homes.get(rank)
+        anchor = home or job.last_home.get(rank)
+        anchor_domain = self._nodes[anchor].domain if anchor is not None else None
+        picked: list[str] = []
+        candidates = list(self._buddies(home)) if home is not None else []
+        if self._ring:
+            start = bisect.bisect_right(self._ring, anchor) if anchor is not None else 0
+            candidates += [self._ring[(start + i) % len(self._ring)] for i in range(len(self._ring))]
+        taken = {self._nodes[n].domain for n in exclude if n in self._nodes}
+        for spread in (True, False):
+            for name in candidates:
+                if len(picked) >= count:
+                    return picked
+                domain = self._nodes[name].domain
+                if name in exclude or name in picked or name == anchor or domain == anchor_domain:
+                    continue
+                if not spread or domain not in taken:
+                    picked.append(name)
+                    taken.add(domain)
+        return picked
+
+    # ------------------------------------------------------------------------------------ status
+
+    def status(self, now: float) -> dict:
+        """The document behind ``snapshotd status`` (msgpack/JSON-ready; see the README for its fields)."""
+        nodes = []
+        for name in sorted(self._nodes):
+            n = self._nodes[name]
+            nodes.append({
+                "node": n.name, "rack": n.rack, "data_addr": n.data_addr, "incarnation": n.incarnation,
+                "alive": n.alive, "last_seen_s": round(now - n.last_seen, 3),
+                "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
+                "stored_bytes": n.stored_bytes, "out_Bps": n.out_bps, "in_Bps": n.in_bps,
+            })  # fmt: skip
+        jobs = []
+        for name in sorted(self._jobs):
+            job = self._jobs[name]
+            wm = self._watermark(job)
+            g = wm.recoverable
+            ranks = []
+            for r in range(job.world_size):
+                steps = job.holders.get(r, {})
+                newest = max(steps, default=-1)
+                ranks.append({
+                    "rank": r, "node": job.homes.get(r), "newest_step": newest,
+                    "lag_steps": newest - g if g >= 0 else None, "copies": len(steps.get(g, ())),
+                })  # fmt: skip
+            jobs.append({"job": name, "world_size": job.world_size, "recoverable": g, "durable": wm.durable,
+                         "ranks": ranks})  # fmt: skip
+        return {
+            "coordinator": {
+                "uptime_s": round(now - self.started, 3), "replicas": self.cfg.replicas,
+                "bad_messages": self.bad_messages, "heartbeats": self.heartbeats, "live_nodes": len(self._live),
+            },
+            "nodes": nodes,
+            "jobs": jobs,
+        }  # fmt: skip
+
+
+def _buddy_copies(holders: dict[str, bool], home: str | None) -> int:
+    return sum(1 for node, local in holders.items() if not local and node != home)
+
+
+def _apply(counts: dict[int, int], old: frozenset[int], new: frozenset[int]) -> None:
+    for s in old - new:
+        if counts[s] == 1:
+            del counts[s]
+        else:
+            counts[s] -= 1
+    for s in new - old:
+        counts[s] = counts.get(s, 0) + 1
+
+
+def _why_none(job: _Job) -> str:
+    """Which ranks stand in the way of a common complete step, for a ``none`` plan."""
+    lacking = [r for r in range(job.world_size) if r not in job.holders]
+    if lacking:
+        named = ", ".join(map(str, lacking[:_MAX_LISTED]))
+        if len(lacking) > _MAX_LISTED:
+            named += f" and {len(lacking) - _MAX_LISTED} more"
+        verb = "has" if len(lacking) == 1 else "have"
+        what = f"rank{'s' if len(lacking) > 1 else ''} {named} {verb} no complete snapshot on a live node"
+    else:
+        behind = min(job.holders, key=lambda r: max(job.holders[r]))
+        ahead = max(job.holders, key=lambda r: min(job.holders[r]))
+        what = "no step is complete for every rank on live nodes: " + "; ".join(
+            f"rank {r} holds steps {min(job.holders[r])}..{max(job.holders[r])}" for r in (behind, ahead))
+    return f"job {job.name}: {what}; restore from your last disk checkpoint"
+
+
+def _check_rank(job: str, rank: int, world_size: int) -> None:
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} of job {job} is outside its world size {world_size}")
+
+
+def _wait(msg: PlanRequest, reason: str) -> PlanReply:
+    return PlanReply(job=msg.job, rank=msg.rank, status="wait", reason=reason)

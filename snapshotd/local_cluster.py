@@ -1,0 +1,164 @@
+"""A snapshotd deployment on one machine: a coordinator and several sidecars as real processes.
+
+Used by ``snapshotd demo``, the integration tests and the benchmarks. Every process is started with its output
+captured to a log file, waited for with a deadline until it prints its ready line, and stopped (SIGTERM, then
+SIGKILL) by :meth:`LocalCluster.close`, so nothing outlives its user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["LocalCluster", "ManagedProcess"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class ManagedProcess:
+    """A started snapshotd process and what its ready line said."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: str
+    fields: dict[str, str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class LocalCluster:
+    """Start and stop snapshotd processes under ``workdir`` (logs and ipc sockets live there).
+
+    Args:
+        workdir: a directory for logs and ipc paths.
+        replicas: the coordinator's ``--replicas``.
+        heartbeat_interval / heartbeat_timeout: seconds, passed to the coordinator.
+        env: extra environment for every process (e.g. SNAPSHOTD_SECRET).
+    """
+
+    READY_TIMEOUT = 30.0
+
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        replicas: int = 1,
+        heartbeat_interval: float = 0.2,
+        heartbeat_timeout: float = 1.5,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        os.makedirs(workdir, exist_ok=True)
+        self.replicas = replicas
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.coordinator: ManagedProcess | None = None
+        self.sidecars: dict[str, ManagedProcess] = {}
+        self._all: list[ManagedProcess] = []
+
+    @property
+    def coordinator_addr(self) -> str:
+        assert self.coordinator is not None, "start_coordinator() first"
+        return self.coordinator.fields["endpoint"]
+
+    def start_coordinator(self, bind: str = "tcp://127.0.0.1:0", *extra: str) -> ManagedProcess:
+        argv = [
+            "coordinator", "--bind", bind, "--replicas", str(self.replicas),
+            "--heartbeat-interval", f"{self.heartbeat_interval}s", "--heartbeat-timeout", f"{self.heartbeat_timeout}s",
+            *extra,
+        ]  # fmt: skip
+        self.coordinator = self._start("coordinator", argv, re.compile(r"snapshotd coordinator ready (?P<endpoint>\S+)"))
+        return self.coordinator
+
+    def ipc_path(self, node: str) -> str:
+        return os.path.join(self.workdir, f"{node}.ipc")
+
+    def start_sidecar(self, node: str, *extra: str, prefix: Sequence[str] = (), data_bind: str = "tcp://127.0.0.1:0") -> ManagedProcess:
+        """Start ``snapshotd serve`` as node ``node`` (``prefix`` e.g. ``ip netns exec NS``)."""
+        argv = ["serve", "--coordinator", self.coordinator_addr, "--node", node, "--ipc", self.ipc_path(node),
+                "--data-bind", data_bind, *extra]  # fmt: skip
+        proc = self._start(
+            f"sidecar-{node}", argv, re.compile(r"snapshotd serve ready node=(?P<node>\S+) data=(?P<data>\S+) ipc=(?P<ipc>\S+)"),
+            prefix=prefix,
+        )  # fmt: skip
+        self.sidecars[node] = proc
+        return proc
+
+    def _start(self, name: str, argv: list[str], ready: re.Pattern[str], prefix: Sequence[str] = ()) -> ManagedProcess:
+        log_path = os.path.join(self.workdir, f"{name}-{len(self._all)}.log")
+        cmd = [*prefix, sys.executable, "-m", "snapshotd.cli", *argv]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                                stdin=subprocess.DEVNULL)  # fmt: skip
+        found: dict[str, str] = {}
+        got = threading.Event()
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            with open(log_path, "ab") as out:
+                for line in proc.stdout:
+                    out.write(line)
+                    out.flush()
+                    if not got.is_set():
+                        m = ready.search(line.decode(errors="replace"))
+                        if m:
+                            found.update(m.groupdict())
+                            got.set()
+
+        threading.Thread(target=pump, name=f"log-{name}", daemon=True).start()
+        managed = ManagedProcess(name, proc, log_path, found)
+        self._all.append(managed)
+        deadline = time.monotonic() + self.READY_TIMEOUT
+        while not got.wait(0.05):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop(managed)
+                raise RuntimeError(f"{name} did not start (exit {proc.returncode}); log:\n{self.tail(managed)}")
+        return managed
+
+    def tail(self, p: ManagedProcess, lines: int = 40) -> str:
+        with contextlib.suppress(OSError), open(p.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+        return ""
+
+    def kill(self, p: ManagedProcess) -> None:
+        """SIGKILL, as a node failure would: no cleanup runs in the process."""
+        with contextlib.suppress(ProcessLookupError):
+            p.proc.send_signal(signal.SIGKILL)
+        p.proc.wait(10)
+
+    def stop(self, p: ManagedProcess, timeout: float = 10.0) -> int:
+        """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code."""
+        if p.proc.poll() is None:
+            p.proc.send_signal(signal.SIGTERM)
+            try:
+                p.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM for %.0f s; killing it", p.name, timeout)
+                p.proc.kill()
+                p.proc.wait(10)
+        return p.proc.returncode
+
+    def close(self) -> None:
+        for p in reversed(self._all):
+            self.stop(p)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,139 @@
+"""The sidecar's view of one local training rank: its arena and what each slot holds.
+
+Slot discipline (what makes the local copy safe to restore from after a crash):
+
+- The client writes only into slots the sidecar listed as free in its last :class:`SlotUpdate`; from the moment
+  a slot is listed free, the sidecar treats its contents as gone.
+- An announced slot is *valid*: the copy finished before the announce. It streams to the buddies.
+- The newest valid slot whose stream has ended is *kept* (the local fast-path copy); so are streaming slots.
+  Every other slot is free. With two slots, the client can stage step s+1 only once step s reached its buddies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+
+from snapshotd.proto import TensorEntry, decode_table, table_data_bytes
+from snapshotd.shm import Arena
+
+__all__ = ["LocalRank", "SlotState", "dominant_elem", "pid_alive"]
+
+
+@dataclasses.dataclass(slots=True)
+class SlotState:
+    step: int = -1
+    valid: bool = False
+    streaming: bool = False
+    pins: int = 0
+    table: bytes = b""
+    meta: bytes = b""
+    data_bytes: int = 0
+    elem: int = 1
+
+
+@dataclasses.dataclass(slots=True)
+class LocalRank:
+    """One local rank's registration, arena and slots."""
+
+    job: str
+    rank: int
+    world_size: int
+    pid: int
+    identity: bytes
+    arena: Arena
+    slots: list[SlotState]
+    alive: bool = True
+    table: bytes = b""
+    table_id: int = -1
+    entries: list[TensorEntry] = dataclasses.field(default_factory=list)
+    elem: int = 1
+    durable_step: int = -1
+    seen_step: int = -1
+    stream_task: asyncio.Task[None] | None = None
+    stream_step: int = -1
+
+    def set_table(self, table_id: int, table: bytes) -> None:
+        """Adopt a new tensor table (validated against the arena's slot size).
+
+        Raises:
+            ProtocolError: malformed table, or one whose tensors do not fit in a slot.
+        """
+        entries = decode_table(table, self.arena.slot_bytes)
+        self.table, self.table_id, self.entries = bytes(table), table_id, entries
+        self.elem = dominant_elem(entries)
+
+    @property
+    def data_bytes(self) -> int:
+        return table_data_bytes(self.entries)
+
+    def kept_slot(self) -> int | None:
+        """The newest valid slot whose stream has ended (the local fast-path copy), if any."""
+        best = None
+        for i, s in enumerate(self.slots):
+            if s.valid and not s.streaming and (best is None or s.step > self.slots[best].step):
+                best = i
+        return best
+
+    def free_slots(self) -> list[int]:
+        """Slots the client may overwrite now; listing a slot here invalidates it."""
+        kept = self.kept_slot()
+        free = []
+        for i, s in enumerate(self.slots):
+            if i != kept and not s.streaming and s.pins == 0:
+                free.append(i)
+        return free
+
+    def release_free(self) -> list[int]:
+        """Mark every free slot invalid and return them (call right before telling the client)."""
+        free = self.free_slots()
+        for i in free:
+            self.slots[i] = SlotState()
+        return free
+
+    def find(self, step: int) -> int | None:
+        for i, s in enumerate(self.slots):
+            if s.valid and s.step == step:
+                return i
+        return None
+
+    def valid_steps(self) -> list[int]:
+        return sorted(s.step for s in self.slots if s.valid)
+
+    def previous(self, slot: int) -> int | None:
+        """The valid slot holding the newest step older than ``slot``'s (a delta base), if any."""
+        step = self.slots[slot].step
+        best = None
+        for i, s in enumerate(self.slots):
+            if i != slot and s.valid and s.step < step and (best is None or s.step > self.slots[best].step):
+                best = i
+        return best
+
+
+def dominant_elem(entries: list[TensorEntry]) -> int:
+    """The element size that covers most tensor bytes (the byte-shuffle width for delta-lz4)."""
+    from snapshotd.proto import DTYPE_SIZES
+
+    weight: dict[int, int] = {}
+    for e in entries:
+        size = DTYPE_SIZES[e.dtype]
+        weight[size] = weight.get(size, 0) + e.nbytes
+    return max(weight, key=weight.__getitem__) if weight else 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a local process still exists (zombies count as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,113 @@
+"""Connections from this sidecar to other sidecars' data planes.
+
+One :class:`PeerLink` (a DEALER socket) per remote data address, shared by every stream to that peer and every
+pull from it. Replies are routed by ``(job, rank, step)`` to whoever subscribed to that key, so several streams
+and pulls share one connection without reading each other's messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import zmq
+import zmq.asyncio
+
+from snapshotd.proto import Message, ProtocolError, decode, encode
+from snapshotd.security import secure_client
+
+__all__ = ["PeerError", "PeerLink", "PeerTimeout"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int, int]
+
+
+class PeerError(RuntimeError):
+    """A peer refused or failed a transfer (its Error reply, or an unexpected message)."""
+
+
+class PeerTimeout(PeerError, TimeoutError):
+    """A peer did not answer within the request timeout."""
+
+
+class PeerLink:
+    """A DEALER connection to ``addr``; :meth:`run` is its reader task (start it in the owner's TaskGroup)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, secret: str | None, timeout: float) -> None:
+        self.addr = addr
+        self.timeout = timeout
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+        self.sock.setsockopt(zmq.SNDHWM, 256)
+        self.sock.setsockopt(zmq.RCVHWM, 4096)
+        secure_client(self.sock, secret)
+        self.sock.connect(addr)
+        self._queues: dict[Key, asyncio.Queue[Message]] = {}
+        self.dropped = 0
+
+    async def run(self) -> None:
+        """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped."""
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                msg = decode(frames)
+            except ProtocolError as exc:
+                self.dropped += 1
+                log.warning("bad message from %s: %s", self.addr, exc)
+                continue
+            key = (msg.job, getattr(msg, "rank", -1), getattr(msg, "step", -1))
+            queue = self._queues.get(key)
+            if queue is None:
+                self.dropped += 1
+                continue
+            queue.put_nowait(msg)
+
+    @contextlib.contextmanager
+    def subscribe(self, job: str, rank: int, step: int) -> Iterator[asyncio.Queue[Message]]:
+        """Receive the replies about ``(job, rank, step)`` from this peer while the block runs."""
+        key = (job, rank, step)
+        if key in self._queues:
+            raise RuntimeError(f"a transfer of {key} with {self.addr} is already running")
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._queues[key] = queue
+        try:
+            yield queue
+        finally:
+            del self._queues[key]
+
+    async def send(self, msg: Message) -> None:
+        """Send one message (payload frames zero-copy) within the timeout.
+
+        Raises:
+            PeerTimeout: the peer is not connected or not draining.
+        """
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self.sock.send_multipart(encode(msg), copy=False)
+        except TimeoutError as exc:
+            raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s") from exc
+
+    async def receive(self, queue: asyncio.Queue[Message], *expected: type[Message]) -> Message:
+        """The next reply on ``queue``, which must be one of ``expected``.
+
+        Raises:
+            PeerTimeout: nothing within the timeout.
+            PeerError: the peer answered with an Error or something unexpected.
+        """
+        try:
+            async with asyncio.timeout(self.timeout):
+                msg = await queue.get()
+        except TimeoutError as exc:
+            raise PeerTimeout(f"no answer from {self.addr} within {self.timeout:.1f} s") from exc
+        if isinstance(msg, expected):
+            return msg
+        if msg.TYPE == "error":
+            raise PeerError(f"{self.addr}: {getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}")
+        raise PeerError(f"{self.addr} answered {msg.TYPE}, expected {[t.TYPE for t in expected]}")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

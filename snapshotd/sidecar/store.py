@@ -1,0 +1,206 @@
+"""The buddy store: snapshots that other nodes streamed to this sidecar, held in host memory.
+
+A snapshot is written chunk by chunk into a buffer preallocated from its manifest. It becomes *complete* only
+when every chunk is in and its checksum verified; only complete snapshots are reported, served or used as delta
+bases. Memory is bounded by ``memory_limit``: a new snapshot that does not fit is refused with
+:class:`MemoryLimitReached` (the sender then skips that step); nothing complete is ever evicted to make room.
+Retention follows the coordinator's durable watermark (:meth:`SnapshotStore.drop_older`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+
+from snapshotd.proto import ProtocolError, codec
+
+__all__ = ["MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int, int]  # (job, rank, step)
+
+
+class MemoryLimitReached(RuntimeError):
+    """Accepting this snapshot would exceed ``--memory-limit``."""
+
+
+class UnknownSnapshot(KeyError):
+    """No such snapshot, or it is not complete (when completeness was required)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "unknown snapshot"
+
+
+@dataclasses.dataclass(slots=True)
+class StoredSnapshot:
+    """One rank's snapshot of one step: table and meta blobs, the data buffer, and which chunks arrived."""
+
+    job: str
+    rank: int
+    step: int
+    src_node: str
+    table: bytes
+    meta: bytes
+    chunk_bytes: int
+    data: np.ndarray  # uint8, data_bytes long
+    received: np.ndarray  # bool per chunk
+    missing: int
+    complete: bool = False
+    pins: int = 0  # pulls in progress; a pinned snapshot is not dropped
+
+    @property
+    def data_bytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def nchunks(self) -> int:
+        return int(self.received.size)
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, self.data_bytes)
+
+
+class SnapshotStore:
+    """In-memory buddy copies, keyed by ``(job, rank, step)``. Not thread-safe: the sidecar's loop owns it."""
+
+    def __init__(self, memory_limit: int) -> None:
+        self.memory_limit = memory_limit
+        self._snaps: dict[Key, StoredSnapshot] = {}
+        self.used_bytes = 0
+        self.version = 0  # bumps whenever the set of complete snapshots changes (for inventory reports)
+
+    def __len__(self) -> int:
+        return len(self._snaps)
+
+    def __iter__(self) -> Iterator[StoredSnapshot]:
+        return iter(list(self._snaps.values()))
+
+    def begin(
+        self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes, meta: bytes
+    ) -> StoredSnapshot:
+        """Preallocate a snapshot about to arrive. A previous incomplete copy of the same key is replaced.
+
+        Raises:
+            MemoryLimitReached: the buffer would not fit under the memory limit.
+        """
+        key = (job, rank, step)
+        old = self._snaps.get(key)
+        if old is not None:
+            if old.complete:
+                return old
+            self._remove(key)
+        need = data_bytes + len(table) + len(meta)
+        if self.used_bytes + need > self.memory_limit:
+            raise MemoryLimitReached(
+                f"memory limit {self.memory_limit} B reached: holding {self.used_bytes} B, "
+                f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
+            )
+        nchunks = -(-data_bytes // chunk_bytes) if data_bytes else 0
+        snap = StoredSnapshot(
+            job, rank, step, src_node, bytes(table), bytes(meta), chunk_bytes,
+            np.empty(data_bytes, dtype=np.uint8), np.zeros(nchunks, dtype=bool), nchunks,
+        )  # fmt: skip
+        self._snaps[key] = snap
+        self.used_bytes += need
+        if nchunks == 0:
+            self._complete(snap)
+        return snap
+
+    def get(self, job: str, rank: int, step: int, *, complete: bool = True) -> StoredSnapshot:
+        snap = self._snaps.get((job, rank, step))
+        if snap is None or (complete and not snap.complete):
+            state = "not complete" if snap is not None else "not held"
+            raise UnknownSnapshot(f"snapshot of job {job!r} rank {rank} step {step} is {state} here")
+        return snap
+
+    def put_chunk(
+        self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview, raw_len: int,
+        checksum: int, base_step: int, elem: int,
+    ) -> bool:
+        """Decode, verify and write one chunk. Returns True when this chunk completed the snapshot.
+
+        Raises:
+            UnknownSnapshot: no stream for this key (never begun, aborted, or dropped).
+            ProtocolError: bad index or length, a codec failure, a missing delta base, or a checksum mismatch;
+                the chunk is not marked received, so a retry can still complete the snapshot.
+        """
+        snap = self.get(job, rank, step, complete=False)
+        if snap.complete:
+            return False
+        if not 0 <= index < snap.nchunks:
+            raise ProtocolError(f"chunk {index} is outside 0..{snap.nchunks - 1}")
+        start, end = snap.chunk_range(index)
+        if raw_len != end - start:
+            raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
+        out = memoryview(snap.data)[start:end]
+        base = None
+        if codec_name == "delta-lz4":
+            try:
+                base_snap = self.get(job, rank, base_step)
+            except UnknownSnapshot as exc:
+                raise ProtocolError(f"delta base step {base_step} is not held: {exc}") from exc
+            if base_snap.data_bytes < end:
+                raise ProtocolError(f"delta base step {base_step} is too short for chunk {index}")
+            base = memoryview(base_snap.data)[start:end]
+        codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
+        codec.verify(out, checksum)
+        if not snap.received[index]:
+            snap.received[index] = True
+            snap.missing -= 1
+        if snap.missing == 0:
+            self._complete(snap)
+            return True
+        return False
+
+    def mark_complete(self, job: str, rank: int, step: int) -> None:
+        """Declare a snapshot whose buffer was filled and verified by a pull (re-replication) complete."""
+        snap = self.get(job, rank, step, complete=False)
+        if not snap.complete:
+            snap.received[:] = True
+            snap.missing = 0
+            self._complete(snap)
+
+    def abort(self, job: str, rank: int, step: int) -> None:
+        """Drop an incomplete snapshot (a complete one stays)."""
+        snap = self._snaps.get((job, rank, step))
+        if snap is not None and not snap.complete:
+            self._remove((job, rank, step))
+
+    def steps(self, job: str, rank: int) -> list[int]:
+        """Complete steps held for ``(job, rank)``, oldest first."""
+        return sorted(s.step for s in self._snaps.values() if s.job == job and s.rank == rank and s.complete)
+
+    def drop_older(self, job: str, durable: int) -> int:
+        """Drop every snapshot of ``job`` older than ``durable`` (unpinned). Returns the bytes freed."""
+        if durable < 0:
+            return 0
+        freed = 0
+        for key, snap in list(self._snaps.items()):
+            if key[0] == job and key[2] < durable and snap.pins == 0:
+                freed += self._remove(key)
+        return freed
+
+    def drop_job(self, job: str) -> None:
+        for key in [k for k in self._snaps if k[0] == job]:
+            self._remove(key)
+
+    def complete_keys(self) -> list[Key]:
+        return [k for k, s in self._snaps.items() if s.complete]
+
+    def _complete(self, snap: StoredSnapshot) -> None:
+        snap.complete = True
+        self.version += 1
+        log.debug("snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes)
+
+    def _remove(self, key: Key) -> int:
+        snap = self._snaps.pop(key)
+        freed = snap.data_bytes + len(snap.table) + len(snap.meta)
+        self.used_bytes -= freed
+        if snap.complete:
+            self.version += 1
+        return freed

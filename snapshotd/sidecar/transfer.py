@@ -1,0 +1,249 @@
+"""Moving one snapshot between two sidecars: the sender's stream and the puller's striped fetch.
+
+A stream (:func:`send_snapshot`) offers ``(job, rank, step)`` with a StreamBegin, then sends chunks under
+credit-based flow control (at most ``window`` unacknowledged) and the node's :class:`Pacer`, each chunk one
+multipart message whose payload frame is a zero-copy view of shared memory (or a compressed copy when a codec
+pays, see :class:`CodecPolicy`). It returns when the buddy acknowledged every chunk, i.e. holds the snapshot
+complete. A pull (:func:`pull_snapshot`) fetches a complete snapshot from several holders at once, chunks striped
+across them, and verifies every checksum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+from snapshotd.proto import Chunk, ChunkAck, PullManifest, PullRequest, StreamAbort, StreamAccept, StreamBegin, codec
+
+from .pacer import Pacer
+from .peers import PeerError, PeerLink
+
+__all__ = ["CodecPolicy", "PullFailed", "SendResult", "pull_snapshot", "send_snapshot"]
+
+log = logging.getLogger(__name__)
+
+PULL_RANGE = 16  # chunks per pull request
+
+
+class PullFailed(RuntimeError):
+    """No holder could deliver the snapshot."""
+
+
+class CodecPolicy:
+    """Chooses raw or delta-lz4 per chunk for one buddy, from continuous measurements.
+
+    Delta pays when the link rate (the pacer's cap, or the throughput measured on this buddy, whichever is lower)
+    is below :func:`codec.breakeven_rate` for the measured ratio and compression speed. Every ``PROBE_EVERY``-th
+    chunk is compressed anyway so the measurements stay current.
+    """
+
+    PROBE_EVERY = 32
+    ALPHA = 0.2
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.wire_Bps = math.inf
+        self.ratio: float | None = None
+        self.enc_Bps: float | None = None
+        self._count = 0
+
+    def use_delta(self, pacer_rate: float) -> bool:
+        if self.mode != "auto":
+            return self.mode == "delta-lz4"
+        self._count += 1
+        if self.ratio is None or self._count % self.PROBE_EVERY == 0:
+            return True
+        assert self.enc_Bps is not None
+        rate = min(pacer_rate, self.wire_Bps)
+        return rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps)
+
+    def record_delta(self, raw: int, compressed: int, seconds: float) -> None:
+        ratio = compressed / raw if raw else 1.0
+        speed = raw / max(seconds, 1e-7)
+        a = self.ALPHA
+        self.ratio = ratio if self.ratio is None else (1 - a) * self.ratio + a * ratio
+        self.enc_Bps = speed if self.enc_Bps is None else (1 - a) * self.enc_Bps + a * speed
+
+    def record_stream(self, wire_bytes: int, seconds: float) -> None:
+        if seconds > 0 and wire_bytes > (4 << 20):
+            rate = wire_bytes / seconds
+            self.wire_Bps = rate if math.isinf(self.wire_Bps) else 0.5 * self.wire_Bps + 0.5 * rate
+
+
+@dataclasses.dataclass(slots=True)
+class SendResult:
+    data_bytes: int
+    wire_bytes: int
+    seconds: float
+    delta_chunks: int
+
+
+def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, object, float]:
+    t0 = time.perf_counter()
+    used, payload = codec.compress_chunk("delta-lz4", data, base=base, elem=elem)
+    return used, payload, time.perf_counter() - t0
+
+
+async def send_snapshot(
+    link: PeerLink,
+    *,
+    job: str,
+    rank: int,
+    step: int,
+    src_node: str,
+    data: memoryview,
+    table: bytes,
+    meta: bytes,
+    chunk_bytes: int,
+    window: int,
+    pacer: Pacer,
+    policy: CodecPolicy,
+    base: tuple[int, memoryview] | None = None,
+    elem: int = 1,
+) -> SendResult:
+    """Stream one snapshot to one buddy and return when the buddy holds it complete.
+
+    ``data`` must stay unmodified until this returns (the caller keeps the slot busy). ``base`` is the previous
+    snapshot of this rank in the caller's memory (step, bytes), usable for delta-lz4 if the buddy holds it too.
+    On any failure or cancellation the buddy is told to abort, and the error propagates.
+
+    Raises:
+        PeerError: the buddy refused (memory limit, ...) or failed; PeerTimeout when it went silent.
+    """
+    nbytes = data.nbytes
+    nchunks = -(-nbytes // chunk_bytes) if nbytes else 0
+    t0 = time.perf_counter()
+    wire = 0
+    delta_chunks = 0
+    with link.subscribe(job, rank, step) as replies:
+        try:
+            await link.send(StreamBegin(
+                job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
+                table=table, meta=meta,
+            ))  # fmt: skip
+            accept = await link.receive(replies, StreamAccept)
+            assert isinstance(accept, StreamAccept)
+            base_ok = base is not None and base[0] in accept.bases and base[1].nbytes >= nbytes
+            inflight = sent = acked = 0
+            while acked < nchunks:
+                while inflight < window and sent < nchunks:
+                    start = sent * chunk_bytes
+                    view = data[start : start + chunk_bytes]
+                    name, payload, base_step = "raw", view, -1
+                    if base_ok and policy.use_delta(pacer.rate):
+                        assert base is not None
+                        name, payload, secs = await asyncio.to_thread(
+                            _compress, view, base[1][start : start + view.nbytes], elem
+                        )
+                        policy.record_delta(view.nbytes, len(payload), secs)  # type: ignore[arg-type]
+                        if name == "delta-lz4":
+                            base_step = base[0]
+                            delta_chunks += 1
+                    size = len(payload)  # type: ignore[arg-type]
+                    await pacer.take(size)
+                    await link.send(Chunk(
+                        job=job, rank=rank, step=step, index=sent, codec=name, raw_len=view.nbytes,
+                        checksum=codec.checksum(view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
+                    ))  # fmt: skip
+                    wire += size
+                    sent += 1
+                    inflight += 1
+                await link.receive(replies, ChunkAck)
+                inflight -= 1
+                acked += 1
+        except BaseException as exc:
+            reason = f"{type(exc).__name__}: {exc}"[:200]
+            try:
+                await asyncio.shield(link.send(StreamAbort(job=job, rank=rank, step=step, reason=reason)))
+            except Exception:  # the peer is gone: nothing to tell it
+                pass
+            raise
+    seconds = time.perf_counter() - t0
+    policy.record_stream(wire, seconds)
+    pacer.observe_throughput(wire / seconds if seconds > 0 else math.inf)
+    return SendResult(nbytes, wire, seconds, delta_chunks)
+
+
+async def pull_snapshot(
+    links: Sequence[PeerLink],
+    *,
+    job: str,
+    rank: int,
+    step: int,
+    allocate: Callable[[StreamBegin], memoryview],
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[StreamBegin, int]:
+    """Fetch the complete snapshot ``(job, rank, step)`` from ``links`` (its holders), striped across all of them.
+
+    ``allocate(manifest)`` returns the writable destination (at least ``manifest.data_bytes``). Every chunk's
+    checksum is verified before it counts. A holder that fails or goes silent has its chunks reassigned to the
+    others. Returns the manifest and the number of payload bytes received.
+
+    Raises:
+        PullFailed: no holder described the snapshot, or every holder failed before all chunks arrived.
+    """
+    if not links:
+        raise PullFailed(f"no live holder of job {job!r} rank {rank} step {step}")
+    manifest: StreamBegin | None = None
+    errors: list[str] = []
+    for link in links:
+        with link.subscribe(job, rank, step) as replies:
+            try:
+                await link.send(PullManifest(job=job, rank=rank, step=step))
+                reply = await link.receive(replies, StreamBegin)
+                assert isinstance(reply, StreamBegin)
+                manifest = reply
+                break
+            except PeerError as exc:
+                errors.append(str(exc))
+    if manifest is None:
+        raise PullFailed(f"no holder could describe job {job!r} rank {rank} step {step}: {'; '.join(errors)}")
+    dest = allocate(manifest)
+    nchunks = manifest.nchunks
+    pending = collections.deque(range(i, min(i + PULL_RANGE, nchunks)) for i in range(0, nchunks, PULL_RANGE))
+    received = 0
+    alive = list(links)
+
+    async def worker(link: PeerLink) -> None:
+        nonlocal received
+        with link.subscribe(job, rank, step) as replies:
+            while pending:
+                todo = pending.popleft()
+                missing = set(todo)
+                try:
+                    await link.send(PullRequest(job=job, rank=rank, step=step, first=todo.start, count=len(todo)))
+                    while missing:
+                        msg = await link.receive(replies, Chunk)
+                        assert isinstance(msg, Chunk)
+                        if msg.index not in missing:
+                            continue
+                        start = msg.index * manifest.chunk_bytes
+                        end = min(start + manifest.chunk_bytes, manifest.data_bytes)
+                        if msg.raw_len != end - start:
+                            raise PeerError(f"{link.addr} sent chunk {msg.index} of the wrong size")
+                        out = dest[start:end]
+                        codec.decompress_chunk(msg.codec, msg.payload, msg.raw_len, elem=msg.elem, out=out)
+                        codec.verify(out, msg.checksum)
+                        missing.discard(msg.index)
+                        received += msg.payload.nbytes
+                        if on_progress is not None:
+                            on_progress(msg.raw_len)
+                except Exception as exc:
+                    pending.extend(range(i, i + 1) for i in sorted(missing))
+                    alive.remove(link)
+                    errors.append(f"{link.addr}: {exc}")
+                    log.warning("pull of %s rank %d step %d from %s failed: %s", job, rank, step, link.addr, exc)
+                    return
+
+    while pending and alive:  # a holder that failed late may have put chunks back after the others finished
+        async with asyncio.TaskGroup() as tg:
+            for link in list(alive):
+                tg.create_task(worker(link))
+    if pending:
+        raise PullFailed(f"pull of job {job!r} rank {rank} step {step} failed: {'; '.join(errors)}")
+    return manifest, received
