@@ -17,10 +17,12 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,8 @@ def build_state(params: int, steps: int, seed: int) -> tuple[Any, dict[str, Any]
     from snapshotd.client import RNGState
 
     cfg = config_for_params(params)
+    random.seed(seed)
+    numpy.random.seed(seed)
     torch.manual_seed(seed)
     model = GPT(cfg, seed=seed)
     opt = make_optimizer(model)
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         flat = torch._utils._flatten_dense_tensors([q.grad for q in params])
         dist.all_reduce(flat)
         flat /= args.world
-        for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params])):
+        for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
             q.grad.copy_(g)
         opt.step()
         sched.step()
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = dataclasses.asdict(snap.stats)
     result = {
         "rank": args.rank, "start_step": start, "losses": losses, "step_times": step_times,
-        "digest": state_digest(state), "stats": stats, "restore_seconds": restore_seconds,
+        "digest": state_digest(state), "digests": {k: state_digest({k: v}) for k, v in state.items()}, "stats": stats, "restore_seconds": restore_seconds,
+        "restored": snap.restored if snap is not None else {},
         "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())
         + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
     }  # fmt: skip

@@ -147,6 +147,7 @@ class Snapshotter:
         self.stats = SnapshotStats()
         self._lock = threading.Condition()
         self._free: set[int] = set()
+        self._updates = 0  # SlotUpdates received
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
         self._arena: Arena | None = None
         self._slot_tensors: list[torch.Tensor] = []
@@ -159,6 +160,8 @@ class Snapshotter:
         self._step_seconds = 0.0
         self._reported_errors: set[str] = set()
         self._closed = False
+        self.restored: dict[str, Any] = {}
+        """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
         self._channel = Channel(f"ipc://{self.sidecar}", self._on_message)
         self._stager = Stager(state, self.stats)
 
@@ -176,6 +179,9 @@ class Snapshotter:
         """
         flat = flatten(self.state)
         self._register(flat.data_bytes)
+        with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
+            self._free.clear()
+            self._inflight.clear()
         try:
             reply = self._channel.request(
                 RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout),
@@ -193,6 +199,8 @@ class Snapshotter:
                 raise SidecarUnavailable(text) from exc
             raise
         assert isinstance(reply, RestoreReply)
+        self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
+                         "seconds": reply.seconds}  # fmt: skip
         if reply.source == "fresh":
             log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
             return 0
@@ -273,6 +281,7 @@ class Snapshotter:
         with self._lock:
             self._free.clear()
             self._inflight.clear()
+            seen = self._updates
         reply = self._channel.request(
             RegisterRank(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
                          data_bytes=data_bytes, slots=self.slots),  # fmt: skip
@@ -284,7 +293,7 @@ class Snapshotter:
         self._registered_bytes = reply.slot_bytes
         self._table_sent = False
         with self._lock:  # the sidecar sends the free slots right after its reply
-            self._lock.wait_for(lambda: bool(self._free), timeout=min(self.timeout, 5.0))
+            self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
 
     def _map_arena(self, path: str, slot_bytes: int, slots: int) -> Arena:
         if self._arena is not None and self._arena.path == path:
@@ -356,6 +365,7 @@ class Snapshotter:
         """Channel thread: slot updates and errors about announces."""
         if isinstance(msg, SlotUpdate):
             with self._lock:
+                self._updates += 1
                 for slot in msg.free_slots:
                     staged = self._inflight.get(slot)
                     if staged is not None and staged > msg.seen_step:

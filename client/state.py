@@ -41,8 +41,9 @@ ALIGN = 64
 """Every tensor's offset in the data buffer is a multiple of this."""
 
 FORMAT_VERSION = 1
-MAX_DEPTH = 64
-"""Deepest nesting of containers that flatten accepts (deeper is almost surely a reference cycle)."""
+MAX_DEPTH = 32
+"""Deepest nesting of containers in a state (deeper is almost surely a reference cycle). It also bounds the
+recursion of decoding nested ext types, each level of which takes ~40 KiB of C stack inside msgpack."""
 
 _STATEFUL, _PLAIN = 0, 1
 _EXT_TENSOR, _EXT_DTENSOR, _EXT_TUPLE, _EXT_SIZE, _EXT_ODICT, _EXT_NDARRAY, _EXT_NPSCALAR = range(1, 8)
@@ -303,10 +304,11 @@ class _Ref:
 class _Decoder:
     """msgpack decoding of ``meta`` with the ext types of the module docstring; raises on anything else."""
 
-    __slots__ = ("count",)
+    __slots__ = ("count", "depth")
 
     def __init__(self, count: int) -> None:
         self.count = count
+        self.depth = 0
 
     def unpack(self, buf: bytes | memoryview) -> Any:
         return msgpack.unpackb(buf, ext_hook=self.ext, raw=False, strict_map_key=False)
@@ -317,7 +319,13 @@ class _Decoder:
             if len(data) != 4 or index >= self.count:
                 raise ValueError(f"tensor placeholder {index} is outside the table of {self.count}")
             return _Ref(index, code == _EXT_DTENSOR)
-        obj = self.unpack(data)
+        if self.depth >= MAX_DEPTH:
+            raise ValueError(f"ext types nest deeper than {MAX_DEPTH} levels")
+        self.depth += 1
+        try:
+            obj = self.unpack(data)
+        finally:
+            self.depth -= 1
         if code == _EXT_TUPLE and type(obj) is list:
             return tuple(obj)
         if code == _EXT_SIZE and type(obj) is list and all(type(d) is int for d in obj):

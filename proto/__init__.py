@@ -6,6 +6,7 @@ the exception tree.
 
 from __future__ import annotations
 
+from .codec import breakeven_rate, checksum, compress_chunk, decompress_chunk, verify
 from .errors import (
     ChecksumMismatch,
     CodecError,
@@ -29,8 +30,13 @@ __all__ = [
     "TensorEntry",
     "UnknownMessageType",
     "UnsupportedVersion",
+    "breakeven_rate",
+    "checksum",
+    "compress_chunk",
     "decode_table",
+    "decompress_chunk",
     "encode_table",
     "table_data_bytes",
+    "verify",
     *_messages_all,
 ]

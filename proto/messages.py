@@ -219,15 +219,17 @@ class RestoreRequest(Message):
 class RestoreReply(Message):
     """Where the rank's state for ``step`` lies: slot ``slot`` of arena ``arena`` (``source`` says how it got there).
 
-    ``source`` is ``fresh`` when the job has no snapshot at all (step 0, nothing to load). The arena may be a new
-    one (sized for the snapshot); the client maps it and uses it from then on.
+    ``source``: ``fresh`` when the job has no snapshot at all (step 0, nothing to load); ``local`` from the rank's
+    own slot; ``replica`` from a copy this node already held for another node (e.g. re-replicated after a node
+    loss); ``pull`` fetched from other nodes' sidecars now. The arena may be a new one (sized for the snapshot);
+    the client maps it and uses it from then on.
     """
 
     TYPE: ClassVar[str] = "restore_reply"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
     rank: int = spec_field(_RANK)
     step: int = spec_field(_STEP)
-    source: str = spec_field(Enum(("fresh", "local", "pull")))
+    source: str = spec_field(Enum(("fresh", "local", "replica", "pull")))
     arena: str = spec_field(_ADDR, default="")
     slot_bytes: int = spec_field(_NBYTES, default=0)
     slot: int = spec_field(_SLOT, default=0)
@@ -490,8 +492,13 @@ def _as_view(frame: Any) -> memoryview:
         view = buf if isinstance(buf, memoryview) else memoryview(buf)
     except TypeError as exc:
         raise MalformedMessage(f"frame of type {type(frame).__name__} is not a buffer") from exc
+    if not view.c_contiguous:
+        raise MalformedMessage("frame is not a contiguous buffer")
     if view.ndim != 1 or view.itemsize != 1:
-        view = view.cast("B")
+        try:
+            view = view.cast("B")
+        except TypeError as exc:
+            raise MalformedMessage(f"frame cannot be read as bytes: {exc}") from exc
     return view
 
 

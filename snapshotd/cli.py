@@ -56,9 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
 
     d = sub.add_parser("demo", help="the whole story on one machine: train, lose a node, recover bit-identically")
-    d.add_argument("--steps", type=int, default=30, help="training steps (default %(default)s)")
-    d.add_argument("--kill-at", type=int, default=15, help="step after which node B dies (default %(default)s)")
-    d.add_argument("--params", default="4M", help="model size in parameters (default %(default)s)")
+    d.add_argument("--steps", type=int, default=24, help="training steps (default %(default)s)")
+    d.add_argument("--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)")
+    d.add_argument("--params", default="2M", help="model size in parameters (default %(default)s)")
     return p
 
 

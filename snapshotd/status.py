@@ -62,8 +62,8 @@ def fetch_status(coordinator: str, *, secret: str | None, timeout: float = 5.0) 
     return doc
 
 
-def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | None) -> int:
-    """Print the status once, or every second with ``watch`` until Ctrl-C.
+def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | None, timeout: float = 5.0) -> int:
+    """Print the status once, or every second with ``watch`` until Ctrl-C; ``timeout`` bounds each fetch.
 
     Returns:
         0 on success (and when a watch is interrupted); 1, with the reason on stderr, when a single fetch fails.
@@ -72,7 +72,7 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
     try:
         while True:
             try:
-                doc = fetch_status(coordinator, secret=secret)
+                doc = fetch_status(coordinator, secret=secret, timeout=timeout)
             except (TimeoutError, ValueError, RuntimeError) as exc:
                 if not watch:
                     print(f"snapshotd status: {exc}", file=sys.stderr)

@@ -6,9 +6,10 @@ node this process does not know gets ``known=False`` and the sidecar registers a
 
 Cost model (10,000 sidecars, ~20k heartbeats/s): a heartbeat costs O(ranks and inventory of that node). The
 inventory of all live nodes is kept in one index, ``job -> rank -> step -> {node: local}``; each job keeps, per
-step, how many of its ranks hold that step (for G) and how many hold it durably (for D), updated lazily from the
-ranks a report touched. Placement is cached per node until membership changes. The re-replication sweep, the
-only O(ranks of all jobs) pass, runs at most once per second from :meth:`CoordinatorState.expire`.
+step, how many of its ranks hold that step (for G) and how many hold it durably (for D), updated in O(1) per
+(rank, step) a report adds or removes; G and D are then a max over a job's few distinct steps, cached until the
+next change. Placement is cached per node until membership changes. The re-replication sweep, the only
+O(ranks of all jobs) pass, runs at most once per second from :meth:`CoordinatorState.expire`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ SWEEP_PERIOD_S = 1.0
 """Seconds between two re-replication sweeps."""
 _RATE_WINDOW_S = 1.0
 _MAX_LISTED = 8  # ranks named in one wait or none reason
-_EMPTY: frozenset[int] = frozenset()
 
 _Item = tuple[str, int, int, bool]  # (job, rank, step, local)
 
@@ -69,8 +69,9 @@ class _Node:
     in_bps: float = 0.0
 
     @property
-    def domain(self) -> str:
-        return self.rack or self.name
+    def domain(self) -> tuple[str, str]:
+        """The failure domain: the rack, or the node alone when it has no rack label."""
+        return ("rack", self.rack) if self.rack else ("node", self.name)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -79,8 +80,9 @@ class _Round:
 
     Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
     ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
-    after its answer restarted again and opens a new round. The round stays open (durable capped at ``step``)
-    until every rank was answered and G moved past ``step``: training resumed.
+    after its answer restarted again and opens a new round. Once frozen, the round stays open (durable capped
+    at ``step``, so buddies keep what the plan needs) until every rank was answered and G moved past ``step``:
+    training resumed. Before the freeze there is no plan step yet and no cap is needed (D <= G always).
     """
 
     asked: set[int] = dataclasses.field(default_factory=set)
@@ -106,22 +108,80 @@ class _Round:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Job:
+    """A job's inventory index and the per-step counts that G and D are read from.
+
+    ``covered[s]`` is the number of ranks ``r < world_size`` holding step ``s`` on some live node;
+    ``durable[s]`` the number holding it as non-local copies on at least ``replicas`` live nodes other than
+    their home. Both are kept exact on every holder or home change, O(1) per (rank, step) touched.
+    """
+
     name: str
+    replicas: int
     world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
     seen_inventory: bool = False
-    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)
+    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)  # r -> s -> {node: local}
     homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
     last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
-    contrib: dict[int, tuple[frozenset[int], frozenset[int]]] = dataclasses.field(default_factory=dict)
-    covered: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> ranks holding it
-    durable: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> ranks holding it durably
-    dirty_ranks: set[int] = dataclasses.field(default_factory=set)
+    covered: dict[int, int] = dataclasses.field(default_factory=dict)
+    durable: dict[int, int] = dataclasses.field(default_factory=dict)
+    durable_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, step) in durable
     watermark: Watermark | None = None  # cache; None when stale
+    published: Watermark | None = None  # the last one handed out
     round: _Round | None = None
+    swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
 
-    def touch(self, rank: int) -> None:
-        self.dirty_ranks.add(rank)
+    def add_holder(self, rank: int, step: int, node: str, local: bool) -> None:
+        by_step = self.holders.setdefault(rank, {})
+        h = by_step.get(step)
+        if h is None:
+            h = by_step[step] = {}
+            if rank < self.world_size:
+                _inc(self.covered, step)
+        h[node] = local
+        self._recheck(rank, step, h)
+
+    def remove_holder(self, rank: int, step: int, node: str) -> None:
+        by_step = self.holders[rank]
+        h = by_step[step]
+        del h[node]
+        if not h:
+            del by_step[step]
+            if not by_step:
+                del self.holders[rank]
+            if rank < self.world_size:
+                _inc(self.covered, step, -1)
+        self._recheck(rank, step, h)
+
+    def set_home(self, rank: int, node: str | None) -> None:
+        if node is None:
+            del self.homes[rank]
+        else:
+            self.homes[rank] = self.last_home[rank] = node
+        for step, h in self.holders.get(rank, {}).items():
+            self._recheck(rank, step, h)
         self.watermark = None
+
+    def resize(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.covered, self.durable, self.durable_pairs = {}, {}, set()
+        for rank, by_step in self.holders.items():
+            for step, h in by_step.items() if rank < world_size else ():
+                _inc(self.covered, step)
+                self._recheck(rank, step, h)
+        self.watermark = None
+
+    def _recheck(self, rank: int, step: int, h: dict[str, bool]) -> None:
+        self.watermark = None
+        copies = 0
+        if len(h) >= self.replicas and rank < self.world_size:
+            home = self.homes.get(rank)
+            for n, loc in h.items():
+                if not loc and n != home:
+                    copies += 1
+        ok = copies >= self.replicas
+        if ok != ((rank, step) in self.durable_pairs):
+            (self.durable_pairs.add if ok else self.durable_pairs.remove)((rank, step))
+            _inc(self.durable, step, 1 if ok else -1)
 
 
 class CoordinatorState:
@@ -142,13 +202,12 @@ class CoordinatorState:
         self._nodes: dict[str, _Node] = {}
         self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
         self._ring: list[str] = []  # live node names, sorted
-        self._domains: collections.Counter[str] = collections.Counter()  # live nodes per failure domain
+        self._domains: collections.Counter[tuple[str, str]] = collections.Counter()  # live nodes per failure domain
         self._epoch = 0  # bumped on every membership change
         self._placement: dict[str, tuple[str, ...]] = {}  # node -> buddy node names, for this epoch
         self._warned_short = False
         self._jobs: dict[str, _Job] = {}
         self._issued: dict[tuple[str, int, int], dict[str, float]] = {}
-        self._deficit_since: dict[tuple[str, int, int], float] = {}
         self._next_sweep = now
 
     # ------------------------------------------------------------------------------------------ membership
@@ -274,7 +333,7 @@ class CoordinatorState:
     def _job(self, name: str) -> _Job:
         job = self._jobs.get(name)
         if job is None:
-            job = self._jobs[name] = _Job(name)
+            job = self._jobs[name] = _Job(name, self.cfg.replicas)
         return job
 
     def _set_ranks(self, node: _Node, ranks: dict[tuple[str, int], RankInfo]) -> None:
@@ -297,10 +356,9 @@ class CoordinatorState:
         for job_name, rank in old.keys() - ranks.keys():
             job = self._jobs[job_name]
             if job.homes.get(rank) == node.name:
-                del job.homes[rank]
+                job.set_home(rank, None)
                 node.homed.discard((job_name, rank))
                 node.assignments = None
-                job.touch(rank)
         node.ranks = ranks
 
     def _reports_alive(self, name: str, key: tuple[str, int]) -> bool:
@@ -314,37 +372,24 @@ class CoordinatorState:
             prev_node = self._nodes[previous]
             prev_node.homed.discard((job.name, rank))
             prev_node.assignments = None
-        job.homes[rank] = job.last_home[rank] = node.name
+        job.set_home(rank, node.name)
         node.homed.add((job.name, rank))
         node.assignments = None
-        job.touch(rank)
 
     def _set_inventory(self, node: _Node, inventory: frozenset[_Item]) -> None:
         old = node.inventory
         for j, r, s, _ in old - inventory:
-            job = self._jobs[j]
-            by_step = job.holders[r]
-            nodes = by_step[s]
-            nodes.pop(node.name, None)
-            if not nodes:
-                del by_step[s]
-                if not by_step:
-                    del job.holders[r]
-            job.touch(r)
+            self._jobs[j].remove_holder(r, s, node.name)
         for j, r, s, loc in inventory - old:
             job = self._job(j)
             job.seen_inventory = True
-            job.holders.setdefault(r, {}).setdefault(s, {})[node.name] = loc
-            job.touch(r)
+            job.add_holder(r, s, node.name, loc)
         node.inventory = inventory
 
     def _set_world_size(self, job: _Job, world_size: int) -> None:
-        """Latest report wins. Rebuilds the job's step counts; a frozen plan round is abandoned."""
+        """Latest report wins. A frozen plan round is abandoned; an open one forgets ranks now outside."""
         log.info("job %s: world size %d -> %d", job.name, job.world_size, world_size)
-        job.world_size = world_size
-        job.contrib, job.covered, job.durable = {}, {}, {}
-        job.dirty_ranks = set(job.holders)
-        job.watermark = None
+        job.resize(world_size)
         if job.round is not None:
             if job.round.frozen:
                 job.round = None
@@ -388,19 +433,7 @@ class CoordinatorState:
         """G and D of a job (see DESIGN "Watermark"); D is capped at the plan step while a round is open."""
         if job.watermark is not None:
             return job.watermark
-        ws, k = job.world_size, self.cfg.replicas
-        for r in job.dirty_ranks:
-            old_cov, old_dur = job.contrib.pop(r, (_EMPTY, _EMPTY))
-            cov, dur = _EMPTY, _EMPTY
-            if r < ws and r in job.holders:
-                home = job.homes.get(r)
-                steps = job.holders[r]
-                cov = frozenset(steps)
-                dur = frozenset(s for s, h in steps.items() if _buddy_copies(h, home) >= k)
-                job.contrib[r] = (cov, dur)
-            _apply(job.covered, old_cov, cov)
-            _apply(job.durable, old_dur, dur)
-        job.dirty_ranks.clear()
+        ws = job.world_size
         g = max((s for s, n in job.covered.items() if n == ws), default=-1) if ws else -1
         d = max((s for s, n in job.durable.items() if n == ws), default=-1) if ws else -1
         rnd = job.round
@@ -409,7 +442,10 @@ class CoordinatorState:
                 rnd.closed = True
             else:
                 d = min(d, rnd.step)
-        job.watermark = Watermark(job=job.name, recoverable=g, durable=d)
+        wm = job.watermark = Watermark(job=job.name, recoverable=g, durable=d)
+        if wm == job.published:  # hand out the same object while nothing moved: replies stay cacheable
+            job.watermark = job.published
+        job.published = job.watermark
         return job.watermark
 
     # ------------------------------------------------------------------------------------ plans
@@ -472,26 +508,26 @@ class CoordinatorState:
     def _sweep(self, now: float) -> None:
         """Issue tasks so that every rank's snapshot at G has ``1 + replicas`` copies on live nodes.
 
-        A deficit where the rank's own live home holds the snapshot is given ``heartbeat_timeout`` to heal by
-        itself first: that is the normal stream to the buddies, still in flight.
+        For ``heartbeat_timeout`` after a job's G first shows up here, a deficit where the rank's live home
+        holds the snapshot is left alone: that is the regular stream to the buddies, still in flight.
         """
         self._next_sweep = now + SWEEP_PERIOD_S
         self._issued = {key: kept for key, targets in self._issued.items()
                         if (kept := {t: at for t, at in targets.items() if now - at < TASK_MEMORY_S})}  # fmt: skip
-        deficits: dict[tuple[str, int, int], float] = {}
         want = 1 + self.cfg.replicas
         for job in self._jobs.values():
             g = self._watermark(job).recoverable
             if g < 0:
                 continue
+            if job.swept_g[0] != g:
+                job.swept_g = (g, now)
+            settling = now - job.swept_g[1] < self.cfg.heartbeat_timeout
+            holders_of, homes = job.holders, job.homes
             for r in range(job.world_size):
-                holders = job.holders[r][g]
-                if len(holders) >= want:
+                holders = holders_of[r][g]
+                if len(holders) >= want or (settling and homes.get(r) in holders):
                     continue
                 key = (job.name, r, g)
-                since = deficits[key] = self._deficit_since.get(key, now)
-                if job.homes.get(r) in holders and now - since < self.cfg.heartbeat_timeout:
-                    continue
                 pending = {t for t in self._issued.get(key, ()) if t not in holders and self._nodes[t].alive}
                 count = want - len(holders) - len(pending)
                 if count <= 0:
@@ -502,38 +538,51 @@ class CoordinatorState:
                     self._issued.setdefault(key, {})[target] = now
                     log.info("job %s rank %d step %d has %d of %d copies: replicating to %s",
                              job.name, r, g, len(holders), want, target)  # fmt: skip
-        self._deficit_since = deficits
 
     def _targets(self, job: _Job, rank: int, exclude: set[str], count: int) -> list[str]:
-        """Up to ``count`` live nodes for a new copy: the rank's buddies first, then ring order from its home.
+        """Up to ``count`` live nodes for a new copy: the rank's assigned buddies, then ring order from its home.
 
-        Never the home (or last home) itself nor its failure domain; domains not holding a copy yet first.
+        Never the home (or the last home, when the rank has none now) nor its failure domain, nor a node in
+        ``exclude`` (live holders and pending targets). Beyond the buddies, domains holding no copy yet come
+        first. The ring is walked only when the domain counts say a candidate exists, so a deficit that cannot
+        be helped costs O(copies), not O(nodes).
         """
         home = job.homes.get(rank)
         anchor = home or job.last_home.get(rank)
         anchor_domain = self._nodes[anchor].domain if anchor is not None else None
-        picked: list[str] = []
-        candidates = list(self._buddies(home)) if home is not None else []
-        if self._ring:
-            start = bisect.bisect_right(self._ring, anchor) if anchor is not None else 0
-            candidates += [self._ring[(start + i) % len(self._ring)] for i in range(len(self._ring))]
-        taken = {self._nodes[n].domain for n in exclude if n in self._nodes}
-        for spread in (True, False):
-            for name in candidates:
+        picked = [b for b in self._buddies(home) if b not in exclude][:count] if home is not None else []
+        taken = {self._nodes[n].domain for n in (*exclude, *picked)} - {anchor_domain}
+        outside = len(self._ring) - (self._domains[anchor_domain] if anchor_domain is not None else 0)
+        fresh = outside - sum(self._domains[d] for d in taken)  # live nodes in domains without a copy
+        spare = outside - sum(1 for n in (*exclude, *picked) if self._nodes[n].domain != anchor_domain)
+        count = min(count, len(picked) + spare)
+        ring = self._ring
+        start = bisect.bisect_right(ring, anchor) if anchor is not None else 0
+        for spread, available in ((True, fresh), (False, spare)):
+            if available <= 0:
+                continue
+            for i in range(len(ring)):
                 if len(picked) >= count:
                     return picked
+                name = ring[(start + i) % len(ring)]
                 domain = self._nodes[name].domain
-                if name in exclude or name in picked or name == anchor or domain == anchor_domain:
+                if name in exclude or name in picked or domain == anchor_domain or (spread and domain in taken):
                     continue
-                if not spread or domain not in taken:
-                    picked.append(name)
-                    taken.add(domain)
+                picked.append(name)
+                taken.add(domain)
         return picked
 
     # ------------------------------------------------------------------------------------ status
 
     def status(self, now: float) -> dict:
-        """The document behind ``snapshotd status`` (msgpack/JSON-ready; see the README for its fields)."""
+        """The document behind ``snapshotd status``: plain maps, lists, strings and numbers (msgpack / JSON).
+
+        ``coordinator``: uptime_s, replicas, bad_messages, heartbeats, live_nodes. ``nodes`` (dead ones too):
+        node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]), stored_bytes,
+        out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank: rank,
+        node (its home, or None), newest_step (-1: none), lag_steps (newest - recoverable; None while no step
+        is recoverable), copies (live holders of the recoverable step).
+        """
         nodes = []
         for name in sorted(self._nodes):
             n = self._nodes[name]
@@ -568,18 +617,12 @@ class CoordinatorState:
         }  # fmt: skip
 
 
-def _buddy_copies(holders: dict[str, bool], home: str | None) -> int:
-    return sum(1 for node, local in holders.items() if not local and node != home)
-
-
-def _apply(counts: dict[int, int], old: frozenset[int], new: frozenset[int]) -> None:
-    for s in old - new:
-        if counts[s] == 1:
-            del counts[s]
-        else:
-            counts[s] -= 1
-    for s in new - old:
-        counts[s] = counts.get(s, 0) + 1
+def _inc(counts: dict[int, int], key: int, by: int = 1) -> None:
+    n = counts.get(key, 0) + by
+    if n:
+        counts[key] = n
+    else:
+        del counts[key]
 
 
 def _why_none(job: _Job) -> str:

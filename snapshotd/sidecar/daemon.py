@@ -248,6 +248,7 @@ class Sidecar:
         lr = self.ranks.get(key)
         need = max(4096, -(-msg.data_bytes // 4096) * 4096)
         if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
+            lr.awaiting_restore = lr.awaiting_restore or lr.pid != msg.pid
             lr.pid, lr.identity, lr.alive, lr.world_size = msg.pid, ident, True, msg.world_size
             lr.seen_step = max(lr.valid_steps(), default=-1)
         else:
@@ -354,7 +355,7 @@ class Sidecar:
                 lr.durable_step = max(lr.durable_step, s.step)
             if lr.stream_task is asyncio.current_task():
                 lr.stream_task = None
-            if self.ranks.get((lr.job, lr.rank)) is lr:
+            if self.ranks.get((lr.job, lr.rank)) is lr and lr.alive:
                 note = "" if buddies else "no buddy assigned yet"
                 if buddies and ok < len(buddies):
                     note = f"{len(buddies) - ok} of {len(buddies)} buddies did not take step {s.step}"
@@ -368,6 +369,15 @@ class Sidecar:
             self._reply(self._ipc_out, ident, Error(job=req.job, code="not_registered", rank=req.rank,
                                                     message="register the rank before restoring"))  # fmt: skip
             return
+        lr.awaiting_restore = True
+        try:
+            await self._restore_rank(ident, req, lr)
+        finally:
+            lr.awaiting_restore = False
+            if self.ranks.get((lr.job, lr.rank)) is lr:
+                self._send_slots(lr)
+
+    async def _restore_rank(self, ident: bytes, req: RestoreRequest, lr: LocalRank) -> None:
         t0 = time.monotonic()
         try:
             plan = await self.control.plan(
@@ -395,7 +405,7 @@ class Sidecar:
                 self._reply(self._ipc_out, ident, Error(job=req.job, code="pull_failed", rank=req.rank, step=step,
                                                         message=str(exc)))  # fmt: skip
                 return
-            source = "pull" if pulled else "local"
+            source = "pull" if pulled else "replica"
         for i, other in enumerate(lr.slots):  # steps past the restored one never happened for the new process
             if i != index and other.step > step and not other.streaming:
                 lr.slots[i] = SlotState()

@@ -51,6 +51,8 @@ class LocalRank:
     elem: int = 1
     durable_step: int = -1
     seen_step: int = -1
+    awaiting_restore: bool = False
+    """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
     stream_task: asyncio.Task[None] | None = None
     stream_step: int = -1
 
@@ -87,6 +89,8 @@ class LocalRank:
 
     def release_free(self) -> list[int]:
         """Mark every free slot invalid and return them (call right before telling the client)."""
+        if self.awaiting_restore or not self.alive:
+            return [i for i, s in enumerate(self.slots) if not s.valid and not s.streaming and s.pins == 0]
         free = self.free_slots()
         for i in free:
             self.slots[i] = SlotState()

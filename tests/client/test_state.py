@@ -70,12 +70,12 @@ def clone_tree(x: Any) -> Any:
 
 @pytest.fixture
 def no_pickle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make any use of pickle fail loudly."""
+    """Make pickle's entry points fail loudly (its classes stay: torch subclasses them at import)."""
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("pickle used")
 
-    for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
+    for name in ("dumps", "loads", "dump", "load"):
         monkeypatch.setattr(pickle, name, refuse)
 
 
@@ -97,7 +97,7 @@ SCHEDULERS = {
 
 
 class Trainer:
-    """A small model with dropout and BatchNorm, AdamW, a scheduler and a GradScaler; data from the global RNG."""
+    """A model with dropout and BatchNorm, AdamW, a scheduler and a GradScaler; data from the global RNG."""
 
     def __init__(self, seed: int, sched: str) -> None:
         torch.manual_seed(seed)
@@ -337,8 +337,8 @@ UNSUPPORTED = [
         "state['x']['sp']: cannot snapshot a tensor with layout torch.sparse_coo",
     ),
     (
-        {"c": torch.zeros(2, dtype=torch.complex32)},
-        "state['x']['c']: cannot snapshot a tensor of dtype torch.complex32",
+        {"c": torch.zeros(2, dtype=torch.float8_e8m0fnu)},
+        "state['x']['c']: cannot snapshot a tensor of dtype torch.float8_e8m0fnu",
     ),
     (
         {"meta": torch.empty(2, device="meta")},
@@ -395,6 +395,17 @@ def test_copy_into_reused_and_alternating_buffers() -> None:
         assert_identical(target, state)
 
 
+def test_copy_into_only_some_tensors() -> None:
+    state = {"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0), "c": torch.full((4,), 3.0)}
+    flat = flatten(state)
+    dst = torch.zeros(flat.data_bytes, dtype=torch.uint8)
+    copy_into(flat, dst, only=[2, 0])
+    stored = [dst[e.offset : e.offset + e.nbytes].view(torch.float32).tolist() for e in flat.entries]
+    assert stored == [[1.0] * 4, [0.0] * 4, [3.0] * 4]
+    copy_into(flat, dst, only=[1], non_blocking=True)  # a no-op hint for CPU sources
+    assert dst[flat.entries[1].offset : flat.entries[1].offset + 16].view(torch.float32).tolist() == [2.0] * 4
+
+
 def test_copy_into_rejects_bad_destinations() -> None:
     flat = flatten({"a": torch.zeros(8)})
     with pytest.raises(ValueError, match="uint8"):
@@ -417,9 +428,9 @@ def test_restore_errors_name_what_is_wrong() -> None:
         restore_into({"a": torch.zeros(2, 3), "b": nn.Linear(1, 1)}, flat.entries, flat.meta, data)
     with pytest.raises(ValueError, match="outside the data"):
         restore_into({"a": torch.zeros(2, 3), "b": {}}, flat.entries, flat.meta, data[:8])
-    other = flatten({"a": torch.zeros(2, 3), "b": {"c": torch.zeros(1)}})
-    with pytest.raises(ValueError, match="do not match"):
-        restore_into({"a": torch.zeros(2, 3), "b": {}}, flat.entries, other.meta, data)
+    other = flatten({"b": {"c": torch.zeros(2, 3)}, "a": 1})  # same keys and tensor count, other paths
+    with pytest.raises(ValueError, match=r"state\['b'\]\['c'\]: the table names 'a' here"):
+        restore_into({"b": {}, "a": 1}, flat.entries, other.meta, data)
 
 
 @pytest.mark.parametrize(
@@ -463,7 +474,13 @@ _VALID = flatten(
 )
 
 
-@settings(max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=300,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(st.data())
 def test_mutated_meta_never_escapes_value_error(data: st.DataObject) -> None:
     meta = bytearray(_VALID.meta)

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -11,8 +16,6 @@ from collections.abc import Iterator
 import pytest
 import uvloop
 import zmq
-
-from snapshotd.coordinator import CoordinatorConfig, run_coordinator
 from snapshotd.proto import (
     ChunkAck,
     Error,
@@ -28,7 +31,10 @@ from snapshotd.proto import (
     decode,
     encode,
 )
-from snapshotd.status import fetch_status, render_status
+
+from snapshotd.coordinator import CoordinatorConfig, run_coordinator
+from snapshotd.security import secure_client
+from snapshotd.status import fetch_status, render_status, status_main
 
 TIMEOUT = 5.0
 SECRET = "s3cret-for-tests"
@@ -93,8 +99,6 @@ def dealer() -> Iterator:
     sockets: list[zmq.Socket] = []
 
     def factory(endpoint: str, secret: str | None = None) -> zmq.Socket:
-        from snapshotd.security import secure_client
-
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
         secure_client(s, secret)
@@ -130,15 +134,20 @@ def heartbeat(sock: zmq.Socket, node: str, rank: int, steps: tuple[int, ...], in
     return reply
 
 
-def plan_until_answered(sock: zmq.Socket, rank: int, node: str) -> PlanReply:
-    """Poll like a sidecar: resend while the answer is ``wait``."""
+def plan_all(sidecars: dict[str, tuple[zmq.Socket, int, tuple[int, ...]]]) -> dict[str, PlanReply]:
+    """Poll like sidecars: heartbeat, and resend each plan request while its answer is ``wait``."""
+    answers: dict[str, PlanReply] = {}
     deadline = time.monotonic() + TIMEOUT
-    while True:
-        reply = ask(sock, PlanRequest(job="j", rank=rank, world_size=2, node=node))
-        assert isinstance(reply, PlanReply)
-        if reply.status != "wait" or time.monotonic() > deadline:
-            return reply
+    while len(answers) < len(sidecars) and time.monotonic() < deadline:
+        for node, (sock, rank, steps) in sidecars.items():
+            assert heartbeat(sock, node, rank, steps).known
+            if node not in answers:
+                reply = ask(sock, PlanRequest(job="j", rank=rank, world_size=2, node=node))
+                assert isinstance(reply, PlanReply)
+                if reply.status != "wait":
+                    answers[node] = reply
         time.sleep(0.05)
+    return answers
 
 
 def test_register_heartbeat_plan_and_status(start, dealer) -> None:
@@ -151,31 +160,41 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     assert reply.known and reply.assignments[0].buddies == ("tcp://a:1",)
     assert (reply.watermarks[0].recoverable, reply.watermarks[0].durable) == (4, -1)
     assert ask(a, PlanRequest(job="j", rank=0, world_size=2, node="a")).status == "wait"  # type: ignore[attr-defined]
-    reply_b = plan_until_answered(b, 1, "b")  # waits out the rebuild window, then completes the round
-    reply_a = plan_until_answered(a, 0, "a")
+    answers = plan_all({"a": (a, 0, (3, 4)), "b": (b, 1, (4,))})  # waits out the rebuild window first
+    reply_a, reply_b = answers["a"], answers["b"]
     assert (reply_a.status, reply_a.step, reply_a.local) == ("ready", 4, True)
     assert (reply_b.status, reply_b.step, reply_b.local) == ("ready", 4, True)
+    assert heartbeat(a, "a", 0, (4, 5)).watermarks[0].recoverable == 4  # the reply is re-encoded on change
+    assert heartbeat(b, "b", 1, (4, 5)).watermarks[0].recoverable == 5
     doc = fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)
     assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
-    assert doc["jobs"][0]["recoverable"] == 4 and doc["coordinator"]["heartbeats"] == 2
-    assert "recoverable step G = 4" in render_status(doc)
+    assert doc["jobs"][0]["recoverable"] == 5 and doc["coordinator"]["heartbeats"] >= 4
+    assert "recoverable step G = 5" in render_status(doc)
 
 
-def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(start, dealer) -> None:
+def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(
+    start, dealer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="snapshotd.coordinator.server")
     coord = start()
     sock = dealer(coord.endpoint)
-    for junk in ([b"\xff\x00garbage"], [b"\x80"], [b"\x82\xa1v\x01\xa4type\xa9heartbeat"], [b"", b"", b"x"]):
-        reply = ask(sock, junk) if junk[0] else None
-        if reply is None:  # an empty first frame reads as a REQ envelope and is answered with one
-            sock.send_multipart(junk)
-            assert sock.poll(int(TIMEOUT * 1000))
-            frames = sock.recv_multipart()
-            assert frames[0] == b""
-            reply = decode(frames[1:])
+    for junk in ([b"\xff\x00garbage"], [b"\x80"], [b"\x82\xa1v\x01\xa4type\xa9heartbeat"], [b"x", b"y"]):
+        reply = ask(sock, junk)
         assert isinstance(reply, Error) and reply.code == "bad_message"
+    sock.send_multipart([b"", b"junk"])  # a REQ-style envelope is answered with the same envelope
+    assert sock.poll(int(TIMEOUT * 1000))
+    frames = sock.recv_multipart()
+    assert frames[0] == b"" and decode(frames[1:]).code == "bad_message"  # type: ignore[attr-defined]
+    nonsense = ask(sock, PlanRequest(job="j", rank=3, world_size=2, node="a"))
+    assert isinstance(nonsense, Error) and nonsense.code == "bad_message" and "world size" in nonsense.message
     unexpected = ask(sock, ChunkAck(job="j", rank=0, step=1, index=0))
     assert isinstance(unexpected, Error) and unexpected.code == "unexpected"
-    assert isinstance(ask(sock, Error(code="x")), Error) is False if False else True  # placeholder removed below
+    sock.send_multipart(encode(Error(code="oops")))  # an error is counted, never answered
+    assert not sock.poll(200)
+    assert isinstance(ask(sock, Heartbeat(node="ghost", incarnation="x")), HeartbeatReply)
+    assert fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["coordinator"]["bad_messages"] == 8
+    complaints = [r.getMessage() for r in caplog.records if r.name == "snapshotd.coordinator.server"]
+    assert len(complaints) == 1 and "bad message from peer" in complaints[0]  # once per peer per minute
 
 
 def test_unknown_node_gets_known_false(start, dealer) -> None:
@@ -217,8 +236,65 @@ def test_routable_bind_without_secret_is_refused() -> None:
         asyncio.run(run_coordinator(cfg))
 
 
-def test_fetch_status_times_out_without_a_coordinator() -> None:
+def test_fetch_status_times_out_without_a_coordinator(capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     with pytest.raises(TimeoutError):
         fetch_status("tcp://127.0.0.1:9", secret=None, timeout=0.3)
-    assert time.monotonic() - t0 < 2.0
+    assert status_main("tcp://127.0.0.1:9", watch=False, as_json=False, secret=None, timeout=0.3) == 1
+    assert "no answer from coordinator at tcp://127.0.0.1:9 within 0.3 s" in capsys.readouterr().err
+    assert status_main("nonsense", watch=False, as_json=True, secret=None, timeout=0.3) == 1
+    assert "cannot reach coordinator" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_status_main_prints_tables_and_json(start, dealer, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = start()
+    sock = dealer(coord.endpoint)
+    register(sock, "a")
+    heartbeat(sock, "a", 0, (3,))
+    assert status_main(coord.endpoint, watch=False, as_json=False, secret=None) == 0
+    text = capsys.readouterr().out
+    assert "NODE" in text and "a " in text and "job j: world size 2" in text
+    assert status_main(coord.endpoint, watch=False, as_json=True, secret=None) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["nodes"][0]["ranks"] == [["j", 0, True]] and doc["jobs"][0]["ranks"][1]["node"] is None
+
+
+_MAIN = """
+import sys, uvloop
+from snapshotd.coordinator import CoordinatorConfig, run_coordinator
+cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0")
+uvloop.run(run_coordinator(cfg, ready=lambda endpoint: print(endpoint, flush=True)))
+print("stopped", flush=True)
+"""
+
+
+def test_process_serves_until_sigterm() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _MAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        endpoint = proc.stdout.readline().strip()
+        assert endpoint.startswith("tcp://127.0.0.1:"), proc.stderr.read() if proc.stderr else ""
+        assert fetch_status(endpoint, secret=None, timeout=TIMEOUT)["coordinator"]["replicas"] == 1
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT)
+    assert proc.returncode == 0, err
+    assert out.strip() == "stopped"
+
+
+def test_status_watch_refreshes_until_ctrl_c(start, monkeypatch, capsys: pytest.CaptureFixture[str]) -> None:
+    coord = start()
+    naps: list[float] = []
+
+    def sleep(seconds: float) -> None:  # the user presses Ctrl-C during the second pause
+        naps.append(seconds)
+        if len(naps) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("snapshotd.status.time.sleep", sleep)
+    assert status_main(coord.endpoint, watch=True, as_json=False, secret=None) == 0
+    assert naps == [1.0, 1.0] and capsys.readouterr().out.count("coordinator: up") == 2

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
-from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     Heartbeat,
     HeartbeatReply,
@@ -17,6 +15,8 @@ from snapshotd.proto import (
     RegisterSidecar,
     ReplicateTask,
 )
+
+from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 
 T0 = 1000.0
 LATER = T0 + 10.0  # past the rebuild window (heartbeat_timeout 3 s)
@@ -358,6 +358,32 @@ def test_lost_buddy_waits_for_the_regular_stream_first() -> None:
     assert not any(keep_alive(st, T0 + 4.5, "a", "c", "d")[n].tasks for n in "acd")
     replies = keep_alive(st, T0 + 7.0, "a", "c", "d")  # the deficit outlived heartbeat_timeout
     assert replies["c"].tasks == (ReplicateTask(job="j", rank=0, step=5, sources=(addr("a"),)),)
+
+
+def test_replication_prefers_assigned_buddies_then_racks_without_a_copy() -> None:
+    st = make(replicas=2)
+    for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r2"), ("d", "r1"), ("e", "r3")):
+        register(st, n, rack=rack)
+    beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))  # a's buddies: b, c
+    beat(st, "b", T0, (), inv("j", 0, 5))
+    for t in (1.0, 2.5):  # G = 5 is first seen at T0 + 1: settling (the regular stream may land) until T0 + 4
+        assert not any(r.tasks for r in keep_alive(st, T0 + t, "a", "b", "c", "d", "e").values())
+    replies = keep_alive(st, T0 + 4.5, "a", "b", "c", "d", "e")  # 2 of 3 copies
+    assert [n for n, r in replies.items() if r.tasks] == ["c"]  # the assigned buddy, though b shares its rack
+    keep_alive(st, T0 + 6.0, "b", "c", "d", "e")
+    replies = keep_alive(st, T0 + 7.6, "b", "c", "d", "e")  # a died: the copy on c is pending, one more needed
+    assert [n for n, r in replies.items() if r.tasks] == ["e"]  # r3 holds no copy yet; never d (a's rack)
+
+
+def test_no_target_outside_the_homes_rack_means_no_task() -> None:
+    st = make()
+    for n, rack in (("a", "r1"), ("b", "r2"), ("d", "r1")):
+        register(st, n, rack=rack)
+    beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))
+    beat(st, "b", T0, (), inv("j", 0, 5))
+    for t in range(1, 20):
+        replies = keep_alive(st, T0 + t, "a", "d")  # b dies; only d, in a's rack, is left
+        assert all(r.tasks == () for r in replies.values())
 
 
 # ------------------------------------------------------------------------------------------------ status

@@ -50,7 +50,7 @@ def _roundtrip(codec: str, data: bytes, elem: int, base: bytes | None = None) ->
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dataset", sorted(DATASETS))
-@pytest.mark.parametrize("elem", [1, 2, 4, 8])
+@pytest.mark.parametrize("elem", [1, 2, 4, 8, 24])
 def test_every_codec_roundtrips(codec: str, dataset: str, elem: int) -> None:
     data, _ = DATASETS[dataset]
     noise = np.random.default_rng(9).integers(0, 256, len(data), dtype=np.uint8)

@@ -363,5 +363,15 @@ def test_public_names_exist() -> None:
     assert len(set(snapshotd.proto.__all__)) == len(snapshotd.proto.__all__)
     for name in snapshotd.proto.__all__:
         assert hasattr(snapshotd.proto, name), name
+    wanted = {
+        "checksum",
+        "verify",
+        "compress_chunk",
+        "decompress_chunk",
+        "breakeven_rate",
+        "encode",
+        "decode",
+    }
+    assert wanted <= set(snapshotd.proto.__all__)
     for cls in MESSAGE_TYPES.values():
         assert getattr(snapshotd.proto, cls.__name__) is cls and cls.__name__ in snapshotd.proto.__all__
