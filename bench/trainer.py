@@ -4,7 +4,15 @@ Each rank is a process (``python -m snapshotd.bench.trainer ...``) in a gloo pro
 :mod:`.workloads` with AdamW and a cosine LR schedule; gradients are averaged with one all-reduce per step. The
 batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``, so the data-loader position is the step
 itself and a restored run sees exactly the batches a failure-free run sees. With ``--job`` the rank snapshots
-every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would.
+every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would. With
+``--checkpoint torch_save|dcp_async`` it instead checkpoints to disk every ``--interval`` steps the way users do
+today (:class:`~.baselines.DiskCheckpointer`), for ``snapshotd-bench overhead``. ``--device cuda`` trains on the
+GPU (gloo all-reduces the CUDA gradients).
+
+Step times run from the top of one loop iteration to the end of the step, snapshot or checkpoint call and loss
+read-out included (on CUDA the read-out waits for the step's kernels). ``blocked_times`` is, per step, the time
+the training thread spent in the snapshot or checkpoint machinery: ``capture()`` plus the optimizer fence
+(``capture_times``, ``fence_times``), or the checkpoint call.
 
 The rank writes a JSON result (losses per step, step times, a SHA-256 over its whole final state, the
 snapshotter's stats) and keeps a progress file holding the last completed step.
@@ -26,6 +34,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
 __all__ = ["batch_for", "build_state", "main", "state_digest"]
@@ -37,15 +46,18 @@ def batch_for(cfg: Any, batch: int, seed: int, rank: int, step: int) -> tuple[to
     return make_batch(cfg, batch, gen)
 
 
-def build_state(params: int, steps: int, seed: int) -> tuple[Any, dict[str, Any]]:
-    """The model, optimizer, scheduler and RNG of one rank, as the Snapshotter's state mapping."""
+def build_state(params: int, steps: int, seed: int, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
+    """The model, optimizer, scheduler and RNG of one rank, as the Snapshotter's state mapping.
+
+    The model is initialised on the CPU (the same weights on every device) and then moved to ``device``.
+    """
     from snapshotd.client import RNGState
 
     cfg = config_for_params(params)
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
-    model = GPT(cfg, seed=seed)
+    model = GPT(cfg, seed=seed).to(device)
     opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
     return cfg, {"model": model, "optim": opt, "sched": sched, "rng": RNGState()}
@@ -86,12 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pace the demo)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--checkpoint", choices=CHECKPOINT_KINDS, default=None,
+                   help="checkpoint to disk (instead of snapshots) every --interval steps")  # fmt: skip
+    p.add_argument("--interval", type=int, default=1, help="steps between disk checkpoints")
+    p.add_argument("--ckpt-dir", default=None, help="folder for --checkpoint")
     args = p.parse_args(argv)
+    if args.checkpoint and (args.job or not args.ckpt_dir):
+        p.error("--checkpoint needs --ckpt-dir and excludes --job")
 
     torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        torch.cuda.set_device(args.rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
                             timeout=__import__("datetime").timedelta(seconds=60))  # fmt: skip
-    cfg, state = build_state(args.params, args.steps, args.seed)
+    cfg, state = build_state(args.params, args.steps, args.seed, args.device)
     model, opt, sched = state["model"], state["optim"], state["sched"]
     snap = None
     start = 0
@@ -104,12 +125,21 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         start = snap.restore()
         restore_seconds = time.perf_counter() - t0
+    ckpt = None
+    if args.checkpoint:
+        group = dist.new_group(backend="gloo") if args.checkpoint == "dcp_async" else None
+        ckpt = DiskCheckpointer(args.checkpoint, state, args.ckpt_dir, interval=args.interval, rank=args.rank,
+                                process_group=group)  # fmt: skip
     losses: dict[int, float] = {}
     step_times: list[float] = []
+    capture_times: list[float] = []
+    fence_times: list[float] = []
+    blocked_times: list[float] = []
     params = [p for p in model.parameters()]
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        x, y = batch_for(cfg, args.batch, args.seed, args.rank, step)
+        before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
+        x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -121,10 +151,17 @@ def main(argv: list[str] | None = None) -> int:
             q.grad.copy_(g)
         opt.step()
         sched.step()
+        blocked = 0.0
         if snap is not None:
             snap.capture(step + 1)
-        step_times.append(time.perf_counter() - t0)
+            capture_times.append(snap.stats.capture_seconds - before[0])
+            fence_times.append(snap.stats.fence_seconds - before[1])
+            blocked = capture_times[-1] + fence_times[-1]
+        if ckpt is not None:
+            blocked = ckpt.after_step(step + 1)
         losses[step + 1] = float(loss.detach())
+        step_times.append(time.perf_counter() - t0)
+        blocked_times.append(blocked)
         if args.progress:
             _write_atomic(args.progress, str(step + 1))
         if args.step_delay:
@@ -133,10 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     if snap is not None:
         snap.wait(timeout=30)
         stats = dataclasses.asdict(snap.stats)
+    checkpoint: dict[str, Any] = {}
+    if ckpt is not None:
+        ckpt.finish()
+        checkpoint = {"kind": ckpt.kind, "interval": ckpt.interval, "started": ckpt.started,
+                      "completed": ckpt.completed, "bytes_written": ckpt.bytes_written}  # fmt: skip
     result = {
         "rank": args.rank, "start_step": start, "losses": losses, "step_times": step_times,
         "digest": state_digest(state), "digests": {k: state_digest({k: v}) for k, v in state.items()}, "stats": stats, "restore_seconds": restore_seconds,
         "restored": snap.restored if snap is not None else {},
+        "capture_times": capture_times, "fence_times": fence_times, "blocked_times": blocked_times,
+        "checkpoint": checkpoint, "device": args.device,
         "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())
         + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
     }  # fmt: skip

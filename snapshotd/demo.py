@@ -25,7 +25,7 @@ from typing import Any
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
 
-__all__ = ["run_demo", "run_scenario"]
+__all__ = ["TrainingJob", "run_demo", "run_scenario"]
 
 
 def _free_port() -> int:
@@ -34,7 +34,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Job:
+class TrainingJob:
     """The rank processes of one attempt of a training job."""
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
@@ -116,11 +116,11 @@ def run_scenario(
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
         say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-        reference = _Job(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}).wait(600)
+        reference = TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}).wait(600)
 
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
-        first = _Job(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
+        first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
                      step_delay=step_delay)  # fmt: skip
         _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
         cluster.kill(node_b)
@@ -140,7 +140,7 @@ def run_scenario(
         cluster.start_sidecar("C")
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
-        second = _Job(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c)
+        second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
 

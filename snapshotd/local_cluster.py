@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from snapshotd.shm import sweep_stale_arenas
+
 __all__ = ["LocalCluster", "ManagedProcess"]
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ class ManagedProcess:
     proc: subprocess.Popen[bytes]
     log_path: str
     fields: dict[str, str]
+    pumper: threading.Thread
 
     @property
     def pid(self) -> int:
@@ -110,7 +113,7 @@ class LocalCluster:
 
         def pump() -> None:
             assert proc.stdout is not None
-            with open(log_path, "ab") as out:
+            with proc.stdout, open(log_path, "ab") as out:
                 for line in proc.stdout:
                     out.write(line)
                     out.flush()
@@ -120,8 +123,9 @@ class LocalCluster:
                             found.update(m.groupdict())
                             got.set()
 
-        threading.Thread(target=pump, name=f"log-{name}", daemon=True).start()
-        managed = ManagedProcess(name, proc, log_path, found)
+        pumper = threading.Thread(target=pump, name=f"log-{name}", daemon=True)
+        pumper.start()
+        managed = ManagedProcess(name, proc, log_path, found, pumper)
         self._all.append(managed)
         deadline = time.monotonic() + self.READY_TIMEOUT
         while not got.wait(0.05):
@@ -136,10 +140,17 @@ class LocalCluster:
         return ""
 
     def kill(self, p: ManagedProcess) -> None:
-        """SIGKILL, as a node failure would: no cleanup runs in the process."""
+        """SIGKILL, as a node failure would: no cleanup runs in the process.
+
+        A killed sidecar's shared memory is removed too, as the death of its node would lose it.
+        """
         with contextlib.suppress(ProcessLookupError):
             p.proc.send_signal(signal.SIGKILL)
         p.proc.wait(10)
+        p.pumper.join(10)
+        node = p.fields.get("node")
+        if node is not None:
+            sweep_stale_arenas(node)
 
     def stop(self, p: ManagedProcess, timeout: float = 10.0) -> int:
         """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code."""
@@ -151,6 +162,7 @@ class LocalCluster:
                 log.warning("%s ignored SIGTERM for %.0f s; killing it", p.name, timeout)
                 p.proc.kill()
                 p.proc.wait(10)
+        p.pumper.join(10)
         return p.proc.returncode
 
     def close(self) -> None:
