@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="checkpoint to disk (instead of snapshots) every --interval steps")  # fmt: skip
     p.add_argument("--interval", type=int, default=1, help="steps between disk checkpoints")
     p.add_argument("--ckpt-dir", default=None, help="folder for --checkpoint")
+    p.add_argument("--digest", action=argparse.BooleanOptionalAction, default=True,
+                   help="hash the final state into the result (--no-digest: digests are null)")  # fmt: skip
     args = p.parse_args(argv)
     if args.checkpoint and (args.job or not args.ckpt_dir):
         p.error("--checkpoint needs --ckpt-dir and excludes --job")
@@ -177,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                       "completed": ckpt.completed, "bytes_written": ckpt.bytes_written}  # fmt: skip
     result = {
         "rank": args.rank, "start_step": start, "losses": losses, "step_times": step_times,
-        "digest": state_digest(state), "digests": {k: state_digest({k: v}) for k, v in state.items()}, "stats": stats, "restore_seconds": restore_seconds,
+        "digest": state_digest(state) if args.digest else None,
+        "digests": {k: state_digest({k: v}) for k, v in state.items()} if args.digest else {},
+        "stats": stats, "restore_seconds": restore_seconds,
         "restored": snap.restored if snap is not None else {},
         "capture_times": capture_times, "fence_times": fence_times, "blocked_times": blocked_times,
         "checkpoint": checkpoint, "device": args.device,

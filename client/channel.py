@@ -107,10 +107,10 @@ class Channel:
             try:
                 job = self._jobs.get(timeout=self.POLL_MS / 1000)
             except queue.Empty:
-                job = False  # type: ignore[assignment]
-            if job is None:
-                return
-            if job:
+                pass
+            else:
+                if job is None:
+                    return
                 try:
                     job()
                 except Exception:

@@ -148,6 +148,10 @@ class Snapshotter:
         self._lock = threading.Condition()
         self._free: set[int] = set()
         self._updates = 0  # SlotUpdates received
+        self._last_update = time.monotonic()
+        self._sidecar_ok = True
+        self._pending_registration: RankRegistered | None = None
+        self._registration_sent = -1e9
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
         self._arena: Arena | None = None
         self._slot_tensors: list[torch.Tensor] = []
@@ -155,7 +159,8 @@ class Snapshotter:
         self._table_layout: Any = None
         self._table_id = 0
         self._table_sent = False
-        self._last_step = -1
+        self._last_step = -1  # newest step started (or restored)
+        self._last_captured = -1  # newest step capture() was called with
         self._last_capture_end: float | None = None
         self._step_seconds = 0.0
         self._reported_errors: set[str] = set()
@@ -178,7 +183,7 @@ class Snapshotter:
             ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
         """
         flat = flatten(self.state)
-        self._register(flat.data_bytes)
+        self._register(flat.data_bytes, self.timeout)
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
             self._free.clear()
             self._inflight.clear()
@@ -207,7 +212,7 @@ class Snapshotter:
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
         restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot])
-        self._last_step = reply.step
+        self._last_step = self._last_captured = reply.step
         self._table_sent = False
         log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
                  f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
@@ -227,8 +232,9 @@ class Snapshotter:
         """
         if self._closed:
             raise RuntimeError("capture() after close()")
-        if step <= self._last_step:
-            raise ValueError(f"capture({step}) after capture({self._last_step}): steps only grow")
+        if step <= self._last_captured:
+            raise ValueError(f"capture({step}) after capture({self._last_captured}): steps only grow")
+        self._last_captured = step
         t0 = time.perf_counter()
         if self._last_capture_end is not None:
             self._step_seconds = t0 - self._last_capture_end
@@ -277,23 +283,49 @@ class Snapshotter:
 
     # ---------------------------------------------------------------------------------------- internals
 
-    def _register(self, data_bytes: int) -> None:
+    def _registration(self, data_bytes: int) -> RegisterRank:
+        return RegisterRank(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
+                            data_bytes=data_bytes, slots=self.slots)  # fmt: skip
+
+    def _register(self, data_bytes: int, timeout: float) -> None:
+        """Register (or re-register with a bigger size) and map the arena, waiting at most ``timeout``."""
         with self._lock:
             self._free.clear()
             self._inflight.clear()
             seen = self._updates
-        reply = self._channel.request(
-            RegisterRank(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-                         data_bytes=data_bytes, slots=self.slots),  # fmt: skip
-            "rank_registered",
-            self.timeout,
-        )
+        reply = self._channel.request(self._registration(data_bytes), "rank_registered", timeout)
         assert isinstance(reply, RankRegistered)
+        self._adopt(reply)
+        with self._lock:  # the sidecar sends the free slots right after its reply
+            self._lock.wait_for(lambda: self._updates > seen, timeout=min(timeout, 5.0))
+
+    def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
         self._registered_bytes = reply.slot_bytes
         self._table_sent = False
-        with self._lock:  # the sidecar sends the free slots right after its reply
-            self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
+        self._sidecar_ok = True
+
+    def _ensure_registered(self, data_bytes: int) -> bool:
+        """Make sure the arena fits ``data_bytes``. Never waits long: a local sidecar answers in milliseconds; one
+        that does not is retried in the background (at most once a second) while captures are skipped."""
+        pending, self._pending_registration = self._pending_registration, None
+        if pending is not None:
+            self._adopt(pending)
+        if data_bytes <= self._registered_bytes and self._arena is not None:
+            return True
+        if self._sidecar_ok:
+            try:
+                self._register(data_bytes, min(self.timeout, 2.0))
+                return True
+            except (SidecarUnavailable, ProtocolError, OSError, ValueError) as exc:
+                self._sidecar_ok = False
+                self._problem(f"cannot register with the sidecar: {exc}")
+                return False
+        now = time.monotonic()
+        if now - self._registration_sent > 1.0:
+            self._registration_sent = now
+            self._channel.send(self._registration(data_bytes))
+        return False
 
     def _map_arena(self, path: str, slot_bytes: int, slots: int) -> Arena:
         if self._arena is not None and self._arena.path == path:
@@ -311,16 +343,18 @@ class Snapshotter:
         return self._arena
 
     def _start(self, step: int, flat: FlatState) -> bool:
-        try:
-            if flat.data_bytes > self._registered_bytes or self._arena is None:
-                self._register(flat.data_bytes)
-        except (SidecarUnavailable, ProtocolError, OSError, ValueError) as exc:
-            self._problem(f"cannot register with the sidecar: {exc}")
+        if not self._ensure_registered(flat.data_bytes):
             self.stats.skipped += 1
             return False
         slot = self._take_slot(step)
         if slot is None:
             self.stats.skipped += 1
+            if time.monotonic() - self._last_update > self.timeout:
+                # every slot busy and no word from the sidecar for long: it restarted and forgot us
+                self._problem(f"no slot update from the sidecar for {self.timeout:.0f} s; registering again")
+                self._registered_bytes = -1
+                self._sidecar_ok = False
+                self._last_update = time.monotonic()
             return False
         table = b""
         if not self._table_sent or flat.layout != self._table_layout:
@@ -363,7 +397,10 @@ class Snapshotter:
 
     def _on_message(self, msg: Message) -> None:
         """Channel thread: slot updates and errors about announces."""
-        if isinstance(msg, SlotUpdate):
+        if isinstance(msg, RankRegistered):
+            self._pending_registration = msg
+        elif isinstance(msg, SlotUpdate):
+            self._last_update = time.monotonic()
             with self._lock:
                 self._updates += 1
                 for slot in msg.free_slots:

@@ -106,8 +106,8 @@ class Stager:
         self.fence()
         mask = self._async_mask(flat)
         on_cuda = [t.is_cuda for t in flat.tensors]
-        sync_idx = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda)) if not safe and not cuda]
-        cpu_async = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda)) if safe and not cuda]
+        sync_idx = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if not safe and not cuda]
+        cpu_async = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if safe and not cuda]
         cuda_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
         if sync_idx:
             copy_into(flat, dst, only=sync_idx)

@@ -29,7 +29,7 @@ import msgpack
 
 from . import limits as L
 from .errors import LimitExceeded, MalformedMessage, ProtocolError, UnknownMessageType, UnsupportedVersion
-from .schema import Bool, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
+from .schema import Bool, Enum, Float, Int, ListOf, Record, Spec, Str, spec_field
 
 PROTOCOL_VERSION = L.PROTOCOL_VERSION
 
@@ -553,7 +553,7 @@ def decode(frames: Sequence[Any]) -> Message:
             continue
         else:
             raise MalformedMessage(f"{mtype}: missing field {name!r}")
-    for (name, fspec), frame in zip(frame_specs, frames[1:]):
+    for (name, fspec), frame in zip(frame_specs, frames[1:], strict=True):
         kwargs[name] = fspec.check(_as_view(frame), name)
     try:
         return cls(**kwargs)

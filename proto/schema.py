@@ -138,7 +138,7 @@ class Record(Spec):
     def check(self, value: Any, name: str) -> Any:
         if type(value) is not list or len(value) != len(self.fields):
             raise MalformedMessage(f"field {name!r}: expected a list of {len(self.fields)} values")
-        return self.cls(*(spec.check(v, f"{name}.{fname}") for (fname, spec), v in zip(self.fields, value)))
+        return self.cls(*(spec.check(v, f"{name}.{fname}") for (fname, spec), v in zip(self.fields, value, strict=True)))
 
     def dump(self, value: Any) -> Any:
         return [spec.dump(getattr(value, fname)) for fname, spec in self.fields]

@@ -159,9 +159,9 @@ def run_scenario(
         "restore_sources": {r["rank"]: r["restored"]["source"] for r in results},
         "bytes_pulled": pull_bytes,
         "pull_GBps": pull_bytes / pull_seconds / 1e9 if pull_seconds else 0.0,
-        "bit_identical": all(r["digest"] == ref["digest"] for r, ref in zip(results, reference)),
+        "bit_identical": all(r["digest"] == ref["digest"] for r, ref in zip(results, reference, strict=True)),
         "losses_identical": all(
-            all(r["losses"][k] == ref["losses"][k] for k in r["losses"]) for r, ref in zip(results, reference)
+            all(r["losses"][k] == ref["losses"][k] for k in r["losses"]) for r, ref in zip(results, reference, strict=True)
         ),
         "state_bytes_per_rank": results[0]["state_bytes"],
     }

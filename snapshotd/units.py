@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 __all__ = ["format_bytes", "format_rate", "format_seconds", "parse_bytes", "parse_duration", "parse_rate"]
 
@@ -14,7 +15,7 @@ _TIME = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h":
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/]*)\s*$", re.IGNORECASE)
 
 
-def _parse(text: str, units: dict[str, float], what: str) -> float:
+def _parse(text: str, units: Mapping[str, float], what: str) -> float:
     m = _NUM.match(str(text))
     if not m or m.group(2).lower() not in units:
         raise ValueError(f"cannot read {text!r} as a {what} (units: {', '.join(k for k in units if k)})")

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from snapshotd import proto
+from snapshotd.progress import Progress
 from snapshotd.proto import (
     Announce,
     Chunk,
@@ -110,7 +111,7 @@ class Sidecar:
         ipc = self.ctx.socket(zmq.ROUTER)
         data = self.ctx.socket(zmq.ROUTER)
         self.control = CoordinatorClient(self.ctx, cfg.coordinator, secret=cfg.secret)
-        installed: list[int] = []
+        installed: list[signal.Signals] = []
         try:
             for sock in (ipc, data):
                 sock.setsockopt(zmq.LINGER, 0)
@@ -437,14 +438,12 @@ class Sidecar:
             snap = None
         if snap is not None:
             index = self._restore_slot(lr, snap.data_bytes)
-            lr.arena.slot(index)[: snap.data_bytes] = memoryview(snap.data)
+            lr.arena.slot(index)[: snap.data_bytes] = snap.data.data
             lr.slots[index] = SlotState(step=step, valid=True, table=snap.table, meta=snap.meta, data_bytes=snap.data_bytes)
             return index, 0
-        from snapshotd.bench.report import Progress
-
         links = [self.link(a) for a in sources if a != self.data_addr]
         index = 0
-        with Progress(total=0, desc=f"restore {lr.job} rank {lr.rank} step {step}", unit="B") as bar:
+        with Progress(None, desc=f"restore {lr.job} rank {lr.rank} step {step}", unit="bytes") as bar:
 
             def allocate(m: StreamBegin) -> memoryview:
                 bar.total = m.data_bytes
@@ -524,7 +523,7 @@ class Sidecar:
         """
         try:
             snap = self.store.get(job, rank, step)
-            return snap.table, snap.meta, snap.data_bytes, lambda: memoryview(snap.data)
+            return snap.table, snap.meta, snap.data_bytes, lambda: snap.data.data
         except UnknownSnapshot:
             lr = self.ranks.get((job, rank))
             index = lr.find(step) if lr is not None else None
@@ -536,7 +535,8 @@ class Sidecar:
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
         table, meta, nbytes, view = self._source(req.job, req.rank, req.step)
         lr = self.ranks.get((req.job, req.rank))
-        pinned = lr.slots[lr.find(req.step)] if lr is not None and lr.find(req.step) is not None else None
+        index = lr.find(req.step) if lr is not None else None
+        pinned = lr.slots[index] if lr is not None and index is not None else None
         if pinned is not None:
             pinned.pins += 1
         try:
@@ -565,7 +565,7 @@ class Sidecar:
             def allocate(m: StreamBegin) -> memoryview:
                 snap = self.store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
                                         chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta)  # fmt: skip
-                return memoryview(snap.data)
+                return snap.data.data
 
             try:
                 _, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step, allocate=allocate)

@@ -137,7 +137,7 @@ class SnapshotStore:
         start, end = snap.chunk_range(index)
         if raw_len != end - start:
             raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
-        out = memoryview(snap.data)[start:end]
+        out = snap.data.data[start:end]
         base = None
         if codec_name == "delta-lz4":
             try:
@@ -146,7 +146,7 @@ class SnapshotStore:
                 raise ProtocolError(f"delta base step {base_step} is not held: {exc}") from exc
             if base_snap.data_bytes < end:
                 raise ProtocolError(f"delta base step {base_step} is too short for chunk {index}")
-            base = memoryview(base_snap.data)[start:end]
+            base = base_snap.data.data[start:end]
         codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
         codec.verify(out, checksum)
         if not snap.received[index]:

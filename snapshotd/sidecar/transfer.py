@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from snapshotd.proto import Chunk, ChunkAck, PullManifest, PullRequest, StreamAbort, StreamAccept, StreamBegin, codec
+from snapshotd.proto import (
+    Chunk,
+    ChunkAck,
+    PullManifest,
+    PullRequest,
+    StreamAbort,
+    StreamAccept,
+    StreamBegin,
+    codec,
+)
 
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
@@ -83,7 +94,7 @@ class SendResult:
     delta_chunks: int
 
 
-def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, object, float]:
+def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, Any, float]:
     t0 = time.perf_counter()
     used, payload = codec.compress_chunk("delta-lz4", data, base=base, elem=elem)
     return used, payload, time.perf_counter() - t0
@@ -158,10 +169,8 @@ async def send_snapshot(
                 acked += 1
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
-            try:
+            with contextlib.suppress(Exception):  # the peer is gone: nothing to tell it
                 await asyncio.shield(link.send(StreamAbort(job=job, rank=rank, step=step, reason=reason)))
-            except Exception:  # the peer is gone: nothing to tell it
-                pass
             raise
     seconds = time.perf_counter() - t0
     policy.record_stream(wire, seconds)

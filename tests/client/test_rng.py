@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from snapshotd.client.rng import RNGState
 from snapshotd.client.state import copy_into, flatten, restore_into
 

@@ -17,9 +17,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch import nn
+
 from snapshotd.client.rng import RNGState
 from snapshotd.client.state import ALIGN, FlatState, copy_into, flatten, restore_into
-from torch import nn
 
 
 def snapshot(state: dict[str, Any]) -> tuple[FlatState, torch.Tensor]:

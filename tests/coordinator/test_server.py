@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import pytest
 import uvloop
 import zmq
+
+from snapshotd.coordinator import CoordinatorConfig, run_coordinator
 from snapshotd.proto import (
     ChunkAck,
     Error,
@@ -31,8 +33,6 @@ from snapshotd.proto import (
     decode,
     encode,
 )
-
-from snapshotd.coordinator import CoordinatorConfig, run_coordinator
 from snapshotd.security import secure_client
 from snapshotd.status import fetch_status, render_status, status_main
 

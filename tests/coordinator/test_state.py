@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 
 import pytest
+
+from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     Heartbeat,
     HeartbeatReply,
@@ -15,8 +17,6 @@ from snapshotd.proto import (
     RegisterSidecar,
     ReplicateTask,
 )
-
-from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 
 T0 = 1000.0
 LATER = T0 + 10.0  # past the rebuild window (heartbeat_timeout 3 s)

@@ -8,6 +8,7 @@ import lz4.block
 import numpy as np
 import pytest
 import xxhash
+
 from snapshotd.proto import limits as L
 from snapshotd.proto.codec import breakeven_rate, checksum, compress_chunk, decompress_chunk, verify
 from snapshotd.proto.errors import ChecksumMismatch, CodecError, ProtocolError

@@ -8,8 +8,9 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-import snapshotd.proto
 import zmq
+
+import snapshotd.proto
 from snapshotd.proto import limits as L
 from snapshotd.proto.errors import (
     LimitExceeded,

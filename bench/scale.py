@@ -1,0 +1,340 @@
+"""``snapshotd-bench scale``: one real coordinator against thousands of simulated sidecars.
+
+For each N of ``--sidecars`` (default 100, 1,000 and 10,000 in turn): a real ``snapshotd coordinator`` process
+(:class:`~snapshotd.local_cluster.LocalCluster`, default heartbeat interval 0.5 s and timeout 3 s) and
+``--workers`` processes of :mod:`.simsidecars` that drive N simulated sidecars between them, one DEALER socket
+(one TCP connection) each, registering and heartbeating as the real sidecar does, each reporting 8 ranks of one
+job of 8N ranks and an inventory of 32 snapshots that changes with every training step (``--step-seconds``).
+
+1. **Ramp**: every sidecar registers and gets a first known heartbeat reply (``ramp_s``); then ``--settle`` s.
+2. **Window** (``--window`` s): ``heartbeats_per_s`` is heartbeat replies received per second, summed over the
+   workers (``hb_ratio``: that over N / interval, the rate a coordinator that keeps up answers); ``hb_rtt_*``
+   their request-to-reply times; ``coordinator_cpu`` the coordinator process's utime + stime from
+   ``/proc/PID/stat`` over the window as a fraction of one core (every thread: its Python thread, which
+   ``coordinator_py_cpu`` counts alone, and ZeroMQ's I/O thread); ``drivers_cpu`` the simulators' together.
+3. **Node loss**: training stops (every step freezes; the buddies' streams finish), sidecar N/2 falls silent and
+   a replacement node registers hosting its 8 ranks, holding nothing. The bench waits ``heartbeat_timeout``
+   plus 0.5 s for the coordinator to declare the silent node dead.
+4. **Plan round**: every one of the 8N ranks asks for a plan once, through its sidecar's socket, each sidecar
+   asking for its ranks one after the other (``freeze_s``: from the first request to the last answer; every
+   answer is ``wait`` but the one to the last rank to ask, which freezes the round).
+5. **Plan latency**: once the round is frozen, a sample of ranks asks again, spread evenly over
+   ``--plan-spread`` s while every sidecar keeps heartbeating: the 8 ranks of the lost node (from the
+   replacement, which pulls) and ``--plan-sample`` others, one per sidecar spread over the ring. ``plan_ms`` is a
+   request's send to its ``ready`` reply, as the simulated sidecar sees it (so it includes the loopback and the
+   wait behind the heartbeats in the coordinator's queue); ``plan_ms_p99`` is the 99th percentile over the
+   sample. Every answer must be ``ready`` at the frozen step, ``local`` exactly for ranks whose node lived,
+   and must not name the lost node as a source (``plan_wrong`` counts those that break this).
+
+``--profile PATH.prof`` runs the coordinator in this process, in a thread under cProfile (``run_coordinator``
+from :mod:`snapshotd.coordinator.server`), and writes ``PATH-N.prof`` per N; ``coordinator_cpu`` then counts
+that thread alone, profiler overhead included.
+
+Summary: ``sidecars`` (the largest N), and for it ``heartbeats_per_s``, ``coordinator_cpu`` and ``plan_ms_p99``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from snapshotd.local_cluster import LocalCluster
+
+from .report import Report
+from .simsidecars import fds_needed, node_name, raise_nofile
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+_COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
+            "coordinator_cpu", "coordinator_py_cpu", "drivers_cpu", "ramp_s", "freeze_s", "plan_ms_p50",
+            "plan_ms_p99", "plan_ms_max", "plan_samples", "plan_wrong", "timeouts", "reregistered"]  # fmt: skip
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _int_list(text: str) -> list[int]:
+    values = [int(v.replace("_", "")) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected integers >= 2 separated by commas, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``scale`` subcommand's flags."""
+    parser.add_argument("--sidecars", type=_int_list, default=[100, 1000, 10000],
+                        help="simulated sidecars, one run per value (default 100,1000,10000)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks each sidecar hosts (default 8)")
+    parser.add_argument("--workers", type=int, default=2, help="simulator processes (default 2)")
+    parser.add_argument("--window", type=float, default=5.0, help="seconds of measured heartbeats (default 5)")
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds after the ramp before measuring (1)")
+    parser.add_argument("--step-seconds", type=float, default=0.5,
+                        help="simulated training step time; inventories change every step (default 0.5)")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
+    parser.add_argument("--plan-sample", type=int, default=200, help="ranks of live nodes timed (default 200)")
+    parser.add_argument("--plan-spread", type=float, default=1.0, help="seconds the timed asks spread over (1)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each phase, seconds (120)")
+    parser.add_argument("--profile", metavar="PATH.prof", help="cProfile the coordinator (in a thread here)")
+
+
+def run(args: argparse.Namespace) -> Report:
+    """Run every N of ``args.sidecars`` in turn; see the module docstring for what each row means."""
+    results = [asyncio.run(_one(n, args)) for n in args.sidecars]
+    top = max(results, key=lambda r: r["sidecars"])
+    summary = {"sidecars": top["sidecars"], "heartbeats_per_s": top["heartbeats_per_s"],
+               "coordinator_cpu": top["coordinator_cpu"], "plan_ms_p99": top["plan_ms_p99"]}  # fmt: skip
+    config = {k: getattr(args, k) for k in ("sidecars", "ranks_per_node", "workers", "window", "settle",
+                                            "step_seconds", "heartbeat_interval", "heartbeat_timeout",
+                                            "plan_sample", "plan_spread", "profile")}  # fmt: skip
+    return Report("scale", config, results, summary, columns=_COLUMNS)
+
+
+class _Worker:
+    """One :mod:`.simsidecars` process: a JSON line per command, one JSON event line per answer."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: str, first: int, count: int) -> None:
+        self.proc, self.log_path, self.first, self.count = proc, log_path, first, count
+
+    def owns(self, index: int) -> bool:
+        return self.first <= index < self.first + self.count
+
+    async def send(self, cmd: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def event(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        try:
+            async with asyncio.timeout(timeout):
+                line = await self.proc.stdout.readline()
+        except TimeoutError:
+            raise RuntimeError(f"simulator {self.first}+{self.count} did not answer in {timeout:g} s:\n"
+                               f"{self.tail()}") from None  # fmt: skip
+        if not line:
+            raise RuntimeError(f"simulator {self.first}+{self.count} exited:\n{self.tail()}")
+        return json.loads(line)
+
+    async def ask(self, cmd: dict[str, Any], timeout: float) -> dict[str, Any]:
+        await self.send(cmd)
+        return await self.event(timeout)
+
+    def tail(self) -> str:
+        with contextlib.suppress(OSError), open(self.log_path, errors="replace") as f:
+            return "".join(f.readlines()[-20:])
+        return ""
+
+    async def stop(self) -> int:
+        """Ask it to stop; terminate, then kill, when it does not within 10 s. Returns the exit code."""
+        with contextlib.suppress(OSError, RuntimeError):
+            await self.send({"cmd": "stop"})
+        try:
+            async with asyncio.timeout(10):
+                return await self.proc.wait()
+        except TimeoutError:
+            self.proc.kill()
+            async with asyncio.timeout(10):
+                return await self.proc.wait()
+
+
+class _ThreadCoordinator:
+    """The coordinator in a thread of this process under cProfile (``--profile``), stopped by :meth:`close`."""
+
+    def __init__(self, interval: float, timeout: float, prof_path: str) -> None:
+        from snapshotd.coordinator.config import CoordinatorConfig
+
+        self.cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval, heartbeat_timeout=timeout)
+        self.prof_path = prof_path
+        self.endpoint = ""
+        self.tid = 0
+        self._up = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
+        self._thread.start()
+        if not self._up.wait(30):
+            raise RuntimeError("the in-process coordinator did not start in 30 s")
+
+    def _main(self) -> None:
+        import uvloop
+
+        from snapshotd.coordinator.server import run_coordinator
+
+        self.tid = threading.get_native_id()
+
+        async def serve() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            await run_coordinator(self.cfg, ready=self._ready, stop=self._stop)
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            uvloop.run(serve())
+        finally:
+            prof.disable()
+            prof.dump_stats(self.prof_path)
+
+    def _ready(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._up.set()
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._thread.is_alive():
+            raise RuntimeError("the in-process coordinator did not stop in 30 s")
+
+
+def _cpu_seconds(path: str) -> float:
+    """utime + stime of the process or thread whose ``stat`` file is ``path``, in seconds."""
+    with open(path) as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+@contextlib.contextmanager
+def _coordinator(args: argparse.Namespace, n: int, workdir: str) -> Any:
+    """Yield (endpoint, {name: /proc stat path}) of a running coordinator; stop it on exit."""
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise_nofile(fds_needed(n + 1))  # the coordinator inherits it
+    try:
+        if args.profile:
+            root, ext = os.path.splitext(args.profile)
+            inproc = _ThreadCoordinator(args.heartbeat_interval, args.heartbeat_timeout, f"{root}-{n}{ext or '.prof'}")
+            try:
+                yield inproc.endpoint, {"thread": f"/proc/self/task/{inproc.tid}/stat"}
+            finally:
+                inproc.close()
+                log.info("wrote %s", inproc.prof_path)
+            return
+        cluster = LocalCluster(workdir, heartbeat_interval=args.heartbeat_interval,
+                               heartbeat_timeout=args.heartbeat_timeout)  # fmt: skip
+        with cluster:
+            proc = cluster.start_coordinator()
+            yield cluster.coordinator_addr, {"process": f"/proc/{proc.pid}/stat",
+                                             "thread": f"/proc/{proc.pid}/task/{proc.pid}/stat"}  # fmt: skip
+            code = cluster.stop(proc)
+            if code != 0:
+                raise RuntimeError(f"the coordinator exited with {code}:\n{cluster.tail(proc)}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+
+
+async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir, _coordinator(args, n, workdir) as (ep, stat):
+        nworkers = max(1, min(args.workers, n))
+        workers: list[_Worker] = []
+        try:
+            for w in range(nworkers):
+                first, count = w * n // nworkers, (w + 1) * n // nworkers - w * n // nworkers
+                log_path = os.path.join(workdir, f"sim-{w}.log")
+                with open(log_path, "wb") as err:
+                    proc = await asyncio.create_subprocess_exec(
+                        sys.executable, "-m", "snapshotd.bench.simsidecars", stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE, stderr=err, limit=1 << 26)  # fmt: skip
+                workers.append(_Worker(proc, log_path, first, count))
+            return await _measure(n, args, ep, stat, workers)
+        finally:
+            codes = [await w.stop() for w in workers]
+            if any(codes):
+                log.warning("simulator exit codes %s", codes)
+
+
+async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
+                   workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
+    job, interval, deadline = f"scale-{uuid.uuid4().hex[:6]}", args.heartbeat_interval, args.timeout
+    t0 = time.monotonic()
+    for w in workers:
+        await w.send({"cmd": "start", "config": {
+            "coordinator": ep, "job": job, "first": w.first, "count": w.count, "total": n,
+            "ranks_per_node": args.ranks_per_node, "interval": interval, "step_seconds": args.step_seconds,
+            "t0": t0, "reply_timeout": max(1.0, 4 * interval)}})  # fmt: skip
+    for w in workers:
+        await w.event(deadline)
+    ramp_s = time.monotonic() - t0
+    log.info("%d sidecars up in %.1f s", n, ramp_s)
+    await asyncio.sleep(args.settle)
+
+    cpu0 = {k: _cpu_seconds(p) for k, p in stat.items()}
+    c0 = time.monotonic()
+    marks0 = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    await asyncio.sleep(args.window)
+    marks1 = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    span = time.monotonic() - c0
+    cpu = {k: (_cpu_seconds(p) - cpu0[k]) / span for k, p in stat.items()}
+    hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
+    rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
+    drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
+
+    victim, stop_at = n // 2, time.monotonic()
+    for w in workers:
+        await w.ask({"cmd": "freeze", "at": stop_at}, deadline)
+        if w.owns(victim):
+            await w.ask({"cmd": "lose", "victim": victim}, deadline)
+    await asyncio.sleep(args.heartbeat_timeout + 0.5)
+
+    f0 = time.monotonic()
+    asked = await _all(workers, {"cmd": "ask_all", "spread": interval}, deadline)
+    freeze_s = time.monotonic() - f0
+    answered = [r for a in asked for r in a["answered"]]
+    statuses = {s: sum(a["statuses"].get(s, 0) for a in asked) for s in ("wait", "ready", "none", "fresh")}
+    if len(answered) != 1 or answered[0]["status"] != "ready" or statuses["wait"] != n * args.ranks_per_node - 1:
+        raise RuntimeError(f"the plan round did not freeze as expected: {statuses}, answered {answered[:3]}")
+    step, frozen_by = answered[0]["step"], answered[0]["rank"]
+
+    lost = list(range(victim * args.ranks_per_node, (victim + 1) * args.ranks_per_node))
+    asks: list[list[int]] = [[n, r] for r in lost]  # the replacement, index n
+    m = min(args.plan_sample, n - 1)
+    for k in range(m):
+        index = (victim + 1 + k * (n - 1) // m) % n  # every node but the victim, spread over the ring
+        rank = index * args.ranks_per_node + k % args.ranks_per_node
+        if rank != frozen_by:
+            asks.append([index, rank])
+    sampled = await _all(workers, {"cmd": "sample", "spread": args.plan_spread}, deadline,
+                         split=lambda w: [a for a in asks if w.owns(a[0]) or (a[0] == n and w.owns(victim))])
+    replies = [r for s in sampled for r in s["replies"]]
+    lost_addr = f"tcp://10.{victim >> 16 & 255}.{victim >> 8 & 255}.{victim & 255}:7071"
+    wrong = [r for r in replies if r["status"] != "ready" or r["step"] != step or lost_addr in r["sources"]
+             or r["local"] != (r["node"] != n) or (r["node"] == n and not r["sources"])]  # fmt: skip
+    if wrong:
+        log.warning("%d plan answers are wrong, e.g. %s (the lost node is %s)", len(wrong), wrong[0],
+                    node_name(victim, n))  # fmt: skip
+    ms = np.asarray([r["ms"] for r in replies], dtype=float)
+    last = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    return {
+        "sidecars": n, "ranks": n * args.ranks_per_node, "heartbeats_per_s": round(hb, 1),
+        "hb_ratio": round(hb * interval / n, 3), "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
+        "coordinator_cpu": round(cpu.get("process", cpu["thread"]), 3), "coordinator_py_cpu": round(cpu["thread"], 3),
+        "drivers_cpu": round(drivers, 3), "ramp_s": round(ramp_s, 2), "freeze_s": round(freeze_s, 2),
+        "plan_ms_p50": _pct(ms, 50), "plan_ms_p99": _pct(ms, 99), "plan_ms_max": _pct(ms, 100),
+        "plan_samples": len(replies), "plan_wrong": len(wrong),
+        "timeouts": sum(x["timeouts"] for x in last), "reregistered": sum(x["reregistered"] for x in last),
+    }  # fmt: skip
+
+
+async def _all(workers: list[_Worker], cmd: dict[str, Any], timeout: float, split: Any = None) -> list[dict[str, Any]]:
+    """Send ``cmd`` to every worker (with ``asks=split(worker)`` when given) and gather their answers."""
+    for w in workers:
+        await w.send({**cmd, "asks": split(w)} if split else cmd)
+    return list(await asyncio.gather(*(w.event(timeout) for w in workers)))
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return round(float(np.percentile(values, q)), 3) if values.size else math.nan

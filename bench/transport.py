@@ -1,0 +1,245 @@
+"""``snapshotd-bench transport``: sidecar-to-sidecar streaming against a plain TCP socket moving the same bytes.
+
+Each sidecar phase starts a fresh deployment of real processes (:class:`~snapshotd.local_cluster.LocalCluster`):
+a coordinator (``--replicas 1``), sidecar A, which the driver (:mod:`.drivers`, a training-rank stand-in with a
+real Snapshotter) snapshots into, and sidecar B, A's buddy, which receives. The driver times each step from
+``capture()`` until A reports it durable on B.
+
+1. **Loopback**: a state of ``--size`` bytes (fp32), ``--repeat`` timed snapshots, and the same bytes through
+   :func:`~snapshotd.bench.baselines.raw_socket_transfer`.
+2. **Shaped links** (root and iproute2 only; skipped with the reason otherwise): the same across a veth pair
+   between two network namespaces shaped with ``tbf`` at 1 and 10 Gbit/s (:mod:`.links`), with
+   ``--link-size`` bytes. Everything of A's side (coordinator, sidecar A, driver) runs in namespace A, sidecar B
+   in namespace B: namespaces cannot reach the root namespace's loopback.
+3. **Delta on 1 Gbit/s**: consecutive AdamW steps of a GPT (``--delta-params``) streamed by sidecars running
+   ``--codec raw`` and then ``--codec delta-lz4``; steps after the first durable one are timed, so the buddy
+   holds the previous step as the delta base.
+
+A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
+state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
+durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``.
+Every phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
+``--insecure``).
+
+Summary: ``state_bytes``, ``sidecar_GBps`` and ``raw_socket_GBps`` (loopback, GB/s), ``loopback_ratio``
+(sidecar / raw), ``sidecar_rss_bytes`` (receiving sidecar's VmRSS after the repeats), and, when shaped links
+ran, ``link_1gbit_ratio``, ``link_10gbit_ratio`` and ``delta_speedup_1gbit`` (median raw time / delta time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import uuid
+from typing import Any
+
+from snapshotd.local_cluster import LocalCluster
+from snapshotd.units import format_bytes, parse_bytes
+
+from .baselines import raw_socket_transfer
+from .links import Link, links_available, shaped_link
+from .report import Report
+
+__all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+_LINK_RATES = (("1gbit", 1e9), ("10gbit", 10e9))
+_COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seconds", "receiver_rss_bytes",
+            "sender_rss_bytes"]  # fmt: skip
+_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat", "timeout")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``transport`` subcommand's flags."""
+    parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="state on loopback (default 1GiB)")
+    parser.add_argument("--repeat", type=int, default=5, help="timed snapshots on loopback (default 5)")
+    parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 1MiB)")
+    parser.add_argument("--link-size", type=parse_bytes, default=256 << 20,
+                        help="state on the shaped links (default 256MiB)")  # fmt: skip
+    parser.add_argument("--link-repeat", type=int, default=3, help="timed snapshots per link (default 3)")
+    parser.add_argument("--delta-params", type=int, default=20_000_000,
+                        help="GPT parameters of the delta phase; state = 12 B each (default 20e6)")  # fmt: skip
+    parser.add_argument("--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)")
+    parser.add_argument("--no-links", action="store_true", help="skip the shaped-link phases")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase (default 300)")
+
+
+def run(args: argparse.Namespace) -> Report:
+    """Measure as the module docstring says; see :func:`add_arguments` for ``args``.
+
+    Raises:
+        ValueError: bad sizes or counts.
+        RuntimeError: a process failed or a phase did not finish within ``--timeout``.
+    """
+    for name in ("size", "link_size"):
+        if getattr(args, name) < 4 or getattr(args, name) % 4:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive multiple of 4 bytes")
+    if min(args.repeat, args.link_repeat, args.delta_repeat) < 1 or args.delta_params < 1:
+        raise ValueError("--repeat, --link-repeat, --delta-repeat and --delta-params must be >= 1")
+    config: dict[str, Any] = {k: getattr(args, k) for k in _CONFIG_KEYS}
+    results: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="snapshotd-bench-transport-") as workdir:
+        side, raw = _compare(workdir, "loopback", None, args.size, args.repeat, args, results)
+        summary["state_bytes"] = side["state_bytes"]
+        summary["sidecar_GBps"] = side["stream_Bps"] / 1e9
+        summary["raw_socket_GBps"] = raw / 1e9
+        summary["loopback_ratio"] = side["stream_Bps"] / raw
+        summary["sidecar_rss_bytes"] = side["receiver_rss_bytes"]
+        reason = "disabled by --no-links" if args.no_links else links_available()
+        config["links"] = reason or "ran"
+        if reason is not None:
+            log.warning("shaped links skipped: %s", reason)
+            print(f"snapshotd-bench transport: shaped links skipped: {reason}", file=sys.stderr)
+            return Report(bench="transport", config=config, results=results, summary=summary, columns=_COLUMNS)
+        for label, rate in _LINK_RATES:
+            with shaped_link(rate) as link:
+                side, raw = _compare(workdir, label, link, args.link_size, args.link_repeat, args, results)
+                summary[f"link_{label}_ratio"] = side["stream_Bps"] / raw
+                if label == "1gbit":
+                    summary["delta_speedup_1gbit"] = _delta(workdir, link, args, results)
+    return Report(bench="transport", config=config, results=results, summary=summary, columns=_COLUMNS)
+
+
+def _compare(
+    workdir: str, label: str, link: Link | None, size: int, repeat: int, args: argparse.Namespace,
+    results: list[dict[str, Any]],
+) -> tuple[dict[str, Any], float]:
+    """The sidecars and the raw socket move ``size`` bytes ``repeat`` times; two result rows are appended."""
+    log.info("%s: sidecars stream %s x %d", label, format_bytes(size), repeat)
+    out = _sidecar_phase(workdir, label, link, "raw", args, ["transport", "--size", str(size), "--repeat", str(repeat)])
+    side = _row(f"{label} sidecar", out, args.chunk)
+    log.info("%s: raw socket moves %s x %d", label, format_bytes(size), repeat)
+    raw = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
+    side["vs_raw"] = side["stream_Bps"] / raw
+    results.append({"run": f"{label} raw socket", "state_bytes": size, "stream_Bps": raw, "vs_raw": 1.0})
+    results.append(side)
+    return side, raw
+
+
+def _delta(workdir: str, link: Link, args: argparse.Namespace, results: list[dict[str, Any]]) -> float:
+    """Median time to stream real consecutive training states raw over delta-lz4 on ``link``."""
+    medians = {}
+    for codec in ("raw", "delta-lz4"):
+        log.info("1gbit: training state of %d params, codec %s", args.delta_params, codec)
+        argv = ["train", "--params", str(args.delta_params), "--repeat", str(args.delta_repeat)]
+        out = _sidecar_phase(workdir, f"train-{codec}", link, codec, args, argv)
+        row = _row(f"1gbit train {codec}", out, args.chunk)
+        medians[codec] = row["e2e_seconds"]
+        results.append(row)
+    speedup = medians["raw"] / medians["delta-lz4"]
+    results[-1]["vs_raw"] = speedup
+    return speedup
+
+
+def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
+    nbytes = out["state_bytes"]
+    e2e = statistics.median(out["seconds"])
+    stream = statistics.median(t - s for t, s in zip(out["seconds"], out["stage_seconds"], strict=True))
+    return {
+        "run": name,
+        "state_bytes": nbytes,
+        "stream_Bps": nbytes / stream,
+        "e2e_Bps": nbytes / e2e,
+        "e2e_seconds": e2e,
+        "stage_seconds": statistics.median(out["stage_seconds"]),
+        "receiver_rss_bytes": out["receiver_rss_bytes"],
+        "sender_rss_bytes": out["sender_rss_bytes"],
+        "chunk": chunk or "default",
+        "seconds": out["seconds"],
+    }
+
+
+def _sidecar_phase(
+    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, driver: list[str]
+) -> dict[str, Any]:
+    """A coordinator, sidecars A and B (A's buddy) and a driver on A; the driver's JSON plus both sidecars' RSS."""
+    phase_dir = os.path.join(workdir, label)
+    host_a, host_b = (link.addr_a, link.addr_b) if link else ("127.0.0.1", "127.0.0.1")
+    prefix_a = link.exec_argv(link.ns_a, []) if link else []
+    prefix_b = link.exec_argv(link.ns_b, []) if link else []
+    net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
+    side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
+    with LocalCluster(phase_dir, replicas=1, env={"SNAPSHOTD_SECRET": ""}) as cluster:
+        _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
+        sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
+        receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")
+        job = f"bench-{label}-{uuid.uuid4().hex[:6]}"
+        argv = [*prefix_a, sys.executable, "-m", "snapshotd.bench.drivers", *driver, "--job", job,
+                "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
+        out = _run_driver(argv, os.path.join(phase_dir, "driver.log"), args.timeout + 30)
+        for p in (sender, receiver):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited during {label}; log:\n{cluster.tail(p)}")
+        out["receiver_rss_bytes"] = _rss_bytes(receiver.pid)
+        out["sender_rss_bytes"] = _rss_bytes(sender.pid)
+    return out
+
+
+def _start_coordinator(cluster: LocalCluster, bind: str, extra: list[str], prefix: list[str]) -> None:
+    """``cluster.start_coordinator(bind, *extra)``, inside a namespace when ``prefix`` is ``ip netns exec NS``.
+
+    LocalCluster.start_coordinator takes no prefix (start_sidecar does), so with one this builds the same
+    ``snapshotd coordinator`` command line and starts it through the cluster, which still stops it on close.
+    """
+    if not prefix:
+        cluster.start_coordinator(bind, *extra)
+        return
+    argv = ["coordinator", "--bind", bind, "--replicas", str(cluster.replicas),
+            "--heartbeat-interval", f"{cluster.heartbeat_interval}s",
+            "--heartbeat-timeout", f"{cluster.heartbeat_timeout}s", *extra]  # fmt: skip
+    ready = re.compile(r"snapshotd coordinator ready (?P<endpoint>\S+)")
+    cluster.coordinator = cluster._start("coordinator", argv, ready, prefix=prefix)
+
+
+def _run_driver(argv: list[str], log_path: str, timeout: float) -> dict[str, Any]:
+    """Run a driver process to completion; its last stdout line as JSON (stderr goes to ``log_path``).
+
+    Raises:
+        RuntimeError: it failed or ran past ``timeout`` (it is killed then), with the end of its log.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with open(log_path, "wb") as err:
+        try:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                  timeout=timeout, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"driver ran past {timeout:.0f} s; log:\n{_tail(log_path)}") from exc
+    if proc.returncode != 0:
+        raise RuntimeError(f"driver exited with {proc.returncode}; log:\n{_tail(log_path)}")
+    lines = proc.stdout.decode(errors="replace").strip().splitlines()
+    if not lines:
+        raise RuntimeError(f"driver printed no result; log:\n{_tail(log_path)}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def _rss_bytes(pid: int) -> int:
+    """VmRSS of process ``pid`` in bytes.
+
+    Raises:
+        RuntimeError: the process or its VmRSS line is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the memory of process {pid}: {exc}") from exc
+    raise RuntimeError(f"process {pid} has no VmRSS (it exited)")

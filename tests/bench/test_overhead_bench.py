@@ -1,0 +1,105 @@
+"""``snapshotd-bench overhead`` at tiny sizes: real gloo ranks, two real sidecars, every variant, one round."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from snapshotd.bench import overhead
+from snapshotd.bench.report import Report, emit
+from snapshotd.bench.workloads import config_for_params
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TINY_PARAMS = 30_000
+SUMMARY_KEYS = {
+    "state_bytes_per_rank",
+    "step_ratio",
+    "capture_ms_median",
+    "fence_ms_median",
+    "snapshots_durable",
+    "snapshots_skipped",
+    "torch_save_ratio",
+    "dcp_async_ratio",
+}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
+    workdir = tmp_path_factory.mktemp("overhead")
+    args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
+                 "--batch", "1", "--workdir", str(workdir), "--run-timeout", "90")  # fmt: skip
+    return overhead.run(args)
+
+
+def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
+    assert set(report.summary) == SUMMARY_KEYS
+    n = config_for_params(TINY_PARAMS).n_params
+    # fp32 parameters + AdamW exp_avg + exp_avg_sq (+ one 4-byte step counter per parameter tensor)
+    assert 12 * n <= report.summary["state_bytes_per_rank"] < 12 * n + 4096
+    for key in ("step_ratio", "torch_save_ratio", "dcp_async_ratio", "capture_ms_median"):
+        assert report.summary[key] > 0, key
+    assert report.summary["fence_ms_median"] >= 0
+    assert report.summary["snapshots_durable"] > 0  # node A really streamed to node B
+    assert report.summary["snapshots_skipped"] >= 0
+
+
+def test_one_row_per_variant_with_consistent_figures(report: Report) -> None:
+    rows = {r["variant"]: r for r in report.results}
+    assert list(rows) == list(overhead.VARIANTS)
+    assert rows["none"]["step_ratio"] == 1.0
+    assert rows["none"]["moved_per_step_bytes"] == 0 and rows["none"]["completed_every"] is None
+    assert rows["snapshotd"]["step_ratio"] == report.summary["step_ratio"]
+    assert rows["torch_save"]["step_ratio"] == report.summary["torch_save_ratio"]
+    assert rows["dcp_async"]["step_ratio"] == report.summary["dcp_async_ratio"]
+    state = report.summary["state_bytes_per_rank"]
+    for name in ("torch_save", "dcp_async"):  # interval 1: every step saved, and every save completed
+        assert rows[name]["completed_every"] == pytest.approx(1.0)
+        assert rows[name]["moved_per_step_bytes"] > 0.5 * state  # a whole replica reaches disk each step
+    assert rows["snapshotd"]["completed_every"] >= 1.0
+    assert rows["snapshotd"]["moved_per_step_bytes"] > 0
+    for row in report.results:
+        assert row["step_p99_ms"] >= row["step_median_ms"] > 0
+        assert row["blocked_mean_ms"] >= 0
+        assert len(row["step_ms"]) == 4  # 5 steps, 1 warmup, 1 run
+    assert rows["none"]["blocked_mean_ms"] == 0
+
+
+def test_report_prints_saves_and_draws(report: Report, tmp_path: Path) -> None:
+    json_path, png_path = tmp_path / "o.json", tmp_path / "o.png"
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        emit(report, json_path=str(json_path), plot_path=str(png_path), plot_fn=overhead.plot, out=f)
+    text = out.read_text()
+    assert "snapshotd-bench overhead" in text and "dcp_async" in text and "step_ratio:" in text
+    doc = json.loads(json_path.read_text())
+    assert doc["bench"] == "overhead" and set(doc["summary"]) == SUMMARY_KEYS
+    assert "node A" in doc["config"]["setup"]
+    assert png_path.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_defaults_snapshot_at_least_100_mb_per_rank_with_two_ranks() -> None:
+    args = _args()
+    assert args.ranks == 2 and args.variants == list(overhead.VARIANTS) and args.interval == [1]
+    assert 12 * config_for_params(args.params).n_params >= 100e6
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--variants", "snapshotd"], ["--variants", "none,bogus"], ["--interval", "0"], ["--interval", "x"]],
+)
+def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        _args(*argv)
+
+
+def test_warmup_must_leave_steps_to_measure() -> None:
+    with pytest.raises(ValueError, match="warmup"):
+        overhead.run(_args("--steps", "3", "--warmup", "3"))

@@ -1,0 +1,148 @@
+"""The Snapshotter's contract with a training loop: bad state fails loudly at once, sidecar trouble never does."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import torch
+
+from snapshotd.client import RNGState, SidecarUnavailable, Snapshotter
+from snapshotd.local_cluster import LocalCluster
+
+
+def _nowhere(tmp_path) -> str:
+    return os.path.join(str(tmp_path), "no-sidecar.ipc")
+
+
+class _Opaque:
+    def state_dict(self) -> dict:
+        return {"fn": lambda: 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def test_unsnapshottable_value_is_a_type_error_naming_its_path(tmp_path) -> None:
+    with Snapshotter({"w": torch.zeros(3), "bad": _Opaque()}, job="j", rank=0, world_size=1,
+                     sidecar=_nowhere(tmp_path), timeout=1) as snap:  # fmt: skip
+        with pytest.raises(TypeError, match=r"state\['bad'\]\['fn'\].*never pickle"):
+            snap.capture(1)
+
+
+def test_missing_identity_is_a_clear_value_error(monkeypatch) -> None:
+    for var in ("SNAPSHOTD_JOB", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="SNAPSHOTD_JOB"):
+        Snapshotter({}, rank=0, world_size=1)
+    with pytest.raises(ValueError, match="RANK/WORLD_SIZE"):
+        Snapshotter({}, job="j")
+    with pytest.raises(ValueError, match="when_busy"):
+        Snapshotter({}, job="j", rank=0, world_size=1, when_busy="sometimes")
+
+
+def test_defaults_come_from_the_environment(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "elastic-7")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("SNAPSHOTD_SIDECAR", _nowhere(tmp_path))
+    with Snapshotter({}, timeout=1) as snap:
+        assert (snap.job, snap.rank, snap.world_size, snap.sidecar) == ("elastic-7", 3, 4, _nowhere(tmp_path))
+
+
+def test_restore_without_a_sidecar_fails_clearly_and_promptly(tmp_path) -> None:
+    with Snapshotter({"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
+                     timeout=1) as snap:  # fmt: skip
+        t0 = time.monotonic()
+        with pytest.raises(SidecarUnavailable, match="snapshotd serve"):
+            snap.restore(timeout=1)
+        assert time.monotonic() - t0 < 5
+
+
+def test_capture_never_raises_or_stalls_when_the_sidecar_is_down(tmp_path) -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Snapshotter({"model": model, "optim": opt}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
+                     timeout=1) as snap:  # fmt: skip
+        t0 = time.monotonic()
+        started = [snap.capture(step) for step in range(1, 21)]
+        elapsed = time.monotonic() - t0
+    assert started == [False] * 20
+    assert snap.stats.skipped == 20 and snap.stats.errors >= 1 and "sidecar" in snap.stats.last_error
+    assert elapsed < 4  # one bounded attempt, then background retries
+
+
+def test_steps_must_grow_and_every_skips_off_steps(tmp_path) -> None:
+    with Snapshotter({"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
+                     timeout=1, every=2) as snap:  # fmt: skip
+        assert snap.capture(1) is False
+        with pytest.raises(ValueError, match="steps only grow"):
+            snap.capture(1)
+        assert snap.stats.skipped == 0  # an off step is not a skipped snapshot
+
+
+@pytest.mark.integration
+def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
+    """A sidecar restart during training degrades snapshots for a moment; capture() never raises."""
+    job = f"restart-{uuid.uuid4().hex[:6]}"
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        node_a = cluster.start_sidecar("A")
+        cluster.start_sidecar("B")
+        model = torch.nn.Linear(64, 64)
+        opt = torch.optim.AdamW(model.parameters())
+        state = {"model": model, "optim": opt, "rng": RNGState()}
+        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=2) as snap:
+            assert snap.restore(timeout=20) == 0
+            step = 0
+
+            def train_and_capture() -> bool:
+                nonlocal step
+                model(torch.randn(8, 64)).sum().backward()
+                opt.step()
+                step += 1
+                return snap.capture(step)
+
+            deadline = time.monotonic() + 20
+            while snap.stats.last_durable_step < 3:
+                train_and_capture()
+                snap.wait(2)
+                assert time.monotonic() < deadline
+            assert cluster.stop(node_a) == 0
+            cluster.start_sidecar("A")
+            restarted_at = step
+            deadline = time.monotonic() + 30
+            while snap.stats.last_durable_step <= restarted_at:
+                train_and_capture()
+                time.sleep(0.1)
+                snap.wait(0.5)
+                assert time.monotonic() < deadline, snap.stats
+            assert snap.stats.errors >= 1
+
+
+@pytest.mark.integration
+def test_block_mode_waits_and_a_new_node_pulls(tmp_path) -> None:
+    job = f"block-{uuid.uuid4().hex[:6]}"
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        cluster.start_sidecar("A")
+        cluster.start_sidecar("B")
+        cluster.start_sidecar("C")
+        w = torch.zeros(1 << 16)
+        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10,
+                         when_busy="block") as snap:  # fmt: skip
+            assert snap.restore(timeout=20) == 0
+            for step in range(1, 6):
+                w.fill_(step)
+                assert snap.capture(step)  # "block" waits for a slot instead of skipping
+            assert snap.wait(10)
+            assert snap.stats.skipped == 0 and snap.stats.last_durable_step == 5
+            snap.close(unregister=False)  # as a crash would: A keeps its local copy, B its buddy copy
+        # the rank restarts on a third node, which holds nothing: it pulls from A and B
+        w2 = torch.zeros(1 << 16)
+        with Snapshotter({"w": w2}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("C"), timeout=10) as snap:
+            assert snap.restore(timeout=20) == 5
+            assert torch.equal(w2, torch.full((1 << 16,), 5.0))
+            assert snap.restored["source"] == "pull" and snap.restored["bytes_pulled"] == w2.numel() * 4

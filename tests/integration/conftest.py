@@ -1,0 +1,180 @@
+"""Fixtures for tests with real snapshotd processes on loopback.
+
+``cluster`` is a started :class:`~snapshotd.local_cluster.LocalCluster` (a coordinator; sidecars are started by the
+test with :meth:`Cluster.start`) under ``tmp_path``, closed when the test ends. Every node and job name of a test
+carries its ``tag``, so that the check made after the cluster closed, that no ``/dev/shm`` file of this test is left
+behind, cannot be confused by other tests or other users of the machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+
+import pytest
+import zmq
+from snapshotd.proto import Chunk, Error, Message, PullManifest, PullRequest, StreamBegin, codec, decode, encode
+
+from snapshotd.local_cluster import LocalCluster, ManagedProcess
+from snapshotd.shm import SHM_DIR
+
+
+def shm_leftovers(tag: str) -> list[str]:
+    """Files under ``/dev/shm`` that snapshotd created for names carrying ``tag``."""
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith("snapshotd-") and tag in n)
+
+
+class Cluster(LocalCluster):
+    """A LocalCluster whose node and job names carry the test's ``tag``; it remembers what it killed."""
+
+    def __init__(self, workdir: str, tag: str, **kwargs: object) -> None:
+        super().__init__(workdir, **kwargs)  # type: ignore[arg-type]
+        self.tag = tag
+        self.started: list[ManagedProcess] = []
+        self.killed: list[ManagedProcess] = []
+
+    def node(self, name: str) -> str:
+        return f"{name}-{self.tag}"
+
+    def job(self, name: str) -> str:
+        return f"{name}-{self.tag}"
+
+    def start(self, name: str, *extra: str, data_bind: str = "tcp://127.0.0.1:0") -> ManagedProcess:
+        """Start the sidecar of node ``name`` (tagged), replacing the entry of an earlier one of that name."""
+        proc = self.start_sidecar(self.node(name), *extra, data_bind=data_bind)
+        self.started.append(proc)
+        return proc
+
+    def sidecar(self, name: str) -> ManagedProcess:
+        return self.sidecars[self.node(name)]
+
+    def ipc(self, name: str) -> str:
+        return self.ipc_path(self.node(name))
+
+    def kill(self, p: ManagedProcess) -> None:
+        self.killed.append(p)
+        super().kill(p)
+
+
+@pytest.fixture
+def tag() -> str:
+    """A name fragment unique to this test (node names, job names, and so shared-memory file names)."""
+    return uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def no_shm_leak(tag: str) -> Iterator[None]:
+    """After the test (and every fixture that depends on this one) ended: no /dev/shm file of the test is left."""
+    yield
+    left = shm_leftovers(tag)
+    assert not left, f"shared memory left behind in {SHM_DIR}: {left}"
+
+
+@pytest.fixture
+def cluster(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[Cluster]:
+    """A coordinator (replicas 1, heartbeats every 0.2 s, dead after 1.5 s) and room for sidecars.
+
+    At the end every process is stopped (SIGTERM, then SIGKILL); each one the test did not kill must have exited
+    cleanly.
+    """
+    c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    try:
+        c.start_coordinator()
+        yield c
+    finally:
+        c.close()
+    assert c.coordinator is not None
+    for p in [c.coordinator, *c.started]:
+        assert not p.alive(), f"{p.name} still runs after close()"
+        if p not in c.killed:
+            assert p.proc.returncode == 0, f"{p.name} exited with {p.proc.returncode}; log:\n{c.tail(p)}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pulled:
+    """A complete snapshot as a holder served it: its table and meta blobs and the reassembled data bytes."""
+
+    table: bytes
+    meta: bytes
+    data: bytes
+
+
+class DataPeer:
+    """A raw DEALER on a sidecar's data plane (or ipc endpoint): the real protocol, driven by hand.
+
+    Every receive has a deadline; :meth:`close` closes the socket with linger 0 and terminates its context.
+    """
+
+    def __init__(self, endpoint: str, timeout: float = 10.0) -> None:
+        self.timeout = timeout
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send_frames(self, frames: Sequence[bytes | memoryview]) -> None:
+        self.sock.send_multipart(list(frames), copy=True)
+
+    def send(self, msg: Message) -> None:
+        self.send_frames(encode(msg))
+
+    def recv(self, timeout: float | None = None) -> Message:
+        """The next message. Raises TimeoutError when none arrives in time."""
+        if not self.sock.poll(int(1000 * (self.timeout if timeout is None else timeout)), zmq.POLLIN):
+            raise TimeoutError("no reply from the sidecar")
+        return decode(self.sock.recv_multipart())
+
+    def request(self, msg: Message | Sequence[bytes]) -> Message:
+        if isinstance(msg, Message):
+            self.send(msg)
+        else:
+            self.send_frames(msg)
+        return self.recv()
+
+    def pull(self, job: str, rank: int, step: int) -> Pulled | Error:
+        """Fetch ``(job, rank, step)`` with PullManifest + PullRequest, checking every chunk's checksum.
+
+        Returns the holder's Error when it refuses (not held, not complete, dropped meanwhile).
+
+        Raises:
+            AssertionError: a chunk is out of range, duplicated, of the wrong size, or fails its checksum.
+        """
+        reply = self.request(PullManifest(job=job, rank=rank, step=step))
+        if isinstance(reply, Error):
+            return reply
+        assert isinstance(reply, StreamBegin), reply
+        assert (reply.rank, reply.step) == (rank, step)
+        data = bytearray(reply.data_bytes)
+        view = memoryview(data)
+        seen: set[int] = set()
+        nchunks = reply.nchunks
+        for first in range(0, nchunks, 4096):
+            count = min(4096, nchunks - first)
+            self.send(PullRequest(job=job, rank=rank, step=step, first=first, count=count))
+            for _ in range(count):
+                msg = self.recv()
+                if isinstance(msg, Error):
+                    return msg
+                assert isinstance(msg, Chunk), msg
+                assert first <= msg.index < first + count and msg.index not in seen, msg.index
+                seen.add(msg.index)
+                start = msg.index * reply.chunk_bytes
+                end = min(start + reply.chunk_bytes, reply.data_bytes)
+                assert msg.raw_len == end - start
+                out = view[start:end]
+                codec.decompress_chunk(msg.codec, msg.payload, msg.raw_len, elem=msg.elem, out=out)
+                codec.verify(out, msg.checksum)
+        assert len(seen) == nchunks
+        return Pulled(bytes(reply.table), bytes(reply.meta), bytes(data))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+    def __enter__(self) -> DataPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
