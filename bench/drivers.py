@@ -106,10 +106,13 @@ def _measure(
     snap: Snapshotter, advance: Callable[[int], None], repeat: int, timeout: float
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    t0 = time.perf_counter()
     restored = snap.restore(timeout=min(timeout, 60.0))
     if restored != 0:
         raise RuntimeError(f"job already has step {restored}: use a fresh job name")
+    t1 = time.perf_counter()
     warmup = _first_durable(snap, advance, deadline)
+    t2 = time.perf_counter()
     seconds, stage = _timed_steps(snap, advance, warmup + 1, repeat, deadline)
     stats = dataclasses.asdict(snap.stats)
     return {
@@ -117,6 +120,8 @@ def _measure(
         "seconds": seconds,
         "stage_seconds": stage,
         "warmup_captures": warmup,
+        "restore_seconds": t1 - t0,
+        "warmup_seconds": t2 - t1,
         "stats": stats,
     }
 

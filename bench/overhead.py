@@ -1,9 +1,11 @@
 """``snapshotd-bench overhead``: what a snapshot after every step costs training, beside today's disk checkpoints.
 
 A real data-parallel job (``--ranks`` gloo processes of :mod:`snapshotd.bench.trainer`, training the GPT of
-:mod:`.workloads` with AdamW; about 12 bytes of state per parameter) runs again and again, one variant per run,
-interleaved round by round (``none, snapshotd, torch_save, dcp_async, none, snapshotd, ...``) so that drift in the
-machine's speed hits every variant alike:
+:mod:`.workloads` with AdamW; about 12 bytes of state per parameter) trains in runs of ``--steps`` steps, one
+variant per run, interleaved round by round (``none, snapshotd, torch_save, dcp_async, none, snapshotd, ...``) so
+that drift in the machine's speed (other work on it) hits every variant alike. The runs are blocks of one
+training job (the trainer's ``--plan``), so process start-up is paid once; between runs the ranks wait, untimed,
+for the previous run's snapshot or save in flight, so that no run's work spills into the next:
 
 - ``none``: no checkpointing.
 - ``snapshotd``: :class:`~snapshotd.client.Snapshotter` ``capture()`` after every step (``--every``).
@@ -15,12 +17,16 @@ N is each value of ``--interval``. The deployment is a coordinator and **two** s
 rank on node A: A streams each snapshot to B, its buddy (``replicas=1``), so this machine pays for one node's
 whole snapshot traffic, sending (A) and receiving (B) both, which a real node would split with its buddies.
 
-Per variant (the first ``--warmup`` steps of each run left out): the median and p99 step time (per step, the mean
+Per variant (the first ``--warmup`` steps of each run left out; a variant with interval N runs its measured steps
+in a multiple of N, so that they hold exactly one save per N steps): the median and p99 step time (per step, the mean
 over ranks), the time the training thread was blocked (per step, the largest over ranks: ``capture()`` plus the
 optimizer fence; the ``torch.save`` call; or ``async_save`` plus waiting for the previous one), the bytes moved
 off the rank processes per step (snapshotd: state streamed to the buddy, counted from the snapshots every buddy
 acknowledged; the baselines: bytes written to disk), the effective interval between completed snapshots or
-checkpoints, and the ratio of the median step time to ``none``'s.
+checkpoints, and the ratio of the median step time to ``none``'s. Where the time goes: ``rank_cpu_ms`` is the CPU
+time of all rank processes per step (median; every thread, so it includes snapshotd's staging copy and DCP's
+writer), ``sidecar_cpu_ms`` the CPU time both sidecars used during the whole job divided by the snapshotd steps
+(sending on A, receiving and verifying on B; their idle heartbeats are negligible).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 VARIANTS = ("none", "snapshotd", "torch_save", "dcp_async")
 _SUMMARY_RATIO = {"torch_save": "torch_save_ratio", "dcp_async": "dcp_async_ratio"}
 _COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_p99_ms", "step_ratio", "blocked_median_ms",
-            "blocked_mean_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
+            "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
 
 
 def _int_list(text: str) -> list[int]:
@@ -65,29 +71,47 @@ def _variants(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS]
     if bad or "none" not in names:
-        raise argparse.ArgumentTypeError(f"variants are some of {', '.join(VARIANTS)}, 'none' included; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"variants are some of {', '.join(VARIANTS)}, 'none' included; got {text!r}"
+        )
     return list(dict.fromkeys(names))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``overhead`` subcommand's flags."""
-    parser.add_argument("--params", type=parse_bytes, default=9_000_000,
-                        help="model parameters, e.g. 9M (default 9M: ~110 MB of state per rank)")
+    parser.add_argument(
+        "--params",
+        type=parse_bytes,
+        default=9_000_000,
+        help="model parameters, e.g. 9M (default 9M: ~110 MB of state per rank)",
+    )
     parser.add_argument("--ranks", type=int, default=2, help="gloo ranks, all on node A (default 2)")
-    parser.add_argument("--steps", type=int, default=18, help="training steps per run (default 18)")
-    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out (default 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each variant, interleaved (default 2)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
+    parser.add_argument("--rounds", type=int, default=4, help="runs of each variant, interleaved (default 4)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank and step (default 4)")
-    parser.add_argument("--interval", type=_int_list, default=[1],
-                        help="disk checkpoint every N steps; a comma list runs each (default 1)")
-    parser.add_argument("--variants", type=_variants, default=list(VARIANTS),
-                        help=f"comma list of {','.join(VARIANTS)} (default all)")
-    parser.add_argument("--every", type=int, default=1, help="snapshotd: snapshot every K-th step (default 1)")
-    parser.add_argument("--max-rate", default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)")
+    parser.add_argument(
+        "--interval",
+        type=_int_list,
+        default=[1],
+        help="disk checkpoint every N steps; a comma list runs each (default 1)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_variants,
+        default=list(VARIANTS),
+        help=f"comma list of {','.join(VARIANTS)} (default all)",
+    )
+    parser.add_argument(
+        "--every", type=int, default=1, help="snapshotd: snapshot every K-th step (default 1)"
+    )
+    parser.add_argument(
+        "--max-rate", default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks train")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
-    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one run (default 300)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)")  # fmt: skip
 
 
 def _free_port() -> int:
@@ -102,30 +126,52 @@ def _tail(path: str, lines: int = 20) -> str:
     return ""
 
 
-def _run_ranks(workdir: str, tag: str, ranks: int, flags: list[str], timeout: float) -> list[dict[str, Any]]:
-    """Start ``ranks`` trainer processes, wait for all (at most ``timeout`` s) and return their results.
+def _read_progress(path: str) -> int:
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return int(f.read() or 0)
+    return 0
+
+
+def _run_ranks(
+    workdir: str, ranks: int, flags: list[str], steps: int, timeout: float
+) -> list[dict[str, Any]]:
+    """Start ``ranks`` trainer processes, show rank 0's progress, wait for all (at most ``timeout`` s).
+
+    Returns:
+        Every rank's result document, in rank order.
 
     Raises:
         RuntimeError: a rank failed or ran out of time (every rank is killed first; its log tail is attached).
     """
     port = _free_port()
     procs: dict[int, subprocess.Popen[bytes]] = {}
-    logs = {r: os.path.join(workdir, f"{tag}-rank{r}.log") for r in range(ranks)}
-    outs = {r: os.path.join(workdir, f"{tag}-rank{r}.json") for r in range(ranks)}
+    logs = {r: os.path.join(workdir, f"train-rank{r}.log") for r in range(ranks)}
+    outs = {r: os.path.join(workdir, f"train-rank{r}.json") for r in range(ranks)}
+    progress_path = os.path.join(workdir, "train.progress")
     try:
         for r in range(ranks):
             argv = [sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(r), "--world", str(ranks),
                     "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
+            if r == 0:
+                argv += ["--progress", progress_path]
             with open(logs[r], "wb") as log:
-                procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                procs[r] = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
         deadline = time.monotonic() + timeout
-        for r, proc in procs.items():
-            try:
-                code = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"{tag}: rank {r} did not finish within {timeout:.0f} s:\n{_tail(logs[r])}") from None
-            if code != 0:
-                raise RuntimeError(f"{tag}: rank {r} exited with {code}:\n{_tail(logs[r])}")
+        with Progress(steps, desc="overhead steps", unit="steps") as bar:
+            while True:
+                codes = {r: proc.poll() for r, proc in procs.items()}
+                failed = [r for r, code in codes.items() if code not in (None, 0)]
+                if failed:
+                    r = failed[0]
+                    raise RuntimeError(f"rank {r} exited with {codes[r]}:\n{_tail(logs[r])}")
+                bar.update(_read_progress(progress_path) - bar.count)
+                if all(code == 0 for code in codes.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s:\n{_tail(logs[0])}")
+                time.sleep(0.25)
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -138,25 +184,34 @@ def _run_ranks(workdir: str, tag: str, ranks: int, flags: list[str], timeout: fl
     return results
 
 
-def _schedule(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """One round of (variant, interval) runs, in order."""
-    runs: list[tuple[str, int]] = []
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system) that process ``pid`` has used so far; None where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _block_steps(args: argparse.Namespace, interval: int) -> int:
+    """Steps of one block: the warmup, then at least ``--steps - --warmup`` measured steps, a multiple of the
+    interval, so that the measured steps hold exactly one snapshot or save per interval."""
+    measured = -(-(args.steps - args.warmup) // interval) * interval
+    return args.warmup + measured
+
+
+def _plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """The trainer's ``--plan``: ``--rounds`` times every (variant, interval), in order."""
+    one: list[tuple[str, int]] = []
     for name in args.variants:
         if name == "none":
-            runs.append((name, 0))
+            one.append((name, 1))
         elif name == "snapshotd":
-            runs.append((name, args.every))
+            one.append((name, args.every))
         else:
-            runs.extend((name, n) for n in args.interval)
-    return runs
-
-
-def _trainer_flags(name: str, interval: int, job: str, ipc: str, ckpt_dir: str) -> list[str]:
-    if name == "snapshotd":
-        return ["--job", job, "--sidecar", ipc, "--every", str(interval)]
-    if name in _SUMMARY_RATIO:
-        return ["--checkpoint", name, "--interval", str(interval), "--ckpt-dir", ckpt_dir]
-    return []
+            one.extend((name, n) for n in args.interval)
+    return [(name, n, _block_steps(args, n)) for name, n in one] * args.rounds
 
 
 @contextlib.contextmanager
@@ -169,76 +224,103 @@ def _workdir(path: str | None) -> Iterator[str]:
             yield tmp
 
 
-def _measure(args: argparse.Namespace, workdir: str) -> dict[tuple[str, int], list[list[dict[str, Any]]]]:
-    """Run the interleaved schedule; (variant, interval) -> one list of rank results per run."""
-    order = _schedule(args) * args.rounds
-    out: dict[tuple[str, int], list[list[dict[str, Any]]]] = {key: [] for key in order}
+Blocks = list[list[dict[str, Any]]]
+"""The blocks of one variant: per block, per rank, its counters and its per-step lists (warmup included)."""
+
+_PER_STEP = ("step_times", "blocked_times", "capture_times", "fence_times", "cpu_times")
+
+
+def _measure(
+    args: argparse.Namespace, workdir: str
+) -> tuple[dict[tuple[str, int], Blocks], int, float | None]:
+    """Run the plan on a fresh cluster.
+
+    Returns:
+        (variant, interval) -> its blocks; the state bytes per rank; the CPU seconds both sidecars used during
+        the job (None where /proc cannot tell).
+    """
+    plan = _plan(args)
+    total = sum(k for _, _, k in plan)
     extra = ("--max-rate", args.max_rate) if args.max_rate else ()
-    common = ["--steps", str(args.steps), "--params", str(args.params), "--batch", str(args.batch),
-              "--threads", str(args.threads), "--device", args.device, "--no-digest"]  # fmt: skip
+    flags = ["--steps", str(total), "--params", str(args.params), "--batch", str(args.batch),
+             "--threads", str(args.threads), "--device", args.device, "--no-digest", "--plan", json.dumps(plan),
+             "--every", str(args.every)]  # fmt: skip
+    if any(name in _SUMMARY_RATIO for name, _, _ in plan):
+        flags += ["--ckpt-dir", os.path.join(workdir, "checkpoints")]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=5.0) as cluster:
         cluster.start_coordinator()
         cluster.start_sidecar("A", *extra)
         cluster.start_sidecar("B", *extra)
-        with Progress(len(order), desc="overhead runs", unit="runs") as progress:
-            for i, (name, interval) in enumerate(order):
-                tag = f"run{i:02d}-{name}-{interval}"
-                ckpt_dir = os.path.join(workdir, f"{tag}-ckpt")
-                os.makedirs(ckpt_dir)
-                try:
-                    job = f"overhead-{uuid.uuid4().hex[:8]}"
-                    flags = _trainer_flags(name, interval, job, cluster.ipc_path("A"), ckpt_dir)
-                    out[(name, interval)].append(
-                        _run_ranks(workdir, tag, args.ranks, common + flags, args.run_timeout)
-                    )
-                finally:
-                    shutil.rmtree(ckpt_dir, ignore_errors=True)
-                progress.update()
-    return out
+        if "snapshotd" in args.variants:
+            flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
+        pids = [p.pid for p in cluster.sidecars.values()]
+        cpu0 = [_cpu_seconds(pid) for pid in pids]
+        try:
+            results = _run_ranks(workdir, args.ranks, flags, total, args.timeout)
+        finally:
+            shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+        cpu1 = [_cpu_seconds(pid) for pid in pids]
+    sidecar_cpu = None
+    if None not in cpu0 and None not in cpu1:
+        sidecar_cpu = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))  # type: ignore[operator]
+    out: dict[tuple[str, int], Blocks] = {}
+    for i, (name, interval, steps) in enumerate(plan):
+        ranks = []
+        for res in results:
+            block = res["blocks"][i]
+            assert (block["variant"], block["interval"], block["steps"]) == (name, interval, steps)
+            first = block["first"]
+            ranks.append({**block, **{key: res[key][first : first + steps] for key in _PER_STEP}})
+        out.setdefault((name, interval), []).append(ranks)
+    return out, int(results[0]["state_bytes"]), sidecar_cpu
 
 
-def _per_step(runs: list[list[dict[str, Any]]], key: str, warmup: int, combine: Any) -> np.ndarray:
-    """``key``'s per-step values after warmup, combined over ranks (``np.mean``/``np.max``), pooled over runs."""
-    pooled = [combine(np.array([r[key] for r in ranks], dtype=float), axis=0)[warmup:] for ranks in runs]
+def _per_step(blocks: Blocks, key: str, warmup: int, combine: Any) -> np.ndarray:
+    """``key``'s per-step values after warmup, combined over ranks (``np.mean``/``np.max``), pooled over blocks."""
+    pooled = [combine(np.array([r[key] for r in ranks], dtype=float), axis=0)[warmup:] for ranks in blocks]
     return np.concatenate(pooled) if pooled else np.empty(0)
 
 
-def _pooled(runs: list[list[dict[str, Any]]], key: str, warmup: int) -> np.ndarray:
+def _pooled(blocks: Blocks, key: str, warmup: int) -> np.ndarray:
     """``key``'s per-step values of every rank after warmup, pooled."""
-    return np.array([v for ranks in runs for r in ranks for v in r[key][warmup:]], dtype=float)
+    return np.array([v for ranks in blocks for r in ranks for v in r[key][warmup:]], dtype=float)
 
 
-def _moved(name: str, runs: list[list[dict[str, Any]]], steps: int) -> tuple[float, float | None]:
-    """(bytes moved per step, summed over ranks; steps per completed snapshot or checkpoint) for a variant."""
-    total_steps = steps * len(runs)
+def _moved(name: str, blocks: Blocks) -> tuple[float, float | None]:
+    """(bytes moved per step, summed over ranks; steps per completed snapshot or checkpoint) for a variant.
+
+    Over every step of the blocks, warmup included, since the counters cover them all.
+    """
+    steps = sum(ranks[0]["steps"] for ranks in blocks)
     if name == "snapshotd":
-        moved = completed = 0.0
-        for ranks in runs:
-            for r in ranks:
-                s = r["stats"]
-                moved += s["bytes"] / s["started"] * s["durable"] if s["started"] else 0.0
-            completed += float(np.mean([r["stats"]["durable"] for r in ranks]))
+        moved = sum(
+            r["bytes"] / r["started"] * r["durable"] for ranks in blocks for r in ranks if r["started"]
+        )
+        completed = sum(float(np.mean([r["durable"] for r in ranks])) for ranks in blocks)
     elif name in _SUMMARY_RATIO:
-        moved = sum(r["checkpoint"]["bytes_written"] * r["checkpoint"]["completed"] for ranks in runs for r in ranks)
-        completed = sum(max(r["checkpoint"]["completed"] for r in ranks) for ranks in runs)
+        moved = sum(r["bytes_written"] * r["saves_completed"] for ranks in blocks for r in ranks)
+        completed = sum(max(r["saves_completed"] for r in ranks) for ranks in blocks)
     else:
         return 0.0, None
-    return moved / total_steps, (total_steps / completed if completed else None)
+    return moved / steps, (steps / completed if completed else None)
 
 
-def _row(name: str, interval: int, runs: list[list[dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
-    step = _per_step(runs, "step_times", args.warmup, np.mean)
-    blocked = _per_step(runs, "blocked_times", args.warmup, np.max)
-    moved, every = _moved(name, runs, args.steps)
+def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any]:
+    step = _per_step(blocks, "step_times", warmup, np.mean)
+    blocked = _per_step(blocks, "blocked_times", warmup, np.max)
+    moved, every = _moved(name, blocks)
+    cpu = _per_step(blocks, "cpu_times", warmup, np.sum)
     return {
         "variant": name,
-        "interval": interval or None,
-        "runs": len(runs),
+        "interval": None if name == "none" else interval,
+        "runs": len(blocks),
         "step_median_ms": float(np.median(step)) * 1e3,
         "step_p99_ms": float(np.percentile(step, 99)) * 1e3,
         "step_ratio": None,
         "blocked_median_ms": float(np.median(blocked)) * 1e3,
         "blocked_mean_ms": float(np.mean(blocked)) * 1e3,
+        "rank_cpu_ms": float(np.median(cpu)) * 1e3,
+        "sidecar_cpu_ms": None,
         "moved_per_step_bytes": moved,
         "moved_to": {"snapshotd": "node B (tcp)", "none": "-"}.get(name, "local disk"),
         "completed_every": every,
@@ -266,27 +348,33 @@ def run(args: argparse.Namespace) -> Report:
     setup = (f"{args.ranks} gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); "
              f"both sidecars share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
     print(f"overhead: {setup}", flush=True)
+    load = os.getloadavg()[0]
     with _workdir(args.workdir) as workdir:
-        measured = _measure(args, workdir)
-    rows = [_row(name, interval, runs, args) for (name, interval), runs in measured.items()]
+        measured, state_bytes, sidecar_cpu = _measure(args, workdir)
+    rows = [_row(name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
+    snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", args.every), []))
+    for row in rows:
+        if row["variant"] == "snapshotd" and sidecar_cpu is not None and snap_steps:
+            row["sidecar_cpu_ms"] = sidecar_cpu / snap_steps * 1e3
     base = next(r["step_median_ms"] for r in rows if r["variant"] == "none")
     for row in rows:
         row["step_ratio"] = row["step_median_ms"] / base
     snap_runs = measured.get(("snapshotd", args.every), [])
-    first = next(iter(measured.values()))[0][0]
     summary: dict[str, Any] = {
-        "state_bytes_per_rank": first["state_bytes"],
+        "state_bytes_per_rank": state_bytes,
         "step_ratio": None,
         "capture_ms_median": None,
         "fence_ms_median": None,
-        "snapshots_durable": sum(r["stats"]["durable"] for ranks in snap_runs for r in ranks),
-        "snapshots_skipped": sum(r["stats"]["skipped"] for ranks in snap_runs for r in ranks),
+        "snapshots_durable": sum(r["durable"] for ranks in snap_runs for r in ranks),
+        "snapshots_skipped": sum(r["skipped"] for ranks in snap_runs for r in ranks),
         "torch_save_ratio": None,
         "dcp_async_ratio": None,
     }
     if snap_runs:
         summary["step_ratio"] = next(r["step_ratio"] for r in rows if r["variant"] == "snapshotd")
-        summary["capture_ms_median"] = float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3
+        summary["capture_ms_median"] = (
+            float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3
+        )
         summary["fence_ms_median"] = float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3
     for name, key in _SUMMARY_RATIO.items():
         at = [r for r in rows if r["variant"] == name and r["interval"] == min(args.interval)]
@@ -295,6 +383,10 @@ def run(args: argparse.Namespace) -> Report:
     config = {key: getattr(args, key) for key in ("params", "ranks", "steps", "warmup", "rounds", "batch",
                                                   "interval", "variants", "every", "max_rate", "device", "threads")}  # fmt: skip
     config["setup"] = setup
+    config["loadavg_1min"] = [
+        load,
+        os.getloadavg()[0],
+    ]  # before and after: other work on the machine skews all
     return Report("overhead", config, rows, summary, columns=list(_COLUMNS))
 
 
@@ -309,7 +401,10 @@ def plot(report: Report, path: str) -> None:
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1)
     top.boxplot([r["step_ms"] for r in rows], whis=(1, 99), showfliers=True)
-    top.set_xticks(range(1, len(rows) + 1), [f"{lab}\nx{r['step_ratio']:.3f}" for lab, r in zip(labels, rows, strict=True)])
+    top.set_xticks(
+        range(1, len(rows) + 1),
+        [f"{lab}\nx{r['step_ratio']:.3f}" for lab, r in zip(labels, rows, strict=True)],
+    )
     base = next((r["step_median_ms"] for r in rows if r["variant"] == "none"), None)
     if base is not None:
         top.axhline(base, color="grey", linestyle="--", linewidth=1, label="none (median)")

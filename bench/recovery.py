@@ -151,14 +151,18 @@ def _torchft(workdir: str, args: argparse.Namespace) -> float | None:
     """Seconds torchft's HTTPTransport takes to move the state between two processes; None without torchft."""
     try:
         import torchft.checkpointing  # noqa: F401
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "torchft":
+            raise  # torchft is there but broken: say so rather than skip
         print("snapshotd-bench recovery: torchft not installed; skipped", file=sys.stderr)
         return None
     common = ["--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
     with _role(workdir, "torchft-send", common) as sender:
-        metadata = _read_json_line(sender, time.monotonic() + args.timeout)["metadata"]
-        with _role(workdir, "torchft-recv", [*common, "--metadata", metadata]) as receiver:
+        sent = _read_json_line(sender, time.monotonic() + args.timeout)
+        with _role(workdir, "torchft-recv", [*common, "--metadata", sent["metadata"]]) as receiver:
             result = _read_json_line(receiver, time.monotonic() + args.timeout)
+    if result["digest"] != sent["digest"]:
+        raise RuntimeError("torchft delivered different tensors than were sent")
     return float(result["seconds"])
 
 
@@ -189,27 +193,31 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
     job = f"recovery-{uuid.uuid4().hex[:8]}"
     common = ["--job", job, "--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5,
-                      env={"SNAPSHOTD_SECRET": ""}) as cluster:  # fmt: skip
+                      env={"SNAPSHOTD_SECRET": ""}) as cluster, contextlib.ExitStack() as roles:  # fmt: skip
         cluster.start_coordinator()
         addr = cluster.coordinator_addr
+        # Both ranks start now (torch import, state allocation) and wait for a go line before the sidecar.
+        rank_b = roles.enter_context(_role(workdir, "snapshot", [*common, "--sidecar", cluster.ipc_path("B")],
+                                           node_loss=True))  # fmt: skip
+        rank_r = roles.enter_context(_role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path("R")]))
         for node in ("A", "B", "C"):
             cluster.start_sidecar(node)
-        with _role(workdir, "snapshot", [*common, "--sidecar", cluster.ipc_path("B")], node_loss=True) as rank_b:
-            snap = _read_json_line(rank_b, time.monotonic() + args.timeout)
-            _wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
-            progress.update()
-            t_fail = time.monotonic()
-            cluster.kill(cluster.sidecars["B"])
-            rank_b.kill()
+        snap = _go(rank_b, args.timeout)
+        _wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
+        progress.update()
+        t_fail = time.monotonic()
+        cluster.kill(cluster.sidecars["B"])
+        rank_b.kill()
         _wait_for(lambda: not _node_alive(addr, "B"), args.timeout, "node B declared dead")
         detection = time.monotonic() - t_fail
         _wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "re-replication back to two copies")
         re_replication = time.monotonic() - t_fail
         holders = _copies(addr, job)
+        log.info("node B (step %d) declared dead after %.2f s, %d copies again after %.2f s", snap["step"],
+                 detection, holders, re_replication)  # fmt: skip
         progress.update()
         cluster.start_sidecar("R")
-        with _role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path("R")]) as rank_r:
-            restored = _read_json_line(rank_r, time.monotonic() + args.timeout)
+        restored = _go(rank_r, args.timeout)
         progress.update()
         for name, p in cluster.sidecars.items():
             if name != "B" and not p.alive():
@@ -221,13 +229,6 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
 
 
 # -------------------------------------------------------------------------------------------- report
-
-
-def _check(args: argparse.Namespace) -> None:
-    if args.size < 4 or args.size % 4 or not 1 <= args.tensors <= args.size // 4:
-        raise ValueError("--size must be a positive multiple of 4 bytes and 1 <= --tensors <= size/4")
-    if args.step_seconds < 0 or args.restart_seconds < 0 or args.timeout <= 0:
-        raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0")
 
 
 @contextlib.contextmanager
@@ -248,10 +249,11 @@ def run(args: argparse.Namespace) -> Report:
         RuntimeError: a process failed, or the restored state differs from the snapshotted one.
         TimeoutError: a phase did not finish within ``--timeout``.
     """
-    _check(args)
+    if args.step_seconds < 0 or args.restart_seconds < 0 or args.timeout <= 0:
+        raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0")
     size = args.size
+    tensors = make_state(size, args.tensors)  # ValueError for a bad --size or --tensors
     with _workdir(args.workdir) as workdir, Progress(4, desc="recovery phases", unit="phases") as progress:
-        tensors = make_state(size, args.tensors)
         disk = _disk_baseline(workdir, tensors)
         del tensors
         progress.update()
@@ -314,6 +316,7 @@ def plot(report: Report, path: str) -> None:
         ax.invert_yaxis()
         for i, r in enumerate(rows):
             ax.text(r[key], i, f" {r[key]:.2f} s", va="center")
+        ax.set_xlim(0, 1.2 * max((r[key] for r in rows), default=1.0))
         ax.set_xlabel("seconds")
         ax.set_title(title)
         ax.grid(True, axis="x", alpha=0.3)
@@ -377,12 +380,43 @@ def _read_json_line(proc: subprocess.Popen[bytes], deadline: float) -> dict[str,
     return result
 
 
+def _go(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """Tell a rank process waiting in :func:`_await_go` to go on; its JSON result line."""
+    assert proc.stdin is not None
+    proc.stdin.write(b"go\n")
+    proc.stdin.flush()
+    return _read_json_line(proc, time.monotonic() + timeout)
+
+
+def _stdin_line(deadline: float) -> bytes:
+    """Read stdin up to a newline or EOF (the parent closed it, or died), at most until ``deadline``."""
+    data = b""
+    while not data.endswith(b"\n") and time.monotonic() < deadline:
+        if select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            piece = os.read(sys.stdin.fileno(), 1)
+            if not piece:
+                break
+            data += piece
+    return data
+
+
+def _await_go(deadline: float) -> None:
+    """Wait for the parent's go line.
+
+    Raises:
+        RuntimeError: stdin closed, or no go line by ``deadline``.
+    """
+    if _stdin_line(deadline) != b"go\n":
+        raise RuntimeError("no go line from the benchmark")
+
+
 def _snapshot_role(args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0 on the failing node: snapshot the state until one step is durable, then report and wait."""
     from snapshotd.client import Snapshotter
 
     tensors = make_state(args.size, args.tensors)
     deadline = time.monotonic() + args.timeout
+    _await_go(deadline)
     with Snapshotter({"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar,
                      when_busy="block", timeout=args.timeout) as snap:  # fmt: skip
         if snap.restore(timeout=args.timeout) != 0:
@@ -396,7 +430,7 @@ def _snapshot_role(args: argparse.Namespace) -> dict[str, Any]:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"no snapshot became durable in time ({snap.stats})")
         _emit({"step": snap.stats.last_durable_step, "digest": state_digest(tensors)})
-        _wait_for_stdin_eof(deadline)  # the node loss SIGKILLs this process here
+        _stdin_line(deadline)  # the node loss SIGKILLs this process here
     return {}
 
 
@@ -408,6 +442,7 @@ def _restore_role(args: argparse.Namespace) -> dict[str, Any]:
 
     n, parts = args.size // 4, args.tensors
     tensors = [torch.full((n // parts + (i < n % parts),), 0.0) for i in range(parts)]  # make_state's shapes
+    _await_go(time.monotonic() + args.timeout)
     with Snapshotter({"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar,
                      timeout=args.timeout) as snap:  # fmt: skip
         t0 = time.perf_counter()
@@ -422,10 +457,10 @@ def _torchft_send(args: argparse.Namespace) -> dict[str, Any]:
 
     timeout = timedelta(seconds=args.timeout)
     transport: Any = HTTPTransport(timeout, num_chunks=0)
-    transport.send_checkpoint(dst_ranks=[1], step=1, state_dict={"tensors": make_state(args.size, args.tensors)},
-                              timeout=timeout)  # fmt: skip
-    _emit({"metadata": transport.metadata()})
-    _wait_for_stdin_eof(time.monotonic() + args.timeout)
+    tensors = make_state(args.size, args.tensors)
+    transport.send_checkpoint(dst_ranks=[1], step=1, state_dict={"tensors": tensors}, timeout=timeout)
+    _emit({"metadata": transport.metadata(), "digest": state_digest(tensors)})
+    _stdin_line(time.monotonic() + args.timeout)  # until the receiver is done
     transport.shutdown(wait=True)
     return {}
 
@@ -439,23 +474,12 @@ def _torchft_recv(args: argparse.Namespace) -> dict[str, Any]:
     state = transport.recv_checkpoint(src_rank=0, metadata=args.metadata, step=1, timeout=timeout)
     seconds = time.perf_counter() - t0
     transport.shutdown(wait=True)
-    if state_digest(state["tensors"]) != state_digest(make_state(args.size, args.tensors)):
-        raise RuntimeError("torchft delivered different tensors than were sent")
-    return {"seconds": seconds}
+    return {"seconds": seconds, "digest": state_digest(state["tensors"])}
 
 
 def _emit(doc: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
-
-
-def _wait_for_stdin_eof(deadline: float) -> None:
-    """Block until the parent closes our stdin (or dies), at most until ``deadline``."""
-    while time.monotonic() < deadline:
-        if select.select([sys.stdin], [], [], max(0.0, deadline - time.monotonic()))[0] and not os.read(
-            sys.stdin.fileno(), 1
-        ):
-            return
 
 
 _ROLES = {"snapshot": _snapshot_role, "restore": _restore_role, "torchft-send": _torchft_send,

@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,16 +57,19 @@ import numpy as np
 from snapshotd.local_cluster import LocalCluster
 
 from .report import Report
-from .simsidecars import fds_needed, node_name, raise_nofile
+from .simsidecars import PLAN_SOCKETS, data_addr, fds_needed, node_name, raise_nofile
 
 __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
 _COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
-            "coordinator_cpu", "coordinator_py_cpu", "drivers_cpu", "ramp_s", "freeze_s", "plan_ms_p50",
-            "plan_ms_p99", "plan_ms_max", "plan_samples", "plan_wrong", "timeouts", "reregistered"]  # fmt: skip
+            "coordinator_cpu", "coordinator_py_cpu", "drivers_cpu", "up", "ramp_s", "freeze_s", "plan_p50_ms",
+            "plan_p99_ms", "plan_max_ms", "plan_samples", "plan_answered", "plan_wrong",
+            "timeouts", "reregistered"]  # fmt: skip
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+_ANSWER_S = 30.0  # a simulator answers every command at once; this long means it is wedged
+_POLL_S = 0.25
 
 
 def _int_list(text: str) -> list[int]:
@@ -89,7 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
     parser.add_argument("--plan-sample", type=int, default=200, help="ranks of live nodes timed (default 200)")
     parser.add_argument("--plan-spread", type=float, default=1.0, help="seconds the timed asks spread over (1)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each phase, seconds (120)")
+    parser.add_argument("--timeout", type=float, default=30.0,
+                        help="seconds the ramp and each plan phase may take before the run goes on (default 30)")
     parser.add_argument("--profile", metavar="PATH.prof", help="cProfile the coordinator (in a thread here)")
 
 
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> Report:
     results = [asyncio.run(_one(n, args)) for n in args.sidecars]
     top = max(results, key=lambda r: r["sidecars"])
     summary = {"sidecars": top["sidecars"], "heartbeats_per_s": top["heartbeats_per_s"],
-               "coordinator_cpu": top["coordinator_cpu"], "plan_ms_p99": top["plan_ms_p99"]}  # fmt: skip
+               "coordinator_cpu": top["coordinator_cpu"], "plan_ms_p99": top["plan_p99_ms"]}  # fmt: skip
     config = {k: getattr(args, k) for k in ("sidecars", "ranks_per_node", "workers", "window", "settle",
                                             "step_seconds", "heartbeat_interval", "heartbeat_timeout",
                                             "plan_sample", "plan_spread", "profile")}  # fmt: skip
@@ -210,10 +215,10 @@ def _cpu_seconds(path: str) -> float:
 
 
 @contextlib.contextmanager
-def _coordinator(args: argparse.Namespace, n: int, workdir: str) -> Any:
+def _coordinator(args: argparse.Namespace, n: int, workdir: str, connections: int) -> Any:
     """Yield (endpoint, {name: /proc stat path}) of a running coordinator; stop it on exit."""
     old = resource.getrlimit(resource.RLIMIT_NOFILE)
-    raise_nofile(fds_needed(n + 1))  # the coordinator inherits it
+    raise_nofile(connections + 512 + (fds_needed(0) if args.profile else 0))  # the coordinator inherits it
     try:
         if args.profile:
             root, ext = os.path.splitext(args.profile)
@@ -238,8 +243,13 @@ def _coordinator(args: argparse.Namespace, n: int, workdir: str) -> Any:
 
 
 async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir, _coordinator(args, n, workdir) as (ep, stat):
-        nworkers = max(1, min(args.workers, n))
+    nworkers = max(1, min(args.workers, n))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    while hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard:  # each one's sockets fit
+        nworkers += 1
+    connections = n + 1 + nworkers * PLAN_SOCKETS
+    with tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir, \
+            _coordinator(args, n, workdir, connections) as (ep, stat):  # fmt: skip
         workers: list[_Worker] = []
         try:
             for w in range(nworkers):
@@ -259,82 +269,112 @@ async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
                    workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
-    job, interval, deadline = f"scale-{uuid.uuid4().hex[:6]}", args.heartbeat_interval, args.timeout
-    t0 = time.monotonic()
+    interval, limit, rpn = args.heartbeat_interval, args.timeout, args.ranks_per_node
+    job, t0 = f"scale-{uuid.uuid4().hex[:6]}", time.monotonic()
     for w in workers:
-        await w.send({"cmd": "start", "config": {
-            "coordinator": ep, "job": job, "first": w.first, "count": w.count, "total": n,
-            "ranks_per_node": args.ranks_per_node, "interval": interval, "step_seconds": args.step_seconds,
-            "t0": t0, "reply_timeout": max(1.0, 4 * interval)}})  # fmt: skip
-    for w in workers:
-        await w.event(deadline)
+        await w.ask({"cmd": "start", "config": {
+            "coordinator": ep, "job": job, "first": w.first, "count": w.count,
+            "total": n, "ranks_per_node": rpn, "interval": interval, "step_seconds": args.step_seconds, "t0": t0,
+            "reply_timeout": max(1.0, 4 * interval)}}, _ANSWER_S)  # fmt: skip
+    marks = await _until(workers, {"cmd": "mark"}, lambda ms: sum(m["up"] for m in ms) >= n, limit)
     ramp_s = time.monotonic() - t0
-    log.info("%d sidecars up in %.1f s", n, ramp_s)
+    up = sum(m["up"] for m in marks)
+    log.info("%d sidecars: %d up after %.1f s", n, up, ramp_s)
     await asyncio.sleep(args.settle)
 
     cpu0 = {k: _cpu_seconds(p) for k, p in stat.items()}
     c0 = time.monotonic()
-    marks0 = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    marks0 = await _all(workers, {"cmd": "mark"})
     await asyncio.sleep(args.window)
-    marks1 = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    marks1 = await _all(workers, {"cmd": "mark"})
     span = time.monotonic() - c0
     cpu = {k: (_cpu_seconds(p) - cpu0[k]) / span for k, p in stat.items()}
     hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
-    rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
     drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
+    rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
+    log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, cpu.get("process", cpu["thread"]))
 
     victim, stop_at = n // 2, time.monotonic()
     for w in workers:
-        await w.ask({"cmd": "freeze", "at": stop_at}, deadline)
+        await w.ask({"cmd": "freeze", "at": stop_at}, _ANSWER_S)
         if w.owns(victim):
-            await w.ask({"cmd": "lose", "victim": victim}, deadline)
+            await w.ask({"cmd": "lose", "victim": victim}, _ANSWER_S)
     await asyncio.sleep(args.heartbeat_timeout + 0.5)
 
     f0 = time.monotonic()
-    asked = await _all(workers, {"cmd": "ask_all", "spread": interval}, deadline)
-    freeze_s = time.monotonic() - f0
+    await _all(workers, {"cmd": "ask", "all": True, "spread": interval})
+    asked = await _until(workers, {"cmd": "plans", "summary": True}, _all_answered(n * rpn), limit)
+    first_asks = sum(a["received"] for a in asked)
+    freeze_s = time.monotonic() - f0 if first_asks >= n * rpn else math.nan
     answered = [r for a in asked for r in a["answered"]]
-    statuses = {s: sum(a["statuses"].get(s, 0) for a in asked) for s in ("wait", "ready", "none", "fresh")}
-    if len(answered) != 1 or answered[0]["status"] != "ready" or statuses["wait"] != n * args.ranks_per_node - 1:
-        raise RuntimeError(f"the plan round did not freeze as expected: {statuses}, answered {answered[:3]}")
-    step, frozen_by = answered[0]["step"], answered[0]["rank"]
-
-    lost = list(range(victim * args.ranks_per_node, (victim + 1) * args.ranks_per_node))
-    asks: list[list[int]] = [[n, r] for r in lost]  # the replacement, index n
-    m = min(args.plan_sample, n - 1)
-    for k in range(m):
-        index = (victim + 1 + k * (n - 1) // m) % n  # every node but the victim, spread over the ring
-        rank = index * args.ranks_per_node + k % args.ranks_per_node
-        if rank != frozen_by:
-            asks.append([index, rank])
-    sampled = await _all(workers, {"cmd": "sample", "spread": args.plan_spread}, deadline,
-                         split=lambda w: [a for a in asks if w.owns(a[0]) or (a[0] == n and w.owns(victim))])
-    replies = [r for s in sampled for r in s["replies"]]
-    lost_addr = f"tcp://10.{victim >> 16 & 255}.{victim >> 8 & 255}.{victim & 255}:7071"
-    wrong = [r for r in replies if r["status"] != "ready" or r["step"] != step or lost_addr in r["sources"]
-             or r["local"] != (r["node"] != n) or (r["node"] == n and not r["sources"])]  # fmt: skip
-    if wrong:
-        log.warning("%d plan answers are wrong, e.g. %s (the lost node is %s)", len(wrong), wrong[0],
-                    node_name(victim, n))  # fmt: skip
+    if len(answered) != 1 or answered[0]["status"] != "ready":
+        statuses = {s: sum(a["statuses"].get(s, 0) for a in asked) for s in ("wait", "ready", "none", "fresh")}
+        log.warning("%d sidecars: %d of %d first plan requests answered in %g s: %s; non-wait answers %s", n,
+                    first_asks, n * rpn, limit, statuses, answered[:3])  # fmt: skip
+    replies: list[dict[str, Any]] = []
+    sample: list[tuple[int, int]] = []
+    wrong: list[dict[str, Any]] = []
+    if answered:  # the round froze: time a sample of ranks asking again
+        step = answered[0]["step"]
+        frozen_by = {r["rank"] for r in answered}  # asking again would open a new round
+        sample = [(n, r) for r in range(victim * rpn, (victim + 1) * rpn)]  # the replacement
+        m = min(args.plan_sample, n - 1)
+        for k in range(m):
+            index = (victim + 1 + k * (n - 1) // m) % n  # every node but the victim, spread over the ring
+            if index * rpn + k % rpn not in frozen_by:
+                sample.append((index, index * rpn + k % rpn))
+        for w in workers:  # one plan call per rank, spread over plan_spread
+            mine = [(i, [r]) for i, r in sample if w.owns(i) or (i == n and w.owns(victim))]
+            await w.ask({"cmd": "ask", "asks": mine, "spread": args.plan_spread}, _ANSWER_S)
+        got = await _until(workers, {"cmd": "plans"}, _all_answered(len(sample)), args.plan_spread + limit)
+        replies = [r for g in got for r in g["replies"]]
+        wrong = [r for r in replies if r["status"] != "ready" or r["step"] != step
+                 or data_addr(victim) in r["sources"] or r["local"] != (r["node"] != n)
+                 or (r["node"] == n and not r["sources"])]  # fmt: skip
+        if wrong:
+            log.warning("%d sidecars: %d plan answers are wrong, e.g. %s (the lost node is %s at %s)", n,
+                        len(wrong), wrong[0], node_name(victim, n), data_addr(victim))  # fmt: skip
     ms = np.asarray([r["ms"] for r in replies], dtype=float)
-    last = [await w.ask({"cmd": "mark"}, deadline) for w in workers]
+    if len(replies) < len(sample):  # unanswered within the limit: the percentiles they reach are unknown
+        log.warning("%d sidecars: %d of %d timed plan requests unanswered", n, len(sample) - len(replies), len(sample))
+        ms = np.append(ms, [math.inf] * (len(sample) - len(replies)))
+    last = await _all(workers, {"cmd": "mark"})
     return {
-        "sidecars": n, "ranks": n * args.ranks_per_node, "heartbeats_per_s": round(hb, 1),
-        "hb_ratio": round(hb * interval / n, 3), "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
+        "sidecars": n, "ranks": n * rpn, "heartbeats_per_s": round(hb, 1), "hb_ratio": round(hb * interval / n, 3),
+        "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
         "coordinator_cpu": round(cpu.get("process", cpu["thread"]), 3), "coordinator_py_cpu": round(cpu["thread"], 3),
-        "drivers_cpu": round(drivers, 3), "ramp_s": round(ramp_s, 2), "freeze_s": round(freeze_s, 2),
-        "plan_ms_p50": _pct(ms, 50), "plan_ms_p99": _pct(ms, 99), "plan_ms_max": _pct(ms, 100),
-        "plan_samples": len(replies), "plan_wrong": len(wrong),
+        "drivers_cpu": round(drivers, 3), "up": up, "ramp_s": round(ramp_s, 2), "freeze_s": round(freeze_s, 2),
+        "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99), "plan_max_ms": _pct(ms, 100),
+        "plan_samples": len(sample), "plan_answered": len(replies), "plan_wrong": len(wrong),
         "timeouts": sum(x["timeouts"] for x in last), "reregistered": sum(x["reregistered"] for x in last),
     }  # fmt: skip
 
 
-async def _all(workers: list[_Worker], cmd: dict[str, Any], timeout: float, split: Any = None) -> list[dict[str, Any]]:
-    """Send ``cmd`` to every worker (with ``asks=split(worker)`` when given) and gather their answers."""
+def _all_answered(requests: int) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda events: sum(e["received"] for e in events) >= requests
+
+
+async def _all(workers: list[_Worker], cmd: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send ``cmd`` to every worker and gather their answers."""
     for w in workers:
-        await w.send({**cmd, "asks": split(w)} if split else cmd)
-    return list(await asyncio.gather(*(w.event(timeout) for w in workers)))
+        await w.send(cmd)
+    return list(await asyncio.gather(*(w.event(_ANSWER_S) for w in workers)))
+
+
+async def _until(workers: list[_Worker], cmd: dict[str, Any], done: Callable[[list[dict[str, Any]]], bool],
+                 limit: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Ask every worker ``cmd`` every ``_POLL_S`` until ``done(answers)`` or ``limit`` s; the last answers."""
+    end = time.monotonic() + limit
+    while True:
+        answers = await _all(workers, cmd)
+        if done(answers) or time.monotonic() >= end:
+            return answers
+        await asyncio.sleep(_POLL_S)
 
 
 def _pct(values: np.ndarray, q: float) -> float:
-    return round(float(np.percentile(values, q)), 3) if values.size else math.nan
+    """The ``q``-th percentile in ms (rounded); NaN for no values or when it is not finite (unanswered)."""
+    if not values.size:
+        return math.nan
+    v = float(np.percentile(values, q, method="higher"))
+    return round(v, 3) if math.isfinite(v) else math.nan

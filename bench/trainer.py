@@ -4,18 +4,24 @@ Each rank is a process (``python -m snapshotd.bench.trainer ...``) in a gloo pro
 :mod:`.workloads` with AdamW and a cosine LR schedule; gradients are averaged with one all-reduce per step. The
 batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``, so the data-loader position is the step
 itself and a restored run sees exactly the batches a failure-free run sees. With ``--job`` the rank snapshots
-every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would. With
-``--checkpoint torch_save|dcp_async`` it instead checkpoints to disk every ``--interval`` steps the way users do
-today (:class:`~.baselines.DiskCheckpointer`), for ``snapshotd-bench overhead``. ``--device cuda`` trains on the
-GPU (gloo all-reduces the CUDA gradients).
+every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would.
+``--device cuda`` trains on the GPU (gloo all-reduces the CUDA gradients).
+
+For ``snapshotd-bench overhead``, ``--plan`` runs the steps in blocks, each block one variant: ``none``,
+``snapshotd`` (capture after every ``--every``-th step; needs ``--job``) or a disk checkpoint every N steps the
+way users take one today (``torch_save``, ``dcp_async``: :class:`~.baselines.DiskCheckpointer`, in
+``--ckpt-dir``). After each block, untimed, the rank waits for that block's snapshot or save in flight and for
+the other ranks, so no block's work spills into the next.
 
 Step times run from the top of one loop iteration to the end of the step, snapshot or checkpoint call and loss
 read-out included (on CUDA the read-out waits for the step's kernels). ``blocked_times`` is, per step, the time
 the training thread spent in the snapshot or checkpoint machinery: ``capture()`` plus the optimizer fence
-(``capture_times``, ``fence_times``), or the checkpoint call.
+(``capture_times``, ``fence_times``), or the checkpoint call. ``cpu_times`` is the CPU time of the whole process
+(all its threads) per step.
 
 The rank writes a JSON result (losses per step, step times, a SHA-256 over its whole final state, the
-snapshotter's stats) and keeps a progress file holding the last completed step.
+snapshotter's stats, one record per block with its counters) and keeps a progress file holding the last completed
+step.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ import torch.distributed as dist
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
-__all__ = ["batch_for", "build_state", "main", "state_digest"]
+__all__ = ["VARIANTS", "batch_for", "build_state", "main", "state_digest"]
+
+VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
+"""What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
 
 
 def batch_for(cfg: Any, batch: int, seed: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +91,38 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _parse_plan(text: str) -> list[tuple[str, int, int]]:
+    """``--plan``: a JSON list of ``[variant, interval, steps]`` blocks."""
+    try:
+        blocks = [(str(v), int(n), int(k)) for v, n, k in json.loads(text)]
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--plan must be a JSON list of [variant, interval, steps]: {exc}") from exc
+    for variant, interval, steps in blocks:
+        if variant not in VARIANTS or interval < 1 or steps < 1:
+            raise argparse.ArgumentTypeError(f"bad --plan block {[variant, interval, steps]}: variants are {VARIANTS}")
+    return blocks
+
+
+def _train_step(model: Any, opt: Any, sched: Any, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                world: int) -> torch.Tensor:  # fmt: skip
+    """Forward, backward, gradient all-reduce (mean), optimizer and scheduler step; returns the loss."""
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    flat = torch._utils._flatten_dense_tensors([q.grad for q in params])
+    dist.all_reduce(flat)
+    flat /= world
+    for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
+        q.grad.copy_(g)
+    opt.step()
+    sched.step()
+    return loss
+
+
+_SNAP_COUNTERS = ("started", "skipped", "durable", "failed", "bytes")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m snapshotd.bench.trainer")
     p.add_argument("--rank", type=int, required=True)
@@ -99,15 +140,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pace the demo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--checkpoint", choices=CHECKPOINT_KINDS, default=None,
-                   help="checkpoint to disk (instead of snapshots) every --interval steps")  # fmt: skip
-    p.add_argument("--interval", type=int, default=1, help="steps between disk checkpoints")
-    p.add_argument("--ckpt-dir", default=None, help="folder for --checkpoint")
+    p.add_argument("--plan", type=_parse_plan, default=None,
+                   help='blocks of variants, e.g. \'[["none",1,8],["torch_save",1,8]]\' (see the module docstring)')  # fmt: skip
+    p.add_argument("--ckpt-dir", default=None, help="folder for the plan's disk checkpoints")
     p.add_argument("--digest", action=argparse.BooleanOptionalAction, default=True,
                    help="hash the final state into the result (--no-digest: digests are null)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.checkpoint and (args.job or not args.ckpt_dir):
-        p.error("--checkpoint needs --ckpt-dir and excludes --job")
+    if args.plan is not None:
+        variants = {v for v, _, _ in args.plan}
+        if sum(k for _, _, k in args.plan) != args.steps:
+            p.error("--plan's blocks must add up to --steps")
+        if "snapshotd" in variants and (not args.job or any(n != args.every for v, n, _ in args.plan if v == "snapshotd")):
+            p.error("--plan's snapshotd blocks need --job and their interval equal to --every")
+        if variants & set(CHECKPOINT_KINDS) and not args.ckpt_dir:
+            p.error("--plan's disk checkpoints need --ckpt-dir")
 
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
@@ -127,56 +173,77 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         start = snap.restore()
         restore_seconds = time.perf_counter() - t0
-    ckpt = None
-    if args.checkpoint:
-        group = dist.new_group(backend="gloo") if args.checkpoint == "dcp_async" else None
-        ckpt = DiskCheckpointer(args.checkpoint, state, args.ckpt_dir, interval=args.interval, rank=args.rank,
-                                process_group=group)  # fmt: skip
+    if args.plan is not None and start:
+        raise RuntimeError(f"--plan needs a fresh job, but job {args.job!r} restored step {start}")
+    plan = args.plan or [("snapshotd" if snap is not None else "none", args.every, args.steps - start)]
+    dcp_group = dist.new_group(backend="gloo") if any(v == "dcp_async" for v, _, _ in plan) else None
+    checkpointers: dict[tuple[str, int], DiskCheckpointer] = {}
     losses: dict[int, float] = {}
     step_times: list[float] = []
     capture_times: list[float] = []
     fence_times: list[float] = []
     blocked_times: list[float] = []
+    cpu_times: list[float] = []
+    blocks: list[dict[str, Any]] = []
     params = [p for p in model.parameters()]
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
-        x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        flat = torch._utils._flatten_dense_tensors([q.grad for q in params])
-        dist.all_reduce(flat)
-        flat /= args.world
-        for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
-            q.grad.copy_(g)
-        opt.step()
-        sched.step()
-        blocked = 0.0
-        if snap is not None:
-            snap.capture(step + 1)
-            capture_times.append(snap.stats.capture_seconds - before[0])
-            fence_times.append(snap.stats.fence_seconds - before[1])
-            blocked = capture_times[-1] + fence_times[-1]
+    step = start
+    for variant, interval, nsteps in plan:
+        ckpt = None
+        if variant in CHECKPOINT_KINDS:
+            if (variant, interval) not in checkpointers:
+                folder = os.path.join(args.ckpt_dir, f"{variant}-{interval}")
+                os.makedirs(folder, exist_ok=True)
+                checkpointers[variant, interval] = DiskCheckpointer(
+                    variant, state, folder, interval=interval, rank=args.rank, process_group=dcp_group
+                )
+            ckpt = checkpointers[variant, interval]
+        capturing = snap if variant == "snapshotd" else None
+        first = len(step_times)
+        snap0 = {k: getattr(snap.stats, k) for k in _SNAP_COUNTERS} if snap is not None else {}
+        saves0 = (ckpt.started, ckpt.completed) if ckpt is not None else (0, 0)
+        for _ in range(nsteps):
+            t0 = time.perf_counter()
+            cpu0 = time.process_time()
+            before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
+            x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
+            loss = _train_step(model, opt, sched, params, x, y, args.world)
+            blocked = 0.0
+            if capturing is not None:
+                capturing.capture(step + 1)
+            if ckpt is not None:
+                blocked = ckpt.after_step(step + 1)
+            if snap is not None:
+                capture_times.append(snap.stats.capture_seconds - before[0])
+                fence_times.append(snap.stats.fence_seconds - before[1])
+                blocked += capture_times[-1] + fence_times[-1]
+            losses[step + 1] = float(loss.detach())
+            step_times.append(time.perf_counter() - t0)
+            blocked_times.append(blocked)
+            cpu_times.append(time.process_time() - cpu0)
+            step += 1
+            if args.progress:
+                _write_atomic(args.progress, str(step))
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        if args.plan is not None:  # drain, untimed, so that no block's work spills into the next one
+            if capturing is not None:
+                capturing.wait(timeout=30)
+            if ckpt is not None:
+                ckpt.finish()
+            dist.barrier()
+        block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps}
+        if capturing is not None:
+            block.update({k: getattr(snap.stats, k) - v for k, v in snap0.items()})
         if ckpt is not None:
-            blocked = ckpt.after_step(step + 1)
-        losses[step + 1] = float(loss.detach())
-        step_times.append(time.perf_counter() - t0)
-        blocked_times.append(blocked)
-        if args.progress:
-            _write_atomic(args.progress, str(step + 1))
-        if args.step_delay:
-            time.sleep(args.step_delay)
+            block.update(saves_started=ckpt.started - saves0[0], saves_completed=ckpt.completed - saves0[1],
+                         bytes_written=ckpt.bytes_written)  # fmt: skip
+        blocks.append(block)
     stats: dict[str, Any] = {}
     if snap is not None:
         snap.wait(timeout=30)
         stats = dataclasses.asdict(snap.stats)
-    checkpoint: dict[str, Any] = {}
-    if ckpt is not None:
+    for ckpt in checkpointers.values():
         ckpt.finish()
-        checkpoint = {"kind": ckpt.kind, "interval": ckpt.interval, "started": ckpt.started,
-                      "completed": ckpt.completed, "bytes_written": ckpt.bytes_written}  # fmt: skip
     result = {
         "rank": args.rank, "start_step": start, "losses": losses, "step_times": step_times,
         "digest": state_digest(state) if args.digest else None,
@@ -184,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "stats": stats, "restore_seconds": restore_seconds,
         "restored": snap.restored if snap is not None else {},
         "capture_times": capture_times, "fence_times": fence_times, "blocked_times": blocked_times,
-        "checkpoint": checkpoint, "device": args.device,
+        "cpu_times": cpu_times, "blocks": blocks, "device": args.device,
         "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())
         + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
     }  # fmt: skip

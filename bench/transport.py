@@ -52,9 +52,10 @@ __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
+_HEARTBEAT_INTERVAL, _HEARTBEAT_TIMEOUT = 0.5, 3.0  # the CLI's defaults
 _LINK_RATES = (("1gbit", 1e9), ("10gbit", 10e9))
 _COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seconds", "receiver_rss_bytes",
-            "sender_rss_bytes"]  # fmt: skip
+            "sender_rss_bytes", "replications"]  # fmt: skip
 _CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat", "timeout")
 
 
@@ -155,6 +156,7 @@ def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
         "receiver_rss_bytes": out["receiver_rss_bytes"],
         "sender_rss_bytes": out["sender_rss_bytes"],
         "chunk": chunk or "default",
+        "replications": out["replications"],
         "seconds": out["seconds"],
     }
 
@@ -169,7 +171,8 @@ def _sidecar_phase(
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
     side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
-    with LocalCluster(phase_dir, replicas=1, env={"SNAPSHOTD_SECRET": ""}) as cluster:
+    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL, heartbeat_timeout=_HEARTBEAT_TIMEOUT,
+                      env={"SNAPSHOTD_SECRET": ""}) as cluster:  # fmt: skip
         _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
         sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
         receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")
@@ -182,6 +185,10 @@ def _sidecar_phase(
                 raise RuntimeError(f"{p.name} exited during {label}; log:\n{cluster.tail(p)}")
         out["receiver_rss_bytes"] = _rss_bytes(receiver.pid)
         out["sender_rss_bytes"] = _rss_bytes(sender.pid)
+        assert cluster.coordinator is not None
+        log_path = cluster.coordinator.log_path
+    with open(log_path, errors="replace") as f:
+        out["replications"] = sum("replicating to" in line for line in f)
     return out
 
 

@@ -187,6 +187,7 @@ class Snapshotter:
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
             self._free.clear()
             self._inflight.clear()
+            seen = self._updates
         try:
             reply = self._channel.request(
                 RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout),
@@ -204,6 +205,8 @@ class Snapshotter:
                 raise SidecarUnavailable(text) from exc
             raise
         assert isinstance(reply, RestoreReply)
+        with self._lock:  # so that the first capture() finds its free slots
+            self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
                          "seconds": reply.seconds}  # fmt: skip
         if reply.source == "fresh":

@@ -109,19 +109,24 @@ def run_scenario(
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
     world = 4
     job = f"demo-{uuid.uuid4().hex[:6]}"
-    with LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:
+    jobs: list[TrainingJob] = []
+    with contextlib.ExitStack() as cleanup:
+        cluster = cleanup.enter_context(LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5))
+        cleanup.callback(lambda: [j.kill() for j in jobs])  # runs first: ranks stop before their sidecars
         cluster.start_coordinator()
         node_a = cluster.start_sidecar("A")
         node_b = cluster.start_sidecar("B")
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
         say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-        reference = TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}).wait(600)
+        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}))
+        reference = jobs[-1].wait(600)
 
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
         first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
-                     step_delay=step_delay)  # fmt: skip
+                            step_delay=step_delay)  # fmt: skip
+        jobs.append(first)
         _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
         cluster.kill(node_b)
         first.kill([2, 3])
@@ -141,6 +146,7 @@ def run_scenario(
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
         second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c)
+        jobs.append(second)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from snapshotd.bench import overhead
 from snapshotd.bench.report import Report, emit
 from snapshotd.bench.workloads import config_for_params
@@ -35,15 +36,19 @@ def _args(*argv: str) -> argparse.Namespace:
 def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     workdir = tmp_path_factory.mktemp("overhead")
     args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--workdir", str(workdir), "--run-timeout", "90")  # fmt: skip
+                 "--batch", "1", "--workdir", str(workdir), "--timeout", "90")  # fmt: skip
     return overhead.run(args)
 
 
 def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     assert set(report.summary) == SUMMARY_KEYS
-    n = config_for_params(TINY_PARAMS).n_params
-    # fp32 parameters + AdamW exp_avg + exp_avg_sq (+ one 4-byte step counter per parameter tensor)
-    assert 12 * n <= report.summary["state_bytes_per_rank"] < 12 * n + 4096
+    cfg = config_for_params(TINY_PARAMS)
+    # fp32 parameters + AdamW exp_avg + exp_avg_sq, the tied embedding twice (the model's state dict holds it
+    # under both names), one 4-byte step counter per parameter tensor
+    tied = 4 * cfg.vocab * cfg.d_model
+    assert (
+        12 * cfg.n_params + tied <= report.summary["state_bytes_per_rank"] < 12 * cfg.n_params + tied + 4096
+    )
     for key in ("step_ratio", "torch_save_ratio", "dcp_async_ratio", "capture_ms_median"):
         assert report.summary[key] > 0, key
     assert report.summary["fence_ms_median"] >= 0

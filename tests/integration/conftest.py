@@ -1,23 +1,34 @@
 """Fixtures for tests with real snapshotd processes on loopback.
 
-``cluster`` is a started :class:`~snapshotd.local_cluster.LocalCluster` (a coordinator; sidecars are started by the
-test with :meth:`Cluster.start`) under ``tmp_path``, closed when the test ends. Every node and job name of a test
-carries its ``tag``, so that the check made after the cluster closed, that no ``/dev/shm`` file of this test is left
-behind, cannot be confused by other tests or other users of the machine.
+``cluster`` is a started :class:`~snapshotd.local_cluster.LocalCluster` (a coordinator; the test starts
+sidecars with :meth:`Cluster.start`) under ``tmp_path``, closed when the test ends. Every node and job name of
+a test carries its ``tag``, so that the check made after the cluster closed (no ``/dev/shm`` file of this test
+is left behind) cannot be confused by other tests or other users of the machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import uuid
 from collections.abc import Iterator, Sequence
 
 import pytest
 import zmq
-from snapshotd.proto import Chunk, Error, Message, PullManifest, PullRequest, StreamBegin, codec, decode, encode
 
 from snapshotd.local_cluster import LocalCluster, ManagedProcess
+from snapshotd.proto import (
+    Chunk,
+    Error,
+    Message,
+    PullManifest,
+    PullRequest,
+    StreamBegin,
+    codec,
+    decode,
+    encode,
+)
 from snapshotd.shm import SHM_DIR
 
 
@@ -54,8 +65,15 @@ class Cluster(LocalCluster):
         return self.ipc_path(self.node(name))
 
     def kill(self, p: ManagedProcess) -> None:
+        """SIGKILL, as the loss of the node would (its shared memory is removed with it)."""
         self.killed.append(p)
         super().kill(p)
+
+    def crash(self, p: ManagedProcess) -> None:
+        """SIGKILL the process only: the node lives on, and so does whatever it left in /dev/shm."""
+        self.killed.append(p)
+        p.proc.send_signal(signal.SIGKILL)
+        p.proc.wait(10)
 
 
 @pytest.fixture
@@ -66,7 +84,7 @@ def tag() -> str:
 
 @pytest.fixture
 def no_shm_leak(tag: str) -> Iterator[None]:
-    """After the test (and every fixture that depends on this one) ended: no /dev/shm file of the test is left."""
+    """After the test and every fixture depending on this one ended: no /dev/shm file of the test is left."""
     yield
     left = shm_leftovers(tag)
     assert not left, f"shared memory left behind in {SHM_DIR}: {left}"
@@ -76,8 +94,8 @@ def no_shm_leak(tag: str) -> Iterator[None]:
 def cluster(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[Cluster]:
     """A coordinator (replicas 1, heartbeats every 0.2 s, dead after 1.5 s) and room for sidecars.
 
-    At the end every process is stopped (SIGTERM, then SIGKILL); each one the test did not kill must have exited
-    cleanly.
+    At the end every process is stopped (SIGTERM, then SIGKILL); each one the test did not kill must have
+    exited cleanly.
     """
     c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     try:

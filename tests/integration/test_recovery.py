@@ -40,6 +40,7 @@ def _job_status(cluster: LocalCluster, job: str) -> dict | None:
     return next((j for j in _status(cluster)["jobs"] if j["job"] == job), None)
 
 
+@pytest.mark.timeout(400)
 def test_node_loss_four_ranks_bit_identical(tmp_path) -> None:
     """The demo's story: node B (2 ranks + sidecar) dies mid-run; a replacement node C takes over."""
     s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, say=lambda _: None)
@@ -53,6 +54,7 @@ def test_node_loss_four_ranks_bit_identical(tmp_path) -> None:
     assert not _shm_leftovers(s["job"])
 
 
+@pytest.mark.timeout(300)
 def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
     """SIGKILL the training ranks (nodes live): restore is the local fast path with zero bytes over the network,
     and state and the next five steps' losses equal an uninterrupted run exactly."""
@@ -81,6 +83,7 @@ def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
     assert not _shm_leftovers(job)
 
 
+@pytest.mark.timeout(300)
 def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
     job = f"coord-{uuid.uuid4().hex[:6]}"
     with LocalCluster(str(tmp_path)) as cluster:
@@ -102,6 +105,7 @@ def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
         assert all(r["stats"]["last_durable_step"] == 40 for r in results)
 
 
+@pytest.mark.timeout(300)
 def test_rereplication_after_losing_a_buddy(tmp_path) -> None:
     """Ranks on A stream to buddy B; B dies; the coordinator has C pull a copy so every rank has 1 + k copies."""
     job = f"rerep-{uuid.uuid4().hex[:6]}"
@@ -134,6 +138,7 @@ def _snapshotter(cluster: LocalCluster, node: str, job: str, rank: int, state: d
     return Snapshotter(state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10)
 
 
+@pytest.mark.timeout(300)
 def test_restores_seconds_apart_agree_and_unrecoverable_is_clear(tmp_path) -> None:
     job = f"apart-{uuid.uuid4().hex[:6]}"
     with LocalCluster(str(tmp_path)) as cluster:

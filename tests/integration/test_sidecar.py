@@ -2,20 +2,20 @@
 
 Each test starts a coordinator and two or three ``snapshotd serve`` processes (:class:`~.conftest.Cluster`),
 snapshots from Snapshotters in this process, and checks the buddies by pulling with the real data-plane
-protocol. A :class:`StatusWatch` polls the coordinator throughout; whenever it reports a new durable step for a
-job, the watch pulls that step from the live buddies and checks it byte for byte against what was staged, so an
-incomplete (or wrong) snapshot reported complete at any moment fails the test. The cluster fixture then checks
-that every process stopped cleanly and that no shared memory of the test is left in /dev/shm.
+protocol. A :class:`StatusWatch` polls the coordinator throughout; whenever it reports a new durable step for
+a job, the watch pulls that step from the live buddies and checks it byte for byte against what was staged, so
+an incomplete (or wrong) snapshot reported complete at any moment fails the test. The cluster fixture then
+checks that every process stopped cleanly and that no shared memory of the test is left in /dev/shm.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,22 +23,26 @@ from urllib.parse import urlsplit
 import msgpack
 import pytest
 import torch
+
+from snapshotd.client import Snapshotter
+from snapshotd.client.state import copy_into, flatten
 from snapshotd.proto import (
     Announce,
     Chunk,
     ChunkAck,
     Error,
     PullManifest,
+    RankRegistered,
     RegisterRank,
+    SlotUpdate,
+    StreamAbort,
     StreamAccept,
     StreamBegin,
     TensorEntry,
+    UnregisterRank,
     checksum,
     encode_table,
 )
-
-from snapshotd.client import Snapshotter
-from snapshotd.client.state import copy_into, flatten
 from snapshotd.status import fetch_status
 
 from .conftest import Cluster, DataPeer, Pulled, shm_leftovers
@@ -73,30 +77,44 @@ def wait_for(cond: Callable[[], Any], what: str, timeout: float = WAIT, every: f
 class Workload:
     """A rank's state whose value at each step is a pure function of the step, so any step can be recomputed.
 
-    ``shapes`` maps a key to ``(shape, dtype)``; the state also carries plain data (msgpack meta).
+    ``shapes`` maps a key to ``(shape, dtype)``; :meth:`reshape` changes them from a given step on. The state
+    also carries plain data (msgpack meta).
     """
 
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.base = {}
-        for key, (shape, dtype) in shapes.items():
-            if dtype.is_floating_point:
-                self.base[key] = torch.randn(shape, generator=gen).to(dtype)
-            else:
-                self.base[key] = torch.randint(-(1 << 40), 1 << 40, shape, generator=gen, dtype=dtype)
+    def __init__(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> None:
+        self.seed = seed
+        self.versions: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.reshape(0, shapes)
         self.state: dict[str, Any] = self.at(0)
 
+    def reshape(self, from_step: int, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        gen = torch.Generator().manual_seed(self.seed + len(self.versions))
+        base = {}
+        for key, (shape, dtype) in shapes.items():
+            if dtype.is_floating_point:
+                base[key] = torch.randn(shape, generator=gen).to(dtype)
+            else:
+                base[key] = torch.randint(-(1 << 40), 1 << 40, shape, generator=gen, dtype=dtype)
+        self.versions.append((from_step, base))
+
     def at(self, step: int) -> dict[str, Any]:
-        state: dict[str, Any] = {key: t + step for key, t in self.base.items()}
-        state["info"] = {"step": step, "keys": len(self.base)}
+        base = next(b for first, b in reversed(self.versions) if first <= step)
+        state: dict[str, Any] = {key: t + step for key, t in base.items()}
+        state["info"] = {"step": step, "keys": len(base)}
         return state
 
     def advance(self, step: int) -> None:
-        """Make the live state the state of ``step`` (tensors updated in place)."""
+        """Make the live state that of ``step`` (tensors updated in place while the keys stay the same)."""
         new = self.at(step)
-        for key in self.base:
-            self.state[key].copy_(new[key])
-        self.state["info"] = new["info"]
+        if new.keys() != self.state.keys():
+            self.state.clear()
+            self.state.update(new)
+            return
+        for key, value in new.items():
+            if isinstance(value, torch.Tensor):
+                self.state[key].copy_(value)
+            else:
+                self.state[key] = value
 
     def expected(self, step: int) -> Pulled:
         """The table, meta and data bytes a Snapshotter stages for ``step``."""
@@ -112,12 +130,14 @@ class Workload:
 
 def zero_bytes() -> Workload:
     """Only tensors without elements: a snapshot of zero data bytes (and a table and meta all the same)."""
-    return Workload({"e0": ((0,), torch.float32), "e1": ((0, 7), torch.bfloat16), "e2": ((3, 0, 2), torch.int64)})
+    return Workload({"e0": ((0,), torch.float32), "e1": ((0, 7), torch.bfloat16),
+                     "e2": ((3, 0, 2), torch.int64)})  # fmt: skip
 
 
 def tiny_tensors(count: int = 3000) -> Workload:
     dtypes = (torch.float32, torch.int64, torch.bfloat16, torch.float16)
-    shapes = {f"t{i:04d}": ((i % 5,), dtypes[i % len(dtypes)]) for i in range(count)}  # every fifth has 0 elements
+    # every fifth tensor has no elements
+    shapes = {f"t{i:04d}": ((i % 5,), dtypes[i % len(dtypes)]) for i in range(count)}
     return Workload(shapes, seed=1)
 
 
@@ -149,7 +169,7 @@ class Rank:
         return self.snap.rank
 
     def capture(self, step: int) -> bool:
-        """Advance the state to ``step`` and capture it (copies are synchronous: no optimizer in the state)."""
+        """Advance the state to ``step`` and capture it (synchronous copy: there is no optimizer to fence)."""
         self.work.advance(step)
         ok = self.snap.capture(step)
         if ok:
@@ -166,15 +186,17 @@ def rank_homes(cluster: Cluster, job: str) -> dict[int, str | None]:
 
 
 @contextlib.contextmanager
-def open_ranks(cluster: Cluster, job: str, placement: Sequence[tuple[str, Workload]], **kwargs: Any) -> Iterator[list[Rank]]:
-    """One Snapshotter per ``(node, workload)``, ranks in order, all restored (fresh) and with a buddy assigned.
+def open_ranks(
+    cluster: Cluster, job: str, placement: Sequence[tuple[str, Workload]], **kwargs: Any
+) -> Iterator[list[Rank]]:
+    """One Snapshotter per ``(node, workload)``, ranks in order, all restored (fresh), each with a buddy.
 
     Closed (arenas released) when the block ends.
     """
     world = len(placement)
     ranks = [
-        Rank(Snapshotter(work.state, job=job, rank=i, world_size=world, sidecar=cluster.ipc(node), timeout=10.0,
-                         **kwargs), work, node, cluster.node(node))  # fmt: skip
+        Rank(Snapshotter(work.state, job=job, rank=i, world_size=world, sidecar=cluster.ipc(node),
+                         timeout=WAIT, **kwargs), work, node, cluster.node(node))  # fmt: skip
         for i, (node, work) in enumerate(placement)
     ]
     try:
@@ -196,9 +218,10 @@ def open_ranks(cluster: Cluster, job: str, placement: Sequence[tuple[str, Worklo
 class StatusWatch:
     """Polls the coordinator in a thread; checks every durable step it reports against the buddies' copies.
 
-    ``track(job, ranks)`` enables the check for a job: when the reported durable step ``D`` changes to ``d >= 0``,
-    each rank's ``(rank, d)`` must be served complete by a live sidecar other than the rank's home with exactly
-    the bytes that were staged, and ``d`` must be a step the rank started. ``violations`` lists every failure.
+    ``track(job, ranks)`` enables the check for a job: when the reported durable step ``D`` changes to
+    ``d >= 0``, each rank's ``(rank, d)`` must be served complete by a live sidecar other than the rank's home
+    with exactly the bytes that were staged, and ``d`` must be a step the rank started. ``violations`` lists
+    every failure.
     """
 
     def __init__(self, cluster: Cluster, every: float = 0.1) -> None:
@@ -244,39 +267,42 @@ class StatusWatch:
             for j in doc.get("jobs", []):
                 g, d = j["recoverable"], j["durable"]
                 seen = self.seen.setdefault(j["job"], [])
-                if not seen or seen[-1] != (g, d):
-                    seen.append((g, d))
-                    if d > g:
-                        self.violations.append(f"job {j['job']}: durable {d} > recoverable {g}")
-                    if d >= 0 and j["job"] in self._jobs:
-                        self._check(j["job"], d)
+                if seen and seen[-1] == (g, d):
+                    continue
+                if d > g:
+                    self.violations.append(f"job {j['job']}: durable {d} > recoverable {g}")
+                if d >= 0 and j["job"] in self._jobs and (not seen or seen[-1][1] != d):
+                    self._check(j["job"], d)
+                seen.append((g, d))
 
     def _check(self, job: str, step: int) -> None:
+        """Each rank's ``step`` must be held by a live buddy, with the staged bytes, while reported durable.
+
+        A buddy that was just killed may be counted until the coordinator declares it dead (its heartbeat
+        timeout), so a step that no live buddy serves is a violation only if it is still reported well after.
+        """
         self.checked.setdefault(job, []).append(step)
         for r in self._jobs[job]:
             if step not in r.started:
                 self.violations.append(f"job {job}: durable step {step} was never captured by rank {r.rank}")
                 continue
-            for attempt in range(2):  # a buddy that restarted a moment ago may not be known as such yet
-                verdict = self._held(job, r, step)
-                if verdict is True:
-                    break
-                if verdict is not None:
-                    self.violations.append(verdict)
-                    break
-                time.sleep(0.5)
+            deadline = time.monotonic() + self.cluster.heartbeat_timeout + 1.5
+            while (verdict := self._held(job, r, step)) is None:
                 if self.watermark_now(job) != step:
-                    break  # the durable step moved on; the buddy may have dropped it by now
-            else:
-                self.violations.append(f"job {job}: durable step {step} reported, but no live buddy of rank "
-                                       f"{r.rank} holds it complete")  # fmt: skip
+                    break  # the durable step moved on; its holders may have dropped it by now
+                if time.monotonic() > deadline:
+                    verdict = f"job {job}: durable step {step} reported; no live buddy holds rank {r.rank}'s"
+                    break
+                time.sleep(0.2)
+            if isinstance(verdict, str):
+                self.violations.append(verdict)
 
     def watermark_now(self, job: str) -> int:
         doc = self._fetch() or {}
         return next((j["durable"] for j in doc.get("jobs", []) if j["job"] == job), -1)
 
     def _held(self, job: str, r: Rank, step: int) -> bool | str | None:
-        """True: a live buddy serves exactly the staged bytes. A string: it served something else. None: no one."""
+        """True: a live buddy serves exactly the staged bytes; a string: one serves others; None: none."""
         for name, proc in list(self.cluster.sidecars.items()):
             if name == r.home or not proc.alive():
                 continue
@@ -287,7 +313,7 @@ class StatusWatch:
                 continue
             if isinstance(got, Pulled):
                 if got != r.work.expected(step):
-                    return f"job {job}: {name} serves rank {r.rank} step {step} with other bytes than were staged"
+                    return f"job {job}: {name} serves rank {r.rank} step {step} with bytes other than staged"
                 return True
         return None
 
@@ -330,13 +356,14 @@ def assert_not_held(cluster: Cluster, node: str, job: str, rank: int, step: int)
 
 
 def test_three_sidecars_exchange_snapshots_of_every_shape(cluster: Cluster, watch: StatusWatch) -> None:
-    for name in "ABC":
-        cluster.start(name)
+    cluster.start("A")
+    cluster.start("B")
+    cluster.start("C", "--codec", "delta-lz4")  # rank 2's later steps go out as XOR deltas against the previous
     job = cluster.job("shapes")
     works = [zero_bytes(), tiny_tensors(), larger_than_a_chunk()]
     assert works[0].data_bytes == 0 and works[2].data_bytes > 5 << 20
     buddy = {0: "B", 1: "C", 2: "A"}  # ring order of the node names
-    with open_ranks(cluster, job, list(zip("ABC", works))) as ranks:
+    with open_ranks(cluster, job, list(zip("ABC", works, strict=True))) as ranks:
         watch.track(job, ranks)
         for step in (1, 2, 3):
             for r in ranks:
@@ -349,10 +376,289 @@ def test_three_sidecars_exchange_snapshots_of_every_shape(cluster: Cluster, watc
                 assert_not_held(cluster, other, job, r.rank, step)
         wait_for(lambda: watch.watermark(job) == (3, 3), "G = D = 3 at the coordinator")
         for r in ranks:
-            wait_for(lambda r=r: isinstance(pull(cluster, buddy[r.rank], job, r.rank, 2), Error),
-                     "buddies to drop steps older than the durable one")  # fmt: skip
+
+            def dropped(r: Rank = r) -> bool:
+                return isinstance(pull(cluster, buddy[r.rank], job, r.rank, 2), Error)
+
+            wait_for(dropped, "the buddies to drop steps older than the durable one")
             stats = r.snap.stats
-            assert (stats.started, stats.durable, stats.failed, stats.skipped, stats.last_durable_step) == (3, 3, 0, 0, 3)
+            counts = (stats.started, stats.durable, stats.failed, stats.skipped, stats.last_durable_step)
+            assert counts == (3, 3, 0, 0, 3), stats
         ranks_doc = {d["rank"]: d for d in watch.job(job)["ranks"]}
-        assert all(ranks_doc[r]["newest_step"] == 3 and ranks_doc[r]["copies"] == 2 for r in range(3)), ranks_doc
+        assert all(ranks_doc[r]["newest_step"] == 3 and ranks_doc[r]["copies"] == 2 for r in range(3)), (
+            ranks_doc
+        )
     assert watch.checked[job][-1] == 3 and watch.durable_steps(job) <= {-1, 1, 2, 3}
+
+
+def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
+    cluster.start("A")
+    b = cluster.start("B")
+    fake = cluster.job("fake")
+    entries = [TensorEntry("x", "uint8", (2 * 4096 + 10,), 0, 2 * 4096 + 10)]
+    data = bytes(range(256)) * 32 + b"0123456789"
+    chunks = [memoryview(data)[i : i + 4096] for i in range(0, len(data), 4096)]
+
+    def chunk(index: int, digest: int | None = None, step: int = 1) -> Chunk:
+        part = chunks[index]
+        return Chunk(job=fake, rank=0, step=step, index=index, raw_len=part.nbytes,
+                     checksum=checksum(part) if digest is None else digest, payload=part)  # fmt: skip
+
+    begin = StreamBegin(job=fake, rank=0, step=1, src_node="X", data_bytes=len(data), chunk_bytes=4096,
+                        table=encode_table(entries), meta=msgpack.packb([1, {}]))  # fmt: skip
+    manifest = {"v": 1, "type": "pull_manifest", "job": fake, "rank": 0, "step": 0}
+    with DataPeer(b.fields["data"]) as peer:
+        garbage: list[tuple[Any, str]] = [
+            ([b"\x00 not msgpack"], "bad_message"),
+            ([msgpack.packb({"v": 99, "type": "chunk", "job": fake})], "bad_message"),
+            ([msgpack.packb({"v": 1, "type": "no_such_type", "job": fake})], "bad_message"),
+            ([msgpack.packb({**manifest, "rank": -1})], "bad_message"),
+            ([msgpack.packb(manifest), b"an extra frame"], "bad_message"),
+            ([b"\x81" + b"\xa1k" * (1 << 20)], "bad_message"),  # a header over the 1 MiB limit
+            # ipc talk on the data plane
+            (RegisterRank(job=fake, rank=0, world_size=1, pid=1, data_bytes=1), "bad_chunk"),
+            (dataclasses.replace(begin, table=b"\xc1 not a table"), "bad_chunk"),
+            (dataclasses.replace(begin, step=2, data_bytes=10), "bad_chunk"),  # the table runs past the data
+            (chunk(0, step=7), "not_found"),  # a chunk of a stream never begun
+        ]
+        for frames, code in garbage:
+            reply = peer.request(frames)
+            assert isinstance(reply, Error) and reply.code == code, (frames, reply)
+        # a stream driven by hand: a corrupt chunk is refused and never makes the snapshot complete
+        assert isinstance(peer.request(begin), StreamAccept)
+        bad = peer.request(chunk(0, digest=checksum(chunks[0]) ^ 1))
+        assert isinstance(bad, Error) and bad.code == "bad_chunk" and "xxh3" in bad.message
+        acks = [peer.request(chunk(i)) for i in (0, 1)]
+        assert all(isinstance(a, ChunkAck) and not a.complete for a in acks)
+        assert_not_held(cluster, "B", fake, 0, 1)  # 2 of 3 chunks: not served
+        last = peer.request(chunk(2))
+        assert isinstance(last, ChunkAck) and last.complete
+        again = peer.request(begin)  # a repeated offer of a complete snapshot changes nothing
+        assert isinstance(again, StreamAccept) and again.bases == (1,)
+        peer.send(StreamAbort(job=fake, rank=0, step=1))  # nor does an abort of it (one-way: no reply)
+    with DataPeer(b.fields["data"]) as peer:
+        got = peer.pull(fake, 0, 1)
+    assert isinstance(got, Pulled) and got.data == data and got.table == encode_table(entries)
+
+    with DataPeer(f"ipc://{cluster.ipc('A')}") as ipc:
+        for frames in ([b"garbage"], Announce(job=fake, rank=0, step=1, slot=0, table_id=1),
+                       PullManifest(job=fake, rank=0, step=1)):  # fmt: skip
+            reply = ipc.request(frames)
+            assert isinstance(reply, Error) and reply.code == "bad_message", reply
+        registered = ipc.request(RegisterRank(job=fake, rank=3, world_size=4, pid=1, data_bytes=100))
+        assert isinstance(registered, RankRegistered) and isinstance(ipc.recv(), SlotUpdate)
+        assert [n for n in shm_leftovers(cluster.tag) if fake in n] == [os.path.basename(registered.arena)]
+        for bad_announce in (Announce(job=fake, rank=3, step=1, slot=5, table_id=1,
+                                      table=encode_table(entries)),
+                             Announce(job=fake, rank=3, step=1, slot=0, table_id=2)):  # fmt: skip
+            reply = ipc.request(bad_announce)
+            assert isinstance(reply, Error) and reply.code == "bad_message", reply
+        ipc.send(UnregisterRank(job=fake, rank=3))
+        wait_for(lambda: not os.path.exists(registered.arena), "the unregistered rank's arena to be removed")
+    # the sidecars still do their job
+    job = cluster.job("after")
+    with open_ranks(cluster, job, [("A", larger_than_a_chunk())]) as [r]:
+        watch.track(job, [r])
+        for step in (1, 2):
+            assert r.capture(step) and r.snap.wait(WAIT)
+        assert_holds(cluster, "B", r, job, 2)
+    assert all(p.alive() for p in cluster.sidecars.values())
+
+
+def arenas_of(cluster: Cluster, node: str) -> list[str]:
+    return [n for n in shm_leftovers(cluster.tag) if f"-{cluster.node(node)}." in n]
+
+
+def stored_bytes(cluster: Cluster, node: str) -> int:
+    doc = fetch_status(cluster.coordinator_addr, secret=None)
+    return next(n["stored_bytes"] for n in doc["nodes"] if n["node"] == cluster.node(node))
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how: str) -> None:
+    cluster.start("A", "--max-rate", "16MB/s")  # 24 MB take 1.5 s: long enough to interrupt
+    b = cluster.start("B")
+    port = urlsplit(b.fields["data"]).port
+    job, job_b = cluster.job("restart"), cluster.job("onb")
+    work = big(24 << 20)
+    # rank 1 first snapshots at step 2, so step 1 never becomes recoverable and re-replication cannot copy it
+    # to the new B: whatever B holds of step 1 can only have come from the interrupted stream
+    with open_ranks(cluster, job, [("A", work), ("A", tiny_tensors(10))]) as ranks, \
+            open_ranks(cluster, job_b, [("B", zero_bytes())]):  # fmt: skip
+        watch.track(job, ranks)
+        r0, r1 = ranks
+        assert arenas_of(cluster, "B")  # B holds the arena of its own local rank
+        assert r0.capture(1)
+        wait_for(lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B")
+        time.sleep(0.2)
+        assert_not_held(cluster, "B", job, 0, 1)  # partly there: neither served nor reported
+        if how == "sigterm":
+            assert cluster.stop(b) == 0
+            assert not arenas_of(cluster, "B")  # a clean exit removes the arenas at once
+        else:
+            cluster.crash(b)
+            assert arenas_of(cluster, "B")  # a killed sidecar leaves its arenas ...
+        cluster.start("B", data_bind=f"tcp://127.0.0.1:{port}")  # same node, same address: A reconnects to it
+        assert not arenas_of(cluster, "B")  # ... and the next sidecar of the node removes them
+        wait_for(lambda: r0.snap.stats.failed >= 1, "the interrupted stream to fail")
+        stats = r0.snap.stats
+        assert stats.last_durable_step == -1 and "did not take step 1" in stats.last_error, stats
+        assert_not_held(cluster, "B", job, 0, 1)
+        for r in ranks:
+            assert r.capture(2)
+        for r in ranks:
+            assert r.snap.wait(WAIT), r.snap.stats
+            assert_holds(cluster, "B", r, job, 2)
+        wait_for(lambda: watch.watermark(job) == (2, 2), "G = D = 2")
+        assert_not_held(cluster, "B", job, 0, 1)
+        assert r0.snap.stats.durable == 1 and r0.snap.stats.errors >= 1
+    assert watch.durable_steps(job) <= {-1, 2} and watch.checked[job] == [2]
+
+
+def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
+    cluster.start("A", "--max-rate", "12MB/s")
+    b = cluster.start("B")
+    cluster.start("C")
+    job = cluster.job("killed")
+    work = big(12 << 20)
+    with open_ranks(cluster, job, [("A", work)]) as [r]:
+        watch.track(job, [r])
+        assert r.capture(1) and r.snap.wait(WAIT)
+        assert_holds(cluster, "B", r, job, 1)
+        assert r.capture(2)
+        wait_for(lambda: stored_bytes(cluster, "B") >= 2 * work.data_bytes, "step 2 to begin streaming to B")
+        cluster.kill(b)
+        step = 2
+        deadline = time.monotonic() + 45
+        while r.snap.stats.last_durable_step <= 2:  # training goes on; capture() neither raises nor blocks
+            assert time.monotonic() < deadline, r.snap.stats
+            step += 1
+            t0 = time.monotonic()
+            r.capture(step)
+            assert time.monotonic() - t0 < 1.0
+            time.sleep(0.05)
+        assert r.snap.wait(WAIT)
+        final = max(r.started)
+        stats = r.snap.stats
+        assert stats.last_durable_step == final and stats.failed == 1, stats
+        assert "did not take step 2" in stats.last_error
+        assert stats.skipped > 0 and stats.started + stats.skipped == step
+        assert_holds(cluster, "C", r, job, final)
+        wait_for(lambda: watch.watermark(job) == (final, final), f"G = D = {final}")
+        assert not watch.node("B")["alive"] and watch.node("C")["alive"]
+    assert 1 in watch.checked[job] and watch.checked[job][-1] == final
+
+
+def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, watch: StatusWatch) -> None:
+    cluster.start("A", "--max-rate", "10MB/s")
+    cluster.start("B")
+    job = cluster.job("slow")
+    work = big(4 << 20)
+    stream_s = work.data_bytes / 10e6  # 0.4 s per snapshot, against 20 ms training steps
+    with open_ranks(cluster, job, [("A", work)]) as [r]:
+        watch.track(job, [r])
+        assert r.capture(1) and r.snap.wait(WAIT)
+        captured_at = {1: time.monotonic()}
+        staleness = 0.0  # how old the newest durable snapshot is, at worst
+        step = 1
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            step += 1
+            now = time.monotonic()
+            if r.capture(step):
+                captured_at[step] = now
+            staleness = max(staleness, now - captured_at[r.snap.stats.last_durable_step])
+            time.sleep(0.02)
+        assert r.snap.wait(WAIT)
+        stats = r.snap.stats
+        assert stats.failed == 0 and stats.started + stats.skipped == step
+        assert stats.skipped > step / 2 and stats.started >= 4, stats
+        assert stats.last_durable_step == max(r.started)
+        # a snapshot waits for at most the stream in flight, then streams itself: the lag does not grow
+        assert staleness < 3 * stream_s + 1.0, (staleness, stream_s)
+        assert_holds(cluster, "B", r, job, max(r.started))
+        wait_for(lambda: watch.watermark(job) == (max(r.started),) * 2, "G = D = the last step")
+
+
+def test_superseded_stream_is_aborted_and_the_newer_step_completes(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
+    cluster.start("A", "--max-rate", "16MB/s")
+    cluster.start("B")
+    job = cluster.job("superseded")
+    work = big(16 << 20)  # 1 s per stream
+    with open_ranks(cluster, job, [("A", work)], slots=3) as [r]:
+        watch.track(job, [r])
+        assert r.capture(1)
+        wait_for(lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B")
+        assert r.capture(2)  # a third slot is free: step 2 is announced while step 1 streams
+
+        def one_snapshot_while_step_2_streams() -> bool:
+            stored = stored_bytes(cluster, "B")
+            streaming = isinstance(pull(cluster, "B", job, 0, 2), Error)
+            assert streaming, "step 2 completed before B was seen to drop step 1"
+            return stored < 2 * work.data_bytes
+
+        wait_for(one_snapshot_while_step_2_streams, "B to drop the incomplete step 1", every=0.1)
+        assert r.snap.wait(WAIT)
+        assert_holds(cluster, "B", r, job, 2)
+        assert_not_held(cluster, "B", job, 0, 1)
+        stats = r.snap.stats
+        assert (stats.started, stats.durable, stats.last_durable_step) == (2, 1, 2)
+        wait_for(lambda: watch.watermark(job) == (2, 2), "G = D = 2")
+    assert 1 not in watch.durable_steps(job)
+
+
+def test_memory_limit_refuses_a_bigger_stream_and_keeps_what_is_held(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
+    a = cluster.start("A")
+    cluster.start("B", "--memory-limit", "1MiB")
+    job = cluster.job("memory")
+    work = Workload({"w": ((50_000,), torch.float32)})
+    work.reshape(2, {"w": ((50_000,), torch.float32), "grown": ((500_000,), torch.float32)})  # + 2 MB
+    work.reshape(3, {"w": ((50_000,), torch.float32)})
+    with open_ranks(cluster, job, [("A", work)]) as [r]:
+        watch.track(job, [r])
+        assert r.capture(1) and r.snap.wait(WAIT)
+        assert r.capture(2)  # the client registers a bigger arena; the buddy refuses the stream
+        wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
+        stats = r.snap.stats
+        assert (stats.failed, stats.last_durable_step) == (1, 1), stats
+        wait_for(lambda: "memory limit 1048576 B reached" in cluster.tail(a, 400), "the sender to log why")
+        assert_holds(cluster, "B", r, job, 1)  # nothing held was dropped to make room
+        assert r.capture(3) and r.snap.wait(WAIT)  # a snapshot that fits streams again
+        assert_holds(cluster, "B", r, job, 3)
+        wait_for(lambda: watch.watermark(job) == (3, 3), "G = D = 3")
+    assert watch.durable_steps(job) <= {-1, 1, 3}
+
+
+@pytest.mark.xfail(strict=True, reason="the sender's SlotUpdate note says only 'N of M buddies did not take "
+                   "step S'; the buddy's reason (memory_limit) stays in the sender's log "
+                   "(daemon.py _stream_slot)")
+def test_memory_limit_refusal_is_named_to_the_client(cluster: Cluster) -> None:
+    cluster.start("A")
+    cluster.start("B", "--memory-limit", "1MiB")
+    job = cluster.job("memory-named")
+    with open_ranks(cluster, job, [("A", big(2 << 20))]) as [r]:
+        assert r.capture(1)
+        wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
+        assert "memory limit" in r.snap.stats.last_error, r.snap.stats.last_error
+
+
+@pytest.mark.xfail(strict=True, reason="Snapshotter.wait() loops while _inflight is not empty, but the slot "
+                   "of a failed step stays the sidecar's kept slot and is never listed free: wait() sleeps "
+                   "out its whole timeout instead of returning False when the stream failed "
+                   "(client/snapshotter.py)")
+def test_wait_returns_as_soon_as_the_stream_failed(cluster: Cluster) -> None:
+    cluster.start("A")
+    cluster.start("B", "--memory-limit", "1MiB")
+    job = cluster.job("wait-failed")
+    with open_ranks(cluster, job, [("A", big(2 << 20))]) as [r]:
+        assert r.capture(1)
+        wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
+        t0 = time.monotonic()
+        assert not r.snap.wait(2.5)
+        assert time.monotonic() - t0 < 1.5

@@ -1,4 +1,4 @@
-"""Slot discipline of one local rank: which slots are free, kept, streaming, and what a new process may reuse."""
+"""Slot discipline of one local rank: which slots are free, kept or streaming, and what a restart keeps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from snapshotd.proto import ProtocolError, TensorEntry, encode_table
 
+from snapshotd.proto import ProtocolError, TensorEntry, encode_table
 from snapshotd.shm import create_arena
 from snapshotd.sidecar.local import LocalRank, SlotState, dominant_elem, pid_alive
 
@@ -107,7 +107,7 @@ def test_pid_alive() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         deadline = time.monotonic() + 30
-        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:  # wait, do not reap
+        while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:  # do not reap
             assert time.monotonic() < deadline, "child did not exit"
             time.sleep(0.01)
         assert not pid_alive(child.pid)  # a zombie counts as gone

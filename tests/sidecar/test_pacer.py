@@ -95,4 +95,4 @@ def test_aimd_waits_for_a_baseline() -> None:
     assert math.isinf(pacer.rate)
     pacer.report_step(0.05, streaming=False)
     feed(pacer, 1.0, 4)
-    assert pacer.rate == pytest.approx(Pacer.MIN_RATE * 10 * 0.7)  # no throughput observed: starts at 100 MB/s
+    assert pacer.rate == pytest.approx(Pacer.MIN_RATE * 10 * 0.7)  # nothing observed: cut from 100 MB/s

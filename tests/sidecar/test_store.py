@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from snapshotd.proto import ChecksumMismatch, CodecError, ProtocolError, checksum, compress_chunk
 
+from snapshotd.proto import ChecksumMismatch, CodecError, ProtocolError, checksum, compress_chunk
 from snapshotd.sidecar.store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
 
 JOB = "job"
@@ -21,9 +21,9 @@ def begin(store: SnapshotStore, step: int, data_bytes: int, *, rank: int = 0, jo
                 meta=b"m" * 6)  # fmt: skip
 
 
-def put(store: SnapshotStore, step: int, data: np.ndarray, index: int, *, rank: int = 0, job: str = JOB) -> bool:
-    part = memoryview(data)[index * CHUNK : (index + 1) * CHUNK]
-    return store.put_chunk(job, rank, step, index, codec_name="raw", payload=part, raw_len=part.nbytes,
+def put(store: SnapshotStore, step: int, data: np.ndarray, index: int, *, rank: int = 0) -> bool:
+    part = data.data[index * CHUNK : (index + 1) * CHUNK]
+    return store.put_chunk(JOB, rank, step, index, codec_name="raw", payload=part, raw_len=part.nbytes,
                            checksum=checksum(part), base_step=-1, elem=1)  # fmt: skip
 
 
@@ -51,7 +51,8 @@ def test_snapshot_is_complete_only_when_every_chunk_is_verified() -> None:
     assert snap.complete and snap.nchunks == 4 and snap.missing == 0
     assert bytes(snap.data) == data.tobytes()
     assert (snap.table, snap.meta, snap.src_node) == (b"t" * 10, b"m" * 6, "A")
-    assert store.steps(JOB, 0) == [5] and store.complete_keys() == [(JOB, 0, 5)] and store.version == version + 1
+    assert store.steps(JOB, 0) == [5] and store.complete_keys() == [(JOB, 0, 5)]
+    assert store.version == version + 1
     assert put(store, 5, data, 1) is False  # a late duplicate after completion changes nothing
 
 
@@ -67,11 +68,12 @@ def test_bad_chunks_are_refused_and_never_count() -> None:
     store = SnapshotStore(1 << 20)
     data = payload(2 * CHUNK, 2)
     begin(store, 1, data.nbytes)
-    good = memoryview(data)[:CHUNK]
+    good = data.data[:CHUNK]
 
     def put_raw(index: int, part: memoryview, digest: int, raw_len: int | None = None) -> bool:
-        return store.put_chunk(JOB, 0, 1, index, codec_name="raw", payload=part, raw_len=part.nbytes if raw_len is None
-                               else raw_len, checksum=digest, base_step=-1, elem=1)  # fmt: skip
+        size = part.nbytes if raw_len is None else raw_len
+        return store.put_chunk(JOB, 0, 1, index, codec_name="raw", payload=part, checksum=digest,
+                               raw_len=size, base_step=-1, elem=1)  # fmt: skip
 
     with pytest.raises(ChecksumMismatch):
         put_raw(0, good, checksum(good) ^ 1)

@@ -1,0 +1,73 @@
+"""snapshotd-bench recovery: a real node loss and pull restore with a tiny state, beside torch.load."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from snapshotd.bench import cli
+from snapshotd.bench.recovery import make_state, state_digest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUMMARY_KEYS = {"state_bytes", "detection_seconds", "restore_seconds", "restore_GBps", "torch_load_seconds"}
+
+
+def test_make_state_is_deterministic_and_sized() -> None:
+    a, b = make_state(4000, 3), make_state(4000, 3)
+    assert [t.numel() for t in a] == [334, 333, 333]
+    assert sum(t.numel() * t.element_size() for t in a) == 4000
+    assert state_digest(a) == state_digest(b)
+    assert state_digest(make_state(4000, 3, seed=1)) != state_digest(a)
+    a[1][5] += 1.0
+    assert state_digest(a) != state_digest(b)
+
+
+@pytest.mark.parametrize(("size", "parts"), [(0, 1), (6, 1), (8, 3)])
+def test_make_state_rejects_bad_sizes(size: int, parts: int) -> None:
+    with pytest.raises(ValueError):
+        make_state(size, parts)
+
+
+@pytest.mark.integration
+def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> None:
+    out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
+    code = cli.main(["recovery", "--size", "8MiB", "--tensors", "2", "--interval", "10,100", "--step-seconds", "0.5",
+                     "--restart-seconds", "2", "--timeout", "60", "--json", str(out), "--plot", str(png)])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr()
+    assert "== snapshotd-bench recovery ==" in printed.out
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "recovery" and {"machine", "config", "results"} <= set(doc)
+    s = doc["summary"]
+    assert set(s) >= SUMMARY_KEYS
+    assert s["state_bytes"] == 8 << 20
+    assert 0.5 < s["detection_seconds"] < 15  # heartbeat timeout 1.5 s
+    assert s["re_replication_seconds"] >= s["detection_seconds"]
+    assert s["restore_source"] == "pull"  # the replacement pulled; it held no copy
+    assert 0 < s["pull_seconds"] <= s["restore_seconds"] < 30
+    assert s["restore_GBps"] == pytest.approx(s["state_bytes"] / s["restore_seconds"] / 1e9)
+    assert s["torch_load_seconds"] > 0
+    rows = {r["path"]: r for r in doc["results"]}
+    restore = rows["snapshotd restore (pull)"]
+    assert restore["note"].startswith("8.00 MiB pulled from 2 live holders")
+    fixed = s["detection_seconds"] + 2
+    assert rows["failure: snapshotd"]["wasted_seconds"] == pytest.approx(fixed + s["restore_seconds"] + 0.5)
+    for n in (10, 100):
+        row = rows[f"failure: checkpoint every {n}"]
+        assert row["wasted_seconds"] == pytest.approx(fixed + s["torch_load_seconds"] + n / 2 * 0.5)
+    if importlib.util.find_spec("torchft") is None:
+        assert "torchft_seconds" not in s
+        assert rows["torchft HTTPTransport"]["note"] == "torchft not installed; skipped"
+        assert "torchft not installed; skipped" in printed.err
+    else:
+        assert s["torchft_seconds"] > 0
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_recovery_bench_rejects_bad_arguments(capsys) -> None:
+    assert cli.main(["recovery", "--interval", "0"]) == 2  # a usage error, before anything starts
+    assert "positive integers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cli.main(["recovery", "--size", "6"])
