@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 
-__all__ = ["SHM_DIR", "Arena", "attach_arena", "create_arena", "sweep_stale_arenas"]
+__all__ = ["SHM_DIR", "Arena", "attach_arena", "create_arena", "pid_alive", "sweep_stale_arenas"]
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def sweep_stale_arenas(node: str) -> list[str]:
     removed = []
     for name in os.listdir(SHM_DIR):
         m = _OWNED.match(name)
-        if m is None or m.group("node") != mine or _alive(int(m.group("pid"))):
+        if m is None or m.group("node") != mine or pid_alive(int(m.group("pid"))):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
@@ -122,11 +122,18 @@ def sweep_stale_arenas(node: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a local process still exists (zombies count as gone)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().split(b") ", 1)[1][:1] != b"Z"
+    except (OSError, IndexError):
+        return True

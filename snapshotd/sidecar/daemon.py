@@ -88,6 +88,8 @@ class Sidecar:
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.incarnation = uuid.uuid4().hex[:16]
         self.data_addr = ""
+        # pulls are bulk reads of a complete snapshot with no pacing: bigger messages cost less per byte
+        self.pull_chunk_bytes = max(cfg.chunk_bytes, 4 << 20)
         self.version = 0  # bumps when ranks or the local inventory change
         self.bytes_out = 0
         self.bytes_in = 0
@@ -507,7 +509,7 @@ class Sidecar:
             table, meta, nbytes, _ = self._source(msg.job, msg.rank, msg.step)
             self._reply(self._data_out, ident, StreamBegin(
                 job=msg.job, rank=msg.rank, step=msg.step, src_node=self.cfg.node, data_bytes=nbytes,
-                chunk_bytes=self.cfg.chunk_bytes, table=table, meta=meta,
+                chunk_bytes=self.pull_chunk_bytes, table=table, meta=meta,
             ))  # fmt: skip
         elif isinstance(msg, PullRequest):
             self._source(msg.job, msg.rank, msg.step)  # refuse at once if not held
@@ -541,7 +543,7 @@ class Sidecar:
             pinned.pins += 1
         try:
             data = view()
-            chunk = self.cfg.chunk_bytes
+            chunk = self.pull_chunk_bytes
             for index in range(req.first, min(req.first + req.count, -(-nbytes // chunk))):
                 part = data[index * chunk : (index + 1) * chunk]
                 await self._data_out.put((ident, Chunk(

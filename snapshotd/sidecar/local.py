@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 
 from snapshotd.proto import TensorEntry, decode_table, table_data_bytes
-from snapshotd.shm import Arena
+from snapshotd.shm import Arena, pid_alive
 
 __all__ = ["LocalRank", "SlotState", "dominant_elem", "pid_alive"]
 
@@ -124,20 +123,3 @@ def dominant_elem(entries: list[TensorEntry]) -> int:
         size = DTYPE_SIZES[e.dtype]
         weight[size] = weight.get(size, 0) + e.nbytes
     return max(weight, key=weight.__getitem__) if weight else 1
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a local process still exists (zombies count as gone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().split(b") ", 1)[1][:1] != b"Z"
-    except (OSError, IndexError):
-        return True
