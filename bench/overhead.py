@@ -60,6 +60,10 @@ _COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_p99_ms", "ste
             "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
 
 
+_CONFIG_KEYS = ("params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every", "max_rate",
+               "sidecar_nice", "device", "threads")  # fmt: skip
+
+
 def _int_list(text: str) -> list[int]:
     values = [int(v) for v in text.split(",") if v.strip()]
     if not values or min(values) < 1:
@@ -107,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-rate", default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
+    )
+    parser.add_argument(
+        "--sidecar-nice",
+        type=int,
+        default=0,
+        help="run the sidecars under nice -n N (default 0: as the ranks)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks train")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -232,12 +242,12 @@ _PER_STEP = ("step_times", "blocked_times", "capture_times", "fence_times", "cpu
 
 def _measure(
     args: argparse.Namespace, workdir: str
-) -> tuple[dict[tuple[str, int], Blocks], int, float | None]:
+) -> tuple[dict[tuple[str, int], Blocks], int, dict[str, float]]:
     """Run the plan on a fresh cluster.
 
     Returns:
-        (variant, interval) -> its blocks; the state bytes per rank; the CPU seconds both sidecars used during
-        the job (None where /proc cannot tell).
+        (variant, interval) -> its blocks; the state bytes per rank; node -> the CPU seconds its sidecar used
+        during the job (empty where /proc cannot tell).
     """
     plan = _plan(args)
     total = sum(k for _, _, k in plan)
@@ -249,20 +259,21 @@ def _measure(
         flags += ["--ckpt-dir", os.path.join(workdir, "checkpoints")]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=5.0) as cluster:
         cluster.start_coordinator()
-        cluster.start_sidecar("A", *extra)
-        cluster.start_sidecar("B", *extra)
+        prefix = ("nice", "-n", str(args.sidecar_nice)) if args.sidecar_nice else ()
+        cluster.start_sidecar("A", *extra, prefix=prefix)
+        cluster.start_sidecar("B", *extra, prefix=prefix)
         if "snapshotd" in args.variants:
             flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
-        pids = [p.pid for p in cluster.sidecars.values()]
-        cpu0 = [_cpu_seconds(pid) for pid in pids]
+        pids = {node: p.pid for node, p in cluster.sidecars.items()}
+        cpu0 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
         try:
             results = _run_ranks(workdir, args.ranks, flags, total, args.timeout)
         finally:
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-        cpu1 = [_cpu_seconds(pid) for pid in pids]
-    sidecar_cpu = None
-    if None not in cpu0 and None not in cpu1:
-        sidecar_cpu = sum(b - a for a, b in zip(cpu0, cpu1, strict=True))  # type: ignore[operator]
+        cpu1 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
+    sidecar_cpu = {node: (cpu1[node] or 0.0) - (cpu0[node] or 0.0) for node in pids}
+    if None in cpu0.values() or None in cpu1.values():
+        sidecar_cpu = {}
     out: dict[tuple[str, int], Blocks] = {}
     for i, (name, interval, steps) in enumerate(plan):
         ranks = []
@@ -354,8 +365,8 @@ def run(args: argparse.Namespace) -> Report:
     rows = [_row(name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
     snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", args.every), []))
     for row in rows:
-        if row["variant"] == "snapshotd" and sidecar_cpu is not None and snap_steps:
-            row["sidecar_cpu_ms"] = sidecar_cpu / snap_steps * 1e3
+        if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
+            row["sidecar_cpu_ms"] = sum(sidecar_cpu.values()) / snap_steps * 1e3
     base = next(r["step_median_ms"] for r in rows if r["variant"] == "none")
     for row in rows:
         row["step_ratio"] = row["step_median_ms"] / base
@@ -380,9 +391,9 @@ def run(args: argparse.Namespace) -> Report:
         at = [r for r in rows if r["variant"] == name and r["interval"] == min(args.interval)]
         if at:
             summary[key] = at[0]["step_ratio"]
-    config = {key: getattr(args, key) for key in ("params", "ranks", "steps", "warmup", "rounds", "batch",
-                                                  "interval", "variants", "every", "max_rate", "device", "threads")}  # fmt: skip
+    config = {key: getattr(args, key) for key in _CONFIG_KEYS}
     config["setup"] = setup
+    config["sidecar_cpu_seconds"] = sidecar_cpu  # per node, over the whole job: A sends, B receives
     config["loadavg_1min"] = [
         load,
         os.getloadavg()[0],

@@ -1,34 +1,46 @@
 """``snapshotd-bench scale``: one real coordinator against thousands of simulated sidecars.
 
 For each N of ``--sidecars`` (default 100, 1,000 and 10,000 in turn): a real ``snapshotd coordinator`` process
-(:class:`~snapshotd.local_cluster.LocalCluster`, default heartbeat interval 0.5 s and timeout 3 s) and
-``--workers`` processes of :mod:`.simsidecars` that drive N simulated sidecars between them, one DEALER socket
-(one TCP connection) each, registering and heartbeating as the real sidecar does, each reporting 8 ranks of one
-job of 8N ranks and an inventory of 32 snapshots that changes with every training step (``--step-seconds``).
+(:class:`~snapshotd.local_cluster.LocalCluster`, heartbeat interval 0.5 s and timeout 3 s by default) and
+``--workers`` processes of :mod:`.simsidecars` (at nice 10) that drive N simulated sidecars between them. Each
+simulated sidecar has its own DEALER socket, so the coordinator sees N TCP connections as it would in a real job
+(it keys nodes by the name in each message, so several could share a socket, but that would hide the per-connection
+cost), registers and heartbeats as the real sidecar does, and reports 8 ranks (``--ranks-per-node``) of one job
+of 8N ranks and an inventory of 32 snapshots that changes every training step (``--step-seconds``, by default
+one heartbeat interval: every heartbeat carries its full inventory, the real sidecar's worst case).
 
-1. **Ramp**: every sidecar registers and gets a first known heartbeat reply (``ramp_s``); then ``--settle`` s.
+1. **Ramp**: every sidecar registers and heartbeats; ``up`` counts those the coordinator answered at least once
+   within ``--timeout`` s (``ramp_s``: how long that took), then ``--settle`` s pass.
 2. **Window** (``--window`` s): ``heartbeats_per_s`` is heartbeat replies received per second, summed over the
-   workers (``hb_ratio``: that over N / interval, the rate a coordinator that keeps up answers); ``hb_rtt_*``
-   their request-to-reply times; ``coordinator_cpu`` the coordinator process's utime + stime from
-   ``/proc/PID/stat`` over the window as a fraction of one core (every thread: its Python thread, which
-   ``coordinator_py_cpu`` counts alone, and ZeroMQ's I/O thread); ``drivers_cpu`` the simulators' together.
+   workers, late ones included (``hb_ratio``: that over N / interval, which a coordinator that keeps up
+   reaches); ``hb_rtt_*`` the request-to-reply times of the timely ones; ``coordinator_cpu`` the coordinator
+   process's utime + stime from ``/proc/PID/stat`` over the window as a fraction of one core (every thread:
+   its Python thread, which ``coordinator_py_cpu`` counts alone, and ZeroMQ's I/O thread); ``cpu_per_hb_us``
+   that over ``heartbeats_per_s`` (what one heartbeat costs, whatever else runs on the machine);
+   ``drivers_cpu`` the simulators' together.
 3. **Node loss**: training stops (every step freezes; the buddies' streams finish), sidecar N/2 falls silent and
    a replacement node registers hosting its 8 ranks, holding nothing. The bench waits ``heartbeat_timeout``
    plus 0.5 s for the coordinator to declare the silent node dead.
-4. **Plan round**: every one of the 8N ranks asks for a plan once, through its sidecar's socket, each sidecar
-   asking for its ranks one after the other (``freeze_s``: from the first request to the last answer; every
-   answer is ``wait`` but the one to the last rank to ask, which freezes the round).
-5. **Plan latency**: once the round is frozen, a sample of ranks asks again, spread evenly over
-   ``--plan-spread`` s while every sidecar keeps heartbeating: the 8 ranks of the lost node (from the
-   replacement, which pulls) and ``--plan-sample`` others, one per sidecar spread over the ring. ``plan_ms`` is a
-   request's send to its ``ready`` reply, as the simulated sidecar sees it (so it includes the loopback and the
-   wait behind the heartbeats in the coordinator's queue); ``plan_ms_p99`` is the 99th percentile over the
-   sample. Every answer must be ``ready`` at the frozen step, ``local`` exactly for ranks whose node lived,
-   and must not name the lost node as a source (``plan_wrong`` counts those that break this).
+4. **Plan round**: every one of the 8N ranks asks for a plan once: each sidecar asks for all its ranks on a
+   socket of its own (as the real sidecar's plan call does), the sidecars spread over one heartbeat interval.
+   Every answer is ``wait`` but the one to the last rank to ask, which freezes the round. ``freeze_s``: from the
+   first request to the last answer (empty when not all were answered within ``--timeout`` s).
+5. **Plan latency**, only when the round froze: a sample of ranks asks again, one request each on a new socket,
+   spread evenly over ``--plan-spread`` s while every sidecar keeps heartbeating: the lost node's ranks (from the
+   replacement, which must pull) and ``--plan-sample`` others, one per sidecar spread over the ring. A
+   request's ``plan_ms`` runs from handing it to its new socket to its ``ready`` reply, as the simulated sidecar
+   sees it: the connection, the wait behind the heartbeats queued in the coordinator, and the answer;
+   ``plan_ms_p99`` (``plan_p99_ms``) is the 99th percentile over the sample, unanswered ones (``plan_answered``
+   < ``plan_samples``) counting as infinitely late. Every answer must be ``ready`` at the frozen step,
+   ``local`` exactly for ranks whose node lived, with sources for the replacement, never the lost node
+   (``plan_wrong`` counts those that are not).
 
-``--profile PATH.prof`` runs the coordinator in this process, in a thread under cProfile (``run_coordinator``
-from :mod:`snapshotd.coordinator.server`), and writes ``PATH-N.prof`` per N; ``coordinator_cpu`` then counts
-that thread alone, profiler overhead included.
+``timeouts`` and ``reregistered`` count heartbeats left unanswered for ``max(1, 4 * interval)`` s and sidecars
+told to register again (declared dead while alive), over the whole run: both are 0 when the coordinator keeps up.
+
+``--profile PATH.prof`` runs the coordinator in this process, in a thread under cProfile timing that thread's
+CPU (``run_coordinator`` from :mod:`snapshotd.coordinator.server`), and writes ``PATH-N.prof`` per N;
+``coordinator_cpu`` then counts that thread alone, profiler overhead included.
 
 Summary: ``sidecars`` (the largest N), and for it ``heartbeats_per_s``, ``coordinator_cpu`` and ``plan_ms_p99``.
 """
@@ -64,9 +76,9 @@ __all__ = ["add_arguments", "run"]
 log = logging.getLogger(__name__)
 
 _COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
-            "coordinator_cpu", "coordinator_py_cpu", "drivers_cpu", "up", "ramp_s", "freeze_s", "plan_p50_ms",
-            "plan_p99_ms", "plan_max_ms", "plan_samples", "plan_answered", "plan_wrong",
-            "timeouts", "reregistered"]  # fmt: skip
+            "coordinator_cpu", "coordinator_py_cpu", "cpu_per_hb_us", "drivers_cpu", "up", "ramp_s", "freeze_s",
+            "plan_p50_ms", "plan_p99_ms", "plan_max_ms", "plan_samples", "plan_answered", "plan_wrong", "timeouts",
+            "reregistered"]  # fmt: skip
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _ANSWER_S = 30.0  # a simulator answers every command at once; this long means it is wedged
 _POLL_S = 0.25
@@ -173,8 +185,9 @@ class _ThreadCoordinator:
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="coordinator", daemon=True)
         self._thread.start()
-        if not self._up.wait(30):
-            raise RuntimeError("the in-process coordinator did not start in 30 s")
+        if not self._up.wait(30) or not self.endpoint:
+            self.close()
+            raise RuntimeError("the in-process coordinator did not start (see the log)")
 
     def _main(self) -> None:
         import uvloop
@@ -187,13 +200,16 @@ class _ThreadCoordinator:
             self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
             await run_coordinator(self.cfg, ready=self._ready, stop=self._stop)
 
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)  # CPU time of this thread: no idle waits, no preemption
         prof.enable()
         try:
             uvloop.run(serve())
+        except Exception:
+            log.exception("the in-process coordinator failed")
         finally:
             prof.disable()
             prof.dump_stats(self.prof_path)
+            self._up.set()
 
     def _ready(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -269,16 +285,32 @@ async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
                    workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
-    interval, limit, rpn = args.heartbeat_interval, args.timeout, args.ranks_per_node
+    """Phases 1-5 of the module docstring against the coordinator at ``ep``; the result row."""
+    row = await _heartbeats(n, args, ep, stat, workers)
+    victim, stop_at = n // 2, time.monotonic()
+    for w in workers:
+        await w.ask({"cmd": "freeze", "at": stop_at}, _ANSWER_S)
+        if w.owns(victim):
+            await w.ask({"cmd": "lose", "victim": victim}, _ANSWER_S)
+    await asyncio.sleep(args.heartbeat_timeout + 0.5)
+    row.update(await _plans(n, args, workers, victim))
+    last = await _all(workers, {"cmd": "mark"})
+    row.update(timeouts=sum(x["timeouts"] for x in last), reregistered=sum(x["reregistered"] for x in last))
+    return row
+
+
+async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
+                      workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
+    """Start the simulated sidecars, wait for them to be up, and measure the heartbeat window."""
+    interval = args.heartbeat_interval
     job, t0 = f"scale-{uuid.uuid4().hex[:6]}", time.monotonic()
     for w in workers:
         await w.ask({"cmd": "start", "config": {
-            "coordinator": ep, "job": job, "first": w.first, "count": w.count,
-            "total": n, "ranks_per_node": rpn, "interval": interval, "step_seconds": args.step_seconds, "t0": t0,
-            "reply_timeout": max(1.0, 4 * interval)}}, _ANSWER_S)  # fmt: skip
-    marks = await _until(workers, {"cmd": "mark"}, lambda ms: sum(m["up"] for m in ms) >= n, limit)
-    ramp_s = time.monotonic() - t0
-    up = sum(m["up"] for m in marks)
+            "coordinator": ep, "job": job, "first": w.first, "count": w.count, "total": n,
+            "ranks_per_node": args.ranks_per_node, "interval": interval, "step_seconds": args.step_seconds,
+            "t0": t0, "reply_timeout": max(1.0, 4 * interval)}}, _ANSWER_S)  # fmt: skip
+    marks = await _until(workers, {"cmd": "mark"}, lambda ms: sum(m["up"] for m in ms) >= n, args.timeout)
+    ramp_s, up = time.monotonic() - t0, sum(m["up"] for m in marks)
     log.info("%d sidecars: %d up after %.1f s", n, up, ramp_s)
     await asyncio.sleep(args.settle)
 
@@ -289,35 +321,41 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
     marks1 = await _all(workers, {"cmd": "mark"})
     span = time.monotonic() - c0
     cpu = {k: (_cpu_seconds(p) - cpu0[k]) / span for k, p in stat.items()}
-    hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
-    drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in zip(marks0, marks1, strict=True))
+    pairs = list(zip(marks0, marks1, strict=True))
+    hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in pairs)
+    drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in pairs)
     rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
-    log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, cpu.get("process", cpu["thread"]))
+    coord = cpu.get("process", cpu["thread"])
+    log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, coord)
+    return {
+        "sidecars": n, "ranks": n * args.ranks_per_node, "heartbeats_per_s": round(hb, 1),
+        "hb_ratio": round(hb * interval / n, 3), "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
+        "coordinator_cpu": round(coord, 3), "coordinator_py_cpu": round(cpu["thread"], 3),
+        "cpu_per_hb_us": round(coord / hb * 1e6, 1) if hb else math.nan, "drivers_cpu": round(drivers, 3),
+        "up": up, "ramp_s": round(ramp_s, 2),
+    }  # fmt: skip
 
-    victim, stop_at = n // 2, time.monotonic()
-    for w in workers:
-        await w.ask({"cmd": "freeze", "at": stop_at}, _ANSWER_S)
-        if w.owns(victim):
-            await w.ask({"cmd": "lose", "victim": victim}, _ANSWER_S)
-    await asyncio.sleep(args.heartbeat_timeout + 0.5)
 
+async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victim: int) -> dict[str, Any]:
+    """The plan round (every rank asks once) and, when it froze, the timed sample; the plan columns."""
+    rpn = args.ranks_per_node
     f0 = time.monotonic()
-    await _all(workers, {"cmd": "ask", "all": True, "spread": interval})
-    asked = await _until(workers, {"cmd": "plans", "summary": True}, _all_answered(n * rpn), limit)
+    await _all(workers, {"cmd": "ask", "all": True, "spread": args.heartbeat_interval})
+    asked = await _until(workers, {"cmd": "plans", "summary": True}, _all_answered(n * rpn), args.timeout)
     first_asks = sum(a["received"] for a in asked)
     freeze_s = time.monotonic() - f0 if first_asks >= n * rpn else math.nan
     answered = [r for a in asked for r in a["answered"]]
     if len(answered) != 1 or answered[0]["status"] != "ready":
         statuses = {s: sum(a["statuses"].get(s, 0) for a in asked) for s in ("wait", "ready", "none", "fresh")}
         log.warning("%d sidecars: %d of %d first plan requests answered in %g s: %s; non-wait answers %s", n,
-                    first_asks, n * rpn, limit, statuses, answered[:3])  # fmt: skip
+                    first_asks, n * rpn, args.timeout, statuses, answered[:3])  # fmt: skip
     replies: list[dict[str, Any]] = []
     sample: list[tuple[int, int]] = []
     wrong: list[dict[str, Any]] = []
     if answered:  # the round froze: time a sample of ranks asking again
         step = answered[0]["step"]
         frozen_by = {r["rank"] for r in answered}  # asking again would open a new round
-        sample = [(n, r) for r in range(victim * rpn, (victim + 1) * rpn)]  # the replacement
+        sample = [(n, r) for r in range(victim * rpn, (victim + 1) * rpn) if r not in frozen_by]  # the replacement
         m = min(args.plan_sample, n - 1)
         for k in range(m):
             index = (victim + 1 + k * (n - 1) // m) % n  # every node but the victim, spread over the ring
@@ -326,7 +364,7 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
         for w in workers:  # one plan call per rank, spread over plan_spread
             mine = [(i, [r]) for i, r in sample if w.owns(i) or (i == n and w.owns(victim))]
             await w.ask({"cmd": "ask", "asks": mine, "spread": args.plan_spread}, _ANSWER_S)
-        got = await _until(workers, {"cmd": "plans"}, _all_answered(len(sample)), args.plan_spread + limit)
+        got = await _until(workers, {"cmd": "plans"}, _all_answered(len(sample)), args.plan_spread + args.timeout)
         replies = [r for g in got for r in g["replies"]]
         wrong = [r for r in replies if r["status"] != "ready" or r["step"] != step
                  or data_addr(victim) in r["sources"] or r["local"] != (r["node"] != n)
@@ -338,15 +376,10 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
     if len(replies) < len(sample):  # unanswered within the limit: the percentiles they reach are unknown
         log.warning("%d sidecars: %d of %d timed plan requests unanswered", n, len(sample) - len(replies), len(sample))
         ms = np.append(ms, [math.inf] * (len(sample) - len(replies)))
-    last = await _all(workers, {"cmd": "mark"})
     return {
-        "sidecars": n, "ranks": n * rpn, "heartbeats_per_s": round(hb, 1), "hb_ratio": round(hb * interval / n, 3),
-        "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
-        "coordinator_cpu": round(cpu.get("process", cpu["thread"]), 3), "coordinator_py_cpu": round(cpu["thread"], 3),
-        "drivers_cpu": round(drivers, 3), "up": up, "ramp_s": round(ramp_s, 2), "freeze_s": round(freeze_s, 2),
-        "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99), "plan_max_ms": _pct(ms, 100),
-        "plan_samples": len(sample), "plan_answered": len(replies), "plan_wrong": len(wrong),
-        "timeouts": sum(x["timeouts"] for x in last), "reregistered": sum(x["reregistered"] for x in last),
+        "freeze_s": round(freeze_s, 2), "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99),
+        "plan_max_ms": _pct(ms, 100), "plan_samples": len(sample), "plan_answered": len(replies),
+        "plan_wrong": len(wrong),
     }  # fmt: skip
 
 

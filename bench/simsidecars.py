@@ -36,7 +36,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import uvloop
@@ -182,7 +182,7 @@ class Fleet:
 
     def _add(self, sim: _Sim) -> None:
         self.sims[sim.index] = sim
-        self.loop.add_reader(sim.sock.getsockopt(zmq.FD), self._drain, sim.sock, sim)
+        self.loop.add_reader(sim.sock.fileno(), self._drain, sim.sock, sim)
         self._register(sim)
 
     def close(self) -> None:
@@ -193,7 +193,7 @@ class Fleet:
         for sim in self.sims.values():
             if sim.timer is not None:
                 sim.timer.cancel()
-            self.loop.remove_reader(sim.sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(sim.sock.fileno())
             sim.sock.close(linger=0)
         self.ctx.term()
 
@@ -201,7 +201,7 @@ class Fleet:
 
     def _send(self, sock: zmq.Socket[bytes], sim: _Sim | None, frames: list[Any]) -> None:
         sock.send_multipart(frames, zmq.NOBLOCK)
-        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # the send may have eaten the FD's wake-up
+        if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # the send may have eaten the FD's wake-up
             self._drain(sock, sim)
 
     def _arm(self, sim: _Sim, delay: float, fn: Any) -> None:
@@ -316,7 +316,7 @@ class Fleet:
         while self.queued and len(self.plan_socks) < PLAN_SOCKETS:
             index, ranks = self.queued.popleft()
             sock = self._socket()  # a socket per plan call, as the real sidecar's CoordinatorClient.plan()
-            self.loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock, None)
+            self.loop.add_reader(sock.fileno(), self._drain, sock, None)
             self.plan_socks[sock] = len(ranks)
             name = node_name(index, self.cfg.total)
             for rank in ranks:
@@ -326,7 +326,7 @@ class Fleet:
 
     def _close_plan(self, sock: zmq.Socket[bytes]) -> None:
         if self.plan_socks.pop(sock, None) is not None:
-            self.loop.remove_reader(sock.getsockopt(zmq.FD))
+            self.loop.remove_reader(sock.fileno())
             sock.close(linger=0)
 
     def _plan_reply(self, head: bytes) -> None:

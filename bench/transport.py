@@ -12,14 +12,17 @@ real Snapshotter) snapshots into, and sidecar B, A's buddy, which receives. The 
    ``--link-size`` bytes. Everything of A's side (coordinator, sidecar A, driver) runs in namespace A, sidecar B
    in namespace B: namespaces cannot reach the root namespace's loopback.
 3. **Delta on 1 Gbit/s**: consecutive AdamW steps of a GPT (``--delta-params``) streamed by sidecars running
-   ``--codec raw`` and then ``--codec delta-lz4``; steps after the first durable one are timed, so the buddy
-   holds the previous step as the delta base.
+   ``--codec raw`` (the 1 Gbit/s phase's own) and then by fresh ones running ``--codec delta-lz4``; steps after
+   the first durable one are timed, so the buddy holds the previous step as the delta base.
 
 A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
 state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
 durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``.
 Every phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
-``--insecure``).
+``--insecure``). The coordinator's ``--heartbeat-timeout`` defaults to 8 s here, not 3 s: while a step's
+stream to its buddy is younger than that, the coordinator counts it as in flight; an older one is "missing a
+copy" and the coordinator has the buddy pull the same step again, concurrently with the stream, which then
+fails (the ``replications`` column counts such tasks; it should stay 0).
 
 Summary: ``state_bytes``, ``sidecar_GBps`` and ``raw_socket_GBps`` (loopback, GB/s), ``loopback_ratio``
 (sidecar / raw), ``sidecar_rss_bytes`` (receiving sidecar's VmRSS after the repeats), and, when shaped links
@@ -52,11 +55,14 @@ __all__ = ["add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
-_HEARTBEAT_INTERVAL, _HEARTBEAT_TIMEOUT = 0.5, 3.0  # the CLI's defaults
+_HEARTBEAT_INTERVAL = 0.5  # the CLI's default
 _LINK_RATES = (("1gbit", 1e9), ("10gbit", 10e9))
 _COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seconds", "receiver_rss_bytes",
             "sender_rss_bytes", "replications"]  # fmt: skip
-_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat", "timeout")
+_SUMMARY_KEYS = ("state_bytes", "sidecar_GBps", "raw_socket_GBps", "loopback_ratio", "sidecar_rss_bytes",
+                 "link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit")  # fmt: skip
+_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat", "heartbeat_timeout",
+                "timeout")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPT parameters of the delta phase; state = 12 B each (default 20e6)")  # fmt: skip
     parser.add_argument("--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)")
     parser.add_argument("--no-links", action="store_true", help="skip the shaped-link phases")
+    parser.add_argument("--heartbeat-timeout", type=float, default=8.0,
+                        help="the coordinator's --heartbeat-timeout in seconds (default 8; see the module docstring)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase (default 300)")
 
 
@@ -90,7 +98,8 @@ def run(args: argparse.Namespace) -> Report:
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snapshotd-bench-transport-") as workdir:
-        side, raw = _compare(workdir, "loopback", None, args.size, args.repeat, args, results)
+        (side,) = _sidecar_rows(workdir, "loopback", None, "raw", args, [_transport_argv(args.size, args.repeat)])
+        raw = _raw_row("loopback", None, args.size, args.repeat, args, side, results)
         summary["state_bytes"] = side["state_bytes"]
         summary["sidecar_GBps"] = side["stream_Bps"] / 1e9
         summary["raw_socket_GBps"] = raw / 1e9
@@ -101,45 +110,48 @@ def run(args: argparse.Namespace) -> Report:
         if reason is not None:
             log.warning("shaped links skipped: %s", reason)
             print(f"snapshotd-bench transport: shaped links skipped: {reason}", file=sys.stderr)
-            return Report(bench="transport", config=config, results=results, summary=summary, columns=_COLUMNS)
-        for label, rate in _LINK_RATES:
-            with shaped_link(rate) as link:
-                side, raw = _compare(workdir, label, link, args.link_size, args.link_repeat, args, results)
-                summary[f"link_{label}_ratio"] = side["stream_Bps"] / raw
-                if label == "1gbit":
-                    summary["delta_speedup_1gbit"] = _delta(workdir, link, args, results)
+        else:
+            summary.update(_links(workdir, args, results))
     return Report(bench="transport", config=config, results=results, summary=summary, columns=_COLUMNS)
 
 
-def _compare(
-    workdir: str, label: str, link: Link | None, size: int, repeat: int, args: argparse.Namespace,
-    results: list[dict[str, Any]],
-) -> tuple[dict[str, Any], float]:
-    """The sidecars and the raw socket move ``size`` bytes ``repeat`` times; two result rows are appended."""
-    log.info("%s: sidecars stream %s x %d", label, format_bytes(size), repeat)
-    out = _sidecar_phase(workdir, label, link, "raw", args, ["transport", "--size", str(size), "--repeat", str(repeat)])
-    side = _row(f"{label} sidecar", out, args.chunk)
+def _transport_argv(size: int, repeat: int) -> list[str]:
+    return ["transport", "--size", str(size), "--repeat", str(repeat)]
+
+
+def _links(workdir: str, args: argparse.Namespace, results: list[dict[str, Any]]) -> dict[str, float]:
+    """The shaped-link phases; their summary values."""
+    out: dict[str, float] = {}
+    train = ["train", "--params", str(args.delta_params), "--repeat", str(args.delta_repeat)]
+    for label, rate in _LINK_RATES:
+        with shaped_link(rate) as link:
+            drivers = [_transport_argv(args.link_size, args.link_repeat)]
+            if label == "1gbit":  # the raw-codec training run shares these sidecars
+                drivers.append(train)
+            side, *train_raw = _sidecar_rows(workdir, label, link, "raw", args, drivers)
+            raw = _raw_row(label, link, args.link_size, args.link_repeat, args, side, results)
+            out[f"link_{label}_ratio"] = side["stream_Bps"] / raw
+            if label == "1gbit":
+                (delta,) = _sidecar_rows(workdir, f"{label}-delta", link, "delta-lz4", args, [train])
+                train_raw[0]["run"], delta["run"] = f"{label} train raw", f"{label} train delta-lz4"
+                # capture() -> durable: with an optimizer in the state, the copy into shared memory is included
+                delta["vs_raw"] = train_raw[0]["e2e_seconds"] / delta["e2e_seconds"]
+                results.extend((train_raw[0], delta))
+                out["delta_speedup_1gbit"] = delta["vs_raw"]
+    return {k: out[k] for k in _SUMMARY_KEYS if k in out}
+
+
+def _raw_row(
+    label: str, link: Link | None, size: int, repeat: int, args: argparse.Namespace,
+    side: dict[str, Any], results: list[dict[str, Any]],
+) -> float:
+    """Move ``size`` bytes ``repeat`` times over a raw socket; append its row and ``side`` (the sidecars' row)."""
     log.info("%s: raw socket moves %s x %d", label, format_bytes(size), repeat)
     raw = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
     side["vs_raw"] = side["stream_Bps"] / raw
     results.append({"run": f"{label} raw socket", "state_bytes": size, "stream_Bps": raw, "vs_raw": 1.0})
     results.append(side)
-    return side, raw
-
-
-def _delta(workdir: str, link: Link, args: argparse.Namespace, results: list[dict[str, Any]]) -> float:
-    """Median time to stream real consecutive training states raw over delta-lz4 on ``link``."""
-    medians = {}
-    for codec in ("raw", "delta-lz4"):
-        log.info("1gbit: training state of %d params, codec %s", args.delta_params, codec)
-        argv = ["train", "--params", str(args.delta_params), "--repeat", str(args.delta_repeat)]
-        out = _sidecar_phase(workdir, f"train-{codec}", link, codec, args, argv)
-        row = _row(f"1gbit train {codec}", out, args.chunk)
-        medians[codec] = row["e2e_seconds"]
-        results.append(row)
-    speedup = medians["raw"] / medians["delta-lz4"]
-    results[-1]["vs_raw"] = speedup
-    return speedup
+    return raw
 
 
 def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
@@ -161,35 +173,61 @@ def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
     }
 
 
+def _sidecar_rows(
+    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, drivers: list[list[str]]
+) -> list[dict[str, Any]]:
+    """One result row per driver of :func:`_sidecar_phase`."""
+    outs = _sidecar_phase(workdir, label, link, codec, args, drivers)
+    return [_row(f"{label} sidecar", out, args.chunk) for out in outs]
+
+
 def _sidecar_phase(
-    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, driver: list[str]
-) -> dict[str, Any]:
-    """A coordinator, sidecars A and B (A's buddy) and a driver on A; the driver's JSON plus both sidecars' RSS."""
+    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, drivers: list[list[str]]
+) -> list[dict[str, Any]]:
+    """A coordinator, sidecars A and B (A's buddy) and, one after the other, ``drivers`` on A.
+
+    Returns each driver's JSON plus both sidecars' RSS after it and the coordinator's re-replication tasks
+    during it.
+    """
     phase_dir = os.path.join(workdir, label)
     host_a, host_b = (link.addr_a, link.addr_b) if link else ("127.0.0.1", "127.0.0.1")
     prefix_a = link.exec_argv(link.ns_a, []) if link else []
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
     side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
-    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL, heartbeat_timeout=_HEARTBEAT_TIMEOUT,
+    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL, heartbeat_timeout=args.heartbeat_timeout,
                       env={"SNAPSHOTD_SECRET": ""}) as cluster:  # fmt: skip
         _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
         sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
         receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")
-        job = f"bench-{label}-{uuid.uuid4().hex[:6]}"
-        argv = [*prefix_a, sys.executable, "-m", "snapshotd.bench.drivers", *driver, "--job", job,
-                "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
-        out = _run_driver(argv, os.path.join(phase_dir, "driver.log"), args.timeout + 30)
-        for p in (sender, receiver):
-            if not p.alive():
-                raise RuntimeError(f"{p.name} exited during {label}; log:\n{cluster.tail(p)}")
-        out["receiver_rss_bytes"] = _rss_bytes(receiver.pid)
-        out["sender_rss_bytes"] = _rss_bytes(sender.pid)
         assert cluster.coordinator is not None
-        log_path = cluster.coordinator.log_path
-    with open(log_path, errors="replace") as f:
-        out["replications"] = sum("replicating to" in line for line in f)
-    return out
+        outs = []
+        for i, driver in enumerate(drivers):
+            log.info("%s: driver %s", label, " ".join(driver))
+            job = f"bench-{label}-{i}-{uuid.uuid4().hex[:6]}"
+            argv = [*prefix_a, sys.executable, "-m", "snapshotd.bench.drivers", *driver, "--job", job,
+                    "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
+            before = _replications(cluster.coordinator.log_path)
+            try:
+                out = _run_driver(argv, os.path.join(phase_dir, f"driver-{i}.log"), args.timeout + 30)
+            except RuntimeError as exc:
+                for p in (sender, receiver):
+                    exc.add_note(f"--- {p.name} log:\n{cluster.tail(p, 15)}")
+                raise
+            for p in (sender, receiver):
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited during {label}; log:\n{cluster.tail(p)}")
+            out["receiver_rss_bytes"] = _rss_bytes(receiver.pid)
+            out["sender_rss_bytes"] = _rss_bytes(sender.pid)
+            out["replications"] = _replications(cluster.coordinator.log_path) - before
+            outs.append(out)
+    return outs
+
+
+def _replications(coordinator_log: str) -> int:
+    """Re-replication tasks the coordinator has logged so far."""
+    with open(coordinator_log, errors="replace") as f:
+        return sum("replicating to" in line for line in f)
 
 
 def _start_coordinator(cluster: LocalCluster, bind: str, extra: list[str], prefix: list[str]) -> None:

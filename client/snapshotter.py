@@ -151,6 +151,7 @@ class Snapshotter:
         self._last_update = time.monotonic()
         self._sidecar_ok = True
         self._pending_registration: RankRegistered | None = None
+        self._last_failed_step = -1
         self._registration_sent = -1e9
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
         self._arena: Arena | None = None
@@ -216,6 +217,7 @@ class Snapshotter:
         entries = decode_table(reply.table, reply.slot_bytes)
         restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot])
         self._last_step = self._last_captured = reply.step
+        self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False
         log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
                  f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
@@ -252,11 +254,11 @@ class Snapshotter:
             self._last_capture_end = end
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the last started snapshot is durable on every buddy (or failed). True if durable."""
+        """Wait until the last started snapshot is durable on every buddy, or failed. True if durable."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         target = self._last_step
         with self._lock:
-            while self.stats.last_durable_step < target and self._inflight:
+            while self.stats.last_durable_step < target and self._last_failed_step < target:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -415,9 +417,10 @@ class Snapshotter:
                 if msg.durable_step > self.stats.last_durable_step:
                     self.stats.durable += 1
                     self.stats.last_durable_step = msg.durable_step
-                elif msg.note:
+                if msg.failed_step >= 0:
                     self.stats.failed += 1
-                    self._problem(msg.note)
+                    self._last_failed_step = max(self._last_failed_step, msg.failed_step)
+                    self._problem(msg.note or f"step {msg.failed_step} did not reach every buddy")
                 self._lock.notify_all()
         elif msg.TYPE == "error":
             text = f"{getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}"

@@ -195,6 +195,7 @@ class SlotUpdate(Message):
 
     ``seen_step`` is the newest step the sidecar had been announced when it wrote this update: a client ignores
     the update for any slot it announced (or is staging) with a newer step, since the update predates it.
+    ``failed_step`` is a step that did not reach every buddy (``note`` says why); -1 when none failed.
     """
 
     TYPE: ClassVar[str] = "slot_update"
@@ -202,6 +203,7 @@ class SlotUpdate(Message):
     free_slots: tuple[int, ...] = spec_field(ListOf(_SLOT, L.MAX_SLOTS))
     seen_step: int = spec_field(_STEP_OR_NONE, default=-1)
     durable_step: int = spec_field(_STEP_OR_NONE)
+    failed_step: int = spec_field(_STEP_OR_NONE, default=-1)
     note: str = spec_field(_TEXT, default="")
 
 

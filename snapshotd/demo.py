@@ -112,7 +112,12 @@ def run_scenario(
     jobs: list[TrainingJob] = []
     with contextlib.ExitStack() as cleanup:
         cluster = cleanup.enter_context(LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5))
-        cleanup.callback(lambda: [j.kill() for j in jobs])  # runs first: ranks stop before their sidecars
+
+        def stop_ranks() -> None:  # registered last, so it runs first: ranks stop before their sidecars
+            for j in jobs:
+                j.kill()
+
+        cleanup.callback(stop_ranks)
         cluster.start_coordinator()
         node_a = cluster.start_sidecar("A")
         node_b = cluster.start_sidecar("B")

@@ -285,12 +285,12 @@ class Sidecar:
             log.info("rank %d of job %s closed its snapshotter", rank, job)
             self._drop_rank(lr)
 
-    def _send_slots(self, lr: LocalRank, note: str = "") -> None:
+    def _send_slots(self, lr: LocalRank, note: str = "", failed_step: int = -1) -> None:
         free = lr.release_free()
         self.version += 1
         self._reply(self._ipc_out, lr.identity, SlotUpdate(
             job=lr.job, rank=lr.rank, free_slots=tuple(free), seen_step=lr.seen_step,
-            durable_step=lr.durable_step, note=note,
+            durable_step=lr.durable_step, failed_step=failed_step, note=note,
         ))  # fmt: skip
 
     def _announce(self, ident: bytes, msg: Announce) -> None:
@@ -327,6 +327,7 @@ class Sidecar:
         s.streaming = True
         buddies = [a for a in self.assignments.get((lr.job, lr.rank), ()) if a != self.data_addr]
         ok = 0
+        mine: dict[str, asyncio.Future[None]] = {}
         try:
             data = lr.arena.slot(index)[: s.data_bytes]
             prev = lr.previous(index)
@@ -334,7 +335,9 @@ class Sidecar:
             if prev is not None and lr.slots[prev].table == s.table:
                 base = (lr.slots[prev].step, lr.arena.slot(prev)[: s.data_bytes])
 
-            async def one(addr: str) -> bool:
+            errors: list[str] = []
+
+            async def one(addr: str) -> None:
                 try:
                     res = await send_snapshot(
                         self.link(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.cfg.node, data=data,
@@ -342,27 +345,43 @@ class Sidecar:
                         pacer=self.pacer, policy=self.policies.setdefault(addr, CodecPolicy(self.cfg.codec)),
                         base=base, elem=s.elem,
                     )  # fmt: skip
-                    self.bytes_out += res.wire_bytes
-                    log.debug("step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s", s.step, lr.job,
-                              lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
-                    return True
                 except PeerError as exc:
                     log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc)
-                    return False
+                    errors.append(f"{addr}: {exc}"[:300])
+                    raise
+                self.bytes_out += res.wire_bytes
+                log.debug("step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s", s.step, lr.job,
+                          lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
 
-            results = await asyncio.gather(*(one(a) for a in buddies))
-            ok = sum(results)
+            # one task per buddy, so that a buddy the coordinator stops assigning (it died) can be cut off alone
+            mine = lr.buddy_streams = {addr: asyncio.ensure_future(one(addr)) for addr in buddies}
+            results = await asyncio.gather(*mine.values(), return_exceptions=True)
+            ok = sum(r is None for r in results)
+            if any(isinstance(r, asyncio.CancelledError) for r in results) and len(errors) < len(buddies) - ok:
+                errors.append("a buddy was reassigned by the coordinator (it died)")
         finally:
+            for task in mine.values():
+                task.cancel()
+            if lr.buddy_streams is mine:
+                lr.buddy_streams = {}
             s.streaming = False
             if buddies and ok == len(buddies):
                 lr.durable_step = max(lr.durable_step, s.step)
+            superseded = lr.stream_task is not None and lr.stream_task is not asyncio.current_task()
             if lr.stream_task is asyncio.current_task():
                 lr.stream_task = None
             if self.ranks.get((lr.job, lr.rank)) is lr and lr.alive:
-                note = "" if buddies else "no buddy assigned yet"
-                if buddies and ok < len(buddies):
+                if superseded:  # a newer step took over: this one is skipped, not failed
+                    self._send_slots(lr)
+                elif not buddies:
+                    self._send_slots(lr, "no buddy assigned yet", failed_step=s.step)
+                elif ok < len(buddies):
                     note = f"{len(buddies) - ok} of {len(buddies)} buddies did not take step {s.step}"
-                self._send_slots(lr, note)
+                    if errors:
+                        note += ": " + "; ".join(errors)
+                    self._send_slots(lr, note[:4000], failed_step=s.step)
+                else:
+                    self._send_slots(lr)
 
     # -------------------------------------------------------------------------------------------- restore
 
@@ -635,6 +654,12 @@ class Sidecar:
 
     def _apply(self, reply: HeartbeatReply) -> None:
         self.assignments = {(a.job, a.rank): a.buddies for a in reply.assignments}
+        for lr in self.ranks.values():
+            assigned = self.assignments.get((lr.job, lr.rank), ())
+            for addr, task in lr.buddy_streams.items():
+                if addr not in assigned and not task.done():
+                    log.info("%s is no longer a buddy of %s rank %d: its stream stops", addr, lr.job, lr.rank)
+                    task.cancel()
         for w in reply.watermarks:
             if self.store.drop_older(w.job, w.durable):
                 self.version += 1

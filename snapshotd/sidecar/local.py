@@ -53,6 +53,7 @@ class LocalRank:
     awaiting_restore: bool = False
     """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
     stream_task: asyncio.Task[None] | None = None
+    buddy_streams: dict[str, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
     stream_step: int = -1
 
     def set_table(self, table_id: int, table: bytes) -> None:

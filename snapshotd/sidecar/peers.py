@@ -91,6 +91,17 @@ class PeerLink:
         except TimeoutError as exc:
             raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s") from exc
 
+    def send_nowait(self, msg: Message) -> bool:
+        """Send only if the socket takes it at once (a best-effort notice); False if it did not."""
+        try:
+            fut = self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:
+            return False
+        if not fut.done():  # cannot happen with NOBLOCK; never wait for it
+            fut.cancel()
+            return False
+        return fut.exception() is None
+
     async def receive(self, queue: asyncio.Queue[Message], *expected: type[Message]) -> Message:
         """The next reply on ``queue``, which must be one of ``expected``.
 

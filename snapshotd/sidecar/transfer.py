@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import math
@@ -169,8 +168,7 @@ async def send_snapshot(
                 acked += 1
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
-            with contextlib.suppress(Exception):  # the peer is gone: nothing to tell it
-                await asyncio.shield(link.send(StreamAbort(job=job, rank=rank, step=step, reason=reason)))
+            link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))  # best effort: it may be gone
             raise
     seconds = time.perf_counter() - t0
     policy.record_stream(wire, seconds)

@@ -13,6 +13,7 @@ import os
 import signal
 import uuid
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import zmq
@@ -40,8 +41,8 @@ def shm_leftovers(tag: str) -> list[str]:
 class Cluster(LocalCluster):
     """A LocalCluster whose node and job names carry the test's ``tag``; it remembers what it killed."""
 
-    def __init__(self, workdir: str, tag: str, **kwargs: object) -> None:
-        super().__init__(workdir, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, workdir: str, tag: str, **kwargs: Any) -> None:
+        super().__init__(workdir, **kwargs)
         self.tag = tag
         self.started: list[ManagedProcess] = []
         self.killed: list[ManagedProcess] = []

@@ -1,0 +1,66 @@
+"""``snapshotd-bench scale``: a real coordinator against a few simulated sidecars, end to end, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+import pstats
+import resource
+
+import pytest
+
+from snapshotd.bench import cli
+from snapshotd.bench.simsidecars import heartbeat_header, raise_nofile
+from snapshotd.proto import Heartbeat, InventoryItem, RankInfo, decode, encode
+
+_FAST = ["--window", "1", "--settle", "0.2", "--heartbeat-timeout", "1.0", "--plan-spread", "0.3", "--timeout", "10"]
+
+
+def test_heartbeat_header_is_what_proto_encodes() -> None:
+    ranks = (RankInfo("j", 8, 16, 100_008, True), RankInfo("j", 9, 16, 100_009, False))
+    inventory = (InventoryItem("j", 8, 5, True), InventoryItem("j", 1, 4, False))
+    hb = Heartbeat(node="sim-1", incarnation="1", changed=True, ranks=ranks, inventory=inventory,
+                   bytes_out=3, bytes_in=2, stored_bytes=1)  # fmt: skip
+    head = heartbeat_header("sim-1", "1", True, [list(dataclass_values(r)) for r in ranks],
+                            [list(dataclass_values(i)) for i in inventory], 3, 2, 1)  # fmt: skip
+    assert head == bytes(encode(hb)[0])
+    assert decode([head]) == hb
+
+
+def dataclass_values(record: RankInfo | InventoryItem) -> tuple[object, ...]:
+    return tuple(getattr(record, name) for name in record.__dataclass_fields__)
+
+
+def test_raise_nofile_refuses_beyond_the_hard_limit() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files")
+    with pytest.raises(OSError, match="hard limit"):
+        raise_nofile(hard + 1)
+
+
+def test_scale_small_end_to_end(tmp_path) -> None:
+    out = tmp_path / "scale.json"
+    assert cli.main(["scale", "--sidecars", "20", "--json", str(out), *_FAST]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["bench"] == "scale"
+    assert set(doc["summary"]) == {"sidecars", "heartbeats_per_s", "coordinator_cpu", "plan_ms_p99"}
+    (row,) = doc["results"]
+    assert row["sidecars"] == doc["summary"]["sidecars"] == 20
+    assert row["up"] == 20 and row["reregistered"] == 0
+    assert row["hb_ratio"] > 0.5, row  # 20 sidecars at 0.5 s are far below any limit
+    assert 0 < row["coordinator_cpu"] < 1.5
+    # the round froze at the last first ask; 7 or 8 lost ranks (one may have frozen it) + 19 live ones timed
+    assert row["freeze_s"] is not None and row["plan_samples"] >= 26
+    assert row["plan_answered"] == row["plan_samples"] and row["plan_wrong"] == 0, row
+    assert 0 < row["plan_p50_ms"] <= row["plan_p99_ms"] == doc["summary"]["plan_ms_p99"] < 5000
+
+
+def test_scale_profile_writes_a_loadable_profile(tmp_path) -> None:
+    prof = tmp_path / "coord.prof"
+    out = tmp_path / "scale.json"
+    assert cli.main(["scale", "--sidecars", "4", "--profile", str(prof), "--json", str(out), *_FAST]) == 0
+    stats = pstats.Stats(str(tmp_path / "coord-4.prof"))
+    assert any(func[2] == "heartbeat" for func in stats.stats)  # type: ignore[attr-defined]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["plan_wrong"] == 0 and math.isfinite(row["coordinator_cpu"])

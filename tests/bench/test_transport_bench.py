@@ -1,0 +1,77 @@
+"""``snapshotd-bench transport`` run tiny: real coordinator, sidecars, driver and raw-socket processes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from snapshotd.bench import cli, transport
+from snapshotd.bench.links import links_available
+
+LOOPBACK_KEYS = ["state_bytes", "sidecar_GBps", "raw_socket_GBps", "loopback_ratio", "sidecar_rss_bytes"]
+LINK_KEYS = ["link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit"]
+SIZE = 8 << 20
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    transport.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _run_cli(tmp_path: Path, *argv: str) -> dict:
+    path = tmp_path / "transport.json"
+    assert cli.main(["transport", "--heartbeat-timeout", "1.5", "--timeout", "60", *argv, "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["bench"] == "transport"
+    return doc
+
+
+def _check_sidecar_rows(doc: dict) -> None:
+    rows = [r for r in doc["results"] if "sidecar" in r["run"] or "train" in r["run"]]
+    assert rows
+    for row in rows:
+        assert row["replications"] == 0, row  # no redundant re-replication raced the streams
+        assert len(row["seconds"]) >= 2 and all(s > 0 for s in row["seconds"])
+        assert row["receiver_rss_bytes"] >= row["state_bytes"]  # the buddy holds at least one copy
+
+
+def test_loopback_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _run_cli(tmp_path, "--size", "8MiB", "--repeat", "2", "--no-links")
+    summary = doc["summary"]
+    assert list(summary) == LOOPBACK_KEYS
+    assert summary["state_bytes"] == SIZE
+    assert summary["sidecar_GBps"] > 1e-3 and summary["raw_socket_GBps"] > 1e-3
+    assert summary["loopback_ratio"] == pytest.approx(summary["sidecar_GBps"] / summary["raw_socket_GBps"])
+    # the buddy holds a few 8 MiB snapshots; far from 1 GiB unless it leaks
+    assert SIZE <= summary["sidecar_rss_bytes"] < 1 << 30
+    assert doc["config"]["links"] == "disabled by --no-links"
+    _check_sidecar_rows(doc)
+    assert "shaped links skipped: disabled by --no-links" in capsys.readouterr().err
+
+
+@pytest.mark.netns
+def test_shaped_links_summary(tmp_path: Path) -> None:
+    reason = links_available()
+    if reason is not None:
+        pytest.skip(reason)
+    doc = _run_cli(tmp_path, "--size", "4MiB", "--repeat", "2", "--link-size", "4MiB", "--link-repeat", "2",
+                   "--delta-params", "200000", "--delta-repeat", "2")  # fmt: skip
+    summary = doc["summary"]
+    assert list(summary) == LOOPBACK_KEYS + LINK_KEYS
+    assert all(summary[k] > 0 for k in LINK_KEYS)
+    # tbf caps the link: neither path can beat 1 Gbit/s by much
+    one_gbit = [r for r in doc["results"] if r["run"].startswith("1gbit")]
+    assert {r["run"] for r in one_gbit} >= {"1gbit raw socket", "1gbit sidecar", "1gbit train raw",
+                                            "1gbit train delta-lz4"}  # fmt: skip
+    assert all(r["stream_Bps"] < 1.2 * 1e9 / 8 for r in one_gbit)
+    _check_sidecar_rows(doc)
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="multiple of 4"):
+        transport.run(_args("--size", "6", "--no-links"))
+    with pytest.raises(ValueError, match=">= 1"):
+        transport.run(_args("--repeat", "0", "--no-links"))
