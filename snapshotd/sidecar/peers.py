@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -94,7 +95,7 @@ class PeerLink:
     def send_nowait(self, msg: Message) -> bool:
         """Send only if the socket takes it at once (a best-effort notice); False if it did not."""
         try:
-            fut = self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
+            fut: Any = self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError:
             return False
         if not fut.done():  # cannot happen with NOBLOCK; never wait for it
