@@ -336,6 +336,11 @@ def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any
         "moved_to": {"snapshotd": "node B (tcp)", "none": "-"}.get(name, "local disk"),
         "completed_every": every,
         "step_ms": [float(v) * 1e3 for v in step],
+        "step_index": [
+            i
+            for ranks in blocks
+            for i in range(ranks[0]["first"] + warmup, ranks[0]["first"] + ranks[0]["steps"])
+        ],
     }
 
 
@@ -424,8 +429,8 @@ def plot(report: Report, path: str) -> None:
     top.set_title("step time per variant (box: quartiles, whiskers: p1-p99; x = median ratio to none)")
     top.grid(True, axis="y", alpha=0.3)
     for lab, r in zip(labels, rows, strict=True):
-        bottom.plot(r["step_ms"], marker=".", linewidth=0.8, label=lab)
-    bottom.set_xlabel("measured step (runs of a variant one after another)")
+        bottom.plot(r["step_index"], r["step_ms"], marker=".", linestyle="none", label=lab)
+    bottom.set_xlabel("step of the training job (runs interleaved; warmup steps left out)")
     bottom.set_ylabel("step time (ms)")
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize="small")

@@ -5,6 +5,7 @@ for machines (``{"bench", "machine", "config", "results", "summary"}``) and draw
 carry their unit in a suffix, which both the table and the default plot read:
 
 ``_bytes`` (sizes), ``_Bps`` (bytes per second), ``_seconds`` / ``_s`` (seconds), ``_ms`` (milliseconds).
+``_per_s`` (``heartbeats_per_s``) is a plain rate, a count per second, never a duration.
 
 :class:`Progress` is the progress bar of long runs (benchmarks, and the sidecar's restore pull).
 """
@@ -113,6 +114,8 @@ def format_value(name: str, value: Any) -> str:
         return format_bytes(value)
     if name.endswith("_Bps"):
         return format_rate(value)
+    if name.endswith("_per_s"):
+        return f"{value:.1f}" if isinstance(value, float) else str(value)
     if name.endswith(("_seconds", "_s")):
         return format_seconds(value)
     if name.endswith("_ms"):
@@ -181,6 +184,8 @@ def _axis(name: str, values: Sequence[float]) -> tuple[float, str]:
         return (1 / (1 << 30), f"{name} (GiB)") if top >= 1 << 30 else (1 / (1 << 20), f"{name} (MiB)")
     if name.endswith("_Bps"):
         return (1e-9, f"{name} (GB/s)") if top >= 1e9 else (1e-6, f"{name} (MB/s)")
+    if name.endswith("_per_s"):
+        return 1.0, f"{name} (/s)"
     if name.endswith(("_seconds", "_s")):
         return (1e3, f"{name} (ms)") if top < 1 else (1.0, f"{name} (s)")
     if name.endswith("_ms"):

@@ -24,7 +24,8 @@ one heartbeat interval: every heartbeat carries its full inventory, the real sid
 4. **Plan round**: every one of the 8N ranks asks for a plan once: each sidecar asks for all its ranks on a
    socket of its own (as the real sidecar's plan call does), the sidecars spread over one heartbeat interval.
    Every answer is ``wait`` but the one to the last rank to ask, which freezes the round. ``freeze_s``: from the
-   first request to the last answer (empty when not all were answered within ``--timeout`` s).
+   first request to the last answer (empty when not all were answered within ``--timeout`` s). A rank told to
+   wait does not ask again here (a real one polls every 0.2 s), so this round is a lower bound on the real load.
 5. **Plan latency**, only when the round froze: a sample of ranks asks again, one request each on a new socket,
    spread evenly over ``--plan-spread`` s while every sidecar keeps heartbeating: the lost node's ranks (from the
    replacement, which must pull) and ``--plan-sample`` others, one per sidecar spread over the ring. A
@@ -69,9 +70,9 @@ import numpy as np
 from snapshotd.local_cluster import LocalCluster
 
 from .report import Report
-from .simsidecars import PLAN_SOCKETS, data_addr, fds_needed, node_name, raise_nofile
+from .simsidecars import data_addr, fds_needed, node_name, plan_sockets, raise_nofile
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "plot", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,47 @@ def run(args: argparse.Namespace) -> Report:
                                             "step_seconds", "heartbeat_interval", "heartbeat_timeout",
                                             "plan_sample", "plan_spread", "profile")}  # fmt: skip
     return Report("scale", config, results, summary, columns=_COLUMNS)
+
+
+def plot(report: Report, path: str) -> None:
+    """Four panels against N (log scale): heartbeats/s beside what keeping up takes, coordinator CPU, heartbeat
+    round trips, and plan latency beside the 100 ms goal of issue 6."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = sorted(report.results, key=lambda r: r["sidecars"])
+    xs = [r["sidecars"] for r in rows]
+    interval = report.config.get("heartbeat_interval", 0.5)
+
+    def ys(key: str) -> list[float]:
+        return [math.nan if r.get(key) is None else float(r[key]) for r in rows]
+
+    fig = Figure(figsize=(7.0, 9.0), dpi=100)
+    FigureCanvasAgg(fig)
+    fig.suptitle("snapshotd-bench scale: one coordinator, N simulated sidecars")
+    axes = fig.subplots(4, 1, sharex=True)
+    panels: tuple[tuple[str, list[tuple[str | None, str]], tuple[float, str] | None], ...] = (
+        ("heartbeats / s", [("heartbeats_per_s", "answered"), (None, "N / interval (keeping up)")], None),
+        ("coordinator CPU (cores)", [("coordinator_cpu", "process"), ("coordinator_py_cpu", "Python thread")],
+         (1.0, "one core")),
+        ("heartbeat round trip (ms)", [("hb_rtt_p50_ms", "p50"), ("hb_rtt_p99_ms", "p99")], None),
+        ("plan latency (ms)", [("plan_p50_ms", "p50"), ("plan_p99_ms", "p99")], (100.0, "goal: p99 < 100 ms")),
+    )
+    for ax, (label, lines, goal) in zip(axes, panels, strict=True):
+        for key, name in lines:
+            values = ys(key) if key else [n / interval for n in xs]
+            ax.plot(xs, values, marker="o" if key else None, linestyle="-" if key else "--", label=name)
+        if goal is not None:
+            ax.axhline(goal[0], color="tab:red", linewidth=0.8, linestyle=":", label=goal[1])
+        ax.set_ylabel(label)
+        ax.set_xscale("log")
+        if label != "coordinator CPU (cores)":
+            ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[-1].set_xlabel("simulated sidecars (N)")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
 
 
 class _Worker:
@@ -263,7 +305,7 @@ async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     while hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard:  # each one's sockets fit
         nworkers += 1
-    connections = n + 1 + nworkers * PLAN_SOCKETS
+    connections = n + 1 + nworkers * plan_sockets(-(-n // nworkers))
     with tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir, \
             _coordinator(args, n, workdir, connections) as (ep, stat):  # fmt: skip
         workers: list[_Worker] = []

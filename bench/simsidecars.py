@@ -17,8 +17,8 @@ process (``t0``, ``step_seconds``): a node holds its own ranks' steps ``s`` and 
 
 Plan requests go out as the real sidecar sends them: each plan call (a node asking for some of its ranks) on a
 DEALER socket of its own, opened for the call and closed when every rank of it was answered, never on the
-heartbeat socket. At most ``PLAN_SOCKETS`` calls are open at once per process (file descriptors); the others
-wait their turn. Replies are matched by rank (every rank is asked by one node at a time).
+heartbeat socket. At most :func:`plan_sockets` calls are open at once per process (file descriptors); the
+others wait their turn. Replies are matched by rank (every rank is asked by one node at a time).
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
 core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
@@ -45,14 +45,15 @@ import zmq
 from snapshotd import security
 from snapshotd.proto import PROTOCOL_VERSION, PlanReply, PlanRequest, RegisterSidecar, decode, encode
 
-__all__ = ["PLAN_SOCKETS", "FleetConfig", "data_addr", "fds_needed", "heartbeat_header", "main", "node_name", "raise_nofile"]
+__all__ = [
+    "FleetConfig", "data_addr", "fds_needed", "heartbeat_header", "main", "node_name", "plan_sockets", "raise_nofile",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
 _CONNECT_BATCH = 100  # sockets connected per 0.1 s while ramping up: a gentle start, inside the listen backlog
 _FDS_PER_SOCKET = 2  # the TCP connection and the socket's mailbox (an eventfd)
-PLAN_SOCKETS = 1024
-"""Plan calls (sockets) open at once per process; more wait their turn, to stay inside the fd limits."""
+_MAX_PLAN_SOCKETS = 1024  # plan calls (sockets) open at once per process; more wait their turn (fd limits)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -74,9 +75,14 @@ class FleetConfig:
     """Bytes one rank's snapshot adds to the reported byte counters per step (the coordinator's rate path)."""
 
 
-def fds_needed(sockets: int) -> int:
-    """File descriptors a simulator process with ``sockets`` ZeroMQ DEALER sockets may need."""
-    return _FDS_PER_SOCKET * (sockets + PLAN_SOCKETS) + 256
+def plan_sockets(sidecars: int) -> int:
+    """Plan calls a process driving ``sidecars`` keeps open at once (one per sidecar, within a cap)."""
+    return min(_MAX_PLAN_SOCKETS, sidecars + 16)
+
+
+def fds_needed(sidecars: int) -> int:
+    """File descriptors a simulator process driving ``sidecars`` may need (its heartbeat and plan sockets)."""
+    return _FDS_PER_SOCKET * (sidecars + plan_sockets(sidecars)) + 256
 
 
 def node_name(index: int, total: int) -> str:
@@ -143,7 +149,8 @@ class Fleet:
         self.cfg = cfg
         self.loop = loop
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.ctx.set(zmq.MAX_SOCKETS, cfg.count + PLAN_SOCKETS + 64)
+        self.max_plans = plan_sockets(cfg.count)
+        self.ctx.set(zmq.MAX_SOCKETS, cfg.count + self.max_plans + 64)
         self.secret = security.secret_from_env()
         self.world = cfg.total * cfg.ranks_per_node
         self.sims: dict[int, _Sim] = {}
@@ -313,7 +320,7 @@ class Fleet:
 
     def _queue(self, index: int, ranks: list[int]) -> None:
         self.queued.append((index, ranks))
-        while self.queued and len(self.plan_socks) < PLAN_SOCKETS:
+        while self.queued and len(self.plan_socks) < self.max_plans:
             index, ranks = self.queued.popleft()
             sock = self._socket()  # a socket per plan call, as the real sidecar's CoordinatorClient.plan()
             self.loop.add_reader(sock.fileno(), self._drain, sock, None)

@@ -40,8 +40,9 @@ def test_raise_nofile_refuses_beyond_the_hard_limit() -> None:
 
 
 def test_scale_small_end_to_end(tmp_path) -> None:
-    out = tmp_path / "scale.json"
-    assert cli.main(["scale", "--sidecars", "20", "--json", str(out), *_FAST]) == 0
+    out, png = tmp_path / "scale.json", tmp_path / "scale.png"
+    assert cli.main(["scale", "--sidecars", "20", "--json", str(out), "--plot", str(png), *_FAST]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     doc = json.loads(out.read_text())
     assert doc["bench"] == "scale"
     assert set(doc["summary"]) == {"sidecars", "heartbeats_per_s", "coordinator_cpu", "plan_ms_p99"}
