@@ -2,9 +2,9 @@
 
 A driver registers with its node's sidecar as rank 0 of a one-rank job, ``restore()``s (a fresh job), then
 snapshots step after step with ``when_busy="block"`` and times each step from ``capture()`` until the sidecar
-reports it durable (every buddy acknowledged every chunk). Before timing, it captures until one step is durable:
-the sidecar learns the rank's buddy from the coordinator's next heartbeat reply, so the very first capture may
-find no buddy yet, and a delta codec needs a base that the buddy holds complete.
+reports it durable (every buddy acknowledged every chunk). Before timing, it captures until one step is
+durable: the sidecar learns the rank's buddy from the coordinator's next heartbeat reply, so the very first
+capture may find no buddy yet, and a delta codec needs a base that the buddy holds complete.
 
 ::
 
@@ -133,7 +133,9 @@ def transport_driver(*, job: str, sidecar: str, size: int, repeat: int, timeout:
         ValueError: ``size`` is not a positive multiple of 4, or ``repeat < 1``.
     """
     if size < 4 or size % 4 or repeat < 1:
-        raise ValueError(f"need a positive size that is a multiple of 4 and repeat >= 1, got {size}, {repeat}")
+        raise ValueError(
+            f"need a positive size that is a multiple of 4 and repeat >= 1, got {size}, {repeat}"
+        )
     torch.set_num_threads(1)
     n = size // 4
     parts = min(4, n)
@@ -150,13 +152,21 @@ def transport_driver(*, job: str, sidecar: str, size: int, repeat: int, timeout:
 
 
 def train_driver(
-    *, job: str, sidecar: str, params: int, repeat: int, timeout: float, batch: int = 2, seq_len: int = 64,
-    lr: float = 1e-3, seed: int = 0,
+    *,
+    job: str,
+    sidecar: str,
+    params: int,
+    repeat: int,
+    timeout: float,
+    batch: int = 2,
+    seq_len: int = 64,
+    lr: float = 1e-3,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Train the GPT of :mod:`.workloads` (about ``params`` parameters) with AdamW, snapshotting every step.
 
-    Only snapshots are timed; each training step runs before its capture, outside the timing. Two runs with the
-    same arguments train bit-identically (one torch thread, seeded), so they stream the same states.
+    Only snapshots are timed; each training step runs before its capture, outside the timing. Two runs with
+    the same arguments train bit-identically (one torch thread, seeded), so they stream the same states.
     """
     from .workloads import GPT, config_for_params, make_batch, make_optimizer, train_step
 

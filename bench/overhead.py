@@ -71,6 +71,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _rate(text: str) -> str:
+    """A ``--max-rate`` value the sidecar accepts (``auto`` or a rate), passed on as written."""
+    if text != "auto":
+        try:
+            parse_rate(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def _variants(text: str) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     bad = [n for n in names if n not in VARIANTS]
@@ -110,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--every", type=int, default=1, help="snapshotd: snapshot every K-th step (default 1)"
     )
     parser.add_argument(
-        "--max-rate", default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
+        "--max-rate", type=_rate, default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
     )
     parser.add_argument(
         "--sidecar-nice",
@@ -349,8 +359,6 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--ranks, --rounds, --every, --threads and --batch must be >= 1")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
-    if args.max_rate:
-        parse_rate(args.max_rate)  # a bad value fails here, not in the sidecar
 
 
 def run(args: argparse.Namespace) -> Report:

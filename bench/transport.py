@@ -1,19 +1,20 @@
-"""``snapshotd-bench transport``: sidecar-to-sidecar streaming against a plain TCP socket moving the same bytes.
+"""``snapshotd-bench transport``: sidecar-to-sidecar streaming against a plain TCP socket with the same bytes.
 
-Each sidecar phase starts a fresh deployment of real processes (:class:`~snapshotd.local_cluster.LocalCluster`):
-a coordinator (``--replicas 1``), sidecar A, which the driver (:mod:`.drivers`, a training-rank stand-in with a
-real Snapshotter) snapshots into, and sidecar B, A's buddy, which receives. The driver times each step from
+Each sidecar phase starts a fresh deployment of real processes
+(:class:`~snapshotd.local_cluster.LocalCluster`): a coordinator (``--replicas 1``), sidecar A, which the
+driver (:mod:`.drivers`, a training-rank stand-in with a real Snapshotter) snapshots into, and sidecar B, A's
+buddy, which receives. The driver times each step from
 ``capture()`` until A reports it durable on B.
 
 1. **Loopback**: a state of ``--size`` bytes (fp32), ``--repeat`` timed snapshots, and the same bytes through
    :func:`~snapshotd.bench.baselines.raw_socket_transfer`.
 2. **Shaped links** (root and iproute2 only; skipped with the reason otherwise): the same across a veth pair
    between two network namespaces shaped with ``tbf`` at 1 and 10 Gbit/s (:mod:`.links`), with
-   ``--link-size`` bytes. Everything of A's side (coordinator, sidecar A, driver) runs in namespace A, sidecar B
-   in namespace B: namespaces cannot reach the root namespace's loopback.
+   ``--link-size`` bytes. Everything of A's side (coordinator, sidecar A, driver) runs in namespace A,
+   sidecar B in namespace B: namespaces cannot reach the root namespace's loopback.
 3. **Delta on 1 Gbit/s**: consecutive AdamW steps of a GPT (``--delta-params``) streamed by sidecars running
-   ``--codec raw`` (the 1 Gbit/s phase's own) and then by fresh ones running ``--codec delta-lz4``; steps after
-   the first durable one are timed, so the buddy holds the previous step as the delta base.
+   ``--codec raw`` (the 1 Gbit/s phase's own) and then by fresh ones running ``--codec delta-lz4``; steps
+   after the first durable one are timed, so the buddy holds the previous step as the delta base.
 
 A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
 state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
@@ -61,8 +62,8 @@ _COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seco
             "sender_rss_bytes", "replications"]  # fmt: skip
 _SUMMARY_KEYS = ("state_bytes", "sidecar_GBps", "raw_socket_GBps", "loopback_ratio", "sidecar_rss_bytes",
                  "link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit")  # fmt: skip
-_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat", "heartbeat_timeout",
-                "timeout")  # fmt: skip
+_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat",
+                "heartbeat_timeout", "timeout")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,12 +74,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-size", type=parse_bytes, default=256 << 20,
                         help="state on the shaped links (default 256MiB)")  # fmt: skip
     parser.add_argument("--link-repeat", type=int, default=3, help="timed snapshots per link (default 3)")
-    parser.add_argument("--delta-params", type=int, default=20_000_000,
-                        help="GPT parameters of the delta phase; state = 12 B each (default 20e6)")  # fmt: skip
-    parser.add_argument("--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)")
+    parser.add_argument(
+        "--delta-params",
+        type=int,
+        default=20_000_000,
+        help="GPT parameters of the delta phase, 12 B of state each (default 2e7)",
+    )
+    parser.add_argument(
+        "--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)"
+    )
     parser.add_argument("--no-links", action="store_true", help="skip the shaped-link phases")
-    parser.add_argument("--heartbeat-timeout", type=float, default=8.0,
-                        help="the coordinator's --heartbeat-timeout in seconds (default 8; see the module docstring)")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=8.0,
+        help="the coordinator's --heartbeat-timeout, seconds (default 8; see the module docstring)",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase (default 300)")
 
 
@@ -98,7 +109,9 @@ def run(args: argparse.Namespace) -> Report:
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snapshotd-bench-transport-") as workdir:
-        (side,) = _sidecar_rows(workdir, "loopback", None, "raw", args, [_transport_argv(args.size, args.repeat)])
+        (side,) = _sidecar_rows(
+            workdir, "loopback", None, "raw", args, [_transport_argv(args.size, args.repeat)]
+        )
         raw = _raw_row("loopback", None, args.size, args.repeat, args, side, results)
         summary["state_bytes"] = side["state_bytes"]
         summary["sidecar_GBps"] = side["stream_Bps"] / 1e9
@@ -108,7 +121,6 @@ def run(args: argparse.Namespace) -> Report:
         reason = "disabled by --no-links" if args.no_links else links_available()
         config["links"] = reason or "ran"
         if reason is not None:
-            log.warning("shaped links skipped: %s", reason)
             print(f"snapshotd-bench transport: shaped links skipped: {reason}", file=sys.stderr)
         else:
             summary.update(_links(workdir, args, results))
@@ -134,7 +146,7 @@ def _links(workdir: str, args: argparse.Namespace, results: list[dict[str, Any]]
             if label == "1gbit":
                 (delta,) = _sidecar_rows(workdir, f"{label}-delta", link, "delta-lz4", args, [train])
                 train_raw[0]["run"], delta["run"] = f"{label} train raw", f"{label} train delta-lz4"
-                # capture() -> durable: with an optimizer in the state, the copy into shared memory is included
+                # capture() -> durable: with an optimizer in the state the shared-memory copy is included
                 delta["vs_raw"] = train_raw[0]["e2e_seconds"] / delta["e2e_seconds"]
                 results.extend((train_raw[0], delta))
                 out["delta_speedup_1gbit"] = delta["vs_raw"]
@@ -142,10 +154,15 @@ def _links(workdir: str, args: argparse.Namespace, results: list[dict[str, Any]]
 
 
 def _raw_row(
-    label: str, link: Link | None, size: int, repeat: int, args: argparse.Namespace,
-    side: dict[str, Any], results: list[dict[str, Any]],
+    label: str,
+    link: Link | None,
+    size: int,
+    repeat: int,
+    args: argparse.Namespace,
+    side: dict[str, Any],
+    results: list[dict[str, Any]],
 ) -> float:
-    """Move ``size`` bytes ``repeat`` times over a raw socket; append its row and ``side`` (the sidecars' row)."""
+    """Move ``size`` bytes ``repeat`` times by raw socket; append its row, then ``side`` (the sidecars')."""
     log.info("%s: raw socket moves %s x %d", label, format_bytes(size), repeat)
     raw = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
     side["vs_raw"] = side["stream_Bps"] / raw
@@ -174,7 +191,12 @@ def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
 
 
 def _sidecar_rows(
-    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, drivers: list[list[str]]
+    workdir: str,
+    label: str,
+    link: Link | None,
+    codec: str,
+    args: argparse.Namespace,
+    drivers: list[list[str]],
 ) -> list[dict[str, Any]]:
     """One result row per driver of :func:`_sidecar_phase`."""
     outs = _sidecar_phase(workdir, label, link, codec, args, drivers)
@@ -182,7 +204,12 @@ def _sidecar_rows(
 
 
 def _sidecar_phase(
-    workdir: str, label: str, link: Link | None, codec: str, args: argparse.Namespace, drivers: list[list[str]]
+    workdir: str,
+    label: str,
+    link: Link | None,
+    codec: str,
+    args: argparse.Namespace,
+    drivers: list[list[str]],
 ) -> list[dict[str, Any]]:
     """A coordinator, sidecars A and B (A's buddy) and, one after the other, ``drivers`` on A.
 
@@ -195,8 +222,9 @@ def _sidecar_phase(
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
     side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
-    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL, heartbeat_timeout=args.heartbeat_timeout,
-                      env={"SNAPSHOTD_SECRET": ""}) as cluster:  # fmt: skip
+    no_secret = {"SNAPSHOTD_SECRET": ""}
+    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL,
+                      heartbeat_timeout=args.heartbeat_timeout, env=no_secret) as cluster:  # fmt: skip
         _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
         sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
         receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")
@@ -231,7 +259,7 @@ def _replications(coordinator_log: str) -> int:
 
 
 def _start_coordinator(cluster: LocalCluster, bind: str, extra: list[str], prefix: list[str]) -> None:
-    """``cluster.start_coordinator(bind, *extra)``, inside a namespace when ``prefix`` is ``ip netns exec NS``.
+    """``cluster.start_coordinator(bind, *extra)``, in a namespace when ``prefix`` is ``ip netns exec NS``.
 
     LocalCluster.start_coordinator takes no prefix (start_sidecar does), so with one this builds the same
     ``snapshotd coordinator`` command line and starts it through the cluster, which still stops it on close.

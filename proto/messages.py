@@ -451,17 +451,31 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }  # fmt: skip
 
 
-def _layout(cls: type[Message]) -> tuple[list[tuple[str, Spec]], list[tuple[str, Frame]]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layout:
+    """How one message type sits on the wire, computed once per type."""
+
+    header: tuple[tuple[str, Spec], ...]  # header fields in field order
+    frames: tuple[tuple[str, Frame], ...]  # payload frames in order
+    allowed: frozenset[str]  # keys a header may carry
+    required: frozenset[str]  # header fields without a default
+
+
+def _layout(cls: type[Message]) -> _Layout:
     header: list[tuple[str, Spec]] = []
     frames: list[tuple[str, Frame]] = []
+    required: set[str] = set()
     for f in dataclasses.fields(cls):
         spec = f.metadata["spec"]
         (frames if isinstance(spec, Frame) else header).append((f.name, spec))
-    return header, frames
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.add(f.name)
+    names = {name for name, _ in header}
+    return _Layout(tuple(header), tuple(frames), frozenset(names | {"v", "type"}), frozenset(required & names))
 
 
 _LAYOUTS = {name: _layout(cls) for name, cls in MESSAGE_TYPES.items()}
-_RESERVED = frozenset({"v", "type"})
+_ABSENT: Any = object()
 
 
 def encode(msg: Message) -> list[Buffer]:
@@ -470,14 +484,14 @@ def encode(msg: Message) -> list[Buffer]:
     Raises:
         ProtocolError: a field violates its spec (we never send what we would refuse to receive).
     """
-    header_specs, frame_specs = _LAYOUTS[msg.TYPE]
+    layout = _LAYOUTS[msg.TYPE]
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
-    for name, spec in header_specs:
+    for name, spec in layout.header:
         dumped = spec.dump(getattr(msg, name))
         spec.check(dumped, f"{msg.TYPE}.{name}")
         header[name] = dumped
     out: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
-    for name, fspec in frame_specs:
+    for name, fspec in layout.frames:
         value = getattr(msg, name)
         fspec.check(value, name)
         out.append(value)
@@ -541,21 +555,20 @@ def decode(frames: Sequence[Any]) -> Message:
     if type(mtype) is not str or mtype not in MESSAGE_TYPES:
         raise UnknownMessageType(f"unknown message type {mtype!r}")
     cls = MESSAGE_TYPES[mtype]
-    header_specs, frame_specs = _LAYOUTS[mtype]
-    if len(frames) != 1 + len(frame_specs):
-        raise MalformedMessage(f"{mtype} has {len(frame_specs)} payload frames, got {len(frames) - 1}")
-    unknown = header.keys() - _RESERVED - {name for name, _ in header_specs}
-    if unknown:
+    layout = _LAYOUTS[mtype]
+    if len(frames) != 1 + len(layout.frames):
+        raise MalformedMessage(f"{mtype} has {len(layout.frames)} payload frames, got {len(frames) - 1}")
+    if not header.keys() <= layout.allowed:
+        unknown = header.keys() - layout.allowed
         raise MalformedMessage(f"{mtype}: unknown header fields {sorted(map(str, unknown))[:5]}")
     kwargs: dict[str, Any] = {}
-    for name, spec in header_specs:
-        if name in header:
-            kwargs[name] = spec.check(header[name], name)
-        elif _has_default(cls, name):
-            continue
-        else:
+    for name, spec in layout.header:
+        value = header.get(name, _ABSENT)
+        if value is not _ABSENT:
+            kwargs[name] = spec.check(value, name)
+        elif name in layout.required:
             raise MalformedMessage(f"{mtype}: missing field {name!r}")
-    for (name, fspec), frame in zip(frame_specs, frames[1:], strict=True):
+    for (name, fspec), frame in zip(layout.frames, frames[1:], strict=True):
         kwargs[name] = fspec.check(_as_view(frame), name)
     try:
         return cls(**kwargs)
@@ -563,11 +576,6 @@ def decode(frames: Sequence[Any]) -> Message:
         raise
     except Exception as exc:  # defensive: a dataclass should never refuse validated values
         raise MalformedMessage(f"{mtype}: {exc}") from exc
-
-
-def _has_default(cls: type[Message], name: str) -> bool:
-    f = cls.__dataclass_fields__[name]
-    return f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
 
 
 __all__ = [

@@ -45,6 +45,7 @@ from snapshotd.proto import (
 from snapshotd.proto.limits import MAX_TEXT_LEN
 
 from .config import CoordinatorConfig
+from .replies import HeartbeatReplies
 from .state import CoordinatorState
 
 __all__ = ["run_coordinator"]
@@ -123,7 +124,7 @@ class _Server:
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, for non-blocking batch I/O
         self.state = state
         self._complaints: dict[Any, float] = {}
-        self._replies: dict[str, tuple[Any, Any, list[Any]]] = {}  # node -> (assignments, watermarks, frames)
+        self.replies = HeartbeatReplies()
 
     async def serve(self, stop: asyncio.Event) -> None:
         """Answer requests in batches until ``stop``; then answer what already arrived and return."""
@@ -192,11 +193,10 @@ class _Server:
         return Error(job=msg.job, code="unexpected", message=f"the coordinator does not serve {msg.TYPE!r}")
 
     def send(self, envelope: list[bytes], reply: Message, node: str | None = None) -> None:
-        """Encode and send ``reply``; a heartbeat reply to ``node`` reuses its last encoding when unchanged."""
+        """Encode and send ``reply``; a heartbeat reply to ``node`` is joined from cached pieces (see replies.py)."""
         try:
-            frames = self._encode_heartbeat(node, reply) if node and isinstance(reply, HeartbeatReply) else None
-            if frames is None:
-                frames = encode(reply)
+            head = self.replies.frame(node, reply) if node and isinstance(reply, HeartbeatReply) else None
+            frames = encode(reply) if head is None else [head]
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
             frames = encode(Error(code="internal", message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
@@ -204,23 +204,6 @@ class _Server:
             self.raw.send_multipart([*envelope, *frames], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a ROUTER drops on a full pipe; anything else is worth a line
             self.complain("send", "send failed: %s", exc)
-
-    def _encode_heartbeat(self, node: str, reply: HeartbeatReply) -> list[Any] | None:
-        """The cached encoding while the state hands out the very same (cached, immutable) parts, else None.
-
-        Most heartbeats get the answer their node got last time; encoding it again would cost more than all the
-        rest of the heartbeat. Replies carrying tasks are never cached.
-        """
-        if not reply.known or reply.tasks:
-            return None
-        hit = self._replies.get(node)
-        if hit is not None and hit[0] is reply.assignments and len(hit[1]) == len(reply.watermarks) and all(
-            a is b for a, b in zip(hit[1], reply.watermarks, strict=True)
-        ):
-            return hit[2]
-        frames = encode(reply)
-        self._replies[node] = (reply.assignments, reply.watermarks, frames)
-        return frames
 
     def complain(self, key: Any, fmt: str, *args: Any, exc_info: bool = False) -> None:
         """Log a problem, at most once a minute per ``key`` (a peer's routing id, or a name)."""

@@ -51,6 +51,7 @@ class StoredSnapshot:
     missing: int
     complete: bool = False
     pins: int = 0  # pulls in progress; a pinned snapshot is not dropped
+    exported: bool = False  # zero-copy views went to zmq: never reuse this buffer as a spare
 
     @property
     def data_bytes(self) -> int:
@@ -68,10 +69,15 @@ class StoredSnapshot:
 class SnapshotStore:
     """In-memory buddy copies, keyed by ``(job, rank, step)``. Not thread-safe: the sidecar's loop owns it."""
 
+    MAX_SPARES = 2
+
     def __init__(self, memory_limit: int) -> None:
         self.memory_limit = memory_limit
         self._snaps: dict[Key, StoredSnapshot] = {}
-        self.used_bytes = 0
+        # Buffers of dropped snapshots, reused for the next snapshot of the same size: a fresh buffer costs the
+        # kernel zeroing every page on first touch, which was a third of a receiving sidecar's CPU.
+        self._spares: list[np.ndarray] = []
+        self.used_bytes = 0  # snapshots held (spares are counted against the limit separately)
         self.version = 0  # bumps whenever the set of complete snapshots changes (for inventory reports)
 
     def __len__(self) -> int:
@@ -94,8 +100,11 @@ class SnapshotStore:
             if old.complete:
                 return old
             self._remove(key)
+        buffer = self._take_spare(data_bytes)
         need = data_bytes + len(table) + len(meta)
-        if self.used_bytes + need > self.memory_limit:
+        while self.used_bytes + self.spare_bytes + need > self.memory_limit and self._spares:
+            self._spares.pop()
+        if self.used_bytes + self.spare_bytes + need > self.memory_limit:
             raise MemoryLimitReached(
                 f"memory limit {self.memory_limit} B reached: holding {self.used_bytes} B, "
                 f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
@@ -103,7 +112,8 @@ class SnapshotStore:
         nchunks = -(-data_bytes // chunk_bytes) if data_bytes else 0
         snap = StoredSnapshot(
             job, rank, step, src_node, bytes(table), bytes(meta), chunk_bytes,
-            np.empty(data_bytes, dtype=np.uint8), np.zeros(nchunks, dtype=bool), nchunks,
+            buffer if buffer is not None else np.empty(data_bytes, dtype=np.uint8),
+            np.zeros(nchunks, dtype=bool), nchunks,
         )  # fmt: skip
         self._snaps[key] = snap
         self.used_bytes += need
@@ -171,6 +181,10 @@ class SnapshotStore:
         if snap is not None and not snap.complete:
             self._remove((job, rank, step))
 
+    def holds(self, job: str, rank: int, step: int) -> bool:
+        """Whether any copy, complete or still arriving, of ``(job, rank, step)`` is here."""
+        return (job, rank, step) in self._snaps
+
     def steps(self, job: str, rank: int) -> list[int]:
         """Complete steps held for ``(job, rank)``, oldest first."""
         return sorted(s.step for s in self._snaps.values() if s.job == job and s.rank == rank and s.complete)
@@ -198,9 +212,22 @@ class SnapshotStore:
         log.debug("snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes)
 
     def _remove(self, key: Key) -> int:
+        """Forget a snapshot. Its buffer becomes a spare (counted against the limit) when spares are few."""
         snap = self._snaps.pop(key)
         freed = snap.data_bytes + len(snap.table) + len(snap.meta)
         self.used_bytes -= freed
+        if not snap.exported and snap.data_bytes and len(self._spares) < self.MAX_SPARES:
+            self._spares.append(snap.data)
         if snap.complete:
             self.version += 1
         return freed
+
+    @property
+    def spare_bytes(self) -> int:
+        return sum(b.nbytes for b in self._spares)
+
+    def _take_spare(self, nbytes: int) -> np.ndarray | None:
+        for i, buf in enumerate(self._spares):
+            if buf.nbytes == nbytes:
+                return self._spares.pop(i)
+        return None

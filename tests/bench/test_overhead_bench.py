@@ -98,7 +98,13 @@ def test_defaults_snapshot_at_least_100_mb_per_rank_with_two_ranks() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--variants", "snapshotd"], ["--variants", "none,bogus"], ["--interval", "0"], ["--interval", "x"]],
+    [
+        ["--variants", "snapshotd"],
+        ["--variants", "none,bogus"],
+        ["--interval", "0"],
+        ["--interval", "x"],
+        ["--max-rate", "fast"],
+    ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -22,7 +22,10 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def _run_cli(tmp_path: Path, *argv: str) -> dict:
     path = tmp_path / "transport.json"
-    assert cli.main(["transport", "--heartbeat-timeout", "1.5", "--timeout", "60", *argv, "--json", str(path)]) == 0
+    assert (
+        cli.main(["transport", "--heartbeat-timeout", "1.5", "--timeout", "60", *argv, "--json", str(path)])
+        == 0
+    )
     doc = json.loads(path.read_text())
     assert doc["bench"] == "transport"
     return doc

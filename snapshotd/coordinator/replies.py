@@ -1,0 +1,115 @@
+"""Heartbeat replies assembled from pieces packed once.
+
+Nearly every heartbeat reply is the node's assignments (the same until membership changes) and the watermarks of
+its jobs (the same for every node of a job until G or D moves). Encoding the whole reply per heartbeat would cost
+more than everything else a heartbeat does, and every node's reply changes whenever its job's G moves. So frame 0
+is joined from msgpack pieces instead: the assignments packed once per node (until they change), each job's
+watermark packed once per job (until it changes), and the few scalar fields packed once per value. The bytes are
+exactly those of :func:`snapshotd.proto.encode`, and every piece passes the same spec checks before it is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+from snapshotd.proto import PROTOCOL_VERSION, Assignment, HeartbeatReply, LimitExceeded, Watermark
+from snapshotd.proto.limits import MAX_HEADER_BYTES
+from snapshotd.proto.schema import ListOf, Record, Spec
+
+__all__ = ["HeartbeatReplies"]
+
+_SCALARS_KEPT = 64  # packed scalar values kept (job names, intervals): a handful in practice
+
+
+def _spec(name: str) -> Spec:
+    return HeartbeatReply.__dataclass_fields__[name].metadata["spec"]
+
+
+class HeartbeatReplies:
+    """Frame 0 of cacheable heartbeat replies, from per-node and per-job pieces.
+
+    Not thread-safe: one instance per server loop.
+    """
+
+    def __init__(self) -> None:
+        self._fields = [(f.name, f.metadata["spec"]) for f in dataclasses.fields(HeartbeatReply)]
+        packer = msgpack.Packer(use_bin_type=True)
+        self._head = (
+            packer.pack_map_header(2 + len(self._fields))
+            + packer.pack("v") + packer.pack(PROTOCOL_VERSION)
+            + packer.pack("type") + packer.pack(HeartbeatReply.TYPE)
+        )  # fmt: skip
+        self._keys = {name: packer.pack(name) for name, _ in self._fields}
+        self._array_header = packer.pack_array_header
+        self._assign_spec = _spec("assignments")
+        self._mark_spec = _spec("watermarks")
+        assert isinstance(self._mark_spec, ListOf) and isinstance(self._mark_spec.item, Record)
+        self._mark_record: Record = self._mark_spec.item
+        self._assignments: dict[str, tuple[tuple[Assignment, ...], bytes]] = {}  # node -> (value, packed)
+        self._watermarks: dict[str, tuple[Watermark, bytes]] = {}  # job -> (value, packed record)
+        self._scalars: dict[tuple[str, type, Any], bytes] = {}  # (field, type, value) -> packed value
+
+    def frame(self, node: str, reply: HeartbeatReply) -> bytes | None:
+        """``encode(reply)[0]``, or None for a reply not worth caching (``known`` false, or carrying tasks).
+
+        Raises:
+            ProtocolError: a piece breaks its spec, or the header its limit (as :func:`encode` would).
+        """
+        if not reply.known or reply.tasks:
+            return None
+        pieces = [self._head]
+        for name, spec in self._fields:
+            pieces.append(self._keys[name])
+            if name == "assignments":
+                pieces.append(self._packed_assignments(node, reply.assignments))
+            elif name == "watermarks":
+                marks = reply.watermarks
+                if len(marks) > self._mark_spec.max_items:
+                    raise LimitExceeded(f"heartbeat_reply: {len(marks)} watermarks, at most {self._mark_spec.max_items}")
+                pieces.append(self._array_header(len(marks)))
+                pieces.extend(self._packed_watermark(w) for w in marks)
+            else:
+                pieces.append(self._packed_scalar(name, spec, getattr(reply, name)))
+        frame = b"".join(pieces)
+        if len(frame) > MAX_HEADER_BYTES:
+            raise LimitExceeded(f"heartbeat_reply header is {len(frame)} bytes, at most {MAX_HEADER_BYTES}")
+        return frame
+
+    def forget(self, node: str) -> None:
+        """Drop the pieces kept for ``node`` (it left for good)."""
+        self._assignments.pop(node, None)
+
+    def _packed_assignments(self, node: str, value: tuple[Assignment, ...]) -> bytes:
+        hit = self._assignments.get(node)
+        if hit is not None and (hit[0] is value or hit[0] == value):
+            return hit[1]
+        packed = _pack_checked(self._assign_spec, value, "heartbeat_reply.assignments")
+        self._assignments[node] = (value, packed)
+        return packed
+
+    def _packed_watermark(self, mark: Watermark) -> bytes:
+        hit = self._watermarks.get(mark.job)
+        if hit is not None and (hit[0] is mark or hit[0] == mark):
+            return hit[1]
+        packed = _pack_checked(self._mark_record, mark, "heartbeat_reply.watermarks")
+        self._watermarks[mark.job] = (mark, packed)
+        return packed
+
+    def _packed_scalar(self, name: str, spec: Spec, value: Any) -> bytes:
+        key = (name, type(value), value)
+        packed = self._scalars.get(key)
+        if packed is None:
+            packed = _pack_checked(spec, value, f"heartbeat_reply.{name}")
+            if len(self._scalars) >= _SCALARS_KEPT:
+                self._scalars.clear()
+            self._scalars[key] = packed
+        return packed
+
+
+def _pack_checked(spec: Spec, value: Any, name: str) -> bytes:
+    dumped = spec.dump(value)
+    spec.check(dumped, name)
+    return msgpack.packb(dumped, use_bin_type=True)
