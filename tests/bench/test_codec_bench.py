@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from snapshotd.bench import codec, workloads
 from snapshotd.bench.report import Report, emit
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from snapshotd.bench.baselines import raw_socket_transfer
 from snapshotd.bench.links import links_available, shaped_link
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+
 from snapshotd.bench import cli
 from snapshotd.bench.report import Progress, Report, emit, machine_info
 

@@ -26,10 +26,12 @@ class _Opaque:
 
 
 def test_unsnapshottable_value_is_a_type_error_naming_its_path(tmp_path) -> None:
-    with Snapshotter({"w": torch.zeros(3), "bad": _Opaque()}, job="j", rank=0, world_size=1,
-                     sidecar=_nowhere(tmp_path), timeout=1) as snap:  # fmt: skip
-        with pytest.raises(TypeError, match=r"state\['bad'\]\['fn'\].*never pickle"):
-            snap.capture(1)
+    with (
+        Snapshotter({"w": torch.zeros(3), "bad": _Opaque()}, job="j", rank=0, world_size=1,
+                    sidecar=_nowhere(tmp_path), timeout=1) as snap,
+        pytest.raises(TypeError, match=r"state\['bad'\]\['fn'\].*never pickle"),
+    ):  # fmt: skip
+        snap.capture(1)
 
 
 def test_missing_identity_is_a_clear_value_error(monkeypatch) -> None:
