@@ -203,7 +203,8 @@ def checkpoint_state_dict(state: Mapping[str, Any], *, dcp: bool = False) -> dic
         if optims:
             out["optim"] = optim_sd
     else:
-        out.update({k: v.state_dict() for k, v in {**models, **optims}.items()})
+        stateful: dict[str, Any] = {**models, **optims}
+        out.update({k: v.state_dict() for k, v in stateful.items()})
     out.update({k: v.state_dict() for k, v in scheds.items()})
     return out
 

@@ -27,6 +27,8 @@ checkpoints, and the ratio of the median step time to ``none``'s. Where the time
 time of all rank processes per step (median; every thread, so it includes snapshotd's staging copy and DCP's
 writer), ``sidecar_cpu_ms`` the CPU time both sidecars used during the whole job divided by the snapshotd steps
 (sending on A, receiving and verifying on B; their idle heartbeats are negligible).
+``--every``, ``--max-rate`` and ``--sidecar-nice`` (the sidecars under ``nice``, so that they take only the cycles
+training leaves) show how the cost trades against the effective snapshot interval.
 """
 
 from __future__ import annotations
@@ -36,11 +38,7 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -51,6 +49,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import parse_bytes, parse_rate
 
 from .report import Progress, Report
+from .trainer import run_ranks
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
@@ -125,83 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sidecar-nice",
         type=int,
-        default=0,
-        help="run the sidecars under nice -n N (default 0: as the ranks)",
+        default=10,
+        help="the sidecars' --nice (default 10, as `snapshotd serve`; 0: the ranks' priority)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks train")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)")  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    with contextlib.suppress(OSError), open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
-    return ""
-
-
-def _read_progress(path: str) -> int:
-    with contextlib.suppress(OSError, ValueError), open(path) as f:
-        return int(f.read() or 0)
-    return 0
-
-
-def _run_ranks(
-    workdir: str, ranks: int, flags: list[str], steps: int, timeout: float
-) -> list[dict[str, Any]]:
-    """Start ``ranks`` trainer processes, show rank 0's progress, wait for all (at most ``timeout`` s).
-
-    Returns:
-        Every rank's result document, in rank order.
-
-    Raises:
-        RuntimeError: a rank failed or ran out of time (every rank is killed first; its log tail is attached).
-    """
-    port = _free_port()
-    procs: dict[int, subprocess.Popen[bytes]] = {}
-    logs = {r: os.path.join(workdir, f"train-rank{r}.log") for r in range(ranks)}
-    outs = {r: os.path.join(workdir, f"train-rank{r}.json") for r in range(ranks)}
-    progress_path = os.path.join(workdir, "train.progress")
-    try:
-        for r in range(ranks):
-            argv = [sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(r), "--world", str(ranks),
-                    "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
-            if r == 0:
-                argv += ["--progress", progress_path]
-            with open(logs[r], "wb") as log:
-                procs[r] = subprocess.Popen(
-                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-                )
-        deadline = time.monotonic() + timeout
-        with Progress(steps, desc="overhead steps", unit="steps") as bar:
-            while True:
-                codes = {r: proc.poll() for r, proc in procs.items()}
-                failed = [r for r, code in codes.items() if code not in (None, 0)]
-                if failed:
-                    r = failed[0]
-                    raise RuntimeError(f"rank {r} exited with {codes[r]}:\n{_tail(logs[r])}")
-                bar.update(_read_progress(progress_path) - bar.count)
-                if all(code == 0 for code in codes.values()):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s:\n{_tail(logs[0])}")
-                time.sleep(0.25)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-    results = []
-    for r in range(ranks):
-        with open(outs[r]) as f:
-            results.append(json.load(f))
-    return results
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -269,15 +198,16 @@ def _measure(
         flags += ["--ckpt-dir", os.path.join(workdir, "checkpoints")]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=5.0) as cluster:
         cluster.start_coordinator()
-        prefix = ("nice", "-n", str(args.sidecar_nice)) if args.sidecar_nice else ()
-        cluster.start_sidecar("A", *extra, prefix=prefix)
-        cluster.start_sidecar("B", *extra, prefix=prefix)
+        cluster.start_sidecar("A", *extra, "--nice", str(args.sidecar_nice))
+        cluster.start_sidecar("B", *extra, "--nice", str(args.sidecar_nice))
         if "snapshotd" in args.variants:
             flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
         pids = {node: p.pid for node, p in cluster.sidecars.items()}
         cpu0 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
         try:
-            results = _run_ranks(workdir, args.ranks, flags, total, args.timeout)
+            with Progress(total, desc="overhead steps", unit="steps") as bar:
+                results = run_ranks(workdir, args.ranks, flags, timeout=args.timeout,
+                                    on_progress=lambda n: bar.update(n - bar.count))  # fmt: skip
         finally:
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
         cpu1 = {node: _cpu_seconds(pid) for node, pid in pids.items()}

@@ -19,6 +19,8 @@ the training thread spent in the snapshot or checkpoint machinery: ``capture()``
 (``capture_times``, ``fence_times``), or the checkpoint call. ``cpu_times`` is the CPU time of the whole process
 (all its threads) per step.
 
+:func:`run_ranks` starts the ranks of one job as processes and collects their results.
+
 The rank writes a JSON result (losses per step, step times, a SHA-256 over its whole final state, the
 snapshotter's stats, one record per block with its counters) and keeps a progress file holding the last completed
 step.
@@ -27,13 +29,17 @@ step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import random
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -43,7 +49,7 @@ import torch.distributed as dist
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
-__all__ = ["VARIANTS", "batch_for", "build_state", "main", "state_digest"]
+__all__ = ["VARIANTS", "batch_for", "build_state", "main", "run_ranks", "state_digest"]
 
 VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
 """What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
@@ -91,6 +97,69 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _tail(path: str, lines: int = 20) -> str:
+    with contextlib.suppress(OSError), open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+    return ""
+
+
+def _read_step(path: str) -> int:
+    with contextlib.suppress(OSError, ValueError), open(path) as f:
+        return int(f.read() or 0)
+    return 0
+
+
+def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
+              on_progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``world`` ranks of this program (``flags`` besides rank, world, init and out) and return their results.
+
+    Each rank's output goes to ``workdir/train-rank{R}.log``, its result to ``train-rank{R}.json``. While they run,
+    ``on_progress`` is called about four times a second with the steps rank 0 completed.
+
+    Raises:
+        RuntimeError: a rank exited non-zero, or the ranks ran past ``timeout`` seconds; every rank is killed
+            first, and the failing rank's log tail is in the message.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = {r: os.path.join(workdir, f"train-rank{r}.log") for r in range(world)}
+    outs = {r: os.path.join(workdir, f"train-rank{r}.json") for r in range(world)}
+    progress = os.path.join(workdir, "train.progress")
+    procs: dict[int, subprocess.Popen[bytes]] = {}
+    try:
+        for r in range(world):
+            argv = [sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(r), "--world", str(world),
+                    "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
+            if r == 0:
+                argv += ["--progress", progress]
+            with open(logs[r], "wb") as log:
+                procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = {r: proc.poll() for r, proc in procs.items()}
+            failed = [r for r, code in codes.items() if code not in (None, 0)]
+            if failed:
+                raise RuntimeError(f"rank {failed[0]} exited with {codes[failed[0]]}:\n{_tail(logs[failed[0]])}")
+            if on_progress is not None:
+                on_progress(_read_step(progress))
+            if all(code == 0 for code in codes.values()):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ranks did not finish within {timeout:.0f} s:\n{_tail(logs[0])}")
+            time.sleep(0.25)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+    results = []
+    for r in range(world):
+        with open(outs[r]) as f:
+            results.append(json.load(f))
+    return results
+
+
 def _parse_plan(text: str) -> list[tuple[str, int, int]]:
     """``--plan``: a JSON list of ``[variant, interval, steps]`` blocks."""
     try:
@@ -114,7 +183,7 @@ def _train_step(model: Any, opt: Any, sched: Any, params: list[torch.Tensor], x:
     dist.all_reduce(flat)
     flat /= world
     for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
-        q.grad.copy_(g)
+        q.grad.copy_(g)  # type: ignore[union-attr]  # backward() gave every parameter a gradient
     opt.step()
     sched.step()
     return loss
@@ -233,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.barrier()
         block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps}
         if capturing is not None:
-            block.update({k: getattr(snap.stats, k) - v for k, v in snap0.items()})
+            block.update({k: getattr(capturing.stats, k) - v for k, v in snap0.items()})
         if ckpt is not None:
             block.update(saves_started=ckpt.started - saves0[0], saves_completed=ckpt.completed - saves0[1],
                          bytes_written=ckpt.bytes_written)  # fmt: skip

@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-rate", default="auto", help="outgoing snapshot rate, e.g. 10Gbit, or auto")
     s.add_argument("--chunk", default="1MiB", help="data-plane chunk size (default %(default)s)")
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
+    s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
+    s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
@@ -125,6 +127,8 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         max_rate=None if args.max_rate == "auto" else parse_rate(args.max_rate),
         chunk_bytes=parse_bytes(args.chunk),
         codec=args.codec,
+        nice=args.nice,
+        request_timeout=parse_duration(args.peer_timeout),
         secret=secret,
         insecure=args.insecure,
         **extra,

@@ -58,6 +58,11 @@ class SidecarConfig:
     request_timeout: float = 10.0
     """Seconds to wait for any single peer reply (accept, ack, pull data) before giving up on that peer."""
 
+    nice: int = 10
+    """CPU priority increment for the sidecar process: snapshots use CPU that training leaves idle. On a machine
+    whose cores training keeps busy, the sidecar then streams less often (the client skips steps) instead of
+    slowing steps down. 0 keeps the priority of the shell."""
+
     secret: str | None = None
     """The job's ``SNAPSHOTD_SECRET``: CURVE on every TCP socket when set."""
 
@@ -79,5 +84,7 @@ class SidecarConfig:
             raise ValueError(f"window must be 1-1024 chunks, got {self.window}")
         if self.codec not in ("auto", "raw", "delta-lz4"):
             raise ValueError(f"codec must be auto, raw or delta-lz4, got {self.codec!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"--nice must be 0-19, got {self.nice}")
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:
             raise ValueError("heartbeat interval and request timeout must be positive")

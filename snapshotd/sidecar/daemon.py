@@ -110,6 +110,8 @@ class Sidecar:
         check_bind(cfg.data_bind, cfg.secret, cfg.insecure)
         sweep_stale_arenas(cfg.node)
         _keep_malloc_arenas()
+        if cfg.nice:
+            os.nice(cfg.nice)
         auth = start_authenticator(self.ctx, cfg.secret)
         ipc = self.ctx.socket(zmq.ROUTER)
         data = self.ctx.socket(zmq.ROUTER)

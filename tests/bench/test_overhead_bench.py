@@ -10,6 +10,7 @@ import pytest
 
 from snapshotd.bench import overhead
 from snapshotd.bench.report import Report, emit
+from snapshotd.bench.trainer import run_ranks
 from snapshotd.bench.workloads import config_for_params
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -114,3 +115,10 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
 def test_warmup_must_leave_steps_to_measure() -> None:
     with pytest.raises(ValueError, match="warmup"):
         overhead.run(_args("--steps", "3", "--warmup", "3"))
+
+
+def test_a_failing_rank_is_a_clear_error_with_its_log(tmp_path: Path) -> None:
+    seen: list[int] = []
+    with pytest.raises(RuntimeError, match=r"rank \d exited with 2:(.|\n)*--steps"):
+        run_ranks(str(tmp_path), 2, ["--steps", "many"], timeout=60, on_progress=seen.append)
+    assert all(n == 0 for n in seen)
