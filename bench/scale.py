@@ -12,29 +12,30 @@ one heartbeat interval: every heartbeat carries its full inventory, the real sid
 1. **Ramp**: every sidecar registers and heartbeats; ``up`` counts those the coordinator answered at least once
    within ``--timeout`` s (``ramp_s``: how long that took), then ``--settle`` s pass.
 2. **Window** (``--window`` s): ``heartbeats_per_s`` is heartbeat replies received per second, summed over the
-   workers, late ones included (``hb_ratio``: that over N / interval, which a coordinator that keeps up
-   reaches); ``hb_rtt_*`` the request-to-reply times of the timely ones; ``coordinator_cpu`` the coordinator
+   workers, late ones included (``hb_ratio``: that over the rate the sidecars aim at, the sum of 1 / interval
+   over them with the interval each one was given by the coordinator, which stretches it as the fleet grows;
+   ``hb_interval_s`` is N over that rate, the interval in effect); ``hb_rtt_*`` the request-to-reply times of the timely ones; ``coordinator_cpu`` the coordinator
    process's utime + stime from ``/proc/PID/stat`` over the window as a fraction of one core (every thread:
    its Python thread, which ``coordinator_py_cpu`` counts alone, and ZeroMQ's I/O thread); ``cpu_per_hb_us``
    that over ``heartbeats_per_s`` (what one heartbeat costs, whatever else runs on the machine);
    ``drivers_cpu`` the simulators' together.
 3. **Node loss**: training stops (every step freezes; the buddies' streams finish), sidecar N/2 falls silent and
-   a replacement node registers hosting its 8 ranks, holding nothing. The bench waits ``heartbeat_timeout``
-   plus 0.5 s for the coordinator to declare the silent node dead.
-4. **Plan round**: every one of the 8N ranks asks for a plan once: each sidecar asks for all its ranks on a
-   socket of its own (as the real sidecar's plan call does), the sidecars spread over one heartbeat interval.
-   Every answer is ``wait`` but the one to the last rank to ask, which freezes the round. ``freeze_s``: from the
-   first request to the last answer (empty when not all were answered within ``--timeout`` s). A rank told to
-   wait does not ask again here (a real one polls every 0.2 s), so this round is a lower bound on the real load.
-5. **Plan latency**, only when the round froze: a sample of ranks asks again, one request each on a new socket,
-   spread evenly over ``--plan-spread`` s while every sidecar keeps heartbeating: the lost node's ranks (from the
-   replacement, which must pull) and ``--plan-sample`` others, one per sidecar spread over the ring. A
-   request's ``plan_ms`` runs from handing it to its new socket to its ``ready`` reply, as the simulated sidecar
-   sees it: the connection, the wait behind the heartbeats queued in the coordinator, and the answer;
-   ``plan_ms_p99`` (``plan_p99_ms``) is the 99th percentile over the sample, unanswered ones (``plan_answered``
-   < ``plan_samples``) counting as infinitely late. Every answer must be ``ready`` at the frozen step,
-   ``local`` exactly for ranks whose node lived, with sources for the replacement, never the lost node
-   (``plan_wrong`` counts those that are not).
+   a replacement node registers hosting its 8 ranks, holding nothing. The bench waits the coordinator's death
+   timeout in effect (``coordinator.heartbeat_timeout`` of its status document, stretched like the interval;
+   ``death_timeout_s``) plus 0.5 s for it to declare the silent node dead.
+4. **Plan round**: every one of the 8N ranks asks for a plan, the sidecars (the replacement for the lost
+   node's ranks) spread over one heartbeat interval, on lasting plan sockets (see :mod:`.simsidecars`) while
+   every sidecar keeps heartbeating. The coordinator holds each request until the last rank asks, which freezes
+   the round, and then answers them all; a request held past its hold time gets ``wait`` and its rank asks
+   again at once. ``freeze_s``: from the first request to the last answer.
+5. **Plan latency**, measured in that round: a rank's ``plan_ms`` is the time its answer came minus the time the
+   last rank first asked (the moment the round could freeze): the decision, and the wait behind the other
+   answers and the heartbeats queued in the coordinator. ``plan_p50_ms``, ``plan_p99_ms`` (``plan_ms_p99``)
+   and ``plan_max_ms`` are over every rank (``plan_samples``: 8N), ranks unanswered within ``--timeout`` s
+   (``plan_answered`` < ``plan_samples``) counting as infinitely late, which leaves those percentiles empty.
+   Every answer must be ``ready`` at one step, ``local`` exactly for ranks whose node lived, with sources for the
+   replacement, never the lost node (``plan_wrong`` counts those that are not). A value that could not be
+   measured is empty (null in the JSON) and left out of the plot.
 
 ``timeouts`` and ``reregistered`` count heartbeats left unanswered for ``max(1, 4 * interval)`` s and sidecars
 told to register again (declared dead while alive), over the whole run: both are 0 when the coordinator keeps up.
@@ -67,7 +68,9 @@ from typing import Any
 
 import numpy as np
 
+from snapshotd import security
 from snapshotd.local_cluster import LocalCluster
+from snapshotd.status import fetch_status
 
 from .report import Report
 from .simsidecars import data_addr, fds_needed, node_name, plan_sockets, raise_nofile
@@ -76,10 +79,10 @@ __all__ = ["add_arguments", "plot", "run"]
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
-            "coordinator_cpu", "coordinator_py_cpu", "cpu_per_hb_us", "drivers_cpu", "up", "ramp_s", "freeze_s",
-            "plan_p50_ms", "plan_p99_ms", "plan_max_ms", "plan_samples", "plan_answered", "plan_wrong", "timeouts",
-            "reregistered"]  # fmt: skip
+_COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_interval_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
+            "coordinator_cpu", "coordinator_py_cpu", "cpu_per_hb_us", "drivers_cpu", "up", "ramp_s",
+            "death_timeout_s", "freeze_s", "plan_p50_ms", "plan_p99_ms", "plan_max_ms", "plan_samples",
+            "plan_answered", "plan_wrong", "plan_waits", "timeouts", "reregistered"]  # fmt: skip
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _ANSWER_S = 30.0  # a simulator answers every command at once; this long means it is wedged
 _POLL_S = 0.25
@@ -104,8 +107,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated training step time; inventories change every step (default 0.5)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
-    parser.add_argument("--plan-sample", type=int, default=200, help="ranks of live nodes timed (default 200)")
-    parser.add_argument("--plan-spread", type=float, default=1.0, help="seconds the timed asks spread over (1)")
     parser.add_argument("--timeout", type=float, default=30.0,
                         help="seconds the ramp and each plan phase may take before the run goes on (default 30)")
     parser.add_argument("--profile", metavar="PATH.prof", help="cProfile the coordinator (in a thread here)")
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> Report:
                "coordinator_cpu": top["coordinator_cpu"], "plan_ms_p99": top["plan_p99_ms"]}  # fmt: skip
     config = {k: getattr(args, k) for k in ("sidecars", "ranks_per_node", "workers", "window", "settle",
                                             "step_seconds", "heartbeat_interval", "heartbeat_timeout",
-                                            "plan_sample", "plan_spread", "profile")}  # fmt: skip
+                                            "profile")}  # fmt: skip
     return Report("scale", config, results, summary, columns=_COLUMNS)
 
 
@@ -133,8 +134,16 @@ def plot(report: Report, path: str) -> None:
     xs = [r["sidecars"] for r in rows]
     interval = report.config.get("heartbeat_interval", 0.5)
 
-    def ys(key: str) -> list[float]:
-        return [math.nan if r.get(key) is None else float(r[key]) for r in rows]
+    def points(key: str | None, log_y: bool) -> tuple[list[int], list[float]]:
+        """The measured (N, value) pairs: missing, NaN or infinite values (and <= 0 on a log axis) left out."""
+        px: list[int] = []
+        py: list[float] = []
+        for r in rows:
+            value = r["sidecars"] / (r.get("hb_interval_s") or interval) if key is None else r.get(key)
+            if isinstance(value, int | float) and math.isfinite(value) and (value > 0 or not log_y):
+                px.append(r["sidecars"])
+                py.append(float(value))
+        return px, py
 
     fig = Figure(figsize=(7.0, 9.0), dpi=100)
     FigureCanvasAgg(fig)
@@ -148,14 +157,19 @@ def plot(report: Report, path: str) -> None:
         ("plan latency (ms)", [("plan_p50_ms", "p50"), ("plan_p99_ms", "p99")], (100.0, "goal: p99 < 100 ms")),
     )
     for ax, (label, lines, goal) in zip(axes, panels, strict=True):
+        log_y = label != "coordinator CPU (cores)"
+        missing = []
         for key, name in lines:
-            values = ys(key) if key else [n / interval for n in xs]
-            ax.plot(xs, values, marker="o" if key else None, linestyle="-" if key else "--", label=name)
+            px, py = points(key, log_y)
+            ax.plot(px, py, marker="o" if key else None, linestyle="-" if key else "--", label=name)
+            missing += [f"{name}: N={n}" for n in xs if n not in px]
+        if missing:
+            ax.text(0.01, 0.02, "not measured: " + ", ".join(missing), transform=ax.transAxes, fontsize="x-small")
         if goal is not None:
             ax.axhline(goal[0], color="tab:red", linewidth=0.8, linestyle=":", label=goal[1])
         ax.set_ylabel(label)
         ax.set_xscale("log")
-        if label != "coordinator CPU (cores)":
+        if log_y:
             ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
@@ -334,10 +348,14 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
         await w.ask({"cmd": "freeze", "at": stop_at}, _ANSWER_S)
         if w.owns(victim):
             await w.ask({"cmd": "lose", "victim": victim}, _ANSWER_S)
-    await asyncio.sleep(args.heartbeat_timeout + 0.5)
+    doc = await asyncio.to_thread(fetch_status, ep, secret=security.secret_from_env(), timeout=_ANSWER_S)
+    death_timeout = float(doc["coordinator"]["heartbeat_timeout"])
+    row["death_timeout_s"] = round(death_timeout, 3)
+    await asyncio.sleep(death_timeout + 0.5)
     row.update(await _plans(n, args, workers, victim))
     last = await _all(workers, {"cmd": "mark"})
-    row.update(timeouts=sum(x["timeouts"] for x in last), reregistered=sum(x["reregistered"] for x in last))
+    row.update(timeouts=sum(x["timeouts"] for x in last), reregistered=sum(x["reregistered"] for x in last),
+               plan_waits=sum(x["plan_waits"] for x in last))
     return row
 
 
@@ -350,7 +368,7 @@ async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str,
         await w.ask({"cmd": "start", "config": {
             "coordinator": ep, "job": job, "first": w.first, "count": w.count, "total": n,
             "ranks_per_node": args.ranks_per_node, "interval": interval, "step_seconds": args.step_seconds,
-            "t0": t0, "reply_timeout": max(1.0, 4 * interval)}}, _ANSWER_S)  # fmt: skip
+            "t0": t0}}, _ANSWER_S)  # fmt: skip
     marks = await _until(workers, {"cmd": "mark"}, lambda ms: sum(m["up"] for m in ms) >= n, args.timeout)
     ramp_s, up = time.monotonic() - t0, sum(m["up"] for m in marks)
     log.info("%d sidecars: %d up after %.1f s", n, up, ramp_s)
@@ -367,11 +385,12 @@ async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str,
     hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in pairs)
     drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in pairs)
     rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
+    rate = sum(m["rate"] for m in marks1)  # heartbeats/s the sidecars aim at, at the intervals they were given
     coord = cpu.get("process", cpu["thread"])
     log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, coord)
     return {
         "sidecars": n, "ranks": n * args.ranks_per_node, "heartbeats_per_s": round(hb, 1),
-        "hb_ratio": round(hb * interval / n, 3), "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
+        "hb_interval_s": round(n / rate, 3) if rate else math.nan, "hb_ratio": round(hb / rate, 3) if rate else math.nan, "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
         "coordinator_cpu": round(coord, 3), "coordinator_py_cpu": round(cpu["thread"], 3),
         "cpu_per_hb_us": round(coord / hb * 1e6, 1) if hb else math.nan, "drivers_cpu": round(drivers, 3),
         "up": up, "ramp_s": round(ramp_s, 2),
@@ -379,49 +398,29 @@ async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str,
 
 
 async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victim: int) -> dict[str, Any]:
-    """The plan round (every rank asks once) and, when it froze, the timed sample; the plan columns."""
-    rpn = args.ranks_per_node
-    f0 = time.monotonic()
-    await _all(workers, {"cmd": "ask", "all": True, "spread": args.heartbeat_interval})
-    asked = await _until(workers, {"cmd": "plans", "summary": True}, _all_answered(n * rpn), args.timeout)
-    first_asks = sum(a["received"] for a in asked)
-    freeze_s = time.monotonic() - f0 if first_asks >= n * rpn else math.nan
-    answered = [r for a in asked for r in a["answered"]]
-    if len(answered) != 1 or answered[0]["status"] != "ready":
-        statuses = {s: sum(a["statuses"].get(s, 0) for a in asked) for s in ("wait", "ready", "none", "fresh")}
-        log.warning("%d sidecars: %d of %d first plan requests answered in %g s: %s; non-wait answers %s", n,
-                    first_asks, n * rpn, args.timeout, statuses, answered[:3])  # fmt: skip
-    replies: list[dict[str, Any]] = []
-    sample: list[tuple[int, int]] = []
-    wrong: list[dict[str, Any]] = []
-    if answered:  # the round froze: time a sample of ranks asking again
-        step = answered[0]["step"]
-        frozen_by = {r["rank"] for r in answered}  # asking again would open a new round
-        sample = [(n, r) for r in range(victim * rpn, (victim + 1) * rpn) if r not in frozen_by]  # the replacement
-        m = min(args.plan_sample, n - 1)
-        for k in range(m):
-            index = (victim + 1 + k * (n - 1) // m) % n  # every node but the victim, spread over the ring
-            if index * rpn + k % rpn not in frozen_by:
-                sample.append((index, index * rpn + k % rpn))
-        for w in workers:  # one plan call per rank, spread over plan_spread
-            mine = [(i, [r]) for i, r in sample if w.owns(i) or (i == n and w.owns(victim))]
-            await w.ask({"cmd": "ask", "asks": mine, "spread": args.plan_spread}, _ANSWER_S)
-        got = await _until(workers, {"cmd": "plans"}, _all_answered(len(sample)), args.plan_spread + args.timeout)
-        replies = [r for g in got for r in g["replies"]]
-        wrong = [r for r in replies if r["status"] != "ready" or r["step"] != step
-                 or data_addr(victim) in r["sources"] or r["local"] != (r["node"] != n)
-                 or (r["node"] == n and not r["sources"])]  # fmt: skip
-        if wrong:
-            log.warning("%d sidecars: %d plan answers are wrong, e.g. %s (the lost node is %s at %s)", n,
-                        len(wrong), wrong[0], node_name(victim, n), data_addr(victim))  # fmt: skip
-    ms = np.asarray([r["ms"] for r in replies], dtype=float)
-    if len(replies) < len(sample):  # unanswered within the limit: the percentiles they reach are unknown
-        log.warning("%d sidecars: %d of %d timed plan requests unanswered", n, len(sample) - len(replies), len(sample))
-        ms = np.append(ms, [math.inf] * (len(sample) - len(replies)))
+    """The plan round (every rank asks until answered) and its latencies; the plan columns."""
+    ranks = n * args.ranks_per_node
+    await _all(workers, {"cmd": "ask", "spread": args.heartbeat_interval})
+    await _until(workers, {"cmd": "plans"}, _all_answered(ranks), args.timeout)
+    got = await _all(workers, {"cmd": "plans", "replies": True})
+    replies = [r for g in got for r in g["replies"]]  # [node, rank, answered at, status, step, local, sources]
+    firsts = [g[k] for g in got for k in ("first_min", "first_max") if g[k] is not None]
+    last_first = max(g["first_max"] for g in got if g["first_max"] is not None) if firsts else math.nan
+    ms = np.asarray([(r[2] - last_first) * 1e3 for r in replies], dtype=float)
+    if len(replies) < ranks:  # unanswered within the limit: the percentiles they reach are unknown
+        log.warning("%d sidecars: %d of %d ranks got no plan in %g s", n, ranks - len(replies), ranks, args.timeout)
+        ms = np.append(ms, [math.inf] * (ranks - len(replies)))
+    steps = {r[4] for r in replies}
+    wrong = [r for r in replies if r[3] != "ready" or len(steps) != 1 or data_addr(victim) in r[6]
+             or r[5] != (r[0] != n) or (r[0] == n and not r[6])]  # fmt: skip
+    if wrong:
+        log.warning("%d sidecars: %d plan answers are wrong, e.g. %s (the lost node is %s at %s; steps %s)", n,
+                    len(wrong), wrong[0], node_name(victim, n), data_addr(victim), sorted(steps))  # fmt: skip
+    done = len(replies) == ranks and firsts
     return {
-        "freeze_s": round(freeze_s, 2), "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99),
-        "plan_max_ms": _pct(ms, 100), "plan_samples": len(sample), "plan_answered": len(replies),
-        "plan_wrong": len(wrong),
+        "freeze_s": round(max(r[2] for r in replies) - min(firsts), 2) if done else math.nan,
+        "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99), "plan_max_ms": _pct(ms, 100),
+        "plan_samples": ranks, "plan_answered": len(replies), "plan_wrong": len(wrong),
     }  # fmt: skip
 
 

@@ -8,17 +8,22 @@ is pickled. The first command is ``start`` with a :class:`FleetConfig`; the othe
 
 Each simulated sidecar behaves like the real one's control loop (``snapshotd/sidecar/daemon.py``): its own DEALER
 socket (one TCP connection to the coordinator), register, then heartbeat, wait for the reply (at most
-``reply_timeout``), wait ``interval``, heartbeat again; ``changed`` and the full ranks and inventory only when
-something changed since the last heartbeat the coordinator acknowledged. Node ``i`` hosts ranks ``8i .. 8i+7``
+``max(1, 4 * interval)``), wait ``interval``, heartbeat again; ``changed`` and the full ranks and inventory only
+when something changed since the last heartbeat the coordinator acknowledged. ``interval`` starts as the
+configured one and is replaced by the coordinator's: the registration reply's ``heartbeat_interval`` and every
+heartbeat reply's that is not 0 (the coordinator stretches it as the fleet grows). Node ``i`` hosts ranks ``8i .. 8i+7``
 of one job (``ranks_per_node`` of them) and holds the buddy copies of node ``i - 1``'s ranks, which is where
 the coordinator places them (ring order of the zero-padded names). Steps advance with a clock shared by every
 process (``t0``, ``step_seconds``): a node holds its own ranks' steps ``s`` and ``s - 1`` and its buddy ranks'
 ``s - 1`` and ``s - 2`` while training, both ``s`` and ``s - 1`` once frozen (the streams finish).
 
-Plan requests go out as the real sidecar sends them: each plan call (a node asking for some of its ranks) on a
-DEALER socket of its own, opened for the call and closed when every rank of it was answered, never on the
-heartbeat socket. At most :func:`plan_sockets` calls are open at once per process (file descriptors); the
-others wait their turn. Replies are matched by rank (every rank is asked by one node at a time).
+Plan requests go out on lasting plan sockets, never on the heartbeat socket: one DEALER per ``_PLAN_SHARE``
+sidecars of the process (the real sidecar has one of its own; sharing keeps the file descriptors of 10,000
+simulated sidecars under the limit, see :func:`plan_sockets`), opened at the first plan call and kept until
+``stop``. Replies are matched to requests by ``(job, rank)``. The coordinator holds a request that must wait
+until the round is decided or its hold time passes; a ``wait`` answer makes the rank ask again at once, as the
+real one does, so every rank asks until it gets its plan. For each rank the process records when it first asked
+and when its final (not ``wait``) answer came, on ``time.monotonic()``, the clock every process shares.
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
 core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
@@ -28,7 +33,6 @@ bytes :func:`snapshotd.proto.encode` would produce, at a fraction of its cost).
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
@@ -53,7 +57,7 @@ log = logging.getLogger(__name__)
 
 _CONNECT_BATCH = 100  # sockets connected per 0.1 s while ramping up: a gentle start, inside the listen backlog
 _FDS_PER_SOCKET = 2  # the TCP connection and the socket's mailbox (an eventfd)
-_MAX_PLAN_SOCKETS = 1024  # plan calls (sockets) open at once per process; more wait their turn (fd limits)
+_PLAN_SHARE = 4  # simulated sidecars of a process that share one plan socket
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -70,14 +74,13 @@ class FleetConfig:
     step_seconds: float = 0.5
     t0: float = 0.0
     """``time.monotonic()`` at step 1 (the clock is shared by every process of the machine)."""
-    reply_timeout: float = 2.0
     snapshot_bytes: int = 1 << 30
     """Bytes one rank's snapshot adds to the reported byte counters per step (the coordinator's rate path)."""
 
 
 def plan_sockets(sidecars: int) -> int:
-    """Plan calls a process driving ``sidecars`` keeps open at once (one per sidecar, within a cap)."""
-    return min(_MAX_PLAN_SOCKETS, sidecars + 16)
+    """Plan sockets a process driving ``sidecars`` opens at most (one per ``_PLAN_SHARE``, the replacement's)."""
+    return -(-sidecars // _PLAN_SHARE) + 1
 
 
 def fds_needed(sidecars: int) -> int:
@@ -131,6 +134,7 @@ class _Sim:
     sock: zmq.Socket[bytes]
     own: list[int]  # ranks it hosts
     backed: list[int]  # ranks whose buddy copies it holds
+    interval: float  # the heartbeat interval it uses now (the coordinator's, once told)
     holds: bool = True  # False: a fresh node, no snapshots at all
     registered: bool = False
     silent: bool = False
@@ -149,19 +153,18 @@ class Fleet:
         self.cfg = cfg
         self.loop = loop
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self.max_plans = plan_sockets(cfg.count)
-        self.ctx.set(zmq.MAX_SOCKETS, cfg.count + self.max_plans + 64)
+        self.ctx.set(zmq.MAX_SOCKETS, cfg.count + plan_sockets(cfg.count) + 64)
         self.secret = security.secret_from_env()
         self.world = cfg.total * cfg.ranks_per_node
         self.sims: dict[int, _Sim] = {}
         self.freeze_at = float("inf")
         self.counts = dict.fromkeys(("hb_sent", "hb_replies", "changed_sent", "timeouts", "stale", "reregistered",
-                                     "tasks", "errors", "up"), 0)  # fmt: skip
+                                     "tasks", "errors", "up", "plan_waits"), 0)  # fmt: skip
         self.rtts: list[float] = []
-        self.plan_socks: dict[zmq.Socket[bytes], int] = {}  # open plan sockets -> replies still due
-        self.queued: collections.deque[tuple[int, list[int]]] = collections.deque()  # plan calls waiting for one
-        self.asked: dict[int, tuple[int, float, zmq.Socket[bytes]]] = {}  # rank -> (node, sent at, socket)
-        self.plan_replies: list[dict[str, Any]] = []
+        self.plan_socks: dict[int, zmq.Socket[bytes]] = {}  # sidecar index // _PLAN_SHARE -> its plan socket
+        self.asked: dict[tuple[str, int], tuple[int, float]] = {}  # (job, rank) unanswered -> (node, first asked)
+        self.first: list[float] = []  # when each rank of the round first asked
+        self.plan_replies: list[list[Any]] = []  # [node, rank, answered at, status, step, local, sources]
         self._ramp: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------------------------------- lifecycle
@@ -176,7 +179,7 @@ class Fleet:
             prev = (i - 1) % cfg.total
             own = list(range(i * cfg.ranks_per_node, (i + 1) * cfg.ranks_per_node))
             backed = list(range(prev * cfg.ranks_per_node, (prev + 1) * cfg.ranks_per_node))
-            self._add(_Sim(i, self._socket(), own, backed))
+            self._add(_Sim(i, self._socket(), own, backed, cfg.interval))
             if k % _CONNECT_BATCH == _CONNECT_BATCH - 1:
                 await asyncio.sleep(0.1)
 
@@ -195,8 +198,9 @@ class Fleet:
     def close(self) -> None:
         if self._ramp is not None:
             self._ramp.cancel()
-        for sock in list(self.plan_socks):
-            self._close_plan(sock)
+        for sock in self.plan_socks.values():
+            self.loop.remove_reader(sock.fileno())
+            sock.close(linger=0)
         for sim in self.sims.values():
             if sim.timer is not None:
                 sim.timer.cancel()
@@ -220,7 +224,7 @@ class Fleet:
         sim.registered, sim.hb_sent = False, None
         name = node_name(sim.index, self.cfg.total)
         self._send(sim.sock, sim, encode(RegisterSidecar(node=name, data_addr=data_addr(sim.index), incarnation="1")))
-        self._arm(sim, self.cfg.reply_timeout, self._register)
+        self._arm(sim, _reply_timeout(sim), self._register)
 
     def _beat(self, sim: _Sim) -> None:
         if sim.silent:
@@ -246,14 +250,14 @@ class Fleet:
                                   nbytes * len(sim.own), nbytes * len(sim.backed), 2 * cfg.snapshot_bytes * len(sim.backed))  # fmt: skip
         sim.state, sim.hb_sent = (step, frozen), now
         self.counts["hb_sent"] += 1
-        self._arm(sim, cfg.reply_timeout, self._timed_out)
+        self._arm(sim, _reply_timeout(sim), self._timed_out)
         self._send(sim.sock, sim, [header])
 
     def _timed_out(self, sim: _Sim) -> None:
-        """No reply within ``reply_timeout``: as the real sidecar, wait an interval and heartbeat again."""
+        """No reply within the reply timeout: as the real sidecar, wait an interval and heartbeat again."""
         self.counts["timeouts"] += 1
         sim.hb_sent = None
-        self._arm(sim, self.cfg.interval, self._beat)
+        self._arm(sim, sim.interval, self._beat)
 
     def _drain(self, sock: zmq.Socket[bytes], sim: _Sim | None) -> None:
         while True:
@@ -269,12 +273,14 @@ class Fleet:
             if kind == "heartbeat_reply" and sim is not None:
                 ntasks = len(msg.get("tasks", ()))
                 sim.last_reply = head if msg.get("known") and not ntasks else b""
+                sim.interval = float(msg.get("heartbeat_interval") or sim.interval)  # 0 or absent: keep it
                 self._hb_reply(sim, bool(msg.get("known")), ntasks)
             elif kind == "sidecar_registered" and sim is not None:
                 if not sim.registered:
                     sim.registered, sim.acked = True, None
+                    sim.interval = float(msg["heartbeat_interval"])
                     first = sim.state[0] < 0  # spread the first heartbeats over an interval
-                    self._arm(sim, self.cfg.interval * ((sim.index * 0.618) % 1.0) if first else 0.0, self._beat)
+                    self._arm(sim, sim.interval * ((sim.index * 0.618) % 1.0) if first else 0.0, self._beat)
             elif kind == "plan_reply":
                 self._plan_reply(head)
             else:
@@ -299,63 +305,51 @@ class Fleet:
             self._register(sim)
             return
         sim.acked = sim.state
-        self._arm(sim, self.cfg.interval, self._beat)
+        self._arm(sim, sim.interval, self._beat)
 
     # ------------------------------------------------------------------------------------ plans
 
     def ask(self, asks: list[tuple[int, list[int]]], spread: float) -> int:
-        """Send plan requests: sidecar ``index`` asks for all its ``ranks`` at ``spread * k / len(asks)`` s.
+        """Start a plan round: sidecar ``index`` asks for all its ``ranks`` at ``spread * k / len(asks)`` s.
 
-        Requests and replies of an earlier :meth:`ask` still outstanding are forgotten (late replies count as
-        stale). Returns the number of requests.
+        Requests of an earlier round still unanswered are forgotten (their late replies count as stale).
+        Returns the number of ranks asking.
         """
-        for sock in list(self.plan_socks):
-            self._close_plan(sock)
         self.asked.clear()
-        self.queued.clear()
-        self.plan_replies = []
+        self.first, self.plan_replies = [], []
         for k, (index, ranks) in enumerate(asks):
-            self.loop.call_later(spread * k / len(asks), self._queue, index, ranks)
+            self.loop.call_later(spread * k / len(asks), self._ask_first, index, ranks)
         return sum(len(r) for _, r in asks)
 
-    def _queue(self, index: int, ranks: list[int]) -> None:
-        self.queued.append((index, ranks))
-        while self.queued and len(self.plan_socks) < self.max_plans:
-            index, ranks = self.queued.popleft()
-            sock = self._socket()  # a socket per plan call, as the real sidecar's CoordinatorClient.plan()
-            self.loop.add_reader(sock.fileno(), self._drain, sock, None)
-            self.plan_socks[sock] = len(ranks)
-            name = node_name(index, self.cfg.total)
-            for rank in ranks:
-                self.asked[rank] = (index, time.monotonic(), sock)
-                msg = PlanRequest(job=self.cfg.job, rank=rank, world_size=self.world, node=name)
-                self._send(sock, None, encode(msg))
+    def _ask_first(self, index: int, ranks: list[int]) -> None:
+        now = time.monotonic()
+        for rank in ranks:
+            self.asked[(self.cfg.job, rank)] = (index, now)
+            self.first.append(now)
+            self._ask(index, rank)
 
-    def _close_plan(self, sock: zmq.Socket[bytes]) -> None:
-        if self.plan_socks.pop(sock, None) is not None:
-            self.loop.remove_reader(sock.fileno())
-            sock.close(linger=0)
+    def _ask(self, index: int, rank: int) -> None:
+        sock = self.plan_socks.get(index // _PLAN_SHARE)
+        if sock is None:
+            sock = self.plan_socks[index // _PLAN_SHARE] = self._socket()
+            self.loop.add_reader(sock.fileno(), self._drain, sock, None)
+        msg = PlanRequest(job=self.cfg.job, rank=rank, world_size=self.world, node=node_name(index, self.cfg.total))
+        self._send(sock, None, encode(msg))
 
     def _plan_reply(self, head: bytes) -> None:
         reply = decode([head])
         assert isinstance(reply, PlanReply)
-        asked = self.asked.pop(reply.rank, None)
+        asked = self.asked.get((reply.job, reply.rank))
         if asked is None:
             self.counts["stale"] += 1
             return
-        node, sent, sock = asked
-        self.plan_replies.append({
-            "node": node, "rank": reply.rank, "ms": round((time.monotonic() - sent) * 1e3, 3),
-            "status": reply.status, "step": reply.step, "local": reply.local, "sources": list(reply.sources),
-        })  # fmt: skip
-        self.plan_socks[sock] -= 1
-        if not self.plan_socks[sock]:  # all answered: close it once its reader returned, then ask the next
-            self.loop.call_soon(self._close_plan, sock)
-            self.loop.call_soon(self._queue_next)
-
-    def _queue_next(self) -> None:
-        if self.queued:
-            self._queue(*self.queued.popleft())
+        if reply.status == "wait":  # held for the hold time and not decided yet: ask again at once
+            self.counts["plan_waits"] += 1
+            self.loop.call_soon(self._ask, asked[0], reply.rank)  # not inside the socket's drain
+            return
+        del self.asked[(reply.job, reply.rank)]
+        self.plan_replies.append([asked[0], reply.rank, time.monotonic(), reply.status, reply.step, reply.local,
+                                  list(reply.sources)])  # fmt: skip
 
     # ------------------------------------------------------------------------------------ commands
 
@@ -364,7 +358,9 @@ class Fleet:
         name = cmd["cmd"]
         if name == "mark":
             rtts, self.rtts = self.rtts, []
-            return {"event": "mark", "t": time.monotonic(), "cpu_s": time.process_time(), **self.counts, "rtts": rtts}
+            rate = sum(1.0 / s.interval for s in self.sims.values() if not s.silent)  # heartbeats/s expected
+            return {"event": "mark", "t": time.monotonic(), "cpu_s": time.process_time(), **self.counts, "rtts": rtts,
+                    "rate": rate}  # fmt: skip
         if name == "freeze":
             self.freeze_at = cmd["at"]
             return {"event": "frozen"}
@@ -373,22 +369,24 @@ class Fleet:
             victim.silent = True
             if victim.timer is not None:
                 victim.timer.cancel()
-            self._add(_Sim(self.cfg.total, self._socket(), list(victim.own), [], holds=False))
+            self._add(_Sim(self.cfg.total, self._socket(), list(victim.own), [], self.cfg.interval, holds=False))
             return {"event": "lost"}
-        if name == "ask":
-            asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent] if cmd.get("all") else [
-                (index, ranks) for index, ranks in cmd["asks"]]  # fmt: skip
+        if name == "ask":  # every live sidecar (the replacement too) asks for all its ranks
+            asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent]
             return {"event": "asking", "requests": self.ask(asks, cmd["spread"])}
         if name == "plans":
-            replies = self.plan_replies
-            out: dict[str, Any] = {"event": "plans", "received": len(replies), "left": len(self.asked)}
-            if cmd.get("summary"):
-                out["statuses"] = collections.Counter(r["status"] for r in replies)
-                out["answered"] = [r for r in replies if r["status"] != "wait"]
-            else:
-                out["replies"] = replies
+            out: dict[str, Any] = {"event": "plans", "received": len(self.plan_replies), "left": len(self.asked),
+                                   "first_min": min(self.first, default=None),
+                                   "first_max": max(self.first, default=None)}  # fmt: skip
+            if cmd.get("replies"):
+                out["replies"] = self.plan_replies
             return out
         raise ValueError(f"unknown command {name!r}")
+
+
+def _reply_timeout(sim: _Sim) -> float:
+    """How long a sidecar waits for the coordinator's answer, as the real one: ``max(1, 4 * interval)``."""
+    return max(1.0, 4 * sim.interval)
 
 
 def _emit(event: dict[str, Any]) -> None:

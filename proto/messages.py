@@ -378,13 +378,19 @@ class Heartbeat(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HeartbeatReply(Message):
-    """Placement, watermarks and re-replication work for the sidecar. ``known`` false: register again."""
+    """Placement, watermarks and re-replication work for the sidecar. ``known`` false: register again.
+
+    ``heartbeat_interval``, when not 0, is the interval the sidecar heartbeats at from now on (the coordinator
+    stretches it as the fleet grows); 0 keeps the one it has. Added after the first release: left out of the
+    header while 0.
+    """
 
     TYPE: ClassVar[str] = "heartbeat_reply"
     known: bool = spec_field(Bool(), default=True)
     assignments: tuple[Assignment, ...] = spec_field(ListOf(Record(Assignment), L.MAX_LIST_ITEMS), factory=tuple)
     watermarks: tuple[Watermark, ...] = spec_field(ListOf(Record(Watermark), L.MAX_LIST_ITEMS), factory=tuple)
     tasks: tuple[ReplicateTask, ...] = spec_field(ListOf(Record(ReplicateTask), 4096), factory=tuple)
+    heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0, added=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -459,19 +465,29 @@ class _Layout:
     frames: tuple[tuple[str, Frame], ...]  # payload frames in order
     allowed: frozenset[str]  # keys a header may carry
     required: frozenset[str]  # header fields without a default
+    added: dict[str, Any]  # fields added later -> the default that leaves them out of the header
 
 
 def _layout(cls: type[Message]) -> _Layout:
     header: list[tuple[str, Spec]] = []
     frames: list[tuple[str, Frame]] = []
     required: set[str] = set()
+    added: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         spec = f.metadata["spec"]
         (frames if isinstance(spec, Frame) else header).append((f.name, spec))
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             required.add(f.name)
+        if f.metadata.get("added"):
+            added[f.name] = f.default
     names = {name for name, _ in header}
-    return _Layout(tuple(header), tuple(frames), frozenset(names | {"v", "type"}), frozenset(required & names))
+    return _Layout(tuple(header), tuple(frames), frozenset(names | {"v", "type"}), frozenset(required & names), added)
+
+
+def omitted(cls: type[Message], name: str, value: Any) -> bool:
+    """Whether :func:`encode` leaves field ``name`` holding ``value`` out of a ``cls`` header (see ``spec_field``)."""
+    added = _LAYOUTS[cls.TYPE].added
+    return name in added and type(value) is type(added[name]) and value == added[name]
 
 
 _LAYOUTS = {name: _layout(cls) for name, cls in MESSAGE_TYPES.items()}
@@ -487,7 +503,10 @@ def encode(msg: Message) -> list[Buffer]:
     layout = _LAYOUTS[msg.TYPE]
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     for name, spec in layout.header:
-        dumped = spec.dump(getattr(msg, name))
+        value = getattr(msg, name)
+        if name in layout.added and omitted(type(msg), name, value):
+            continue
+        dumped = spec.dump(value)
         spec.check(dumped, f"{msg.TYPE}.{name}")
         header[name] = dumped
     out: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
@@ -613,4 +632,5 @@ __all__ = [
     "Watermark",
     "decode",
     "encode",
+    "omitted",
 ]

@@ -19,7 +19,7 @@ import itertools
 import math
 import operator
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .errors import LimitExceeded, MalformedMessage, ProtocolError
@@ -35,11 +35,7 @@ _BYTES = frozenset({bytes})
 _LIST = frozenset({list})
 
 
-def _types(col: Sequence[Any]) -> set[type]:
-    return set(map(type, col))
-
-
-_drain = collections.deque(maxlen=0).extend  # runs an iterator to its end, keeping nothing
+_drain: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator out, keeps nothing
 
 
 class Spec:
@@ -103,10 +99,10 @@ class Float(Spec):
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
             return col
-        types = _types(col)
-        if not types <= _FLOATISH:
+        kinds = set(map(type, col))
+        if not kinds <= _FLOATISH:
             return None
-        if types != _FLOAT:
+        if kinds != _FLOAT:
             col = list(map(float, col))
         if any(map(math.isnan, col)) or min(col) < self.lo or max(col) > self.hi:
             return None
@@ -155,7 +151,7 @@ class Bytes(Spec):
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
             return col
-        return col if _types(col) == _BYTES and max(map(len, col)) <= self.max_len else None
+        return col if set(map(type, col)) == _BYTES and max(map(len, col)) <= self.max_len else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,7 +166,7 @@ class Enum(Spec):
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
             return col
-        return col if _types(col) == _STR and all(map(self.values.__contains__, col)) else None
+        return col if set(map(type, col)) == _STR and all(map(self.values.__contains__, col)) else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -207,7 +203,7 @@ class ListOf(Spec):
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
             return col
-        if _types(col) != _LIST or max(map(len, col)) > self.max_items:
+        if set(map(type, col)) != _LIST or max(map(len, col)) > self.max_items:
             return None
         items = self.item.check_column(list(itertools.chain.from_iterable(col)))
         if items is None:
@@ -261,7 +257,7 @@ class Record(Spec):
         if set(map(type, col)) != _LIST:
             return None
         try:
-            columns = list(zip(*col, strict=True))
+            columns: list[Sequence[Any]] = list(zip(*col, strict=True))
         except ValueError:  # rows of different lengths
             return None
         if len(columns) != self._nfields:
@@ -274,8 +270,8 @@ class Record(Spec):
         setters = self._setters
         if setters is None:
             return list(map(self.cls, *columns))
-        objs = list(map(object.__new__, itertools.repeat(self.cls, len(col))))
-        for setter, column in zip(setters, columns):
+        objs: list[Any] = list(map(object.__new__, itertools.repeat(self.cls, len(col))))
+        for setter, column in zip(setters, columns, strict=True):
             _drain(map(setter, objs, column))
         return objs
 
@@ -289,8 +285,18 @@ class Record(Spec):
         return [self.dump(v) for v in values]
 
 
-def spec_field(spec: Spec, default: Any = dataclasses.MISSING, factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field that carries its wire spec in its metadata."""
+def spec_field(
+    spec: Spec, default: Any = dataclasses.MISSING, factory: Callable[[], Any] | None = None, *, added: bool = False
+) -> Any:
+    """A dataclass field that carries its wire spec in its metadata.
+
+    ``added`` marks a field added to a message after peers that do not know it were built: it needs a default,
+    and is left out of the header whenever it holds that default, so such peers (which refuse unknown header
+    fields) still read every message that does not use it.
+    """
+    if added and default is dataclasses.MISSING:
+        raise TypeError("a field added later needs a default (its value when the header leaves it out)")
+    metadata = {"spec": spec, "added": added}
     if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata={"spec": spec})
-    return dataclasses.field(default=default, metadata={"spec": spec})
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)

@@ -185,7 +185,7 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
 
     with tempfile.TemporaryDirectory(prefix="snapshotd-demo-") as workdir:
         try:
-            s = run_scenario(workdir, steps=steps, kill_at=kill_at, params=params, step_delay=0.05)
+            s = run_scenario(workdir, steps=steps, kill_at=kill_at, params=params, step_delay=0.1)
         except RuntimeError as exc:
             print(f"demo failed: {exc}", file=sys.stderr)
             for name in sorted(os.listdir(workdir)):

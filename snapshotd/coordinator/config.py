@@ -29,7 +29,21 @@ class CoordinatorConfig:
 
     heartbeat_timeout: float = 3.0
     """A node silent for this many seconds is dead. Also the length of the rebuild window after a start, during
-    which plan requests wait for the sidecars to report their inventories again."""
+    which plan requests wait for the sidecars to report their inventories again. Both stretch with the
+    heartbeat interval when the fleet outgrows ``target_heartbeats_per_s``."""
+
+    target_heartbeats_per_s: float = 4000.0
+    """The heartbeat rate the coordinator keeps its fleet under. While more than ``target_heartbeats_per_s *
+    heartbeat_interval`` nodes are live (2,000 by default), the interval given to every sidecar is
+    ``live nodes / target_heartbeats_per_s`` (rounded up to a quarter of ``heartbeat_interval``: 2.5 s for
+    10,000 nodes), and the death timeout and rebuild window grow by the same factor. 4,000/s leaves one core
+    room for plan rounds and bursts: a heartbeat that carries a changed inventory costs on the order of
+    100 us of coordinator CPU (``snapshotd-bench scale`` reports ``cpu_per_hb_us``)."""
+
+    plan_hold: float = 1.5
+    """Longest time a plan request that must wait is held unanswered (long-polling); it is answered the moment
+    its job's round is decided, else with ``wait`` after this long and the sidecar asks again. 0 answers at once.
+    Keep it well under the sidecar's per-request timeout (5 s)."""
 
     secret: str | None = dataclasses.field(default=None, repr=False)
     """The job's ``SNAPSHOTD_SECRET``; when set, the socket is a CURVE server that admits only job members."""
@@ -49,6 +63,10 @@ class CoordinatorConfig:
                 f"heartbeat_timeout: {self.heartbeat_timeout!r} s must be longer than heartbeat_interval "
                 f"({self.heartbeat_interval} s)"
             )
+        if not _finite(self.target_heartbeats_per_s) or self.target_heartbeats_per_s <= 0:
+            raise ValueError(f"target_heartbeats_per_s: {self.target_heartbeats_per_s!r} is not a positive number")
+        if not _finite(self.plan_hold) or not 0.0 <= self.plan_hold <= 60.0:
+            raise ValueError(f"plan_hold: {self.plan_hold!r} s is not in [0, 60]")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ValueError("secret: must be a non-empty string, or None for no secret")
 

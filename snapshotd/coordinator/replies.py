@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from snapshotd.proto import PROTOCOL_VERSION, Assignment, HeartbeatReply, LimitExceeded, Watermark
+from snapshotd.proto import PROTOCOL_VERSION, Assignment, HeartbeatReply, LimitExceeded, Watermark, omitted
 from snapshotd.proto.limits import MAX_HEADER_BYTES
 from snapshotd.proto.schema import ListOf, Record, Spec
 
@@ -36,12 +36,10 @@ class HeartbeatReplies:
 
     def __init__(self) -> None:
         self._fields = [(f.name, f.metadata["spec"]) for f in dataclasses.fields(HeartbeatReply)]
+        self._added = {f.name for f in dataclasses.fields(HeartbeatReply) if f.metadata.get("added")}
         packer = msgpack.Packer(use_bin_type=True)
-        self._head = (
-            packer.pack_map_header(2 + len(self._fields))
-            + packer.pack("v") + packer.pack(PROTOCOL_VERSION)
-            + packer.pack("type") + packer.pack(HeartbeatReply.TYPE)
-        )  # fmt: skip
+        common = packer.pack("v") + packer.pack(PROTOCOL_VERSION) + packer.pack("type") + packer.pack(HeartbeatReply.TYPE)
+        self._heads = [packer.pack_map_header(2 + n) + common for n in range(len(self._fields) + 1)]  # by field count
         self._keys = {name: packer.pack(name) for name, _ in self._fields}
         self._array_header = packer.pack_array_header
         self._assign_spec = _spec("assignments")
@@ -60,8 +58,12 @@ class HeartbeatReplies:
         """
         if not reply.known or reply.tasks:
             return None
-        pieces = [self._head]
+        pieces = [b""]  # the map header, once the fields are counted
+        count = 0
         for name, spec in self._fields:
+            if name in self._added and omitted(HeartbeatReply, name, getattr(reply, name)):
+                continue
+            count += 1
             pieces.append(self._keys[name])
             if name == "assignments":
                 pieces.append(self._packed_assignments(node, reply.assignments))
@@ -73,14 +75,11 @@ class HeartbeatReplies:
                 pieces.extend(self._packed_watermark(w) for w in marks)
             else:
                 pieces.append(self._packed_scalar(name, spec, getattr(reply, name)))
+        pieces[0] = self._heads[count]
         frame = b"".join(pieces)
         if len(frame) > MAX_HEADER_BYTES:
             raise LimitExceeded(f"heartbeat_reply header is {len(frame)} bytes, at most {MAX_HEADER_BYTES}")
         return frame
-
-    def forget(self, node: str) -> None:
-        """Drop the pieces kept for ``node`` (it left for good)."""
-        self._assignments.pop(node, None)
 
     def _packed_assignments(self, node: str, value: tuple[Assignment, ...]) -> bytes:
         hit = self._assignments.get(node)

@@ -2,21 +2,31 @@
 
 This module does socket I/O, the expiry timer and shutdown; every decision lives in the state. Requests are
 handled in batches: each wake-up of the loop drains the socket without blocking (up to ``_BATCH`` messages),
-answers each one at once, then yields, so the expiry timer and the ZAP handler run between batches and a plan
-request waits behind at most one batch of heartbeats. Peers are DEALER sockets; a REQ peer (an empty delimiter
-frame before the message) is answered with the same envelope.
+answers each one at once, then yields, so the ZAP handler runs between batches and a plan request waits behind at
+most one small batch of heartbeats. Peers are DEALER sockets; a REQ peer (an empty delimiter frame before the
+message) is answered with the same envelope.
+
+Plan requests that must wait are held, not answered (long-polling, see :mod:`.held`): a request is answered the
+moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. Held requests woken by a
+decision are answered ``_BATCH`` at a time between batches of new requests, so that 80,000 ranks getting their
+plans at once do not stop heartbeats for the time that takes.
+
+Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
+socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
+waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
+exactly when the coordinator is busiest, and their re-registrations would make it busier still.
 
 Nothing a peer sends can crash or wedge the loop: undecodable frames get ``Error(code="bad_message")``, a
 well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
 not serve ``Error(code="unexpected")``, an ``Error`` sent to us is counted and dropped, and a bug while handling
-one request answers ``Error(code="internal")`` and the loop goes on. Each problem is logged at most once per
-peer per minute.
+one request answers ``Error(code="internal")`` and the loop goes on; an error answering a plan request names the
+request's rank, so that a sidecar asking for several ranks at once knows which one was refused. Each problem is
+logged at most once per peer per minute.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import threading
@@ -34,6 +44,7 @@ from snapshotd.proto import (
     Heartbeat,
     HeartbeatReply,
     Message,
+    PlanReply,
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
@@ -45,6 +56,7 @@ from snapshotd.proto import (
 from snapshotd.proto.limits import MAX_TEXT_LEN
 
 from .config import CoordinatorConfig
+from .held import Held, HeldPlans
 from .replies import HeartbeatReplies
 from .state import CoordinatorState
 
@@ -52,8 +64,12 @@ __all__ = ["run_coordinator"]
 
 log = logging.getLogger(__name__)
 
-_BATCH = 4096
-"""Requests handled per wake-up before the loop gets a turn."""
+_BATCH = 256
+"""Requests handled per wake-up before the loop gets a turn (a plan request waits behind at most this many)."""
+_BACKLOG = 4096
+"""Connections the listening socket queues before accepting them (the kernel caps it at ``somaxconn``): a fleet
+connects at once after a coordinator restart, and beyond ZeroMQ's default of 100 the kernel drops SYNs, which
+clients retry only after 1, 3, 7 ... seconds."""
 _IDLE_POLL_MS = 100
 """How long an idle socket wait lasts before ``stop`` is checked again."""
 _COMPLAIN_EVERY_S = 60.0
@@ -68,8 +84,9 @@ async def run_coordinator(
     """Serve the control plane until ``stop`` is set, or SIGTERM / SIGINT arrives.
 
     Signal handlers are installed only when running in the main thread (and removed on exit). On stop, the
-    requests already received are answered, then every socket is closed (linger 0), the ZAP handler stopped and
-    the ZeroMQ context terminated.
+    requests already received are answered (held plan requests with their answer now, usually ``wait``, so that
+    their sidecars ask again at once), then every socket is closed (linger 0), the ZAP handler stopped and the
+    ZeroMQ context terminated.
 
     Args:
         cfg: the configuration; with ``cfg.secret`` the socket is a CURVE server that admits only job members.
@@ -89,6 +106,7 @@ async def run_coordinator(
     handled: list[signal.Signals] = []
     try:
         sock.linger = 0
+        sock.setsockopt(zmq.BACKLOG, _BACKLOG)
         auth = security.start_authenticator(ctx, cfg.secret)
         security.secure_server(sock, cfg.secret)
         try:
@@ -100,14 +118,12 @@ async def run_coordinator(
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
                 handled.append(sig)
-        server = _Server(sock, CoordinatorState(cfg, time.monotonic()))
+        server = _Server(sock, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
         log.info("coordinator on %s: replicas %d, heartbeat timeout %g s, %s", endpoint, cfg.replicas,
                  cfg.heartbeat_timeout, "CURVE" if cfg.secret else "no secret")  # fmt: skip
         if ready is not None:
             ready(endpoint)
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(server.serve(stop))
-            tg.create_task(server.expire_forever(stop, min(0.1, cfg.heartbeat_timeout / 4)))
+        await server.serve(stop, min(0.1, cfg.heartbeat_timeout / 4))
         log.info("coordinator on %s stopped", endpoint)
     finally:
         for sig in handled:
@@ -119,41 +135,83 @@ async def run_coordinator(
 
 
 class _Server:
-    def __init__(self, sock: zmq.asyncio.Socket, state: CoordinatorState) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, state: CoordinatorState, held: HeldPlans) -> None:
         self.sock = sock
         self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, for non-blocking batch I/O
         self.state = state
+        self.held = held
         self._complaints: dict[Any, float] = {}
         self.replies = HeartbeatReplies()
+        self._rebuilding = True
 
-    async def serve(self, stop: asyncio.Event) -> None:
-        """Answer requests in batches until ``stop``; then answer what already arrived and return."""
+    async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
+        """Answer requests in batches until ``stop``; then answer what already arrived and return.
+
+        Expiry runs every ``expire_every`` seconds, but only after a batch that emptied the socket (see the
+        module docstring).
+        """
+        next_expiry = time.monotonic() + expire_every
         while not stop.is_set():
-            if await self.sock.poll(timeout=_IDLE_POLL_MS):
-                self.handle_batch()
-                await asyncio.sleep(0)
+            caught_up = True
+            if await self.sock.poll(timeout=0 if self.held.due else _IDLE_POLL_MS):
+                caught_up = self.handle_batch()
+            now = time.monotonic()
+            self.answer_held(now)
+            if caught_up and now >= next_expiry:
+                self.expire(now)
+                next_expiry = now + expire_every
+            await asyncio.sleep(0)
         self.handle_batch()
+        now = time.monotonic()
+        for held in self.held.take_all():  # let their sidecars ask again (the next coordinator) at once
+            self.reanswer(held, now, final=True)
 
-    async def expire_forever(self, stop: asyncio.Event, period: float) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(period):
-                    await stop.wait()
-            try:
-                self.state.expire(time.monotonic())
-            except Exception:  # a bug must not stop failure detection for every other node
-                self.complain("expiry", "expiry failed", exc_info=True)
+    def expire(self, now: float) -> None:
+        try:
+            self.state.expire(now)
+        except Exception:  # a bug must not stop failure detection for every other node
+            self.complain("expiry", "expiry failed", exc_info=True)
 
-    def handle_batch(self) -> None:
+    def handle_batch(self) -> bool:
+        """Handle up to ``_BATCH`` waiting requests; True when the socket was emptied (the loop caught up)."""
         for _ in range(_BATCH):
             try:
                 frames = self.raw.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             except zmq.ZMQError as exc:
                 self.complain("recv", "receive failed: %s", exc)
-                return
+                return True
             self.handle(frames, time.monotonic())
+        return False
+
+    def answer_held(self, now: float) -> None:
+        """Ask the state again for held requests that something woke, and answer those held too long."""
+        if self._rebuilding and not self.state.rebuilding(now):
+            self._rebuilding = False
+            self.held.wake_all()  # requests held in the rebuild window were not recorded yet
+        while self.state.plan_changes:
+            self.held.wake(self.state.plan_changes.pop())
+        for held in self.held.take_due(_BATCH):
+            self.reanswer(held, now, final=False)
+        for held in self.held.take_expired(now, _BATCH):
+            self.reanswer(held, now, final=True)
+
+    def reanswer(self, held: Held, now: float, *, final: bool) -> None:
+        """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
+        try:
+            reply: Message = self.state.plan(held.msg, now, held=True)
+        except Exception as exc:  # it was answerable when it came: a bug
+            self.complain("held", "failed to answer a held plan request", exc_info=True)
+            reply = Error(job=held.msg.job, code="internal", rank=held.msg.rank,
+                          message=_clip(f"{type(exc).__name__}: {exc}"))  # fmt: skip
+        if isinstance(reply, PlanReply):
+            if reply.status == "wait" and not final:
+                self.held.keep(held)
+                return
+            if reply.status != "wait":
+                self.held.wake(held.msg.job)
+        self.send(held.envelope, reply)
 
     def handle(self, frames: list[bytes], now: float) -> None:
         peer = frames[0]
@@ -166,23 +224,29 @@ class _Server:
             self.complain(peer, "bad message from peer %s: %s", peer.hex(), exc)
             self.send(envelope, Error(code="bad_message", message=_clip(str(exc))))
             return
+        rank = msg.rank if isinstance(msg, PlanRequest) else -1
         try:
-            reply = self.dispatch(msg, now)
+            reply = self.dispatch(msg, envelope, now)
         except ValueError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "refused %s from peer %s: %s", msg.TYPE, peer.hex(), exc)
-            reply = Error(job=msg.job, code="bad_message", message=_clip(str(exc)))
+            reply = Error(job=msg.job, code="bad_message", rank=rank, message=_clip(str(exc)))
         except Exception as exc:
             self.complain(peer, "failed to handle %s from peer %s", msg.TYPE, peer.hex(), exc_info=True)
-            reply = Error(job=msg.job, code="internal", message=_clip(f"{type(exc).__name__}: {exc}"))
+            reply = Error(job=msg.job, code="internal", rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
         if reply is not None:
             self.send(envelope, reply, msg.node if isinstance(msg, Heartbeat) else None)
 
-    def dispatch(self, msg: Message, now: float) -> Message | None:
+    def dispatch(self, msg: Message, envelope: list[bytes], now: float) -> Message | None:
+        """The answer to ``msg``; None for none now (an error sent to us, a plan request held)."""
         if isinstance(msg, Heartbeat):
             return self.state.heartbeat(msg, now)
         if isinstance(msg, PlanRequest):
-            return self.state.plan(msg, now)
+            reply = self.state.plan(msg, now)
+            if reply.status == "wait":
+                return None if self.held.hold(envelope, msg, now) else reply
+            self.held.wake(msg.job)  # the round is decided: answer every rank held for it
+            return reply
         if isinstance(msg, RegisterSidecar):
             return self.state.register(msg, now)
         if isinstance(msg, StatusRequest):

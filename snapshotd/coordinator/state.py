@@ -4,12 +4,15 @@ Pure logic: no sockets, no asyncio, no clock. Every entry point takes ``now`` (s
 drive time by hand. Everything here is rebuilt from the sidecars' reports after a restart: a heartbeat from a
 node this process does not know gets ``known=False`` and the sidecar registers and reports everything again.
 
-Cost model (10,000 sidecars, ~20k heartbeats/s): a heartbeat costs O(ranks and inventory of that node). The
-inventory of all live nodes is kept in one index, ``job -> rank -> step -> {node: local}``; each job keeps, per
-step, how many of its ranks hold that step (for G) and how many hold it durably (for D), updated in O(1) per
-(rank, step) a report adds or removes; G and D are then a max over a job's few distinct steps, cached until the
-next change. Placement is cached per node until membership changes. The re-replication sweep, the only
-O(ranks of all jobs) pass, runs at most once per second from :meth:`CoordinatorState.expire`.
+Cost model: a heartbeat costs O(ranks and inventory of that node). The inventory of all live nodes is kept in
+one index (:class:`~.jobs.Job`), ``job -> rank -> step -> {node: local}``; each job keeps, per step, how many of
+its ranks hold that step (for G) and how many hold it durably (for D), updated in O(1) per (rank, step) a report
+adds or removes; G and D are then a max over a job's few distinct steps, cached until the next change. A report
+of the same ranks as last time moves nothing. Placement is cached per node until membership changes. The
+re-replication sweep, the only O(ranks of all jobs) pass, runs at most once per second from
+:meth:`CoordinatorState.expire`. The rate of heartbeats is bounded instead of the fleet: beyond
+``target_heartbeats_per_s`` the interval handed out grows with the fleet (:meth:`heartbeat_interval`), so that
+10,000 sidecars send 4,000 heartbeats a second, not 20,000.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import bisect
 import collections
 import dataclasses
 import logging
+import math
+import operator
+from collections.abc import Iterable
 
 from snapshotd.proto import (
     Assignment,
@@ -33,6 +39,7 @@ from snapshotd.proto import (
 )
 
 from .config import CoordinatorConfig
+from .jobs import MAX_LISTED, Item, Job, Round
 
 __all__ = ["CoordinatorState"]
 
@@ -43,9 +50,10 @@ TASK_MEMORY_S = 10.0
 SWEEP_PERIOD_S = 1.0
 """Seconds between two re-replication sweeps."""
 _RATE_WINDOW_S = 1.0
-_MAX_LISTED = 8  # ranks named in one wait or none reason
 
-_Item = tuple[str, int, int, bool]  # (job, rank, step, local)
+_ITEM = operator.attrgetter("job", "rank", "step", "local")
+_SNAPSHOT = operator.attrgetter("job", "rank", "step")
+_JOB = operator.itemgetter(0)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -56,8 +64,9 @@ class _Node:
     incarnation: str
     last_seen: float
     alive: bool = True
+    told: float = 0.0  # the heartbeat interval it was last given
     ranks: dict[tuple[str, int], RankInfo] = dataclasses.field(default_factory=dict)
-    inventory: frozenset[_Item] = frozenset()
+    inventory: frozenset[Item] = frozenset()
     jobs: tuple[str, ...] = ()  # jobs it hosts ranks of or holds inventory for, sorted
     homed: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # ranks whose home it is
     tasks: list[ReplicateTask] = dataclasses.field(default_factory=list)
@@ -74,116 +83,6 @@ class _Node:
         return ("rack", self.rack) if self.rack else ("node", self.name)
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class _Round:
-    """One plan round of a job.
-
-    Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
-    ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
-    after its answer restarted again and opens a new round. Once frozen, the round stays open (durable capped
-    at ``step``, so buddies keep what the plan needs) until every rank was answered and G moved past ``step``:
-    training resumed. Before the freeze there is no plan step yet and no cap is needed (D <= G always).
-    """
-
-    asked: set[int] = dataclasses.field(default_factory=set)
-    answered: set[int] = dataclasses.field(default_factory=set)
-    frozen: bool = False
-    closed: bool = False
-    outcome: str = ""
-    step: int = -1
-    reason: str = ""
-    waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
-
-    def wait_reason(self, world_size: int) -> str:
-        if self.waiting_note[0] != len(self.asked):
-            missing = world_size - len(self.asked)
-            if missing <= _MAX_LISTED:
-                who = "rank(s) " + ", ".join(str(r) for r in range(world_size) if r not in self.asked)
-            else:
-                who = f"{missing} more ranks"
-            text = f"{len(self.asked)} of {world_size} ranks accounted for; waiting for {who}"
-            self.waiting_note = (len(self.asked), text)
-        return self.waiting_note[1]
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class _Job:
-    """A job's inventory index and the per-step counts that G and D are read from.
-
-    ``covered[s]`` is the number of ranks ``r < world_size`` holding step ``s`` on some live node;
-    ``durable[s]`` the number holding it as non-local copies on at least ``replicas`` live nodes other than
-    their home. Both are kept exact on every holder or home change, O(1) per (rank, step) touched.
-    """
-
-    name: str
-    replicas: int
-    world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
-    seen_inventory: bool = False
-    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)  # r -> s -> {node: local}
-    homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
-    last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
-    covered: dict[int, int] = dataclasses.field(default_factory=dict)
-    durable: dict[int, int] = dataclasses.field(default_factory=dict)
-    durable_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, step) in durable
-    watermark: Watermark | None = None  # cache; None when stale
-    published: Watermark | None = None  # the last one handed out
-    round: _Round | None = None
-    swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
-
-    def add_holder(self, rank: int, step: int, node: str, local: bool) -> None:
-        by_step = self.holders.setdefault(rank, {})
-        h = by_step.get(step)
-        if h is None:
-            h = by_step[step] = {}
-            if rank < self.world_size:
-                _inc(self.covered, step)
-        h[node] = local
-        self._recheck(rank, step, h)
-
-    def remove_holder(self, rank: int, step: int, node: str) -> None:
-        by_step = self.holders[rank]
-        h = by_step[step]
-        del h[node]
-        if not h:
-            del by_step[step]
-            if not by_step:
-                del self.holders[rank]
-            if rank < self.world_size:
-                _inc(self.covered, step, -1)
-        self._recheck(rank, step, h)
-
-    def set_home(self, rank: int, node: str | None) -> None:
-        if node is None:
-            del self.homes[rank]
-        else:
-            self.homes[rank] = self.last_home[rank] = node
-        for step, h in self.holders.get(rank, {}).items():
-            self._recheck(rank, step, h)
-        self.watermark = None
-
-    def resize(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.covered, self.durable, self.durable_pairs = {}, {}, set()
-        for rank, by_step in self.holders.items():
-            for step, h in by_step.items() if rank < world_size else ():
-                _inc(self.covered, step)
-                self._recheck(rank, step, h)
-        self.watermark = None
-
-    def _recheck(self, rank: int, step: int, h: dict[str, bool]) -> None:
-        self.watermark = None
-        copies = 0
-        if len(h) >= self.replicas and rank < self.world_size:
-            home = self.homes.get(rank)
-            for n, loc in h.items():
-                if not loc and n != home:
-                    copies += 1
-        ok = copies >= self.replicas
-        if ok != ((rank, step) in self.durable_pairs):
-            (self.durable_pairs.add if ok else self.durable_pairs.remove)((rank, step))
-            _inc(self.durable, step, 1 if ok else -1)
-
-
 class CoordinatorState:
     """Everything the coordinator knows, and the answers to every control-plane request.
 
@@ -192,6 +91,8 @@ class CoordinatorState:
         now: the start time; plan requests wait for ``heartbeat_timeout`` after it (the rebuild window).
 
     ``bad_messages`` and ``heartbeats`` are counters shown by :meth:`status`; the server increments the first.
+    ``plan_changes`` names the jobs whose waiting plan requests may have an answer now for a reason other than
+    another rank asking (their world size changed); whoever holds such requests takes the names and asks again.
     """
 
     def __init__(self, cfg: CoordinatorConfig, now: float) -> None:
@@ -206,9 +107,12 @@ class CoordinatorState:
         self._epoch = 0  # bumped on every membership change
         self._placement: dict[str, tuple[str, ...]] = {}  # node -> buddy node names, for this epoch
         self._warned_short = False
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, Job] = {}
         self._issued: dict[tuple[str, int, int], dict[str, float]] = {}
         self._next_sweep = now
+        self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
+        self._rebuilt = False  # the rebuild window after the start is over (it never opens again)
+        self.plan_changes: set[str] = set()
 
     # ------------------------------------------------------------------------------------------ membership
 
@@ -239,15 +143,40 @@ class CoordinatorState:
                 node.rack, node.data_addr = msg.rack, msg.data_addr
                 self._add_live(node)
         self._seen(node, now)
-        return SidecarRegistered(heartbeat_interval=self.cfg.heartbeat_interval)
+        node.told = self.heartbeat_interval()
+        return SidecarRegistered(heartbeat_interval=node.told)
+
+    def heartbeat_interval(self) -> float:
+        """The interval every sidecar is given now (see ``CoordinatorConfig.target_heartbeats_per_s``).
+
+        The configured one while ``live nodes / interval`` stays under the target rate; beyond, ``live nodes /
+        target``, rounded up to a quarter of the configured interval so that one node joining or leaving does
+        not change every node's interval.
+        """
+        base = self.cfg.heartbeat_interval
+        factor = len(self._live) / (self.cfg.target_heartbeats_per_s * base)
+        return base if factor <= 1.0 else min(3600.0, base * math.ceil(factor * 4) / 4)
+
+    def death_timeout(self, now: float) -> float:
+        """Seconds of silence after which a node is dead: ``heartbeat_timeout`` stretched like the interval.
+
+        When the interval shrinks (nodes left), the longer timeout is kept for one such timeout, so that nodes
+        still on the longer interval, which learn the new one only at their next heartbeat, are not declared dead.
+        """
+        factor = self.heartbeat_interval() / self.cfg.heartbeat_interval
+        held, until = self._held
+        if factor >= held or now >= until:
+            held = factor
+            self._held = (factor, now + factor * self.cfg.heartbeat_timeout)
+        return self.cfg.heartbeat_timeout * held
 
     def expire(self, now: float) -> None:
-        """Declare dead every node silent for ``heartbeat_timeout``; run the re-replication sweep when due.
+        """Declare dead every node silent for :meth:`death_timeout`; run the re-replication sweep when due.
 
         A dead node stays listed in :meth:`status` (with the ranks it last reported) and counts nowhere else:
         its inventory leaves the index, its ranks lose their home, its pending tasks are dropped.
         """
-        deadline = now - self.cfg.heartbeat_timeout
+        deadline = now - self.death_timeout(now)
         while self._live:
             node = self._nodes[next(iter(self._live))]
             if node.last_seen > deadline:
@@ -305,19 +234,24 @@ class CoordinatorState:
         self._seen(node, now)
         self._measure(node, msg, now)
         if msg.changed:
-            self._set_ranks(node, {(info.job, info.rank): info for info in msg.ranks})
-            inventory: dict[tuple[str, int, int], bool] = {}
-            for it in msg.inventory:  # a buddy copy wins over a local one of the same snapshot
-                key = (it.job, it.rank, it.step)
-                inventory[key] = it.local and inventory.get(key, True)
-            self._set_inventory(node, frozenset((j, r, s, loc) for (j, r, s), loc in inventory.items()))
-            node.jobs = tuple(sorted({j for j, _ in node.ranks} | {j for j, _, _ in inventory}))
+            ranks = {(info.job, info.rank): info for info in msg.ranks}
+            if not self._settled(node, ranks):
+                self._set_ranks(node, ranks)
+            inventory = frozenset(map(_ITEM, msg.inventory))
+            if len(inventory) != len(set(map(_SNAPSHOT, msg.inventory))):  # a buddy copy wins over a local one
+                inventory = frozenset(it for it in inventory if not (it[3] and (*it[:3], False) in inventory))
+            self._set_inventory(node, inventory)
+            node.jobs = tuple(sorted({j for j, _ in node.ranks} | set(map(_JOB, inventory))))
         tasks, node.tasks = node.tasks, []
+        interval = self.heartbeat_interval()
+        tell = interval != self.cfg.heartbeat_interval or node.told != interval  # else 0: keep yours (omitted)
+        node.told = interval
         return HeartbeatReply(
             known=True,
             assignments=self._assignments(node),
             watermarks=tuple(self._watermark(self._jobs[j]) for j in node.jobs),
             tasks=tuple(tasks),
+            heartbeat_interval=interval if tell else 0.0,
         )
 
     def _measure(self, node: _Node, msg: Heartbeat, now: float) -> None:
@@ -330,10 +264,10 @@ class CoordinatorState:
             node.in_bps = (msg.bytes_in - ref[2]) / (now - ref[0])
             node.rate_ref = (now, msg.bytes_out, msg.bytes_in)
 
-    def _job(self, name: str) -> _Job:
+    def _job(self, name: str) -> Job:
         job = self._jobs.get(name)
         if job is None:
-            job = self._jobs[name] = _Job(name, self.cfg.replicas)
+            job = self._jobs[name] = Job(name, self.cfg.replicas)
         return job
 
     def _set_ranks(self, node: _Node, ranks: dict[tuple[str, int], RankInfo]) -> None:
@@ -361,12 +295,22 @@ class CoordinatorState:
                 node.assignments = None
         node.ranks = ranks
 
+    def _settled(self, node: _Node, ranks: dict[tuple[str, int], RankInfo]) -> bool:
+        """Whether :meth:`_set_ranks` would change nothing: the same report as last time, every rank homed here."""
+        if ranks != node.ranks:
+            return False
+        for (job_name, rank), info in ranks.items():
+            job = self._jobs[job_name]
+            if job.world_size != info.world_size or job.homes.get(rank) != node.name:
+                return False
+        return True
+
     def _reports_alive(self, name: str, key: tuple[str, int]) -> bool:
         node = self._nodes[name]
         info = node.ranks.get(key)
         return node.alive and info is not None and info.alive
 
-    def _set_home(self, job: _Job, rank: int, node: _Node) -> None:
+    def _set_home(self, job: Job, rank: int, node: _Node) -> None:
         previous = job.homes.get(rank)
         if previous is not None:
             prev_node = self._nodes[previous]
@@ -376,20 +320,23 @@ class CoordinatorState:
         node.homed.add((job.name, rank))
         node.assignments = None
 
-    def _set_inventory(self, node: _Node, inventory: frozenset[_Item]) -> None:
+    def _set_inventory(self, node: _Node, inventory: frozenset[Item]) -> None:
         old = node.inventory
-        for j, r, s, _ in old - inventory:
-            self._jobs[j].remove_holder(r, s, node.name)
-        for j, r, s, loc in inventory - old:
-            job = self._job(j)
+        if old == inventory:
+            return
+        for name, items in _by_job(old - inventory):
+            self._jobs[name].remove(node.name, items)
+        for name, items in _by_job(inventory - old):
+            job = self._job(name)
             job.seen_inventory = True
-            job.add_holder(r, s, node.name, loc)
+            job.add(node.name, items)
         node.inventory = inventory
 
-    def _set_world_size(self, job: _Job, world_size: int) -> None:
+    def _set_world_size(self, job: Job, world_size: int) -> None:
         """Latest report wins. A frozen plan round is abandoned; an open one forgets ranks now outside."""
         log.info("job %s: world size %d -> %d", job.name, job.world_size, world_size)
         job.resize(world_size)
+        self.plan_changes.add(job.name)
         if job.round is not None:
             if job.round.frozen:
                 job.round = None
@@ -429,7 +376,7 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------------------------ watermarks
 
-    def _watermark(self, job: _Job) -> Watermark:
+    def _watermark(self, job: Job) -> Watermark:
         """G and D of a job (see DESIGN "Watermark"); D is capped at the plan step while a round is open."""
         if job.watermark is not None:
             return job.watermark
@@ -450,13 +397,24 @@ class CoordinatorState:
 
     # ------------------------------------------------------------------------------------ plans
 
-    def plan(self, msg: PlanRequest, now: float) -> PlanReply:
-        """Answer a polled plan request at once (see DESIGN "Recovery" and :class:`_Round` for the rules).
+    def rebuilding(self, now: float) -> bool:
+        """Whether the rebuild window after the start is still open (see :meth:`plan`); once over, never again."""
+        if not self._rebuilt and now - self.started >= self.death_timeout(now):
+            self._rebuilt = True
+        return not self._rebuilt
 
-        For the first ``heartbeat_timeout`` seconds after the start (the rebuild window) every request gets
-        ``wait`` and is not recorded: inventories are still coming back from the sidecars. A ``ready`` answer
-        names the live nodes holding ``(job, rank, step)`` other than the asking one as sources, and sets
+    def plan(self, msg: PlanRequest, now: float, *, held: bool = False) -> PlanReply:
+        """Answer a plan request (see DESIGN "Recovery" and :class:`Round` for the rules).
+
+        For the rebuild window after the start (the death timeout, see :meth:`death_timeout`) every request
+        gets ``wait`` and is not recorded: inventories are still coming back from the sidecars. A ``ready``
+        answer names the live nodes holding ``(job, rank, step)`` other than the asking one as sources, and sets
         ``local`` when the asking node holds it; if none of them is left it becomes ``none``.
+
+        Args:
+            held: the request got ``wait`` before and was held unanswered since (long-polling), so it is asked
+                again now: if its rank was answered meanwhile (by a duplicate of the request) it gets the same
+                round's answer instead of opening a new round, as a rank asking after its answer would.
 
         Raises:
             ValueError: ``rank`` is outside ``world_size`` (nothing is recorded).
@@ -465,15 +423,14 @@ class CoordinatorState:
         job = self._job(msg.job)
         if job.world_size != msg.world_size:
             self._set_world_size(job, msg.world_size)
-        age = now - self.started
-        if age < self.cfg.heartbeat_timeout:
-            return _wait(msg, f"the coordinator started {age:.1f} s ago; waiting {self.cfg.heartbeat_timeout:g} s "
-                              "for sidecars to report their snapshots")  # fmt: skip
+        if self.rebuilding(now):
+            return _wait(msg, f"the coordinator started {now - self.started:.1f} s ago; waiting "
+                              f"{self.death_timeout(now):g} s for sidecars to report their snapshots")  # fmt: skip
         rnd = job.round
-        if rnd is None or msg.rank in rnd.answered:
+        if rnd is None or (msg.rank in rnd.answered and not held):
             if rnd is not None:
                 log.info("job %s: rank %d asked again after its answer: new plan round", job.name, msg.rank)
-            rnd = job.round = _Round()
+            rnd = job.round = Round()
             job.watermark = None
         rnd.asked.add(msg.rank)
         if not rnd.frozen:
@@ -539,7 +496,7 @@ class CoordinatorState:
                     log.info("job %s rank %d step %d has %d of %d copies: replicating to %s",
                              job.name, r, g, len(holders), want, target)  # fmt: skip
 
-    def _targets(self, job: _Job, rank: int, exclude: set[str], count: int) -> list[str]:
+    def _targets(self, job: Job, rank: int, exclude: set[str], count: int) -> list[str]:
         """Up to ``count`` live nodes for a new copy: the rank's assigned buddies, then ring order from its home.
 
         Never the home (or the last home, when the rank has none now) nor its failure domain, nor a node in
@@ -577,7 +534,8 @@ class CoordinatorState:
     def status(self, now: float) -> dict:
         """The document behind ``snapshotd status``: plain maps, lists, strings and numbers (msgpack / JSON).
 
-        ``coordinator``: uptime_s, replicas, bad_messages, heartbeats, live_nodes. ``nodes`` (dead ones too):
+        ``coordinator``: uptime_s, replicas, bad_messages, heartbeats, live_nodes, heartbeat_interval (the one
+        given out now, seconds), heartbeat_timeout (the death timeout now, seconds). ``nodes`` (dead ones too):
         node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]), stored_bytes,
         out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank: rank,
         node (its home, or None), newest_step (-1: none), lag_steps (newest - recoverable; None while no step
@@ -611,27 +569,30 @@ class CoordinatorState:
             "coordinator": {
                 "uptime_s": round(now - self.started, 3), "replicas": self.cfg.replicas,
                 "bad_messages": self.bad_messages, "heartbeats": self.heartbeats, "live_nodes": len(self._live),
+                "heartbeat_interval": self.heartbeat_interval(), "heartbeat_timeout": self.death_timeout(now),
             },
             "nodes": nodes,
             "jobs": jobs,
         }  # fmt: skip
 
 
-def _inc(counts: dict[int, int], key: int, by: int = 1) -> None:
-    n = counts.get(key, 0) + by
-    if n:
-        counts[key] = n
-    else:
-        del counts[key]
+def _by_job(items: frozenset[Item]) -> list[tuple[str, Iterable[Item]]]:
+    """``items`` grouped by job (a node's inventory is nearly always of one job: then no copy is made)."""
+    if not items:
+        return []
+    jobs = set(map(_JOB, items))
+    if len(jobs) == 1:
+        return [(jobs.pop(), items)]
+    return [(j, [it for it in items if it[0] == j]) for j in sorted(jobs)]
 
 
-def _why_none(job: _Job) -> str:
+def _why_none(job: Job) -> str:
     """Which ranks stand in the way of a common complete step, for a ``none`` plan."""
     lacking = [r for r in range(job.world_size) if r not in job.holders]
     if lacking:
-        named = ", ".join(map(str, lacking[:_MAX_LISTED]))
-        if len(lacking) > _MAX_LISTED:
-            named += f" and {len(lacking) - _MAX_LISTED} more"
+        named = ", ".join(map(str, lacking[:MAX_LISTED]))
+        if len(lacking) > MAX_LISTED:
+            named += f" and {len(lacking) - MAX_LISTED} more"
         verb = "has" if len(lacking) == 1 else "have"
         what = f"rank{'s' if len(lacking) > 1 else ''} {named} {verb} no complete snapshot on a live node"
     else:

@@ -267,6 +267,7 @@ class Sidecar:
                      arena.path, msg.slots, need)  # fmt: skip
         lr.table_id = -1  # a new process numbers its tables afresh
         self.version += 1
+        self._wake.set()  # tell the coordinator now, so that buddies are placed before the first snapshot
         self._reply(self._ipc_out, ident, RankRegistered(
             job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots
         ))  # fmt: skip
@@ -328,10 +329,14 @@ class Sidecar:
         """Stream one announced slot to every buddy of its rank; then hand the free slots back to the client."""
         s = lr.slots[index]
         s.streaming = True
-        buddies = [a for a in self.assignments.get((lr.job, lr.rank), ()) if a != self.data_addr]
+        buddies: list[str] = []
         ok = 0
         mine: dict[str, asyncio.Future[None]] = {}
         try:
+            deadline = time.monotonic() + 4 * self.cfg.heartbeat_interval + 1.0
+            while not self.assignments.get((lr.job, lr.rank)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # a rank that just registered gets its buddies with the next heartbeat reply
+            buddies = [a for a in self.assignments.get((lr.job, lr.rank), ()) if a != self.data_addr]
             data = lr.arena.slot(index)[: s.data_bytes]
             prev = lr.previous(index)
             base = None
@@ -652,6 +657,7 @@ class Sidecar:
                     registered = False
                     continue
                 sent_version = version
+                interval = hb_reply.heartbeat_interval or interval  # the coordinator stretches it as the fleet grows
                 self._apply(hb_reply)
             except (CoordinatorUnavailable, ProtocolError) as exc:
                 log.debug("control plane: %s", exc)

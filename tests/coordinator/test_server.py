@@ -50,6 +50,7 @@ class Coordinator:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(cfg,), daemon=True)
         self._thread.start()
+        self.started = time.monotonic()
         try:
             self.endpoint = self._ready.get(timeout=TIMEOUT)
         except queue.Empty:
@@ -134,20 +135,15 @@ def heartbeat(sock: zmq.Socket, node: str, rank: int, steps: tuple[int, ...], in
     return reply
 
 
-def plan_all(sidecars: dict[str, tuple[zmq.Socket, int, tuple[int, ...]]]) -> dict[str, PlanReply]:
-    """Poll like sidecars: heartbeat, and resend each plan request while its answer is ``wait``."""
-    answers: dict[str, PlanReply] = {}
-    deadline = time.monotonic() + TIMEOUT
-    while len(answers) < len(sidecars) and time.monotonic() < deadline:
+def beat_until(sidecars: dict[str, tuple[zmq.Socket, int, tuple[int, ...]]], done, limit: float = TIMEOUT) -> float:
+    """Heartbeat every sidecar every 0.05 s (as they would) until ``done()``; the seconds it took."""
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < limit, "timed out"
         for node, (sock, rank, steps) in sidecars.items():
             assert heartbeat(sock, node, rank, steps).known
-            if node not in answers:
-                reply = ask(sock, PlanRequest(job="j", rank=rank, world_size=2, node=node))
-                assert isinstance(reply, PlanReply)
-                if reply.status != "wait":
-                    answers[node] = reply
         time.sleep(0.05)
-    return answers
+    return time.monotonic() - t0
 
 
 def test_register_heartbeat_plan_and_status(start, dealer) -> None:
@@ -159,9 +155,17 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     reply = heartbeat(b, "b", 1, (4,))
     assert reply.known and reply.assignments[0].buddies == ("tcp://a:1",)
     assert (reply.watermarks[0].recoverable, reply.watermarks[0].durable) == (4, -1)
-    assert ask(a, PlanRequest(job="j", rank=0, world_size=2, node="a")).status == "wait"  # type: ignore[attr-defined]
-    answers = plan_all({"a": (a, 0, (3, 4)), "b": (b, 1, (4,))})  # waits out the rebuild window first
-    reply_a, reply_b = answers["a"], answers["b"]
+    assert reply.heartbeat_interval == 0.0  # two nodes are far below the target rate: keep the interval
+    sidecars = {"a": (a, 0, (3, 4)), "b": (b, 1, (4,))}
+    plan_a, plan_b = dealer(coord.endpoint), dealer(coord.endpoint)
+    plan_a.send_multipart(encode(PlanRequest(job="j", rank=0, world_size=2, node="a")))  # in the rebuild window
+    beat_until(sidecars, lambda: time.monotonic() - coord.started > 0.7)  # window over: rank 0 recorded, held
+    assert not plan_a.poll(0), "a waiting request is held, not answered"
+    plan_b.send_multipart(encode(PlanRequest(job="j", rank=1, world_size=2, node="b")))  # the last rank asks
+    took = beat_until(sidecars, lambda: plan_a.poll(0) and plan_b.poll(0))
+    assert took < 1.0  # rank 0 is answered when the round is decided, not when its hold (1.5 s) ends
+    reply_a, reply_b = decode(plan_a.recv_multipart()), decode(plan_b.recv_multipart())
+    assert isinstance(reply_a, PlanReply) and isinstance(reply_b, PlanReply)
     assert (reply_a.status, reply_a.step, reply_a.local) == ("ready", 4, True)
     assert (reply_b.status, reply_b.step, reply_b.local) == ("ready", 4, True)
     assert heartbeat(a, "a", 0, (4, 5)).watermarks[0].recoverable == 4  # the reply is re-encoded on change
@@ -169,7 +173,31 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     doc = fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)
     assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
     assert doc["jobs"][0]["recoverable"] == 5 and doc["coordinator"]["heartbeats"] >= 4
+    assert doc["coordinator"]["heartbeat_interval"] == 0.1
     assert "recoverable step G = 5" in render_status(doc)
+
+
+def test_a_held_plan_request_is_answered_wait_after_the_hold(start, dealer) -> None:
+    coord = start(plan_hold=0.3)
+    a = dealer(coord.endpoint)
+    register(a, "a")
+    beat_until({"a": (a, 0, (3,))}, lambda: time.monotonic() - coord.started > 0.6)  # past the rebuild window
+    t0 = time.monotonic()
+    reply = ask(a, PlanRequest(job="j", rank=0, world_size=2, node="a"))
+    assert isinstance(reply, PlanReply) and reply.status == "wait" and "rank(s) 1" in reply.reason
+    assert 0.25 <= time.monotonic() - t0 < 1.0
+
+
+def test_held_plan_requests_are_answered_when_the_coordinator_stops(start, dealer) -> None:
+    coord = start(heartbeat_timeout=0.2)
+    sock = dealer(coord.endpoint)
+    time.sleep(0.3)  # past the rebuild window
+    sock.send_multipart(encode(PlanRequest(job="j", rank=0, world_size=2, node="a")))
+    assert not sock.poll(300)  # held
+    coord.close()
+    assert sock.poll(int(TIMEOUT * 1000)), "a held request must be answered at shutdown"
+    reply = decode(sock.recv_multipart())
+    assert isinstance(reply, PlanReply) and reply.status == "wait"
 
 
 def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(

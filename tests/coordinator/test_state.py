@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 
@@ -402,3 +403,112 @@ def test_status_document() -> None:
     (job,) = doc["jobs"]
     assert (job["job"], job["world_size"], job["recoverable"], job["durable"]) == ("j", 2, 6, 5)
     assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "copies": 1}
+
+
+# ------------------------------------------------------------------------------------ heartbeat interval scaling
+
+
+def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later() -> None:
+    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
+                                            target_heartbeats_per_s=4.0), now=T0)  # fmt: skip
+    told = [st.register(RegisterSidecar(node=n, data_addr=addr(n), incarnation="i1"), T0).heartbeat_interval
+            for n in "abc"]  # fmt: skip
+    assert told == [0.5, 0.5, 0.75]  # two nodes at 0.5 s make 4/s; three at 0.5 s would make 6/s
+    assert beat(st, "a", T0).heartbeat_interval == 0.75  # told at once, in every reply while stretched
+    register_any(st, "d")
+    assert st.heartbeat_interval() == 1.0 and st.death_timeout(T0) == 6.0
+    keep_alive(st, T0 + 5.5, "a", "b", "c", "d")  # silent for 5.5 s: alive under the stretched timeout
+    assert st.status(T0 + 5.5)["coordinator"]["live_nodes"] == 4
+    keep_alive(st, T0 + 9.0, "a", "b")
+    replies = keep_alive(st, T0 + 12.0, "a", "b")  # c and d silent for 6.5 s: dead
+    assert st.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5  # told the base once ...
+    assert beat(st, "a", T0 + 12.1, changed=False).heartbeat_interval == 0.0  # ... then "keep yours"
+    assert st.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
+    assert st.death_timeout(T0 + 18.5) == 3.0
+    assert st.status(T0 + 18.6)["coordinator"]["heartbeat_timeout"] == 3.0
+
+
+def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
+    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
+                                            target_heartbeats_per_s=2.0), now=T0)  # fmt: skip
+    for n in "ab":
+        register_any(st, n)
+    assert st.heartbeat_interval() == 1.0 and st.rebuilding(T0 + 5.0)  # window 6 s with 2 nodes
+    assert plan(st, 0, "a", now=T0 + 5.0).status == "wait"
+    assert not st.rebuilding(T0 + 6.1)
+    for n in "cdefgh":
+        register_any(st, n, T0 + 6.2)
+    assert st.death_timeout(T0 + 6.2) == 24.0 and not st.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s
+
+
+def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answered() -> None:
+    st = make()
+    two_node_job(st)
+    assert plan(st, 0, "a").status == "wait"
+    step = plan(st, 1, "b").step
+    assert plan(st, 0, "a").status == "ready"  # rank 0 answered (say, a duplicate of its request) ...
+    again = st.plan(PlanRequest(job="j", rank=0, world_size=2, node="a"), LATER, held=True)
+    assert (again.status, again.step) == ("ready", step)  # ... its held request: the same answer, no new round
+
+
+def test_world_size_change_is_a_plan_change() -> None:
+    st = make()
+    two_node_job(st)
+    st.plan_changes.clear()
+    assert plan(st, 0, "a", world=3).status == "wait"
+    assert st.plan_changes == {"j"}
+
+
+def register_any(st: CoordinatorState, node: str, now: float = T0) -> None:
+    st.register(RegisterSidecar(node=node, data_addr=addr(node), incarnation="i1"), now)
+
+
+# ------------------------------------------------------------------------------------ index invariants
+
+
+def _index_from_scratch(st: CoordinatorState) -> dict[str, tuple[dict, dict, set]]:
+    """Every job's holders, per-step counts and durable pairs, recounted from the live nodes' inventories."""
+    holders: dict[str, dict[int, dict[int, dict[str, bool]]]] = {}
+    for node in st._nodes.values():
+        for j, r, s, loc in node.inventory if node.alive else ():
+            holders.setdefault(j, {}).setdefault(r, {}).setdefault(s, {})[node.name] = loc
+    out = {}
+    for name, job in st._jobs.items():
+        covered: dict[int, int] = {}
+        durable: dict[int, int] = {}
+        pairs = set()
+        for r, by_step in holders.get(name, {}).items():
+            for s, h in by_step.items() if r < job.world_size else ():
+                covered[s] = covered.get(s, 0) + 1
+                copies = sum(1 for n, loc in h.items() if not loc and n != job.homes.get(r))
+                if copies >= job.replicas:
+                    durable[s] = durable.get(s, 0) + 1
+                    pairs.add((r, s))
+        out[name] = (holders.get(name, {}), covered, durable, pairs)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_incremental_index_equals_a_recount_after_any_sequence_of_reports(seed: int) -> None:
+    rnd = random.Random(seed)
+    st = make(replicas=rnd.choice([1, 2]))
+    nodes = [f"n{i}" for i in range(rnd.randint(2, 5))]
+    for n in nodes:
+        register(st, n, rack=rnd.choice(["", "r1", "r2"]))
+    world, now = rnd.randint(1, 5), T0
+    for _ in range(80):
+        now += 0.1
+        node = rnd.choice(nodes)
+        w = world if rnd.random() > 0.05 else rnd.randint(1, 5)  # now and then a world size changes
+        reported = rnd.sample(range(w), rnd.randint(0, w))
+        items = [InventoryItem(rnd.choice("jk"), rnd.randrange(w), rnd.randint(1, 5), rnd.random() < 0.5)
+                 for _ in range(rnd.randint(0, 10))]  # fmt: skip
+        reply = beat(st, node, now, ranks("j", w, *reported, alive=rnd.random() > 0.1), items,
+                     changed=rnd.random() > 0.2)  # fmt: skip
+        if not reply.known:
+            register(st, node, now)
+        if rnd.random() < 0.1:
+            st.expire(now + rnd.choice([0.0, 5.0]))
+        for name, (holders, covered, durable, pairs) in _index_from_scratch(st).items():
+            job = st._jobs[name]
+            assert (job.holders, job.covered, job.durable, job.durable_pairs) == (holders, covered, durable, pairs)

@@ -43,7 +43,9 @@ def _job_status(cluster: LocalCluster, job: str) -> dict | None:
 @pytest.mark.timeout(400)
 def test_node_loss_four_ranks_bit_identical(tmp_path) -> None:
     """The demo's story: node B (2 ranks + sidecar) dies mid-run; a replacement node C takes over."""
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, say=lambda _: None)
+    # step_delay stands for the accelerator's share of a step: the CPU is idle then, as on a GPU node, so the
+    # sidecars (at nice 10) keep up with training on this 2-core machine
+    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, say=lambda _: None)
     assert s["ranks_agree"], s
     assert s["steps_lost"] <= 1, s
     assert s["step_restored"] >= 4

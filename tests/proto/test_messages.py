@@ -376,3 +376,25 @@ def test_public_names_exist() -> None:
     assert wanted <= set(snapshotd.proto.__all__)
     for cls in MESSAGE_TYPES.values():
         assert getattr(snapshotd.proto, cls.__name__) is cls and cls.__name__ in snapshotd.proto.__all__
+
+
+def test_a_field_added_later_is_left_out_while_it_holds_its_default() -> None:
+    plain = HeartbeatReply(watermarks=(Watermark(job="j", recoverable=3, durable=2),))
+    header = msgpack.unpackb(bytes(encode(plain)[0]))
+    assert "heartbeat_interval" not in header  # what a sidecar built before the field reads without complaint
+    assert decode(encode(plain)) == plain
+    stretched = dataclasses.replace(plain, heartbeat_interval=2.5)
+    assert msgpack.unpackb(bytes(encode(stretched)[0]))["heartbeat_interval"] == 2.5
+    assert decode(encode(stretched)) == stretched
+    assert snapshotd.proto.omitted(HeartbeatReply, "heartbeat_interval", 0.0)
+    assert not snapshotd.proto.omitted(HeartbeatReply, "heartbeat_interval", 0.5)
+    assert not snapshotd.proto.omitted(HeartbeatReply, "known", True)  # only fields marked as added
+    with pytest.raises(LimitExceeded):
+        encode(dataclasses.replace(plain, heartbeat_interval=7200.0))
+
+
+def test_a_field_added_later_needs_a_default() -> None:
+    from snapshotd.proto.schema import Int, spec_field
+
+    with pytest.raises(TypeError, match="needs a default"):
+        spec_field(Int(), added=True)

@@ -144,7 +144,7 @@ def test_failures_name_the_first_bad_item_and_field() -> None:
     rows = [["job", 1, 2, True], ["job", 1, -3, True], ["job", True, 2, True]]
     with pytest.raises(LimitExceeded, match=r"field 'inventory\[1\]\.step': -3 is outside"):
         SPECS["inventory"].check(rows, "inventory")
-    with pytest.raises(MalformedMessage, match=r"field 'inventory\[2\]\.rank': expected an integer, got bool"):
+    with pytest.raises(MalformedMessage, match=r"field 'inventory\[1\]\.rank': expected an integer, got bool"):
         SPECS["inventory"].check([rows[0], rows[2]], "inventory")
     with pytest.raises(MalformedMessage, match=r"field 'inventory\[1\]': expected a list of 4 values"):
         SPECS["inventory"].check([rows[0], rows[0][:3]], "inventory")

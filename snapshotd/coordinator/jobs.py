@@ -1,0 +1,159 @@
+"""Per job: the inventory index that G and D are read from, and the plan round.
+
+Pure data structures with no clock and no sockets, used by :class:`~.state.CoordinatorState`.
+
+Cost model: a heartbeat that changes its node's inventory costs O(snapshots added or removed), done in one loop
+per job (:meth:`Job.add` / :meth:`Job.remove`) with no call per snapshot. A local copy (a rank's own slot) and a
+copy on the rank's home node never count towards durability, so adding or removing one touches two counts and
+nothing else; only a buddy copy on another node recounts the (two or three) holders of its snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from snapshotd.proto import Watermark
+
+__all__ = ["MAX_LISTED", "Item", "Job", "Round"]
+
+Item = tuple[str, int, int, bool]  # (job, rank, step, local)
+
+MAX_LISTED = 8
+"""Ranks named in one wait or none reason."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Round:
+    """One plan round of a job.
+
+    Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
+    ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
+    after its answer restarted again and opens a new round. Once frozen, the round stays open (durable capped
+    at ``step``, so buddies keep what the plan needs) until every rank was answered and G moved past ``step``:
+    training resumed. Before the freeze there is no plan step yet and no cap is needed (D <= G always).
+    """
+
+    asked: set[int] = dataclasses.field(default_factory=set)
+    answered: set[int] = dataclasses.field(default_factory=set)
+    frozen: bool = False
+    closed: bool = False
+    outcome: str = ""
+    step: int = -1
+    reason: str = ""
+    waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
+
+    def wait_reason(self, world_size: int) -> str:
+        if self.waiting_note[0] != len(self.asked):
+            missing = world_size - len(self.asked)
+            if missing <= MAX_LISTED:
+                who = "rank(s) " + ", ".join(str(r) for r in range(world_size) if r not in self.asked)
+            else:
+                who = f"{missing} more ranks"
+            text = f"{len(self.asked)} of {world_size} ranks accounted for; waiting for {who}"
+            self.waiting_note = (len(self.asked), text)
+        return self.waiting_note[1]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Job:
+    """A job's inventory index and the per-step counts that G and D are read from.
+
+    ``covered[s]`` is the number of ranks ``r < world_size`` holding step ``s`` on some live node;
+    ``durable[s]`` the number holding it as non-local copies on at least ``replicas`` live nodes other than
+    their home. Both are kept exact on every holder or home change.
+    """
+
+    name: str
+    replicas: int
+    world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
+    seen_inventory: bool = False
+    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)  # r -> s -> {node: local}
+    homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
+    last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
+    covered: dict[int, int] = dataclasses.field(default_factory=dict)
+    durable: dict[int, int] = dataclasses.field(default_factory=dict)
+    durable_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, step) in durable
+    watermark: Watermark | None = None  # cache; None when stale
+    published: Watermark | None = None  # the last one handed out
+    round: Round | None = None
+    swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
+
+    def add(self, node: str, items: Iterable[Item]) -> None:
+        """``node`` now holds these snapshots of this job (none of which it held before)."""
+        holders, covered, homes, ws = self.holders, self.covered, self.homes, self.world_size
+        for _, rank, step, local in items:
+            by_step = holders.get(rank)
+            if by_step is None:
+                by_step = holders[rank] = {}
+            h = by_step.get(step)
+            if h is None:
+                h = by_step[step] = {}
+                if rank < ws:
+                    covered[step] = covered.get(step, 0) + 1
+            h[node] = local
+            if not local and rank < ws and homes.get(rank) != node:
+                self._recheck(rank, step, h)
+        self.watermark = None
+
+    def remove(self, node: str, items: Iterable[Item]) -> None:
+        """``node`` no longer holds these snapshots of this job (all of which it held)."""
+        holders, covered, homes, ws = self.holders, self.covered, self.homes, self.world_size
+        for _, rank, step, _local in items:
+            by_step = holders[rank]
+            h = by_step[step]
+            counted = not h.pop(node) and rank < ws and homes.get(rank) != node
+            if not h:
+                del by_step[step]
+                if not by_step:
+                    del holders[rank]
+                if rank < ws:
+                    left = covered[step] - 1
+                    if left:
+                        covered[step] = left
+                    else:
+                        del covered[step]
+            if counted:
+                self._recheck(rank, step, h)
+        self.watermark = None
+
+    def set_home(self, rank: int, node: str | None) -> None:
+        if node is None:
+            del self.homes[rank]
+        else:
+            self.homes[rank] = self.last_home[rank] = node
+        for step, h in self.holders.get(rank, {}).items():
+            self._recheck(rank, step, h)
+        self.watermark = None
+
+    def resize(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.covered, self.durable, self.durable_pairs = {}, {}, set()
+        for rank, by_step in self.holders.items():
+            for step, h in by_step.items() if rank < world_size else ():
+                self.covered[step] = self.covered.get(step, 0) + 1
+                self._recheck(rank, step, h)
+        self.watermark = None
+
+    def _recheck(self, rank: int, step: int, h: dict[str, bool]) -> None:
+        """Count the durable copies of ``(rank, step)`` (held by ``h``) and move it in or out of ``durable``."""
+        copies = 0
+        if len(h) >= self.replicas and rank < self.world_size:
+            home = self.homes.get(rank)
+            for n, loc in h.items():
+                if not loc and n != home:
+                    copies += 1
+        ok = copies >= self.replicas
+        pair = (rank, step)
+        if ok != (pair in self.durable_pairs):
+            if ok:
+                self.durable_pairs.add(pair)
+                self.durable[step] = self.durable.get(step, 0) + 1
+            else:
+                self.durable_pairs.remove(pair)
+                left = self.durable[step] - 1
+                if left:
+                    self.durable[step] = left
+                else:
+                    del self.durable[step]
+        self.watermark = None
