@@ -202,8 +202,12 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     print(f"  steps lost            {s['steps_lost']}")
     print(f"  detection time        {s['detection_seconds']:.2f} s (heartbeat timeout 1.5 s)")
     print(f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)")
-    print(f"  pulled from buddies   {format_bytes(s['bytes_pulled'])} at {s['pull_GBps']:.2f} GB/s "
-          f"(sources: {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))})")  # fmt: skip
+    print(f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}")
+    if s["bytes_pulled"]:
+        print(f"  pulled from buddies   {format_bytes(s['bytes_pulled'])} at {s['pull_GBps']:.2f} GB/s")
+    else:
+        print("                        (local: the rank's own shared memory; replica: the copy the coordinator had"
+              " re-replicated to C)")
     ok = s["bit_identical"] and s["losses_identical"] and s["ranks_agree"]
     print(f"  bit-identical         {'yes' if ok else 'NO'}: final weights, optimizer, scheduler and RNG equal a failure-free run")
     return 0 if ok else 1
