@@ -34,13 +34,10 @@ training leaves) show how the cost trades against the effective snapshot interva
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import tempfile
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -48,7 +45,7 @@ import numpy as np
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import parse_bytes, parse_rate
 
-from .report import Progress, Report
+from .report import Progress, Report, scratch_dir
 from .trainer import run_ranks
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
@@ -161,16 +158,6 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
         else:
             one.extend((name, n) for n in args.interval)
     return [(name, n, _block_steps(args, n)) for name, n in one] * args.rounds
-
-
-@contextlib.contextmanager
-def _workdir(path: str | None) -> Iterator[str]:
-    if path:
-        os.makedirs(path, exist_ok=True)
-        yield path
-    else:
-        with tempfile.TemporaryDirectory(prefix="snapshotd-overhead-") as tmp:
-            yield tmp
 
 
 Blocks = list[list[dict[str, Any]]]
@@ -303,7 +290,7 @@ def run(args: argparse.Namespace) -> Report:
              f"both sidecars share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
     print(f"overhead: {setup}", flush=True)
     load = os.getloadavg()[0]
-    with _workdir(args.workdir) as workdir:
+    with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
         measured, state_bytes, sidecar_cpu = _measure(args, workdir)
     rows = [_row(name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
     snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", args.every), []))

@@ -49,7 +49,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,7 +59,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
 
-from .report import Progress, Report
+from .report import Progress, Report, scratch_dir
 
 __all__ = ["add_arguments", "make_state", "plot", "run", "state_digest"]
 
@@ -231,16 +230,6 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
 # -------------------------------------------------------------------------------------------- report
 
 
-@contextlib.contextmanager
-def _workdir(path: str | None) -> Iterator[str]:
-    if path:
-        os.makedirs(path, exist_ok=True)
-        yield path
-    else:
-        with tempfile.TemporaryDirectory(prefix="snapshotd-recovery-") as tmp:
-            yield tmp
-
-
 def run(args: argparse.Namespace) -> Report:
     """Measure as the module docstring says; see :func:`add_arguments` for ``args``.
 
@@ -253,7 +242,7 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0")
     size = args.size
     tensors = make_state(size, args.tensors)  # ValueError for a bad --size or --tensors
-    with _workdir(args.workdir) as workdir, Progress(4, desc="recovery phases", unit="phases") as progress:
+    with scratch_dir(args.workdir, prefix="snapshotd-recovery-") as workdir, Progress(4, desc="recovery phases", unit="phases") as progress:
         disk = _disk_baseline(workdir, tensors)
         del tensors
         progress.update()

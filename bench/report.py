@@ -12,6 +12,7 @@ carry their unit in a suffix, which both the table and the default plot read:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -21,7 +22,7 @@ import platform
 import socket
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from snapshotd.progress import Progress
@@ -298,3 +299,14 @@ def emit(
     if plot_path:
         (plot_fn or default_plot)(report, plot_path)
         log.info("wrote %s", plot_path)
+
+
+@contextlib.contextmanager
+def scratch_dir(path: str | None, *, prefix: str) -> Iterator[str]:
+    """``path`` (created if needed, kept afterwards), or a temporary folder removed at the end."""
+    if path:
+        os.makedirs(path, exist_ok=True)
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield tmp
