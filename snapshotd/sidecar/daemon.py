@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine
@@ -57,11 +58,11 @@ from snapshotd.proto import (
     codec,
 )
 from snapshotd.security import check_bind, secure_server, start_authenticator
-from snapshotd.shm import Arena, create_arena, sweep_stale_arenas
+from snapshotd.shm import Arena, create_arena, pid_alive, sweep_stale_arenas
 
 from .config import SidecarConfig
 from .control import CoordinatorClient, CoordinatorUnavailable
-from .local import LocalRank, SlotState, pid_alive
+from .local import LocalRank, SlotState
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
 from .store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
@@ -139,7 +140,7 @@ class Sidecar:
             if ready is not None:
                 ready(self.data_addr, cfg.ipc)
             loop = asyncio.get_running_loop()
-            if threading_is_main():
+            if _in_main_thread():
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     loop.add_signal_handler(sig, stop.set)
                     installed.append(sig)
@@ -344,6 +345,7 @@ class Sidecar:
                 base = (lr.slots[prev].step, lr.arena.slot(prev)[: s.data_bytes])
 
             errors: list[str] = []
+            checksums: dict[int, int] = {}  # shared by the buddies: the slot does not change while it streams
 
             async def one(addr: str) -> None:
                 try:
@@ -351,7 +353,7 @@ class Sidecar:
                         self.link(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.cfg.node, data=data,
                         table=s.table, meta=s.meta, chunk_bytes=self.cfg.chunk_bytes, window=self.cfg.window,
                         pacer=self.pacer, policy=self.policies.setdefault(addr, CodecPolicy(self.cfg.codec)),
-                        base=base, elem=s.elem,
+                        base=base, elem=s.elem, checksums=checksums,
                     )  # fmt: skip
                 except PeerError as exc:
                     log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc)
@@ -701,9 +703,7 @@ def _keep_malloc_arenas() -> None:
         log.debug("mallopt is not available; leaving the allocator alone")
 
 
-def threading_is_main() -> bool:
-    import threading
-
+def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 

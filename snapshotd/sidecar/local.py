@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from snapshotd.proto import TensorEntry, decode_table, table_data_bytes
-from snapshotd.shm import Arena, pid_alive
+from snapshotd.proto import DTYPE_SIZES, TensorEntry, decode_table, table_data_bytes
+from snapshotd.shm import Arena
 
-__all__ = ["LocalRank", "SlotState", "dominant_elem", "pid_alive"]
+__all__ = ["LocalRank", "SlotState", "dominant_elem"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,8 +117,6 @@ class LocalRank:
 
 def dominant_elem(entries: list[TensorEntry]) -> int:
     """The element size that covers most tensor bytes (the byte-shuffle width for delta-lz4)."""
-    from snapshotd.proto import DTYPE_SIZES
-
     weight: dict[int, int] = {}
     for e in entries:
         size = DTYPE_SIZES[e.dtype]

@@ -93,6 +93,16 @@ class SendResult:
     delta_chunks: int
 
 
+def _checksum(cache: dict[int, int] | None, index: int, view: memoryview) -> int:
+    """xxh3 of chunk ``index``, computed once per snapshot however many buddies it streams to."""
+    if cache is None:
+        return codec.checksum(view)
+    value = cache.get(index)
+    if value is None:
+        value = cache[index] = codec.checksum(view)
+    return value
+
+
 def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, Any, float]:
     t0 = time.perf_counter()
     used, payload = codec.compress_chunk("delta-lz4", data, base=base, elem=elem)
@@ -115,6 +125,7 @@ async def send_snapshot(
     policy: CodecPolicy,
     base: tuple[int, memoryview] | None = None,
     elem: int = 1,
+    checksums: dict[int, int] | None = None,
 ) -> SendResult:
     """Stream one snapshot to one buddy and return when the buddy holds it complete.
 
@@ -158,7 +169,7 @@ async def send_snapshot(
                     await pacer.take(size)
                     await link.send(Chunk(
                         job=job, rank=rank, step=step, index=sent, codec=name, raw_len=view.nbytes,
-                        checksum=codec.checksum(view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
+                        checksum=_checksum(checksums, sent, view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
                     ))  # fmt: skip
                     wire += size
                     sent += 1

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 
 from snapshotd.proto import ProtocolError, TensorEntry, encode_table
-from snapshotd.shm import create_arena
-from snapshotd.sidecar.local import LocalRank, SlotState, dominant_elem, pid_alive
+from snapshotd.shm import create_arena, pid_alive
+from snapshotd.sidecar.local import LocalRank, SlotState, dominant_elem
 
 
 @pytest.fixture
