@@ -16,6 +16,10 @@ buddy, which receives. The driver times each step from
    ``--codec raw`` (the 1 Gbit/s phase's own) and then by fresh ones running ``--codec delta-lz4``; steps
    after the first durable one are timed, so the buddy holds the previous step as the delta base.
 
+Every driver first takes a few untimed snapshots (:data:`~snapshotd.bench.drivers.SETTLE`): the buddy's first
+snapshots of a rank allocate its buffers, whose first touch costs far more than the bytes' transfer on this VM;
+a long job pays that once, so the timed snapshots are the steady state.
+
 A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
 state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
 durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``.
