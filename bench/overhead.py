@@ -46,7 +46,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import parse_bytes, parse_rate
 
 from .report import Progress, Report, scratch_dir
-from .trainer import run_ranks
+from .trainer import every_arg, plan_interval, run_ranks
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
@@ -113,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list of {','.join(VARIANTS)} (default all)",
     )
     parser.add_argument(
-        "--every", type=int, default=1, help="snapshotd: snapshot every K-th step (default 1)"
-    )
+        "--every", type=every_arg, default=1,
+        help="snapshotd: snapshot every K-th step, or auto: as often as 1%% of step time allows (default 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-rate", type=_rate, default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
     )
@@ -154,7 +155,7 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, int, int]]:
         if name == "none":
             one.append((name, 1))
         elif name == "snapshotd":
-            one.append((name, args.every))
+            one.append((name, plan_interval(args.every)))
         else:
             one.extend((name, n) for n in args.interval)
     return [(name, n, _block_steps(args, n)) for name, n in one] * args.rounds
@@ -272,7 +273,7 @@ def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.ranks < 1 or args.rounds < 1 or args.every < 1 or args.threads < 1 or args.batch < 1:
+    if args.ranks < 1 or args.rounds < 1 or args.threads < 1 or args.batch < 1:
         raise ValueError("--ranks, --rounds, --every, --threads and --batch must be >= 1")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
@@ -293,14 +294,14 @@ def run(args: argparse.Namespace) -> Report:
     with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
         measured, state_bytes, sidecar_cpu = _measure(args, workdir)
     rows = [_row(name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
-    snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", args.every), []))
+    snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", plan_interval(args.every)), []))
     for row in rows:
         if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
             row["sidecar_cpu_ms"] = sum(sidecar_cpu.values()) / snap_steps * 1e3
     base = next(r["step_median_ms"] for r in rows if r["variant"] == "none")
     for row in rows:
         row["step_ratio"] = row["step_median_ms"] / base
-    snap_runs = measured.get(("snapshotd", args.every), [])
+    snap_runs = measured.get(("snapshotd", plan_interval(args.every)), [])
     summary: dict[str, Any] = {
         "state_bytes_per_rank": state_bytes,
         "step_ratio": None,

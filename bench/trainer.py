@@ -49,7 +49,7 @@ import torch.distributed as dist
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
-__all__ = ["VARIANTS", "batch_for", "build_state", "main", "run_ranks", "state_digest"]
+__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "plan_interval", "run_ranks", "state_digest"]
 
 VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
 """What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
@@ -160,6 +160,24 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
     return results
 
 
+def every_arg(text: str) -> int | str:
+    """``--every``: a positive int, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--every must be a positive integer or auto, got {text!r}")
+    return value
+
+
+def plan_interval(every: int | str) -> int:
+    """A snapshotd block's interval in ``--plan`` for ``--every`` (auto chooses its own: 1)."""
+    return 1 if every == "auto" else int(every)
+
+
 def _parse_plan(text: str) -> list[tuple[str, int, int]]:
     """``--plan``: a JSON list of ``[variant, interval, steps]`` blocks."""
     try:
@@ -203,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job", default=None, help="snapshot every step under this job name (default: no snapshots)")
     p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
-    p.add_argument("--every", type=int, default=1)
+    p.add_argument("--every", type=every_arg, default=1, help="snapshot every K-th step, or auto (see Snapshotter)")
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -219,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = {v for v, _, _ in args.plan}
         if sum(k for _, _, k in args.plan) != args.steps:
             p.error("--plan's blocks must add up to --steps")
-        if "snapshotd" in variants and (not args.job or any(n != args.every for v, n, _ in args.plan if v == "snapshotd")):
-            p.error("--plan's snapshotd blocks need --job and their interval equal to --every")
+        if "snapshotd" in variants and (not args.job or any(n != plan_interval(args.every) for v, n, _ in args.plan
+                                                            if v == "snapshotd")):  # fmt: skip
+            p.error("--plan's snapshotd blocks need --job and their interval equal to --every (1 for auto)")
         if variants & set(CHECKPOINT_KINDS) and not args.ckpt_dir:
             p.error("--plan's disk checkpoints need --ckpt-dir")
 
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         restore_seconds = time.perf_counter() - t0
     if args.plan is not None and start:
         raise RuntimeError(f"--plan needs a fresh job, but job {args.job!r} restored step {start}")
-    plan = args.plan or [("snapshotd" if snap is not None else "none", args.every, args.steps - start)]
+    plan = args.plan or [("snapshotd" if snap is not None else "none", plan_interval(args.every), args.steps - start)]
     dcp_group = dist.new_group(backend="gloo") if any(v == "dcp_async" for v, _, _ in plan) else None
     checkpointers: dict[tuple[str, int], DiskCheckpointer] = {}
     losses: dict[int, float] = {}

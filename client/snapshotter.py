@@ -45,6 +45,7 @@ from snapshotd.proto import (
 from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel, SidecarUnavailable
+from .schedule import AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
 
@@ -76,6 +77,8 @@ class SnapshotStats:
     """Training-thread time spent inside capture()."""
     fence_seconds: float = 0.0
     """Training-thread time the optimizer pre-hook waited for a staging copy."""
+    auto_interval: int = 0
+    """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
     errors: int = 0
     last_error: str = ""
 
@@ -94,7 +97,9 @@ class Snapshotter:
         job: the job name; default ``$SNAPSHOTD_JOB``, else ``$TORCHELASTIC_RUN_ID``.
         rank, world_size: default torch.distributed's when initialised, else ``$RANK`` / ``$WORLD_SIZE``.
         sidecar: the sidecar's ipc path; default ``$SNAPSHOTD_SIDECAR``, else the per-user default path.
-        every: snapshot every ``every``-th step.
+        every: snapshot every ``every``-th step, or ``"auto"``: as often as 1% of training time allows, measured
+            as the job runs (see :mod:`snapshotd.client.schedule`; on a GPU node, where snapshots cost the step
+            next to nothing, that is every step).
         when_busy: ``"skip"`` (default) skips a step's snapshot when both slots are busy; ``"block"`` waits.
         timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
             its own.
@@ -112,7 +117,7 @@ class Snapshotter:
         rank: int | None = None,
         world_size: int | None = None,
         sidecar: str | None = None,
-        every: int = 1,
+        every: int | str = 1,
         when_busy: str = "skip",
         timeout: float = 30.0,
         slots: int = 2,
@@ -130,8 +135,8 @@ class Snapshotter:
             raise ValueError("rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+        if every != "auto" and not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"every must be an int >= 1 or 'auto', got {every!r}")
         if when_busy not in ("skip", "block"):
             raise ValueError(f"when_busy must be 'skip' or 'block', got {when_busy!r}")
         if not 1 <= slots <= 16:
@@ -141,6 +146,7 @@ class Snapshotter:
         self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
         self.every = every
+        self._auto = AutoInterval() if every == "auto" else None
         self.when_busy = when_busy
         self.timeout = timeout
         self.slots = slots
@@ -241,17 +247,25 @@ class Snapshotter:
             raise ValueError(f"capture({step}) after capture({self._last_captured}): steps only grow")
         self._last_captured = step
         t0 = time.perf_counter()
-        if self._last_capture_end is not None:
-            self._step_seconds = t0 - self._last_capture_end
+        step_seconds = None if self._last_capture_end is None else t0 - self._last_capture_end
+        if step_seconds is not None:
+            self._step_seconds = step_seconds
+        started = False
         try:
-            if step % self.every:
+            due = self._auto.due(step) if self._auto is not None else step % self.every == 0  # type: ignore[operator]
+            if not due:
                 return False
             flat = flatten(self.state)  # TypeError for unsnapshottable values propagates: a user error
-            return self._start(step, flat)
+            started = self._start(step, flat)
+            return started
         finally:
             end = time.perf_counter()
             self.stats.capture_seconds += end - t0
             self._last_capture_end = end
+            if self._auto is not None:
+                in_flight = self._last_step > max(self.stats.last_durable_step, self._last_failed_step)
+                self._auto.record(step_seconds, started=started, in_flight=in_flight)
+                self.stats.auto_interval = self._auto.interval
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the last started snapshot is durable on every buddy, or failed. True if durable."""

@@ -105,11 +105,24 @@ def test_defaults_snapshot_at_least_100_mb_per_rank_with_two_ranks() -> None:
         ["--interval", "0"],
         ["--interval", "x"],
         ["--max-rate", "fast"],
+        ["--every", "0"],
+        ["--every", "sometimes"],
     ],
 )
 def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         _args(*argv)
+
+
+def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
+    args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
+                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--workdir", str(tmp_path),
+                 "--timeout", "90")  # fmt: skip
+    assert args.every == "auto"
+    report = overhead.run(args)
+    (row,) = [r for r in report.results if r["variant"] == "snapshotd"]
+    assert row["interval"] == 1 and report.config["every"] == "auto"
+    assert report.summary["snapshots_durable"] >= 1  # the first step is always due
 
 
 def test_warmup_must_leave_steps_to_measure() -> None:

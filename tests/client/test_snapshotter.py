@@ -85,6 +85,35 @@ def test_steps_must_grow_and_every_skips_off_steps(tmp_path) -> None:
         assert snap.stats.skipped == 0  # an off step is not a skipped snapshot
 
 
+def test_every_is_a_positive_int_or_auto(tmp_path) -> None:
+    for bad in (0, -1, "sometimes", 1.5):
+        with pytest.raises(ValueError, match="every must be"):
+            Snapshotter({}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path), every=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.integration
+def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> None:
+    job = f"auto-{uuid.uuid4().hex[:6]}"
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        cluster.start_sidecar("A")
+        cluster.start_sidecar("B")
+        w = torch.zeros(1024)
+        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=20,
+                         every="auto", when_busy="block") as snap:  # fmt: skip
+            assert snap.restore(timeout=20) == 0
+            started = []
+            for step in range(1, 17):
+                w += 1
+                if snap.capture(step):
+                    started.append(step)
+                    assert snap.wait(20), snap.stats
+            # 1, then the start interval; the steps here take microseconds and the step after each snapshot
+            # waits for it to be durable, so one snapshot costs thousands of steps: the longest interval
+            assert started == [1, 8]
+            assert snap.stats.auto_interval == 1024 and snap.stats.durable == 2 and snap.stats.skipped == 0
+
+
 @pytest.mark.integration
 def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
     """A sidecar restart during training degrades snapshots for a moment; capture() never raises."""

@@ -1,0 +1,118 @@
+"""``every="auto"``: snapshot as often as a budget of training time allows.
+
+Where snapshots cost the training step something (on a host whose cores training keeps busy, the staging copy and
+the sidecars' streaming take cycles from it), snapshotting after every step slows training by that cost. The
+:class:`AutoInterval` measures it and spaces snapshots so that, on average, they slow training by at most
+``budget`` (1% by default):
+
+- A step is *loaded* if a snapshot of this rank was in flight (staging, or streaming until durable) when it began,
+  else *clean*. The baseline is the median of the recent clean steps.
+- The cost of one snapshot is the time its loaded steps took beyond the baseline, summed; its estimate is a
+  moving average over snapshots.
+- The interval ``K`` is the smallest power of two with ``cost / (K * baseline) <= budget`` (at most
+  :attr:`AutoInterval.MAX_INTERVAL`), and a step is due when ``step % K == 0``. Tying the schedule to the step
+  number, with ``K`` a power of two, keeps ranks in step: ranks whose estimates differ by a factor of two still
+  share every step of the larger interval, so the job always has a step that every rank snapshotted.
+- While ``K`` is below :attr:`AutoInterval.PROBE_BELOW`, the last :attr:`AutoInterval.PROBE_STEPS` steps of
+  every :attr:`AutoInterval.PROBE_EVERY` are never due, so that clean steps keep coming and the baseline follows
+  the job's speed. Loaded steps back to back (a snapshot in flight longer than the interval) are costed against
+  the baseline at hand every :attr:`AutoInterval.PROBE_EVERY` steps (or two intervals).
+
+A "step" longer than :attr:`AutoInterval.PAUSE` baselines is the training loop pausing (an evaluation, a disk
+checkpoint, a gap between capture calls) and is left out of both measurements. Before it has measured anything
+the interval is :attr:`AutoInterval.START` (the first step is always due, so a
+job is protected from its first step on). The class is pure bookkeeping: no clock, no I/O, not thread-safe (the
+training thread owns it).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+
+__all__ = ["AutoInterval"]
+
+
+class AutoInterval:
+    """Chooses which steps to snapshot so that snapshots cost at most ``budget`` of training time.
+
+    Args:
+        budget: the tolerated mean relative slowdown of a step (0.01 = 1%).
+    """
+
+    START = 8
+    MAX_INTERVAL = 1024
+    PROBE_EVERY = 64
+    PROBE_STEPS = 3
+    PROBE_BELOW = 4
+    BASELINE_WINDOW = 16
+    PAUSE = 20  # a "step" this many baselines long is a pause of the loop (evaluation, a disk save): not counted
+    ALPHA = 0.3
+
+    def __init__(self, budget: float = 0.01) -> None:
+        if not 0 < budget < 1:
+            raise ValueError(f"budget must be between 0 and 1, got {budget}")
+        self.budget = budget
+        self.interval = self.START
+        self.cost_seconds: float | None = None  # estimated training time one snapshot costs
+        self._clean: collections.deque[float] = collections.deque(maxlen=self.BASELINE_WINDOW)
+        self._episode: list[float] = []  # loaded step times since the last clean step
+        self._episode_snapshots = 0
+        self._loaded_next = False  # whether the step now beginning is loaded
+        self._first = True
+
+    @property
+    def baseline_seconds(self) -> float | None:
+        """The median clean step time, once three clean steps were seen."""
+        return statistics.median(self._clean) if len(self._clean) >= 3 else None
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` should be snapshotted (the caller still skips it if no slot is free)."""
+        if self._first:
+            return True
+        if self.interval < self.PROBE_BELOW and step % self.PROBE_EVERY >= self.PROBE_EVERY - self.PROBE_STEPS:
+            return False
+        return step % self.interval == 0
+
+    def record(self, step_seconds: float | None, *, started: bool, in_flight: bool) -> None:
+        """Account the step that just ended and the capture decision just taken.
+
+        Args:
+            step_seconds: how long the step that just ended took (None for the first, unknown one).
+            started: a snapshot of this step was started.
+            in_flight: a snapshot of this rank is in flight now (the one just started, or an older one).
+        """
+        if started:
+            self._first = False
+        base = self.baseline_seconds
+        pause = base is not None and step_seconds is not None and step_seconds > self.PAUSE * base
+        if step_seconds is not None and step_seconds > 0 and not pause:
+            if self._loaded_next:
+                self._episode.append(step_seconds)
+                if len(self._episode) >= max(self.PROBE_EVERY, 2 * self.interval):
+                    self._close_episode()  # snapshots back to back: measure against the baseline we have
+            else:
+                self._close_episode()
+                self._clean.append(step_seconds)
+        if started:
+            self._episode_snapshots += 1
+        self._loaded_next = in_flight
+        self._choose()
+
+    def _close_episode(self) -> None:
+        base = self.baseline_seconds
+        if self._episode and self._episode_snapshots and base is not None:
+            cost = max(0.0, sum(t - base for t in self._episode)) / self._episode_snapshots
+            a = self.ALPHA
+            self.cost_seconds = cost if self.cost_seconds is None else (1 - a) * self.cost_seconds + a * cost
+        self._episode.clear()
+        self._episode_snapshots = 0
+
+    def _choose(self) -> None:
+        base = self.baseline_seconds
+        if base is None or self.cost_seconds is None or base <= 0:
+            return
+        need = self.cost_seconds / (self.budget * base)  # steps per snapshot for the budget
+        k = 1 if need <= 1 else 1 << math.ceil(math.log2(need) - 1e-9)
+        self.interval = min(self.MAX_INTERVAL, k)
