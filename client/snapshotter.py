@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from snapshotd.proto import (
@@ -41,6 +42,7 @@ from snapshotd.proto import (
     UnregisterRank,
     decode_table,
     encode_table,
+    match_entries,
 )
 from snapshotd.shm import Arena, attach_arena
 
@@ -81,6 +83,15 @@ class SnapshotStats:
     """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
     errors: int = 0
     last_error: str = ""
+
+
+def _direct_targets(flat: FlatState) -> bytes:
+    """``RestoreRequest.targets`` for ``flat``: per entry, the address of its live tensor's bytes where the sidecar
+    may write them directly (a contiguous CPU tensor), else 0; empty when no entry qualifies."""
+    addresses = [
+        t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() and t.numel() else 0 for t in flat.tensors
+    ]
+    return np.asarray(addresses, dtype="<u8").tobytes() if any(addresses) else b""
 
 
 def _env_int(name: str) -> int | None:
@@ -195,12 +206,14 @@ class Snapshotter:
             self._free.clear()
             self._inflight.clear()
             seen = self._updates
+        targets = _direct_targets(flat)
         try:
             reply = self._channel.request(
-                RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout),
+                RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
+                               table=encode_table(flat.entries) if targets else b"", targets=targets),
                 "restore_reply",
                 timeout + 5,
-            )
+            )  # fmt: skip
         except ProtocolError as exc:
             text = str(exc)
             if "not_recoverable" in text:
@@ -215,13 +228,14 @@ class Snapshotter:
         with self._lock:  # so that the first capture() finds its free slots
             self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
-                         "seconds": reply.seconds}  # fmt: skip
+                         "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
         if reply.source == "fresh":
             log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
             return 0
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
-        restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot])
+        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
+        restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
         self._last_step = self._last_captured = reply.step
         self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False

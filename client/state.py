@@ -363,11 +363,14 @@ def _np_dtype(s: Any) -> np.dtype:
 class _Restorer:
     """Rebuilds values from decoded meta, copying tensor bytes into the live tensors where they fit."""
 
-    __slots__ = ("data", "dtensor", "entries")
+    __slots__ = ("data", "dtensor", "entries", "placed")
 
-    def __init__(self, entries: Sequence[TensorEntry], data: torch.Tensor) -> None:
+    def __init__(
+        self, entries: Sequence[TensorEntry], data: torch.Tensor, placed: Mapping[int, torch.Tensor]
+    ) -> None:
         self.entries = entries
         self.data = data
+        self.placed = placed
         self.dtensor = _dtensor_type()
 
     def tensor(self, ref: _Ref, cur: Any, keys: Path, strict: bool) -> Any:
@@ -383,12 +386,18 @@ class _Restorer:
                 f"{_where(keys)}: the snapshot holds a DTensor shard but the live state has no DTensor here "
                 "(an optimizer must have its state, e.g. after one step, before restoring a sharded snapshot)"
             )
-        if e.nbytes:
-            src = self.data[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
-        else:
-            src = torch.empty(e.shape, dtype=dtype)
+        src = self.placed.get(ref.index)
+        if src is None:
+            if e.nbytes:
+                src = self.data[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
+            else:
+                src = torch.empty(e.shape, dtype=dtype)
         if isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == e.shape:
-            target.copy_(src)
+            same = (
+                target.device == src.device and target.data_ptr() == src.data_ptr() and target.stride() == src.stride()
+            )
+            if not same:  # a placed tensor is often the live one itself: its bytes are already there
+                target.copy_(src)
             return cur
         if strict:
             live = f"{target.dtype} {list(target.shape)}" if isinstance(target, torch.Tensor) else type(cur)
@@ -438,7 +447,12 @@ class _Restorer:
 
 
 def restore_into(
-    state: Mapping[str, Any], entries: Sequence[TensorEntry], meta: bytes | memoryview, data: torch.Tensor
+    state: Mapping[str, Any],
+    entries: Sequence[TensorEntry],
+    meta: bytes | memoryview,
+    data: torch.Tensor,
+    *,
+    placed: Mapping[int, torch.Tensor] | None = None,
 ) -> None:
     """Load a snapshot into ``state`` in place: the inverse of :func:`flatten` + :func:`copy_into`.
 
@@ -455,6 +469,8 @@ def restore_into(
         meta: the snapshot's msgpack blob. Decoded with msgpack only, never unpickled.
         data: contiguous 1-D uint8 CPU tensor holding the data buffer, starting at a multiple of 16 bytes of
             its storage.
+        placed: entry index -> a tensor of that entry's dtype and shape that already holds its bytes (the
+            sidecar wrote them there); ``data`` is not read for those entries.
 
     Raises:
         ValueError: malformed meta, a table that does not fit ``data`` or ``meta``, keys that differ from
@@ -490,7 +506,7 @@ def restore_into(
             f"snapshot does not match the state: state keys missing {missing}, extra keys {extra}"
         )
 
-    restorer = _Restorer(entries, data)
+    restorer = _Restorer(entries, data, placed or {})
     with torch.no_grad():
         for key, value in state.items():
             kind, tree = top[key]

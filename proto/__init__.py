@@ -16,7 +16,7 @@ from .errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, table_data_bytes
+from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, match_entries, table_data_bytes
 from .messages import *  # noqa: F403
 from .messages import __all__ as _messages_all
 
@@ -36,6 +36,7 @@ __all__ = [
     "decode_table",
     "decompress_chunk",
     "encode_table",
+    "match_entries",
     "table_data_bytes",
     "verify",
     *_messages_all,

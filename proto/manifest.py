@@ -15,7 +15,7 @@ import msgpack
 from . import limits as L
 from .errors import LimitExceeded, MalformedMessage
 
-__all__ = ["DTYPE_SIZES", "TensorEntry", "decode_table", "encode_table", "table_data_bytes"]
+__all__ = ["DTYPE_SIZES", "TensorEntry", "decode_table", "encode_table", "match_entries", "table_data_bytes"]
 
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -87,3 +87,18 @@ def decode_table(buf: bytes | memoryview, data_bytes: int | None = None) -> list
 def table_data_bytes(entries: Sequence[TensorEntry]) -> int:
     """The data buffer size a table needs: the end of its last byte range."""
     return max((e.offset + e.nbytes for e in entries), default=0)
+
+
+def match_entries(snapshot: Sequence[TensorEntry], live: Sequence[TensorEntry]) -> dict[int, int]:
+    """Pair each snapshot entry with the live entry of the same path, dtype and shape (index -> index).
+
+    The rule by which a sidecar places a restored snapshot straight into a process's live tensors and by which
+    that process knows which of its tensors now hold the snapshot's bytes: both sides call this.
+    """
+    by_path = {e.path: i for i, e in reversed(list(enumerate(live)))}
+    out: dict[int, int] = {}
+    for i, e in enumerate(snapshot):
+        j = by_path.get(e.path)
+        if j is not None and live[j].dtype == e.dtype and live[j].shape == e.shape:
+            out[i] = j
+    return out

@@ -209,12 +209,21 @@ class SlotUpdate(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreRequest(Message):
-    """A (re)started rank asks for the job's recoverable state; the sidecar answers within ``timeout_s``."""
+    """A (re)started rank asks for the job's recoverable state; the sidecar answers within ``timeout_s``.
+
+    ``table`` (the tensor table of the rank's live state) and ``targets`` (per entry, the address of that live
+    CPU tensor's contiguous bytes in the requesting process as a little-endian uint64, 0 where it has none)
+    let the sidecar write a pulled snapshot straight into the live tensors (see :func:`match_entries`); both
+    empty: the arena only.
+    """
 
     TYPE: ClassVar[str] = "restore_request"
+    FRAMES: ClassVar[tuple[str, ...]] = ("table", "targets")
     rank: int = spec_field(_RANK)
     world_size: int = spec_field(_WORLD)
     timeout_s: float = spec_field(_SECONDS)
+    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
+    targets: memoryview | bytes = _frame(8 * L.MAX_TENSORS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,7 +233,8 @@ class RestoreReply(Message):
     ``source``: ``fresh`` when the job has no snapshot at all (step 0, nothing to load); ``local`` from the rank's
     own slot; ``replica`` from a copy this node already held for another node (e.g. re-replicated after a node
     loss); ``pull`` fetched from other nodes' sidecars now. The arena may be a new one (sized for the snapshot);
-    the client maps it and uses it from then on.
+    the client maps it and uses it from then on. ``direct``: the bytes of every entry that
+    :func:`match_entries` pairs with a request target were written into that target instead of the slot.
     """
 
     TYPE: ClassVar[str] = "restore_reply"
@@ -237,6 +247,7 @@ class RestoreReply(Message):
     slot: int = spec_field(_SLOT, default=0)
     bytes_pulled: int = spec_field(_NBYTES, default=0)
     seconds: float = spec_field(_SECONDS, default=0.0)
+    direct: bool = spec_field(Bool(), default=False, added=True)
     table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
 

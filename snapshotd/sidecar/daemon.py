@@ -65,6 +65,7 @@ from .control import CoordinatorClient, CoordinatorUnavailable
 from .local import LocalRank, SlotState
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
+from .placement import DirectSink, Lander, PlacementError, arena_sink
 from .store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
 from .transfer import CodecPolicy, PullFailed, pull_snapshot, send_snapshot
 
@@ -429,11 +430,11 @@ class Sidecar:
             return
         step = plan.step
         index = lr.find(step)
-        source, pulled = "local", 0
+        source, pulled, direct = "local", 0, False
         if index is None:
             try:
-                index, pulled = await self._fetch_into_arena(lr, step, plan.sources)
-            except (PullFailed, PeerError, ProtocolError) as exc:
+                index, pulled, direct = await self._fetch_into_arena(lr, step, plan.sources, req)
+            except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 self._reply(self._ipc_out, ident, Error(job=req.job, code="pull_failed", rank=req.rank, step=step,
                                                         message=str(exc)))  # fmt: skip
                 return
@@ -444,12 +445,12 @@ class Sidecar:
         lr.seen_step = step
         s = lr.slots[index]
         seconds = time.monotonic() - t0
-        log.info("rank %d of job %s restores step %d (%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
-                 pulled, seconds)  # fmt: skip
+        log.info("rank %d of job %s restores step %d (%s%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
+                 ", into its tensors" if direct else "", pulled, seconds)  # fmt: skip
         self.version += 1
         self._reply(self._ipc_out, ident, RestoreReply(
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
-            slot=index, bytes_pulled=pulled, seconds=seconds, table=s.table, meta=s.meta,
+            slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
         ))  # fmt: skip
 
     def _restore_slot(self, lr: LocalRank, data_bytes: int) -> int:
@@ -461,26 +462,47 @@ class Sidecar:
         lr.slots = [SlotState() for _ in lr.slots]
         return 0
 
-    async def _fetch_into_arena(self, lr: LocalRank, step: int, sources: tuple[str, ...]) -> tuple[int, int]:
-        """Bring ``(job, rank, step)`` into a slot: from this node's buddy store if held, else pulled."""
+    async def _fetch_into_arena(
+        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest
+    ) -> tuple[int, int, bool]:
+        """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled;
+        into a slot, or, where ``req`` names live tensors, straight into them (:mod:`.placement`).
+
+        Returns the slot, the bytes pulled, and whether tensors were written directly (the slot then lacks their
+        bytes, so it is not a valid copy of the step: it is never served or kept as the local fast path).
+
+        Raises:
+            PullFailed, PeerError, ProtocolError, PlacementError: the state could not be brought here.
+        """
         try:
             snap = self.store.get(lr.job, lr.rank, step)
         except UnknownSnapshot:
             snap = None
         if snap is not None:
             index = self._restore_slot(lr, snap.data_bytes)
-            lr.arena.slot(index)[: snap.data_bytes] = snap.data.data
-            lr.slots[index] = SlotState(step=step, valid=True, table=snap.table, meta=snap.meta, data_bytes=snap.data_bytes)
-            return index, 0
+            slot = lr.arena.slot(index)[: snap.data_bytes]
+            sink = self._direct_sink(lr, req, snap.table, slot)
+            if sink is not None:
+                sink.land(0, snap.data.data)
+            else:
+                slot[:] = snap.data.data
+            lr.slots[index] = SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
+                                        data_bytes=snap.data_bytes)  # fmt: skip
+            return index, 0, sink is not None
         links = [self.link(a) for a in sources if a != self.data_addr]
         index = 0
+        direct = False
         with Progress(None, desc=f"restore {lr.job} rank {lr.rank} step {step}", unit="bytes") as bar:
 
-            def allocate(m: StreamBegin) -> memoryview:
+            def allocate(m: StreamBegin) -> Lander:
+                nonlocal direct
                 bar.total = m.data_bytes
                 self._restore_slot(lr, m.data_bytes)
                 lr.slots[index].pins += 1
-                return lr.arena.slot(index)[: m.data_bytes]
+                slot = lr.arena.slot(index)[: m.data_bytes]
+                sink = self._direct_sink(lr, req, m.table, slot)
+                direct = sink is not None
+                return sink.land if sink is not None else arena_sink(slot)
 
             try:
                 manifest, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step, allocate=allocate,
@@ -489,10 +511,20 @@ class Sidecar:
                 lr.slots[index] = SlotState()
                 raise
         proto.decode_table(manifest.table, manifest.data_bytes)
-        lr.slots[index] = SlotState(step=step, valid=True, table=bytes(manifest.table), meta=bytes(manifest.meta),
-                                    data_bytes=manifest.data_bytes)  # fmt: skip
+        lr.slots[index] = SlotState(step=step, valid=not direct, table=bytes(manifest.table),
+                                    meta=bytes(manifest.meta), data_bytes=manifest.data_bytes)  # fmt: skip
         self.bytes_in += pulled
-        return index, pulled
+        return index, pulled, direct
+
+    def _direct_sink(
+        self, lr: LocalRank, req: RestoreRequest, table: bytes | memoryview, slot: memoryview
+    ) -> DirectSink | None:
+        """A sink into the restoring process's tensors, if it named any that match and the kernel lets us."""
+        if not memoryview(req.targets).nbytes:
+            return None
+        live = proto.decode_table(req.table)
+        sink = DirectSink(lr.pid, proto.decode_table(table, slot.nbytes), live, req.targets, slot)
+        return sink if sink.direct_bytes and sink.probe() else None
 
     # --------------------------------------------------------------------------------------- data plane
 
@@ -598,10 +630,10 @@ class Sidecar:
         try:
             links = [self.link(a) for a in task.sources if a != self.data_addr]
 
-            def allocate(m: StreamBegin) -> memoryview:
+            def allocate(m: StreamBegin) -> Lander:
                 snap = self.store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
                                         chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta)  # fmt: skip
-                return snap.data.data
+                return arena_sink(snap.data.data)
 
             try:
                 _, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step, allocate=allocate)

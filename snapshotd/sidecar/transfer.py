@@ -32,6 +32,7 @@ from snapshotd.proto import (
 
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
+from .placement import Lander, PlacementError
 
 __all__ = ["CodecPolicy", "PullFailed", "SendResult", "pull_snapshot", "send_snapshot"]
 
@@ -193,17 +194,19 @@ async def pull_snapshot(
     job: str,
     rank: int,
     step: int,
-    allocate: Callable[[StreamBegin], memoryview],
+    allocate: Callable[[StreamBegin], Lander],
     on_progress: Callable[[int], None] | None = None,
 ) -> tuple[StreamBegin, int]:
     """Fetch the complete snapshot ``(job, rank, step)`` from ``links`` (its holders), striped across all of them.
 
-    ``allocate(manifest)`` returns the writable destination (at least ``manifest.data_bytes``). Every chunk's
-    checksum is verified before it counts. A holder that fails or goes silent has its chunks reassigned to the
-    others. Returns the manifest and the number of payload bytes received.
+    ``allocate(manifest)`` returns where the chunks go (a :data:`~.placement.Lander`, e.g.
+    :func:`~.placement.arena_sink` of a buffer of at least ``manifest.data_bytes``); every chunk's checksum is
+    verified before it lands. A holder that fails or goes silent has its chunks reassigned to the others. Returns
+    the manifest and the number of payload bytes received.
 
     Raises:
         PullFailed: no holder described the snapshot, or every holder failed before all chunks arrived.
+        PlacementError: the lander could not write (the pull stops at once: no holder can help).
     """
     if not links:
         raise PullFailed(f"no live holder of job {job!r} rank {rank} step {step}")
@@ -221,7 +224,7 @@ async def pull_snapshot(
                 errors.append(str(exc))
     if manifest is None:
         raise PullFailed(f"no holder could describe job {job!r} rank {rank} step {step}: {'; '.join(errors)}")
-    dest = allocate(manifest)
+    land = allocate(manifest)
     nchunks = manifest.nchunks
     pending = collections.deque(range(i, min(i + PULL_RANGE, nchunks)) for i in range(0, nchunks, PULL_RANGE))
     received = 0
@@ -244,13 +247,15 @@ async def pull_snapshot(
                         end = min(start + manifest.chunk_bytes, manifest.data_bytes)
                         if msg.raw_len != end - start:
                             raise PeerError(f"{link.addr} sent chunk {msg.index} of the wrong size")
-                        out = dest[start:end]
-                        codec.decompress_chunk(msg.codec, msg.payload, msg.raw_len, elem=msg.elem, out=out)
-                        codec.verify(out, msg.checksum)
+                        chunk = codec.decompress_chunk(msg.codec, msg.payload, msg.raw_len, elem=msg.elem)
+                        codec.verify(chunk, msg.checksum)
+                        land(start, chunk)
                         missing.discard(msg.index)
                         received += msg.payload.nbytes
                         if on_progress is not None:
                             on_progress(msg.raw_len)
+                except PlacementError:
+                    raise
                 except Exception as exc:
                     pending.extend(range(i, i + 1) for i in sorted(missing))
                     alive.remove(link)
@@ -259,9 +264,12 @@ async def pull_snapshot(
                     return
 
     while pending and alive:  # a holder that failed late may have put chunks back after the others finished
-        async with asyncio.TaskGroup() as tg:
-            for link in list(alive):
-                tg.create_task(worker(link))
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for link in list(alive):
+                    tg.create_task(worker(link))
+        except* PlacementError as group:
+            raise group.exceptions[0] from None
     if pending:
         raise PullFailed(f"pull of job {job!r} rank {rank} step {step} failed: {'; '.join(errors)}")
     return manifest, received
