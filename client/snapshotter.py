@@ -27,7 +27,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from snapshotd.proto import (
@@ -47,6 +46,7 @@ from snapshotd.proto import (
 from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel, SidecarUnavailable
+from .direct import direct_targets, writable_by
 from .schedule import AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
@@ -83,15 +83,6 @@ class SnapshotStats:
     """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
     errors: int = 0
     last_error: str = ""
-
-
-def _direct_targets(flat: FlatState) -> bytes:
-    """``RestoreRequest.targets`` for ``flat``: per entry, the address of its live tensor's bytes where the sidecar
-    may write them directly (a contiguous CPU tensor), else 0; empty when no entry qualifies."""
-    addresses = [
-        t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() and t.numel() else 0 for t in flat.tensors
-    ]
-    return np.asarray(addresses, dtype="<u8").tobytes() if any(addresses) else b""
 
 
 def _env_int(name: str) -> int | None:
@@ -168,6 +159,7 @@ class Snapshotter:
         self._last_update = time.monotonic()
         self._sidecar_ok = True
         self._pending_registration: RankRegistered | None = None
+        self._sidecar_pid = 0
         self._last_failed_step = -1
         self._registration_sent = -1e9
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
@@ -206,14 +198,15 @@ class Snapshotter:
             self._free.clear()
             self._inflight.clear()
             seen = self._updates
-        targets = _direct_targets(flat)
+        targets = direct_targets(flat)
         try:
-            reply = self._channel.request(
-                RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
-                               table=encode_table(flat.entries) if targets else b"", targets=targets),
-                "restore_reply",
-                timeout + 5,
-            )  # fmt: skip
+            with writable_by(self._sidecar_pid if targets else 0):
+                reply = self._channel.request(
+                    RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
+                                   table=encode_table(flat.entries) if targets else b"", targets=targets),
+                    "restore_reply",
+                    timeout + 5,
+                )  # fmt: skip
         except ProtocolError as exc:
             text = str(exc)
             if "not_recoverable" in text:
@@ -334,6 +327,7 @@ class Snapshotter:
 
     def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
+        self._sidecar_pid = reply.pid
         self._registered_bytes = reply.slot_bytes
         self._table_sent = False
         self._sidecar_ok = True

@@ -152,13 +152,14 @@ class RegisterRank(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RankRegistered(Message):
-    """The arena file to map (owner-only, under /dev/shm) and its geometry."""
+    """The arena file to map (owner-only, under /dev/shm) and its geometry; ``pid`` is the sidecar's."""
 
     TYPE: ClassVar[str] = "rank_registered"
     rank: int = spec_field(_RANK)
     arena: str = spec_field(_ADDR)
     slot_bytes: int = spec_field(_NBYTES)
     slots: int = spec_field(Int(1, L.MAX_SLOTS))
+    pid: int = spec_field(Int(0, 1 << 31), default=0, added=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

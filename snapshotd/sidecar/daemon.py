@@ -271,7 +271,8 @@ class Sidecar:
         self.version += 1
         self._wake.set()  # tell the coordinator now, so that buddies are placed before the first snapshot
         self._reply(self._ipc_out, ident, RankRegistered(
-            job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots
+            job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots,
+            pid=os.getpid(),
         ))  # fmt: skip
         self._send_slots(lr)
 
