@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 1MiB)")
     parser.add_argument("--link-size", type=parse_bytes, default=256 << 20,
                         help="state on the shaped links (default 256MiB)")  # fmt: skip
-    parser.add_argument("--link-repeat", type=int, default=3, help="timed snapshots per link (default 3)")
+    parser.add_argument("--link-repeat", type=int, default=5, help="timed snapshots per link (default 5)")
     parser.add_argument(
         "--delta-params",
         type=int,
