@@ -258,7 +258,10 @@ class RestoreReply(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StreamBegin(Message):
-    """Offer (or, answering a :class:`PullManifest`, describe) the snapshot ``(job, rank, step)``."""
+    """Offer (or, answering a :class:`PullManifest`, describe) the snapshot ``(job, rank, step)``.
+
+    ``window``: the sender's credit (unacknowledged chunks it keeps in flight); 0 asks for an ack per chunk.
+    """
 
     TYPE: ClassVar[str] = "stream_begin"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
@@ -267,6 +270,7 @@ class StreamBegin(Message):
     src_node: str = spec_field(_NAME)
     data_bytes: int = spec_field(_NBYTES)
     chunk_bytes: int = spec_field(Int(1, L.MAX_CHUNK_BYTES))
+    window: int = spec_field(Int(0, 1024), default=0, added=True)
     table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
 
@@ -307,13 +311,18 @@ class Chunk(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkAck(Message):
-    """Chunk ``index`` is in and verified; ``complete`` when it was the last one missing."""
+    """``count`` chunks, the last being ``index``, are in and verified; ``complete`` when the snapshot is.
+
+    A receiver acknowledges every few chunks (a quarter of the sender's window, see :class:`StreamBegin`), and
+    always the last chunk and the one that completes the snapshot.
+    """
 
     TYPE: ClassVar[str] = "chunk_ack"
     rank: int = spec_field(_RANK)
     step: int = spec_field(_STEP)
     index: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
     complete: bool = spec_field(Bool(), default=False)
+    count: int = spec_field(Int(1, 1024), default=1, added=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

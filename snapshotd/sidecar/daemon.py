@@ -83,6 +83,7 @@ class Sidecar:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.store = SnapshotStore(cfg.memory_limit)
+        self._acks: dict[tuple[str, int, int], list[int]] = {}  # stream -> [ack every, unacked, last index]
         self.pacer = Pacer(cfg.max_rate)
         self.ranks: dict[RankKey, LocalRank] = {}
         self.links: dict[str, PeerLink] = {}
@@ -557,16 +558,29 @@ class Sidecar:
             self.bytes_in += msg.payload.nbytes
             if done:
                 self.version += 1
+            key = (msg.job, msg.rank, msg.step)
+            acks = self._acks.get(key)
+            count = 1
+            if acks is not None:  # [ack every, received since the last ack, index of the last chunk]
+                acks[1] += 1
+                if not (done or acks[1] >= acks[0] or msg.index >= acks[2]):
+                    return
+                count, acks[1] = acks[1], 0
+                if done:
+                    del self._acks[key]
             self._reply(self._data_out, ident, ChunkAck(job=msg.job, rank=msg.rank, step=msg.step, index=msg.index,
-                                                        complete=done))  # fmt: skip
+                                                        complete=done, count=count))  # fmt: skip
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
             self.store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
                              chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta)  # fmt: skip
+            if msg.window >= 4:  # acknowledge every quarter window: fewer messages, the sender never starved
+                self._acks[(msg.job, msg.rank, msg.step)] = [msg.window // 4, 0, msg.nchunks - 1]
             self._reply(self._data_out, ident, StreamAccept(job=msg.job, rank=msg.rank, step=msg.step,
                                                             bases=tuple(self.store.steps(msg.job, msg.rank)[-8:])))  # fmt: skip
         elif isinstance(msg, StreamAbort):
             self.store.abort(msg.job, msg.rank, msg.step)
+            self._acks.pop((msg.job, msg.rank, msg.step), None)
         elif isinstance(msg, PullManifest):
             table, meta, nbytes, _ = self._source(msg.job, msg.rank, msg.step)
             self._reply(self._data_out, ident, StreamBegin(
@@ -712,6 +726,7 @@ class Sidecar:
         for w in reply.watermarks:
             if self.store.drop_older(w.job, w.durable):
                 self.version += 1
+        self._acks = {k: v for k, v in self._acks.items() if self.store.holds(*k)}  # streams whose sender vanished
         for task in reply.tasks:
             self._spawn(self._replicate(task), f"re-replication of {task.job} rank {task.rank} step {task.step}")
 

@@ -146,7 +146,7 @@ async def send_snapshot(
         try:
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
-                table=table, meta=meta,
+                window=window, table=table, meta=meta,
             ))  # fmt: skip
             accept = await link.receive(replies, StreamAccept)
             assert isinstance(accept, StreamAccept)
@@ -175,9 +175,11 @@ async def send_snapshot(
                     wire += size
                     sent += 1
                     inflight += 1
-                await link.receive(replies, ChunkAck)
-                inflight -= 1
-                acked += 1
+                ack = await link.receive(replies, ChunkAck)
+                assert isinstance(ack, ChunkAck)
+                count = min(ack.count, inflight)
+                inflight -= count
+                acked += count
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
             link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))  # best effort: it may be gone

@@ -438,6 +438,20 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
         again = peer.request(begin)  # a repeated offer of a complete snapshot changes nothing
         assert isinstance(again, StreamAccept) and again.bases == (1,)
         peer.send(StreamAbort(job=fake, rank=0, step=1))  # nor does an abort of it (one-way: no reply)
+        # a sender's window of 8: an ack per 2 chunks, and always for the chunk that completes the snapshot
+        five = bytes(range(256)) * 80
+        parts = [memoryview(five)[i : i + 4096] for i in range(0, len(five), 4096)]
+        table = encode_table([TensorEntry("y", "uint8", (len(five),), 0, len(five))])
+        windowed = StreamBegin(job=fake, rank=1, step=1, src_node="X", data_bytes=len(five), chunk_bytes=4096,
+                               window=8, table=table, meta=msgpack.packb([1, {}]))  # fmt: skip
+        assert isinstance(peer.request(windowed), StreamAccept)
+        for i, part in enumerate(parts):
+            peer.send(Chunk(job=fake, rank=1, step=1, index=i, raw_len=part.nbytes, checksum=checksum(part),
+                            payload=part))  # fmt: skip
+        acks = [peer.recv() for _ in range(3)]
+        assert [(a.index, a.count, a.complete) for a in acks if isinstance(a, ChunkAck)] == [
+            (1, 2, False), (3, 2, False), (4, 1, True)
+        ]
     with DataPeer(b.fields["data"]) as peer:
         got = peer.pull(fake, 0, 1)
     assert isinstance(got, Pulled) and got.data == data and got.table == encode_table(entries)
