@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from snapshotd.client import RNGState, SidecarUnavailable, Snapshotter
 from snapshotd.local_cluster import LocalCluster
+
+
+@contextlib.contextmanager
+def _cluster(tmp_path, *nodes: str) -> Iterator[LocalCluster]:
+    """A coordinator and one sidecar per node name, torn down after the block."""
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        for node in nodes:
+            cluster.start_sidecar(node)
+        yield cluster
 
 
 def _nowhere(tmp_path) -> str:
@@ -94,10 +106,7 @@ def test_every_is_a_positive_int_or_auto(tmp_path) -> None:
 @pytest.mark.integration
 def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> None:
     job = f"auto-{uuid.uuid4().hex[:6]}"
-    with LocalCluster(str(tmp_path)) as cluster:
-        cluster.start_coordinator()
-        cluster.start_sidecar("A")
-        cluster.start_sidecar("B")
+    with _cluster(tmp_path, "A", "B") as cluster:
         w = torch.zeros(1024)
         with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=20,
                          every="auto", when_busy="block") as snap:  # fmt: skip
@@ -118,10 +127,8 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
 def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
     """A sidecar restart during training degrades snapshots for a moment; capture() never raises."""
     job = f"restart-{uuid.uuid4().hex[:6]}"
-    with LocalCluster(str(tmp_path)) as cluster:
-        cluster.start_coordinator()
-        node_a = cluster.start_sidecar("A")
-        cluster.start_sidecar("B")
+    with _cluster(tmp_path, "A", "B") as cluster:
+        node_a = cluster.sidecars["A"]
         model = torch.nn.Linear(64, 64)
         opt = torch.optim.AdamW(model.parameters())
         state = {"model": model, "optim": opt, "rng": RNGState()}
@@ -156,11 +163,7 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
 @pytest.mark.integration
 def test_block_mode_waits_and_a_new_node_pulls(tmp_path) -> None:
     job = f"block-{uuid.uuid4().hex[:6]}"
-    with LocalCluster(str(tmp_path)) as cluster:
-        cluster.start_coordinator()
-        cluster.start_sidecar("A")
-        cluster.start_sidecar("B")
-        cluster.start_sidecar("C")
+    with _cluster(tmp_path, "A", "B", "C") as cluster:
         w = torch.zeros(1 << 16)
         with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10,
                          when_busy="block") as snap:  # fmt: skip
