@@ -18,8 +18,9 @@ rank on node A: A streams each snapshot to B, its buddy (``replicas=1``), so thi
 whole snapshot traffic, sending (A) and receiving (B) both, which a real node would split with its buddies.
 
 Per variant (the first ``--warmup`` steps of each run left out; a variant with interval N runs its measured steps
-in a multiple of N, so that they hold exactly one save per N steps): the median and p99 step time (per step, the mean
-over ranks), the time the training thread was blocked (per step, the largest over ranks: ``capture()`` plus the
+in a multiple of N, so that they hold exactly one save per N steps): the median, mean and p99 step time (per step,
+the mean over ranks; with ``--every auto`` most steps carry no snapshot, so the mean is the figure that counts),
+the time the training thread was blocked (per step, the largest over ranks: ``capture()`` plus the
 optimizer fence; the ``torch.save`` call; or ``async_save`` plus waiting for the previous one), the bytes moved
 off the rank processes per step (snapshotd: state streamed to the buddy, counted from the snapshots every buddy
 acknowledged; the baselines: bytes written to disk), the effective interval between completed snapshots or
@@ -52,7 +53,7 @@ __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
 VARIANTS = ("none", "snapshotd", "torch_save", "dcp_async")
 _SUMMARY_RATIO = {"torch_save": "torch_save_ratio", "dcp_async": "dcp_async_ratio"}
-_COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_p99_ms", "step_ratio", "blocked_median_ms",
+_COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_mean_ms", "step_p99_ms", "step_ratio", "blocked_median_ms",
             "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
 
 
@@ -254,6 +255,7 @@ def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any
         "interval": None if name == "none" else interval,
         "runs": len(blocks),
         "step_median_ms": float(np.median(step)) * 1e3,
+        "step_mean_ms": float(np.mean(step)) * 1e3,
         "step_p99_ms": float(np.percentile(step, 99)) * 1e3,
         "step_ratio": None,
         "blocked_median_ms": float(np.median(blocked)) * 1e3,
