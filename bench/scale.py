@@ -23,16 +23,19 @@ one heartbeat interval: every heartbeat carries its full inventory, the real sid
    a replacement node registers hosting its 8 ranks, holding nothing. The bench waits the coordinator's death
    timeout in effect (``coordinator.heartbeat_timeout`` of its status document, stretched like the interval;
    ``death_timeout_s``) plus 0.5 s for it to declare the silent node dead.
-4. **Plan round**: every one of the 8N ranks asks for a plan, the sidecars (the replacement for the lost
-   node's ranks) spread over one heartbeat interval, on lasting plan sockets (see :mod:`.simsidecars`) while
-   every sidecar keeps heartbeating. The coordinator holds each request until the last rank asks, which freezes
-   the round, and then answers them all; a request held past its hold time gets ``wait`` and its rank asks
-   again at once. ``freeze_s``: from the first request to the last answer.
-5. **Plan latency**, measured in that round: a rank's ``plan_ms`` is the time its answer came minus the time the
-   last rank first asked (the moment the round could freeze): the decision, and the wait behind the other
-   answers and the heartbeats queued in the coordinator. ``plan_p50_ms``, ``plan_p99_ms`` (``plan_ms_p99``)
+4. **Plan round**: every one of the 8N ranks asks for a plan, each sidecar (the replacement for the lost
+   node's ranks) asking for its 8 in one request as the real sidecar does, the sidecars spread over one
+   heartbeat interval, on lasting plan sockets (see :mod:`.simsidecars`) while every sidecar keeps heartbeating.
+   The coordinator holds each request until the last rank is asked for, which freezes the round, and then
+   answers them all, one reply per request; a request held past its hold time gets ``wait`` and its sidecar
+   asks again at once. ``freeze_s``: from the first request to the last answer.
+5. **Plan latency**, measured in that round: a rank's ``plan_ms`` is the time its answer came (the reply
+   covering it was read off the socket) minus the time the last rank was first asked for (the moment the round
+   could freeze): the decision, and the wait behind the other answers and the heartbeats queued in the
+   coordinator. ``plan_p50_ms``, ``plan_p99_ms`` (``plan_ms_p99``)
    and ``plan_max_ms`` are over every rank (``plan_samples``: 8N), ranks unanswered within ``--timeout`` s
-   (``plan_answered`` < ``plan_samples``) counting as infinitely late, which leaves those percentiles empty.
+   (``plan_answered`` < ``plan_samples``) counting as infinitely late, which leaves those percentiles empty;
+   ``plan_waits`` counts the ``wait`` replies (one per request).
    Every answer must be ``ready`` at one step, ``local`` exactly for ranks whose node lived, with sources for the
    replacement, never the lost node (``plan_wrong`` counts those that are not). A value that could not be
    measured is empty (null in the JSON) and left out of the plot.

@@ -20,10 +20,13 @@ process (``t0``, ``step_seconds``): a node holds its own ranks' steps ``s`` and 
 Plan requests go out on lasting plan sockets, never on the heartbeat socket: one DEALER per ``_PLAN_SHARE``
 sidecars of the process (the real sidecar has one of its own; sharing keeps the file descriptors of 10,000
 simulated sidecars under the limit, see :func:`plan_sockets`), opened at the first plan call and kept until
-``stop``. Replies are matched to requests by ``(job, rank)``. The coordinator holds a request that must wait
-until the round is decided or its hold time passes; a ``wait`` answer makes the rank ask again at once, as the
-real one does, so every rank asks until it gets its plan. For each rank the process records when it first asked
-and when its final (not ``wait``) answer came, on ``time.monotonic()``, the clock every process shares.
+``stop``. As the real sidecar does when its ranks restore together, a sidecar asks for all its ranks in one
+request (``rank`` and ``ranks``) and gets one reply covering them; replies are matched to requests by ``(job,
+first rank)``. The coordinator holds a request that must wait until the round is decided or its hold time
+passes; a ``wait`` answer makes the sidecar ask again at once, as the real one does, so every rank is asked for
+until it gets its plan. For each rank the process records when it was first asked for and when its final (not
+``wait``) answer came, on ``time.monotonic()``, the clock every process shares: the moment the reply is read
+off the socket, before it is decoded (the full decode, with every check, runs when the replies are reported).
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
 core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
@@ -58,6 +61,7 @@ log = logging.getLogger(__name__)
 _CONNECT_BATCH = 100  # sockets connected per 0.1 s while ramping up: a gentle start, inside the listen backlog
 _FDS_PER_SOCKET = 2  # the TCP connection and the socket's mailbox (an eventfd)
 _PLAN_SHARE = 4  # simulated sidecars of a process that share one plan socket
+_WAIT = msgpack.packb("status") + msgpack.packb("wait")  # in a plan reply's header exactly when it says ``wait``
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -162,9 +166,11 @@ class Fleet:
                                      "tasks", "errors", "up", "plan_waits"), 0)  # fmt: skip
         self.rtts: list[float] = []
         self.plan_socks: dict[int, zmq.Socket[bytes]] = {}  # sidecar index // _PLAN_SHARE -> its plan socket
-        self.asked: dict[tuple[str, int], tuple[int, float]] = {}  # (job, rank) unanswered -> (node, first asked)
-        self.first: list[float] = []  # when each rank of the round first asked
-        self.plan_replies: list[list[Any]] = []  # [node, rank, answered at, status, step, local, sources]
+        self.asked: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # (job, first rank) -> (node, ranks)
+        self.first: list[float] = []  # when each rank of the round was first asked for
+        self.answers: list[tuple[int, float, bytes]] = []  # (node, answered at, reply header) of final answers
+        self.received = 0  # ranks answered
+        self.unread: list[tuple[float, bytes]] = []  # (read at, header) of plan replies not looked at yet
         self._ramp: asyncio.Task[None] | None = None
 
     # ---------------------------------------------------------------------------------------- lifecycle
@@ -210,7 +216,7 @@ class Fleet:
 
     # ------------------------------------------------------------------------------------ heartbeats
 
-    def _send(self, sock: zmq.Socket[bytes], sim: _Sim | None, frames: list[Any]) -> None:
+    def _send(self, sock: zmq.Socket[bytes], sim: _Sim, frames: list[Any]) -> None:
         sock.send_multipart(frames, zmq.NOBLOCK)
         if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # the send may have eaten the FD's wake-up
             self._drain(sock, sim)
@@ -259,30 +265,28 @@ class Fleet:
         sim.hb_sent = None
         self._arm(sim, sim.interval, self._beat)
 
-    def _drain(self, sock: zmq.Socket[bytes], sim: _Sim | None) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], sim: _Sim) -> None:
         while True:
             try:
                 head = sock.recv_multipart(zmq.NOBLOCK)[0]
             except zmq.Again:
                 return
-            if sim is not None and head == sim.last_reply:  # the same heartbeat reply as last time
+            if head == sim.last_reply:  # the same heartbeat reply as last time
                 self._hb_reply(sim, True, 0)
                 continue
             msg = msgpack.unpackb(head, raw=False)
             kind = msg.get("type")
-            if kind == "heartbeat_reply" and sim is not None:
+            if kind == "heartbeat_reply":
                 ntasks = len(msg.get("tasks", ()))
                 sim.last_reply = head if msg.get("known") and not ntasks else b""
                 sim.interval = float(msg.get("heartbeat_interval") or sim.interval)  # 0 or absent: keep it
                 self._hb_reply(sim, bool(msg.get("known")), ntasks)
-            elif kind == "sidecar_registered" and sim is not None:
+            elif kind == "sidecar_registered":
                 if not sim.registered:
                     sim.registered, sim.acked = True, None
                     sim.interval = float(msg["heartbeat_interval"])
                     first = sim.state[0] < 0  # spread the first heartbeats over an interval
                     self._arm(sim, sim.interval * ((sim.index * 0.618) % 1.0) if first else 0.0, self._beat)
-            elif kind == "plan_reply":
-                self._plan_reply(head)
             else:
                 self.counts["errors"] += 1
                 if self.counts["errors"] == 1:
@@ -313,43 +317,71 @@ class Fleet:
         """Start a plan round: sidecar ``index`` asks for all its ``ranks`` at ``spread * k / len(asks)`` s.
 
         Requests of an earlier round still unanswered are forgotten (their late replies count as stale).
-        Returns the number of ranks asking.
+        Returns the number of ranks asked for.
         """
         self.asked.clear()
-        self.first, self.plan_replies = [], []
+        self._read_plans()  # late replies of an earlier round: stale
+        self.first, self.answers, self.received = [], [], 0
         for k, (index, ranks) in enumerate(asks):
-            self.loop.call_later(spread * k / len(asks), self._ask_first, index, ranks)
+            self.loop.call_later(spread * k / len(asks), self._ask_first, index, tuple(ranks))
         return sum(len(r) for _, r in asks)
 
-    def _ask_first(self, index: int, ranks: list[int]) -> None:
-        now = time.monotonic()
-        for rank in ranks:
-            self.asked[(self.cfg.job, rank)] = (index, now)
-            self.first.append(now)
-            self._ask(index, rank)
+    def _ask_first(self, index: int, ranks: tuple[int, ...]) -> None:
+        self.asked[(self.cfg.job, ranks[0])] = (index, ranks)
+        self.first.extend([time.monotonic()] * len(ranks))
+        self._ask(index, ranks)
 
-    def _ask(self, index: int, rank: int) -> None:
+    def _ask(self, index: int, ranks: tuple[int, ...]) -> None:
         sock = self.plan_socks.get(index // _PLAN_SHARE)
         if sock is None:
             sock = self.plan_socks[index // _PLAN_SHARE] = self._socket()
-            self.loop.add_reader(sock.fileno(), self._drain, sock, None)
-        msg = PlanRequest(job=self.cfg.job, rank=rank, world_size=self.world, node=node_name(index, self.cfg.total))
-        self._send(sock, None, encode(msg))
+            self.loop.add_reader(sock.fileno(), self._drain_plans, sock)
+        msg = PlanRequest(job=self.cfg.job, rank=ranks[0], world_size=self.world, node=node_name(index, self.cfg.total),
+                          ranks=ranks[1:])  # fmt: skip
+        sock.send_multipart(encode(msg), zmq.NOBLOCK)
+        if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # the send may have eaten the FD's wake-up
+            self._drain_plans(sock)
 
-    def _plan_reply(self, head: bytes) -> None:
-        reply = decode([head])
-        assert isinstance(reply, PlanReply)
-        asked = self.asked.get((reply.job, reply.rank))
-        if asked is None:
-            self.counts["stale"] += 1
-            return
-        if reply.status == "wait":  # held for the hold time and not decided yet: ask again at once
-            self.counts["plan_waits"] += 1
-            self.loop.call_soon(self._ask, asked[0], reply.rank)  # not inside the socket's drain
-            return
-        del self.asked[(reply.job, reply.rank)]
-        self.plan_replies.append([asked[0], reply.rank, time.monotonic(), reply.status, reply.step, reply.local,
-                                  list(reply.sources)])  # fmt: skip
+    def _drain_plans(self, sock: zmq.Socket[bytes]) -> None:
+        """Read every reply waiting on a plan socket, each timed as it is read; only ``wait`` ones are looked at
+        now (the others when the replies are counted, so that reading a burst of them costs little)."""
+        while True:
+            try:
+                head = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.unread.append((time.monotonic(), head))
+            if _WAIT in head:
+                self._read_plans()
+
+    def _read_plans(self) -> None:
+        """Match the replies read so far to their requests; ask again at once for those answered ``wait``."""
+        unread, self.unread = self.unread, []
+        for at, head in unread:
+            msg = msgpack.unpackb(head, raw=False)
+            asked = self.asked.get((msg.get("job"), msg.get("rank")))
+            if msg.get("type") != "plan_reply":
+                self.counts["errors"] += 1
+                if self.counts["errors"] == 1:
+                    log.warning("unexpected %s: %s", msg.get("type"), msg.get("message", ""))
+            elif asked is None:
+                self.counts["stale"] += 1
+            elif msg["status"] == "wait":  # held for the hold time and not decided yet: ask again at once
+                self.counts["plan_waits"] += 1
+                self.loop.call_soon(self._ask, *asked)  # not inside the socket's drain
+            else:
+                del self.asked[(msg["job"], msg["rank"])]
+                self.answers.append((asked[0], at, head))
+                self.received += len(asked[1])
+
+    def _replies(self) -> list[list[Any]]:
+        """Every rank's final answer, decoded and checked: [node, rank, answered at, status, step, local, sources]."""
+        out: list[list[Any]] = []
+        for index, at, head in self.answers:
+            reply = decode([head])
+            assert isinstance(reply, PlanReply)
+            out += [[index, p.rank, at, p.status, p.step, p.local, list(p.sources)] for p in reply.answers()]
+        return out
 
     # ------------------------------------------------------------------------------------ commands
 
@@ -375,11 +407,13 @@ class Fleet:
             asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent]
             return {"event": "asking", "requests": self.ask(asks, cmd["spread"])}
         if name == "plans":
-            out: dict[str, Any] = {"event": "plans", "received": len(self.plan_replies), "left": len(self.asked),
+            self._read_plans()
+            out: dict[str, Any] = {"event": "plans", "received": self.received,
+                                   "left": sum(len(ranks) for _, ranks in self.asked.values()),
                                    "first_min": min(self.first, default=None),
                                    "first_max": max(self.first, default=None)}  # fmt: skip
             if cmd.get("replies"):
-                out["replies"] = self.plan_replies
+                out["replies"] = self._replies()
             return out
         raise ValueError(f"unknown command {name!r}")
 

@@ -43,6 +43,9 @@ MAX_RANKS = 1 << 20
 
 MAX_STEP = (1 << 63) - 1
 
+MAX_PLAN_RANKS = 1024
+"""Ranks of one node asking for their recovery plans in one request (and answered in one reply)."""
+
 MAX_LIST_ITEMS = 1 << 20
 """Inventory entries, rank lists, assignment lists in one message."""
 

@@ -414,23 +414,49 @@ class HeartbeatReply(Message):
     heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0, added=True)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPlan:
+    """One rank's recovery plan inside a :class:`PlanReply` (see its ``status`` for the meanings)."""
+
+    rank: int = spec_field(_RANK)
+    status: str = spec_field(Enum(("ready", "fresh", "none")))
+    step: int = spec_field(_STEP_OR_NONE)
+    local: bool = spec_field(Bool())
+    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
+    reason: str = spec_field(_TEXT)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PlanRequest(Message):
-    """A rank of ``job`` (on sidecar ``node``) is restoring and needs the job-wide recovery step."""
+    """Ranks of ``job`` (on sidecar ``node``) are restoring and need the job-wide recovery step.
+
+    ``rank`` and ``ranks`` (added after the first release: left out of the header while empty) are every rank
+    of the node asking at once, each at most once: a sidecar asks for all its restoring ranks in one request
+    and gets one reply, so that the coordinator's load grows with the number of sidecars, not ranks.
+    """
 
     TYPE: ClassVar[str] = "plan_request"
     rank: int = spec_field(_RANK)
     world_size: int = spec_field(_WORLD)
     node: str = spec_field(_NAME)
+    ranks: tuple[int, ...] = spec_field(ListOf(_RANK, L.MAX_PLAN_RANKS - 1), default=(), added=True)
+
+    @property
+    def all_ranks(self) -> tuple[int, ...]:
+        """``rank``, then ``ranks``."""
+        return (self.rank, *self.ranks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PlanReply(Message):
-    """The recovery plan for one rank.
+    """The answer to a :class:`PlanRequest`: the recovery plan of its ``rank``, and in ``plans`` of its ``ranks``.
 
     ``status``: ``ready`` (restore ``step`` from ``sources``; ``local`` if the asking node holds it),
     ``wait`` (not every rank is accounted for yet; ask again), ``fresh`` (the job has no snapshot: start at 0),
-    ``none`` (snapshots exist but no step is complete for every rank: ``reason`` says why).
+    ``none`` (snapshots exist but no step is complete for every rank: ``reason`` says why). ``wait`` always
+    covers the whole request (a round decides every rank at once) and then ``plans`` is empty; otherwise
+    ``plans`` holds one entry per rank of the request's ``ranks``, in its order (added after the first release:
+    left out of the header while empty).
     """
 
     TYPE: ClassVar[str] = "plan_reply"
@@ -440,6 +466,12 @@ class PlanReply(Message):
     local: bool = spec_field(Bool(), default=False)
     sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64), factory=tuple)
     reason: str = spec_field(_TEXT, default="")
+    plans: tuple[RankPlan, ...] = spec_field(ListOf(Record(RankPlan), L.MAX_PLAN_RANKS - 1), default=(), added=True)
+
+    def answers(self) -> tuple[RankPlan, ...]:
+        """Every rank's plan: ``rank``'s from the top-level fields, then ``plans`` (not for ``wait``)."""
+        first = RankPlan(self.rank, self.status, self.step, self.local, self.sources, self.reason)
+        return (first, *self.plans)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -636,6 +668,7 @@ __all__ = [
     "PullManifest",
     "PullRequest",
     "RankInfo",
+    "RankPlan",
     "RankRegistered",
     "RegisterRank",
     "RegisterSidecar",

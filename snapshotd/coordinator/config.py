@@ -40,10 +40,11 @@ class CoordinatorConfig:
     room for plan rounds and bursts: a heartbeat that carries a changed inventory costs on the order of
     100 us of coordinator CPU (``snapshotd-bench scale`` reports ``cpu_per_hb_us``)."""
 
-    plan_hold: float = 1.5
+    plan_hold: float = 3.0
     """Longest time a plan request that must wait is held unanswered (long-polling); it is answered the moment
     its job's round is decided, else with ``wait`` after this long and the sidecar asks again. 0 answers at once.
-    Keep it well under the sidecar's per-request timeout (5 s)."""
+    Keep it under the sidecar's per-request timeout (5 s), with room for a busy coordinator's backlog; the
+    longer it is, the fewer ranks are between a ``wait`` and their next request when the round is decided."""
 
     secret: str | None = dataclasses.field(default=None, repr=False)
     """The job's ``SNAPSHOTD_SECRET``; when set, the socket is a CURVE server that admits only job members."""

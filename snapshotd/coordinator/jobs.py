@@ -15,9 +15,10 @@ from collections.abc import Iterable
 
 from snapshotd.proto import Watermark
 
-__all__ = ["MAX_LISTED", "Item", "Job", "Round"]
+__all__ = ["MAX_LISTED", "Item", "Job", "PlanRow", "Round"]
 
 Item = tuple[str, int, int, bool]  # (job, rank, step, local)
+PlanRow = tuple[int, str, int, bool, tuple[str, ...], str]  # a RankPlan's fields: rank, status, step, local, sources, reason
 
 MAX_LISTED = 8
 """Ranks named in one wait or none reason."""
@@ -61,7 +62,8 @@ class Job:
 
     ``covered[s]`` is the number of ranks ``r < world_size`` holding step ``s`` on some live node;
     ``durable[s]`` the number holding it as non-local copies on at least ``replicas`` live nodes other than
-    their home. Both are kept exact on every holder or home change.
+    their home. Both are kept exact on every holder or home change. ``version`` counts the changes of
+    ``holders`` and of the world size: while it stays the same, so does every plan answer read from them.
     """
 
     name: str
@@ -78,6 +80,7 @@ class Job:
     published: Watermark | None = None  # the last one handed out
     round: Round | None = None
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
+    version: int = 0
 
     def add(self, node: str, items: Iterable[Item]) -> None:
         """``node`` now holds these snapshots of this job (none of which it held before)."""
@@ -95,6 +98,7 @@ class Job:
             if not local and rank < ws and homes.get(rank) != node:
                 self._recheck(rank, step, h)
         self.watermark = None
+        self.version += 1
 
     def remove(self, node: str, items: Iterable[Item]) -> None:
         """``node`` no longer holds these snapshots of this job (all of which it held)."""
@@ -116,6 +120,7 @@ class Job:
             if counted:
                 self._recheck(rank, step, h)
         self.watermark = None
+        self.version += 1
 
     def set_home(self, rank: int, node: str | None) -> None:
         if node is None:
@@ -134,6 +139,7 @@ class Job:
                 self.covered[step] = self.covered.get(step, 0) + 1
                 self._recheck(rank, step, h)
         self.watermark = None
+        self.version += 1
 
     def _recheck(self, rank: int, step: int, h: dict[str, bool]) -> None:
         """Count the durable copies of ``(rank, step)`` (held by ``h``) and move it in or out of ``durable``."""

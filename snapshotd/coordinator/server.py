@@ -7,9 +7,14 @@ most one small batch of heartbeats. Peers are DEALER sockets; a REQ peer (an emp
 message) is answered with the same envelope.
 
 Plan requests that must wait are held, not answered (long-polling, see :mod:`.held`): a request is answered the
-moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. Held requests woken by a
-decision are answered ``_BATCH`` at a time between batches of new requests, so that 80,000 ranks getting their
-plans at once do not stop heartbeats for the time that takes.
+moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. A sidecar asks for all its
+restoring ranks in one request. Whenever the loop has caught up (nothing queued), the answer each held request
+will get if nothing changes before the round freezes is drafted and encoded (see
+:meth:`~.state.CoordinatorState.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
+drafting never delays a request. When the round freezes, each held request whose draft still holds is answered
+by sending those bytes; the others are asked again of the state. Held requests woken by a
+decision are answered for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that 10,000
+sidecars getting their plans at once do not stop heartbeats for the time that takes.
 
 Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
@@ -20,13 +25,15 @@ Nothing a peer sends can crash or wedge the loop: undecodable frames get ``Error
 well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
 not serve ``Error(code="unexpected")``, an ``Error`` sent to us is counted and dropped, and a bug while handling
 one request answers ``Error(code="internal")`` and the loop goes on; an error answering a plan request names the
-request's rank, so that a sidecar asking for several ranks at once knows which one was refused. Each problem is
+request's rank outside its world size (else its first rank), so that a sidecar asking for several ranks at once
+knows which one was refused. Each problem is
 logged at most once per peer per minute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import threading
@@ -56,8 +63,10 @@ from snapshotd.proto import (
 from snapshotd.proto.limits import MAX_TEXT_LEN
 
 from .config import CoordinatorConfig
-from .held import Held, HeldPlans
-from .replies import HeartbeatReplies
+from .gc_policy import GcPolicy
+from .held import MAX_HELD, Held, HeldPlans
+from .jobs import PlanRow
+from .replies import HeartbeatReplies, plan_frame
 from .state import CoordinatorState
 
 __all__ = ["run_coordinator"]
@@ -66,6 +75,8 @@ log = logging.getLogger(__name__)
 
 _BATCH = 256
 """Requests handled per wake-up before the loop gets a turn (a plan request waits behind at most this many)."""
+_HELD_SLICE_S = 0.02
+"""Seconds spent answering woken held plan requests before new requests get a turn."""
 _BACKLOG = 4096
 """Connections the listening socket queues before accepting them (the kernel caps it at ``somaxconn``): a fleet
 connects at once after a coordinator restart, and beyond ZeroMQ's default of 100 the kernel drops SYNs, which
@@ -73,6 +84,7 @@ clients retry only after 1, 3, 7 ... seconds."""
 _IDLE_POLL_MS = 100
 """How long an idle socket wait lasts before ``stop`` is checked again."""
 _COMPLAIN_EVERY_S = 60.0
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 async def run_coordinator(
@@ -142,25 +154,33 @@ class _Server:
         self.held = held
         self._complaints: dict[Any, float] = {}
         self.replies = HeartbeatReplies()
+        self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
         self._rebuilding = True
 
     async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
         """Answer requests in batches until ``stop``; then answer what already arrived and return.
 
         Expiry runs every ``expire_every`` seconds, but only after a batch that emptied the socket (see the
-        module docstring).
+        module docstring), and with it the garbage-collection policy's tick (see :mod:`.gc_policy`).
         """
         next_expiry = time.monotonic() + expire_every
-        while not stop.is_set():
-            caught_up = True
-            if await self.sock.poll(timeout=0 if self.held.due else _IDLE_POLL_MS):
-                caught_up = self.handle_batch()
-            now = time.monotonic()
-            self.answer_held(now)
-            if caught_up and now >= next_expiry:
-                self.expire(now)
-                next_expiry = now + expire_every
-            await asyncio.sleep(0)
+        gc_policy = GcPolicy(next_expiry)
+        try:
+            while not stop.is_set():
+                caught_up = True
+                if await self.sock.poll(timeout=0 if self.held.due or self.undrafted else _IDLE_POLL_MS):
+                    caught_up = self.handle_batch()
+                now = time.monotonic()
+                self.answer_held(now, caught_up=caught_up)
+                if caught_up:
+                    self.draft_some()
+                if caught_up and now >= next_expiry:
+                    self.expire(now)
+                    gc_policy.tick(now, busy=len(self.held) > 0)
+                    next_expiry = now + expire_every
+                await asyncio.sleep(0)
+        finally:
+            gc_policy.close()
         self.handle_batch()
         now = time.monotonic()
         for held in self.held.take_all():  # let their sidecars ask again (the next coordinator) at once
@@ -173,7 +193,11 @@ class _Server:
             self.complain("expiry", "expiry failed", exc_info=True)
 
     def handle_batch(self) -> bool:
-        """Handle up to ``_BATCH`` waiting requests; True when the socket was emptied (the loop caught up)."""
+        """Handle up to ``_BATCH`` waiting requests; True when the socket was emptied (the loop caught up).
+
+        A request that decides a round ends the batch early, so that the held requests it woke are answered next.
+        """
+        woken = bool(self.held.due)
         for _ in range(_BATCH):
             try:
                 frames = self.raw.recv_multipart(zmq.NOBLOCK)
@@ -183,35 +207,54 @@ class _Server:
                 self.complain("recv", "receive failed: %s", exc)
                 return True
             self.handle(frames, time.monotonic())
+            if not woken and self.held.due:
+                break
         return False
 
-    def answer_held(self, now: float) -> None:
-        """Ask the state again for held requests that something woke, and answer those held too long."""
+    def answer_held(self, now: float, *, caught_up: bool = True) -> None:
+        """Ask the state again for held requests that something woke (for up to ``_HELD_SLICE_S``), and once
+        the loop has ``caught_up`` (nothing queued), answer those held too long."""
         if self._rebuilding and not self.state.rebuilding(now):
             self._rebuilding = False
             self.held.wake_all()  # requests held in the rebuild window were not recorded yet
         while self.state.plan_changes:
             self.held.wake(self.state.plan_changes.pop())
-        for held in self.held.take_due(_BATCH):
-            self.reanswer(held, now, final=False)
-        for held in self.held.take_expired(now, _BATCH):
-            self.reanswer(held, now, final=True)
+        due, end = self.held.due, now + _HELD_SLICE_S
+        confirm, send, clock = self.state.confirm, self.send_frames, time.monotonic
+        while due:
+            held = due.popleft()
+            if held.token is not None and confirm(held.msg, held.token):  # its draft holds: send it
+                send(held.envelope, [held.frame])
+            else:
+                self.reanswer(held, now, final=False)
+            if clock() >= end:
+                break
+        if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
+            for held in self.held.take_expired(now, _BATCH):
+                self.reanswer(held, now, final=True)
 
     def reanswer(self, held: Held, now: float, *, final: bool) -> None:
         """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
+        if held.token is not None and self.state.confirm(held.msg, held.token):  # its draft holds: send it
+            self.held.wake(held.msg.job)
+            self.send_frames(held.envelope, [held.frame])
+            return
         try:
-            reply: Message = self.state.plan(held.msg, now, held=True)
+            answer = self.state.plan_rows(held.msg, now, held=True)
         except Exception as exc:  # it was answerable when it came: a bug
             self.complain("held", "failed to answer a held plan request", exc_info=True)
-            reply = Error(job=held.msg.job, code="internal", rank=held.msg.rank,
-                          message=_clip(f"{type(exc).__name__}: {exc}"))  # fmt: skip
-        if isinstance(reply, PlanReply):
-            if reply.status == "wait" and not final:
+            self.send(held.envelope, Error(job=held.msg.job, code="internal", rank=held.msg.rank,
+                                           message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
+            return
+        if isinstance(answer, PlanReply):  # wait
+            if final:
+                self.send(held.envelope, answer)
+            else:
                 self.held.keep(held)
-                return
-            if reply.status != "wait":
-                self.held.wake(held.msg.job)
-        self.send(held.envelope, reply)
+                self.undrafted.append(held)
+            return
+        self.held.wake(held.msg.job)
+        self.send_plan(held.envelope, held.msg, answer)
 
     def handle(self, frames: list[bytes], now: float) -> None:
         peer = frames[0]
@@ -224,7 +267,9 @@ class _Server:
             self.complain(peer, "bad message from peer %s: %s", peer.hex(), exc)
             self.send(envelope, Error(code="bad_message", message=_clip(str(exc))))
             return
-        rank = msg.rank if isinstance(msg, PlanRequest) else -1
+        rank = -1
+        if isinstance(msg, PlanRequest):
+            rank = next((r for r in msg.all_ranks if r >= msg.world_size), msg.rank)
         try:
             reply = self.dispatch(msg, envelope, now)
         except ValueError as exc:
@@ -242,11 +287,16 @@ class _Server:
         if isinstance(msg, Heartbeat):
             return self.state.heartbeat(msg, now)
         if isinstance(msg, PlanRequest):
-            reply = self.state.plan(msg, now)
-            if reply.status == "wait":
-                return None if self.held.hold(envelope, msg, now) else reply
+            answer = self.state.plan_rows(msg, now)
+            if isinstance(answer, PlanReply):  # wait
+                held = self.held.hold(envelope, msg, now)
+                if held is None:
+                    return answer
+                self.undrafted.append(held)
+                return None
             self.held.wake(msg.job)  # the round is decided: answer every rank held for it
-            return reply
+            self.send_plan(envelope, msg, answer)
+            return None
         if isinstance(msg, RegisterSidecar):
             return self.state.register(msg, now)
         if isinstance(msg, StatusRequest):
@@ -256,6 +306,20 @@ class _Server:
             return None
         return Error(job=msg.job, code="unexpected", message=f"the coordinator does not serve {msg.TYPE!r}")
 
+    def draft_some(self) -> None:
+        """Draft and encode (up to ``_BATCH``) answers that held requests get when their round freezes, if the
+        state sees one (see the module docstring)."""
+        for _ in range(min(_BATCH, len(self.undrafted))):
+            held = self.undrafted.popleft()
+            try:
+                drafted = self.state.draft(held.msg)
+                if drafted is not None:
+                    held.frame = plan_frame(held.msg.job, drafted[1])
+                held.token = drafted[0] if drafted is not None else None
+            except ProtocolError as exc:  # too big for one reply: answered the slow way, which says so
+                held.token = None
+                self.complain("draft", "cannot encode a plan reply: %s", exc)
+
     def send(self, envelope: list[bytes], reply: Message, node: str | None = None) -> None:
         """Encode and send ``reply``; a heartbeat reply to ``node`` is joined from cached pieces (see replies.py)."""
         try:
@@ -264,8 +328,28 @@ class _Server:
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
             frames = encode(Error(code="internal", message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
+        self.send_frames(envelope, frames)
+
+    def send_plan(self, envelope: list[bytes], msg: PlanRequest, rows: list[PlanRow]) -> None:
+        """Send the plan reply to ``msg`` that carries ``rows`` (see :meth:`~.state.CoordinatorState.plan_rows`)."""
         try:
-            self.raw.send_multipart([*envelope, *frames], zmq.NOBLOCK)
+            frame = plan_frame(msg.job, rows)
+        except ProtocolError as exc:
+            self.complain("encode", "cannot encode a plan reply: %s", exc)
+            self.send(envelope, Error(job=msg.job, code="internal", rank=msg.rank,
+                                      message=_clip(f"the plan reply broke a limit: {exc}")))  # fmt: skip
+            return
+        self.send_frames(envelope, [frame])
+
+    def send_frames(self, envelope: list[bytes], frames: list[Any]) -> None:
+        """Send a message already encoded, without blocking."""
+        raw = self.raw
+        try:
+            for part in envelope:
+                raw.send(part, _MORE)
+            for part in frames[:-1]:
+                raw.send(part, _MORE)
+            raw.send(frames[-1], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # a ROUTER drops on a full pipe; anything else is worth a line
             self.complain("send", "send failed: %s", exc)
 

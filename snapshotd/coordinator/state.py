@@ -10,9 +10,11 @@ its ranks hold that step (for G) and how many hold it durably (for D), updated i
 adds or removes; G and D are then a max over a job's few distinct steps, cached until the next change. A report
 of the same ranks as last time moves nothing. Placement is cached per node until membership changes. The
 re-replication sweep, the only O(ranks of all jobs) pass, runs at most once per second from
-:meth:`CoordinatorState.expire`. The rate of heartbeats is bounded instead of the fleet: beyond
-``target_heartbeats_per_s`` the interval handed out grows with the fleet (:meth:`heartbeat_interval`), so that
-10,000 sidecars send 4,000 heartbeats a second, not 20,000.
+:meth:`CoordinatorState.expire`. A plan request covers every restoring rank of its node and costs O(its
+ranks); its answer can be drafted while the round is still open (:meth:`CoordinatorState.draft`), so that once
+the round is decided a held request costs a check and a set update. The rate of heartbeats is bounded instead
+of the fleet: beyond ``target_heartbeats_per_s`` the interval handed out grows with the fleet
+(:meth:`heartbeat_interval`), so that 10,000 sidecars send 4,000 heartbeats a second, not 20,000.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from snapshotd.proto import (
     PlanReply,
     PlanRequest,
     RankInfo,
+    RankPlan,
     RegisterSidecar,
     ReplicateTask,
     SidecarRegistered,
@@ -39,7 +42,7 @@ from snapshotd.proto import (
 )
 
 from .config import CoordinatorConfig
-from .jobs import MAX_LISTED, Item, Job, Round
+from .jobs import MAX_LISTED, Item, Job, PlanRow, Round
 
 __all__ = ["CoordinatorState"]
 
@@ -404,22 +407,37 @@ class CoordinatorState:
         return not self._rebuilt
 
     def plan(self, msg: PlanRequest, now: float, *, held: bool = False) -> PlanReply:
-        """Answer a plan request (see DESIGN "Recovery" and :class:`Round` for the rules).
+        """:meth:`plan_rows` as a reply."""
+        answer = self.plan_rows(msg, now, held=held)
+        if isinstance(answer, PlanReply):
+            return answer
+        first = answer[0]
+        return PlanReply(job=msg.job, rank=first[0], status=first[1], step=first[2], local=first[3],
+                         sources=first[4], reason=first[5], plans=tuple(RankPlan(*row) for row in answer[1:]))  # fmt: skip
+
+    def plan_rows(self, msg: PlanRequest, now: float, *, held: bool = False) -> PlanReply | list[PlanRow]:
+        """Answer a plan request for all its ranks (see DESIGN "Recovery" and :class:`Round` for the rules).
 
         For the rebuild window after the start (the death timeout, see :meth:`death_timeout`) every request
         gets ``wait`` and is not recorded: inventories are still coming back from the sidecars. A ``ready``
-        answer names the live nodes holding ``(job, rank, step)`` other than the asking one as sources, and sets
-        ``local`` when the asking node holds it; if none of them is left it becomes ``none``.
+        answer names, per rank, the live nodes holding ``(job, rank, step)`` other than the asking one as
+        sources, and sets ``local`` when the asking node holds it; a rank with none of them left gets ``none``.
+
+        Returns:
+            A ``wait`` reply, or once the round is decided each rank's plan in its wire form, in the request's
+            order (the fields of :class:`~snapshotd.proto.RankPlan`), which the server packs without building
+            message objects.
 
         Args:
             held: the request got ``wait`` before and was held unanswered since (long-polling), so it is asked
-                again now: if its rank was answered meanwhile (by a duplicate of the request) it gets the same
+                again now: if its ranks were answered meanwhile (by a duplicate of the request) they get the same
                 round's answer instead of opening a new round, as a rank asking after its answer would.
 
         Raises:
-            ValueError: ``rank`` is outside ``world_size`` (nothing is recorded).
+            ValueError: a rank is outside ``world_size`` or listed twice (nothing is recorded).
         """
-        _check_rank(msg.job, msg.rank, msg.world_size)
+        ranks = msg.all_ranks
+        _check_ranks(msg.job, ranks, msg.world_size)
         job = self._job(msg.job)
         if job.world_size != msg.world_size:
             self._set_world_size(job, msg.world_size)
@@ -427,12 +445,13 @@ class CoordinatorState:
             return _wait(msg, f"the coordinator started {now - self.started:.1f} s ago; waiting "
                               f"{self.death_timeout(now):g} s for sidecars to report their snapshots")  # fmt: skip
         rnd = job.round
-        if rnd is None or (msg.rank in rnd.answered and not held):
+        if rnd is None or (not held and not rnd.answered.isdisjoint(ranks)):
             if rnd is not None:
-                log.info("job %s: rank %d asked again after its answer: new plan round", job.name, msg.rank)
+                log.info("job %s: rank(s) %s asked again after their answer: new plan round", job.name,
+                         _listed(sorted(rnd.answered.intersection(ranks))))  # fmt: skip
             rnd = job.round = Round()
             job.watermark = None
-        rnd.asked.add(msg.rank)
+        rnd.asked.update(ranks)
         if not rnd.frozen:
             if len(rnd.asked) < job.world_size:
                 return _wait(msg, rnd.wait_reason(job.world_size))
@@ -446,19 +465,66 @@ class CoordinatorState:
                 rnd.outcome, rnd.step = "ready", g
             log.info("job %s: every rank asked; plan %s at step %d", job.name, rnd.outcome, rnd.step)
             job.watermark = None  # the durable cap starts now
-        rnd.answered.add(msg.rank)
+        self._answered(job, rnd, ranks)
+        return self._rows(job, rnd.outcome, rnd.step, rnd.reason, msg)
+
+    def draft(self, msg: PlanRequest) -> tuple[object, list[PlanRow]] | None:
+        """The answer a request just answered ``wait`` (and held) gets if its round freezes with nothing changed.
+
+        That is ``ready`` at the job's G of now, as the token and the rows :meth:`plan_rows` would answer; the
+        token names
+        everything that answer depends on (the round, the world size, the job's holders, the membership, the
+        step). Drafting costs what answering does, but while the ranks arrive rather than all at once when the
+        last one asks: :meth:`confirm` then answers a held request in O(its ranks). None when no ``ready``
+        answer is in sight (no G yet, a frozen round, the rebuild window).
+        """
+        job = self._jobs.get(msg.job)
+        rnd = job.round if job is not None else None
+        if job is None or rnd is None or rnd.frozen or not self._rebuilt or job.world_size != msg.world_size:
+            return None
+        g = self._watermark(job).recoverable
+        if g < 0 or not job.seen_inventory:
+            return None
+        return self._token(job, rnd, g), self._rows(job, "ready", g, "", msg)
+
+    def confirm(self, msg: PlanRequest, token: object) -> bool:
+        """``plan_rows(msg, now, held=True)`` when it answers the :meth:`draft` made under ``token``: True, and
+        ``msg``'s ranks are recorded as answered; False (nothing recorded) when the draft is stale."""
+        job = self._jobs.get(msg.job)
+        rnd = job.round if job is not None else None
+        if job is None or rnd is None or not rnd.frozen or rnd.outcome != "ready":
+            return False
+        if self._token(job, rnd, rnd.step) != token:
+            return False
+        self._answered(job, rnd, msg.all_ranks)
+        return True
+
+    def _token(self, job: Job, rnd: Round, step: int) -> tuple[object, ...]:
+        return (rnd, job.world_size, job.version, self._epoch, step)
+
+    def _answered(self, job: Job, rnd: Round, ranks: tuple[int, ...]) -> None:
+        rnd.answered.update(ranks)
         if len(rnd.answered) == job.world_size:
             job.watermark = None  # the round may close now
-        if rnd.outcome != "ready":
-            return PlanReply(job=msg.job, rank=msg.rank, status=rnd.outcome, step=rnd.step, reason=rnd.reason)
-        holders = job.holders.get(msg.rank, {}).get(rnd.step, {})
-        local = msg.node in holders
-        sources = tuple(sorted(self._nodes[n].data_addr for n in holders if n != msg.node))
-        if not local and not sources:
-            return PlanReply(job=msg.job, rank=msg.rank, status="none", reason=(
-                f"rank {msg.rank}: every node holding step {rnd.step} died after the plan was made; restore "
-                "from your last disk checkpoint"))  # fmt: skip
-        return PlanReply(job=msg.job, rank=msg.rank, status="ready", step=rnd.step, local=local, sources=sources)
+
+    def _rows(self, job: Job, outcome: str, step: int, reason: str, msg: PlanRequest) -> list[PlanRow]:
+        """The plan of ``outcome`` at ``step`` for every rank of ``msg``, in its order (see :meth:`plan`)."""
+        if outcome != "ready":
+            return [(r, outcome, step, False, (), reason) for r in msg.all_ranks]
+        holders_of, nodes, asking = job.holders, self._nodes, msg.node
+        rows: list[PlanRow] = []
+        for r in msg.all_ranks:
+            by_step = holders_of.get(r)
+            holders = by_step.get(step) if by_step is not None else None
+            if holders:
+                local = asking in holders
+                sources = tuple(sorted([nodes[n].data_addr for n in holders if n != asking]))
+                if local or sources:
+                    rows.append((r, "ready", step, local, sources, ""))
+                    continue
+            rows.append((r, "none", -1, False, (), f"rank {r}: every node holding step {step} died after the plan "
+                                                   "was made; restore from your last disk checkpoint"))  # fmt: skip
+        return rows
 
     # ------------------------------------------------------------------------------------ re-replication
 
@@ -590,9 +656,7 @@ def _why_none(job: Job) -> str:
     """Which ranks stand in the way of a common complete step, for a ``none`` plan."""
     lacking = [r for r in range(job.world_size) if r not in job.holders]
     if lacking:
-        named = ", ".join(map(str, lacking[:MAX_LISTED]))
-        if len(lacking) > MAX_LISTED:
-            named += f" and {len(lacking) - MAX_LISTED} more"
+        named = _listed(lacking)
         verb = "has" if len(lacking) == 1 else "have"
         what = f"rank{'s' if len(lacking) > 1 else ''} {named} {verb} no complete snapshot on a live node"
     else:
@@ -606,6 +670,20 @@ def _why_none(job: Job) -> str:
 def _check_rank(job: str, rank: int, world_size: int) -> None:
     if rank >= world_size:
         raise ValueError(f"rank {rank} of job {job} is outside its world size {world_size}")
+
+
+def _check_ranks(job: str, ranks: tuple[int, ...], world_size: int) -> None:
+    if max(ranks) >= world_size:
+        _check_rank(job, max(ranks), world_size)
+    if len(ranks) > 1 and len(set(ranks)) != len(ranks):
+        twice = sorted(r for r, n in collections.Counter(ranks).items() if n > 1)
+        raise ValueError(f"job {job}: rank(s) {_listed(twice)} asked for twice in one plan request")
+
+
+def _listed(ranks: list[int]) -> str:
+    """At most ``MAX_LISTED`` rank numbers, comma-separated, and how many more."""
+    named = ", ".join(map(str, ranks[:MAX_LISTED]))
+    return named + (f" and {len(ranks) - MAX_LISTED} more" if len(ranks) > MAX_LISTED else "")
 
 
 def _wait(msg: PlanRequest, reason: str) -> PlanReply:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import time
 
 import zmq
@@ -17,11 +19,13 @@ from snapshotd.proto import (
     PlanReply,
     PlanRequest,
     ProtocolError,
+    RankPlan,
     RegisterSidecar,
     SidecarRegistered,
     decode,
     encode,
 )
+from snapshotd.proto.limits import MAX_PLAN_RANKS
 from snapshotd.security import secure_client
 
 __all__ = ["CoordinatorClient", "CoordinatorUnavailable"]
@@ -33,24 +37,48 @@ PLAN_POLL_SECONDS = 0.2
 before long-polling) answers ``wait`` at once, and the rank then asks again after this pause, not in a busy loop."""
 PLAN_REQUEST_TIMEOUT = 5.0
 """How long one plan request may go unanswered before it is sent again. Longer than the coordinator holds a
-request that must wait (``CoordinatorConfig.plan_hold``, 1.5 s by default)."""
+request that must wait (``CoordinatorConfig.plan_hold``, 3 s by default)."""
 
-_PlanKey = tuple[str, int]  # (job, rank)
+_GroupKey = tuple[str, int, str]  # (job, world_size, node)
 
 
 class CoordinatorUnavailable(TimeoutError):
     """The coordinator did not answer in time."""
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Group:
+    """The ranks of one job (and world size, and node) waiting for their plan: asked for together."""
+
+    job: str
+    world_size: int
+    node: str
+    waiters: dict[int, list[asyncio.Future[PlanReply]]] = dataclasses.field(default_factory=dict)
+    dirty: bool = False  # ranks joined since the last request: send one for all of them now
+    first: int = -1  # the first rank of the last request (a ``wait`` reply names only that one)
+    resend_at: float = math.inf  # when to ask again (the last request timed out, or was answered ``wait``)
+    answered: bool = False  # the last request was answered (``wait``)
+    last: str = "no answer from the coordinator"  # why it still waits, for the timeout's message
+
+    def request(self) -> list[PlanRequest]:
+        """Requests for every waiting rank (one, unless the node has more than ``MAX_PLAN_RANKS`` waiting)."""
+        ranks = sorted(self.waiters)
+        return [PlanRequest(job=self.job, rank=part[0], world_size=self.world_size, node=self.node,
+                            ranks=tuple(part[1:]))
+                for part in (ranks[i:i + MAX_PLAN_RANKS] for i in range(0, len(ranks), MAX_PLAN_RANKS))]  # fmt: skip
+
+
 class CoordinatorClient:
     """Request/reply with the coordinator over DEALER sockets; each request has its own deadline.
 
-    Heartbeats and plan requests use separate sockets so that a slow plan never delays liveness. Every plan
-    request of this sidecar shares one socket: requests carry their job and rank, replies are routed to the
-    waiting call by ``(job, rank)``, so any number of local ranks may ask at once. The coordinator holds a
-    request that must wait (long-polling) and answers it the moment the job's round is decided. The plan socket
-    is open only while some :meth:`plan` call runs: a fleet between restores holds one connection per sidecar
-    to the coordinator, not two.
+    Heartbeats and plan requests use separate sockets so that a slow plan never delays liveness. The plans of
+    this sidecar's ranks are asked for together: concurrent :meth:`plan` calls of one job share one request
+    (ranks calling in the same turn of the event loop ride the same one; a rank calling later sends a new
+    request for every rank still waiting, which replaces the held one at the coordinator), and the coordinator
+    answers it with one reply covering them all, handed out to each call. The coordinator holds a request that
+    must wait (long-polling) and answers it the moment the job's round is decided. The plan socket, and the task
+    reading its replies and asking again after a timeout or a ``wait``, exist only while some :meth:`plan` call
+    runs: a fleet between restores holds one connection per sidecar to the coordinator, not two.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, secret: str | None) -> None:
@@ -59,8 +87,8 @@ class CoordinatorClient:
         self.secret = secret
         self._hb = self._socket()
         self._plan: zmq.asyncio.Socket | None = None  # open while plan calls run
-        self._plan_calls = 0
-        self._waiters: dict[_PlanKey, list[asyncio.Future[Message]]] = {}
+        self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
+        self._groups: dict[_GroupKey, _Group] = {}
         self._warned = False
 
     def _socket(self) -> zmq.asyncio.Socket:
@@ -104,100 +132,152 @@ class CoordinatorClient:
         return reply
 
     async def plan(self, req: PlanRequest, deadline: float) -> PlanReply:
-        """Ask for the recovery plan until it is not ``wait``.
+        """The recovery plan of ``req.rank`` (``req.ranks`` must be empty), asked for until it is not ``wait``.
 
         Raises:
             CoordinatorUnavailable: no final answer before ``deadline`` (time.monotonic()); the message says how
                 many ranks the coordinator was still waiting for.
-            ProtocolError: the coordinator refused the request.
+            ProtocolError: the coordinator refused the request (naming this rank, or none).
+            ValueError: ``req.ranks`` is not empty.
         """
-        last = "no answer from the coordinator"
-        self._plan_calls += 1
-        try:
-            while True:
-                sent = time.monotonic()
-                left = deadline - sent
-                if left <= 0:
-                    raise CoordinatorUnavailable(f"no recovery plan for job {req.job!r} rank {req.rank}: {last}")
-                try:
-                    reply = await self._plan_once(req, min(left, PLAN_REQUEST_TIMEOUT))
-                except CoordinatorUnavailable:
-                    continue
-                if reply.status != "wait":
-                    return reply
-                last = reply.reason or "waiting for the other ranks"
-                pause = PLAN_POLL_SECONDS - (time.monotonic() - sent)
-                if pause > 0:
-                    await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        finally:
-            self._plan_calls -= 1
-            if not self._plan_calls and self._plan is not None:
-                self._plan.close(linger=0)
-                self._plan = None
-
-    async def _plan_once(self, req: PlanRequest, timeout: float) -> PlanReply:
-        """Send one plan request on the shared socket and wait for the reply routed to it.
-
-        Every waiting call keeps one receive pending; whichever receives a reply hands it to the call it belongs
-        to, so replies reach their callers whatever order they come in, with no reader task of its own.
-        """
+        if req.ranks:
+            raise ValueError("plan() asks for one rank; concurrent calls are asked for together")
+        key = (req.job, req.world_size, req.node)
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(req.job, req.world_size, req.node)
+        answer: asyncio.Future[PlanReply] = asyncio.get_running_loop().create_future()
+        group.waiters.setdefault(req.rank, []).append(answer)
+        group.dirty = True
         if self._plan is None:
             self._plan = self._socket()
-        sock = self._plan
-        key = (req.job, req.rank)
-        answer: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(key, []).append(answer)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.ensure_future(self._read_plans(self._plan))
         try:
-            async with asyncio.timeout(timeout):
-                await sock.send_multipart(encode(req))
-                while not answer.done():
-                    received: asyncio.Future[list[bytes]] = asyncio.ensure_future(sock.recv_multipart())
-                    try:
-                        await asyncio.wait((answer, received), return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        if not received.done():
-                            received.cancel()
-                    if received.done() and not received.cancelled():
-                        self._route(received.result())
-        except TimeoutError as exc:
-            raise self._timed_out(timeout) from exc
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await asyncio.sleep(0)  # the other ranks asking in this turn of the loop ride the same request
+                await self._flush(group)
+                reply = await answer
+        except TimeoutError:
+            raise CoordinatorUnavailable(
+                f"no recovery plan for job {req.job!r} rank {req.rank}: {group.last}") from None
         finally:
-            waiting = self._waiters[key]
-            waiting.remove(answer)
-            if not waiting:
-                del self._waiters[key]
+            self._forget(group, req.rank, answer)
         self._warned = False
-        reply = answer.result()
-        if isinstance(reply, Error):
-            raise ProtocolError(f"coordinator refused plan_request: {reply.message}")
-        if not isinstance(reply, PlanReply):
-            raise ProtocolError(f"coordinator answered {reply.TYPE} to plan_request")
         return reply
 
-    def _route(self, frames: list[bytes]) -> None:
-        """Hand a reply on the plan socket to every call waiting for its ``(job, rank)``.
+    def _forget(self, group: _Group, rank: int, answer: asyncio.Future[PlanReply]) -> None:
+        """``answer`` is no longer awaited; close the plan socket with the last call."""
+        waiting = group.waiters.get(rank)
+        if waiting is not None and answer in waiting:
+            waiting.remove(answer)
+            if not waiting:
+                del group.waiters[rank]
+        if not group.waiters and self._groups.get((group.job, group.world_size, group.node)) is group:
+            del self._groups[(group.job, group.world_size, group.node)]
+        if not self._groups and self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+            assert self._plan is not None
+            self._plan.close(linger=0)
+            self._plan = None
 
-        An error that names no rank goes to every call of its job (to every call when it names no job either);
-        a reply nobody waits for any more (its request timed out) is dropped.
+    async def _flush(self, group: _Group) -> None:
+        """Send one request for all of ``group``'s waiting ranks if any joined since the last one."""
+        if not group.dirty or not group.waiters or self._plan is None:
+            return
+        group.dirty = False
+        requests = group.request()
+        group.first, group.answered = requests[0].rank, False
+        group.resend_at = time.monotonic() + PLAN_REQUEST_TIMEOUT
+        for req in requests:
+            await self._plan.send_multipart(encode(req))
+
+    async def _read_plans(self, sock: zmq.asyncio.Socket) -> None:
+        """Route every reply on the plan socket; ask again for groups whose request timed out or must wait.
+
+        Runs until cancelled (with the last plan call); a bug fails every waiting call instead of leaving it to
+        its deadline.
+        """
+        try:
+            while True:
+                now = time.monotonic()
+                for group in list(self._groups.values()):
+                    if now >= group.resend_at:
+                        if not group.answered:
+                            self._timed_out(PLAN_REQUEST_TIMEOUT)  # logged once
+                        group.dirty = True
+                        await self._flush(group)
+                soonest = min((g.resend_at for g in self._groups.values()), default=math.inf)
+                wait_ms = math.ceil(max(0.0, min(1.0, soonest - time.monotonic())) * 1e3)
+                if await sock.poll(wait_ms):
+                    self._route(await sock.recv_multipart())
+        except Exception as exc:
+            log.exception("reading plan replies from coordinator %s failed", self.endpoint)
+            for group in self._groups.values():
+                for rank in list(group.waiters):
+                    self._settle(group, rank, exc)
+
+    def _route(self, frames: list[bytes]) -> None:
+        """Hand a reply on the plan socket to the calls waiting for its ranks.
+
+        A ``wait`` for the last request of a group makes it ask again after ``PLAN_POLL_SECONDS`` (a wait for an
+        earlier one is left alone: the last is pending). An error naming a rank fails that rank's calls and asks
+        again at once for the others of its request; one naming no rank fails every call of its job (every call
+        when it names no job either). A reply nobody waits for any more is dropped.
         """
         try:
             reply = decode(frames)
         except ProtocolError as exc:
             log.warning("undecodable reply from coordinator %s: %s", self.endpoint, exc)
             return
-        if isinstance(reply, PlanReply) or (isinstance(reply, Error) and reply.rank >= 0):
-            keys = [(reply.job, reply.rank)]  # type: ignore[attr-defined]
+        anyone = isinstance(reply, Error) and not reply.job
+        groups = [g for g in self._groups.values() if anyone or g.job == reply.job]
+        if isinstance(reply, PlanReply):
+            self._warned = False
+            if reply.status == "wait":
+                for group in groups:
+                    group.last = reply.reason or "waiting for the other ranks"
+                    if reply.rank == group.first:
+                        group.answered = True
+                        group.resend_at = min(group.resend_at, time.monotonic() + PLAN_POLL_SECONDS)
+                return
+            for plan in reply.answers():
+                for group in groups:
+                    self._settle(group, plan.rank, _single(reply.job, plan))
         elif isinstance(reply, Error):
-            keys = [k for k in self._waiters if not reply.job or k[0] == reply.job]
+            refused = ProtocolError(f"coordinator refused plan_request: {reply.message}")
+            for group in groups:
+                for rank in [reply.rank] if reply.rank >= 0 else list(group.waiters):
+                    if self._settle(group, rank, refused):
+                        group.dirty, group.answered = True, True
+                        group.resend_at = time.monotonic()
         else:
             log.warning("coordinator %s sent %s on the plan socket", self.endpoint, reply.TYPE)
-            return
-        for key in keys:
-            for waiter in self._waiters.get(key, ()):
-                if not waiter.done():
-                    waiter.set_result(reply)
+
+    @staticmethod
+    def _settle(group: _Group, rank: int, outcome: PlanReply | Exception) -> bool:
+        """Give ``outcome`` to the calls of ``group`` waiting for ``rank``; whether there were any."""
+        waiting = group.waiters.pop(rank, None)
+        for answer in waiting or ():
+            if not answer.done():
+                if isinstance(outcome, Exception):
+                    answer.set_exception(outcome)
+                else:
+                    answer.set_result(outcome)
+        return bool(waiting)
 
     def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
         self._hb.close(linger=0)
         if self._plan is not None:
             self._plan.close(linger=0)
+            self._plan = None
+
+
+def _single(job: str, plan: RankPlan) -> PlanReply:
+    """One rank's plan as the reply to a request for it alone."""
+    return PlanReply(job=job, rank=plan.rank, status=plan.status, step=plan.step, local=plan.local,
+                     sources=plan.sources, reason=plan.reason)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The sidecar's CoordinatorClient against a real coordinator: held plan requests, one socket, replies routed."""
+"""The sidecar's CoordinatorClient: its ranks asked for together, held by a real coordinator, replies shared out."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from snapshotd.proto import (
     PlanRequest,
     ProtocolError,
     RankInfo,
+    RankPlan,
     RegisterSidecar,
+    decode,
+    encode,
 )
 from snapshotd.sidecar.control import CoordinatorClient, CoordinatorUnavailable
 
@@ -68,7 +71,7 @@ def _ask(rank: int, world: int = WORLD) -> PlanRequest:
     return PlanRequest(job="j", rank=rank, world_size=world, node="a")
 
 
-def test_concurrent_ranks_share_one_socket_and_get_the_plan_when_the_last_asks(coordinator: Coordinator) -> None:
+def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(coordinator: Coordinator) -> None:
     times: dict[int, float] = {}
 
     async def restore(client: CoordinatorClient, rank: int, delay: float) -> PlanReply:
@@ -82,15 +85,59 @@ def test_concurrent_ranks_share_one_socket_and_get_the_plan_when_the_last_asks(c
         bad = asyncio.ensure_future(client.plan(_ask(WORLD + 1), time.monotonic() + TIMEOUT))
         calls = asyncio.gather(*(restore(client, r, 0.4 if r == 2 else 0.0) for r in range(WORLD)))
         await asyncio.sleep(0.2)
-        assert client._plan is not None and len(client._waiters) == WORLD - 1  # ranks 0, 1, 3 held on one socket
-        replies = await calls
+        (group,) = client._groups.values()
+        assert client._plan is not None and sorted(group.waiters) == [0, 1, 3]  # held on one socket
         with pytest.raises(ProtocolError, match="outside its world size"):
-            await bad  # refused, and only that call: the error names its rank
+            await bad  # refused, and only that rank: the error names it, the others were asked for again
+        replies = await calls
         assert [(p.rank, p.status, p.step, p.local) for p in replies] == [(r, "ready", 5, True) for r in range(WORLD)]
-        assert max(times.values()) - t0 < 1.2  # decided when rank 2 asked (0.4 s), not after a hold of 1.5 s
-        assert client._plan is None and not client._waiters  # closed with the last call, nobody left waiting
+        assert max(times.values()) - t0 < 1.2  # decided when rank 2 asked (0.4 s), not after a hold of 3 s
+        assert client._plan is None and client._pump is None and not client._groups  # closed with the last call
 
     asyncio.run(_with_node(coordinator.endpoint, body))
+
+
+def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
+    """A scripted coordinator (a real ROUTER) sees the requests: one for the ranks asking at once, then one
+    for every rank still waiting when another joins; one reply answers each rank's own call."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    client = CoordinatorClient(ctx, f"tcp://127.0.0.1:{port}", secret=None)
+
+    async def receive() -> tuple[list[bytes], PlanRequest]:
+        async with asyncio.timeout(TIMEOUT):
+            frames = await router.recv_multipart()
+        msg = decode(frames[1:])
+        assert isinstance(msg, PlanRequest)
+        return frames[:1], msg
+
+    async def main() -> None:
+        deadline = time.monotonic() + TIMEOUT
+        calls = [asyncio.ensure_future(client.plan(_ask(r, 8), deadline)) for r in (5, 1, 3)]
+        envelope, first = await receive()
+        assert (first.rank, first.ranks, first.world_size, first.node) == (1, (3, 5), 8, "a")
+        late = asyncio.ensure_future(client.plan(_ask(0, 8), deadline))
+        envelope, second = await receive()
+        assert second.all_ranks == (0, 1, 3, 5)  # replaces the first one, which the coordinator holds
+        plans = tuple(RankPlan(r, "ready", 7, r == 3, ("tcp://b:1",), "") for r in second.all_ranks)
+        reply = PlanReply(job="j", rank=0, status="ready", step=7, local=False, sources=("tcp://b:1",), plans=plans[1:])
+        await router.send_multipart([*envelope, *encode(reply)])
+        async with asyncio.timeout(TIMEOUT):
+            got = await asyncio.gather(*calls, late)
+        assert [(p.rank, p.step, p.local, p.sources) for p in got] == [
+            (5, 7, False, ("tcp://b:1",)), (1, 7, False, ("tcp://b:1",)), (3, 7, True, ("tcp://b:1",)),
+            (0, 7, False, ("tcp://b:1",))]  # fmt: skip
+        assert not await router.poll(100)  # nothing more was sent
+        assert client._plan is None and not client._groups
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)

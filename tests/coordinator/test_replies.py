@@ -68,3 +68,15 @@ def test_a_piece_that_breaks_its_spec_raises_like_encode() -> None:
     with pytest.raises(ProtocolError):
         replies.frame("n", too_far)
     check(replies, "n", HeartbeatReply(assignments=assignments(0)))  # nothing bad was kept
+
+
+def test_a_reply_of_the_same_pieces_is_the_nodes_last_frame_and_any_new_piece_makes_a_new_one() -> None:
+    replies = HeartbeatReplies()
+    placed, mark = assignments(0), Watermark("j", 3, 2)
+    first = check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,)))
+    assert replies.frame("n", HeartbeatReply(assignments=placed, watermarks=(mark,))) is first  # sent as it was
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), heartbeat_interval=2.5))
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(Watermark("j", 4, 2),)))
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark, Watermark("k", 1, 1))))
+    check(replies, "n", HeartbeatReply(assignments=assignments(0, ranks=2), watermarks=(mark,)))
+    check(replies, "m", HeartbeatReply(assignments=placed, watermarks=(mark,)))  # per node

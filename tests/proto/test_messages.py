@@ -36,6 +36,7 @@ from snapshotd.proto.messages import (
     PullManifest,
     PullRequest,
     RankInfo,
+    RankPlan,
     RankRegistered,
     RegisterRank,
     RegisterSidecar,
@@ -137,8 +138,9 @@ def sample_messages() -> list[Message]:
             watermarks=(Watermark("run-42", 16, 15), Watermark("run-7", -1, -1)),
             tasks=(ReplicateTask("run-42", 5, 16, (ADDR,)),),
         ),
-        PlanRequest(job="run-42", rank=3, world_size=8, node="node-a"),
-        PlanReply(job="run-42", rank=3, status="ready", step=16, local=False, sources=(ADDR,), reason=""),
+        PlanRequest(job="run-42", rank=3, world_size=8, node="node-a", ranks=(2, 7)),
+        PlanReply(job="run-42", rank=3, status="ready", step=16, local=False, sources=(ADDR,), reason="",
+                  plans=(RankPlan(2, "ready", 16, True, (), ""), RankPlan(7, "none", -1, False, (), "gone"))),
         StatusRequest(),
         StatusReply(body=msgpack.packb({"nodes": ["node-a"]})),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
@@ -398,3 +400,26 @@ def test_a_field_added_later_needs_a_default() -> None:
 
     with pytest.raises(TypeError, match="needs a default"):
         spec_field(Int(), added=True)
+
+
+def test_a_plan_request_for_one_rank_and_its_reply_are_what_peers_before_batching_read() -> None:
+    single = PlanRequest(job="j", rank=3, world_size=8, node="a")
+    assert "ranks" not in msgpack.unpackb(bytes(encode(single)[0]))
+    assert single.all_ranks == (3,) and decode(encode(single)) == single
+    reply = PlanReply(job="j", rank=3, status="ready", step=5, local=True)
+    assert "plans" not in msgpack.unpackb(bytes(encode(reply)[0]))
+    assert reply.answers() == (RankPlan(3, "ready", 5, True, (), ""),)
+    batch = PlanRequest(job="j", rank=3, world_size=8, node="a", ranks=(0, 1))
+    assert msgpack.unpackb(bytes(encode(batch)[0]))["ranks"] == [0, 1] and batch.all_ranks == (3, 0, 1)
+
+
+def test_plan_batches_are_bounded() -> None:
+    too_many = tuple(range(L.MAX_PLAN_RANKS))  # with ``rank``, one more than a request may carry
+    with pytest.raises(LimitExceeded):
+        encode(PlanRequest(job="j", rank=0, world_size=L.MAX_RANKS, node="a", ranks=too_many))
+    header = msgpack.unpackb(bytes(encode(PlanRequest(job="j", rank=0, world_size=8, node="a", ranks=(1,)))[0]))
+    header["ranks"] = list(too_many)
+    with pytest.raises(LimitExceeded):
+        decode([msgpack.packb(header)])
+    with pytest.raises(MalformedMessage):
+        decode(encode(PlanReply(job="j", rank=0, status="ready", plans=(RankPlan(1, "wait", -1, False, (), ""),))))
