@@ -299,6 +299,11 @@ def run(args: argparse.Namespace) -> Report:
         values["snapshotd_overhead"], sources["snapshotd_overhead"] = max(0.0, args.step_ratio - 1), "--step-ratio"
     horizon = args.hours * 3600
     strategies = _strategies(args, values)
+    if len(strategies) < 2:
+        raise ValueError(
+            f"nothing to compare snapshotd with: the overhead report {args.overhead_json} ran neither torch_save nor "
+            "dcp_async; pass a report that did (--step-ratio then overrides snapshotd's own figure)"
+        )
     rng = np.random.default_rng(args.seed)
     sims = np.empty((args.trials, len(strategies)))
     for i in range(args.trials):

@@ -71,6 +71,13 @@ def test_inputs_default_without_files_and_reject_other_benchmarks(tmp_path: Path
         load_inputs(recovery_json, None)
 
 
+def test_a_report_without_checkpoints_is_a_clear_error(tmp_path: Path, recovery_json: str) -> None:
+    rows = [{"variant": "none", "step_ms": [100.0]}, {"variant": "snapshotd", "interval": 1, "step_ms": [101.0]}]
+    path = _write(tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows})
+    with pytest.raises(ValueError, match="nothing to compare snapshotd with"):
+        cli.main(["goodput", "--overhead-json", path, "--recovery-json", recovery_json, "--trials", "2"])
+
+
 def test_no_failures_leave_only_the_steady_overhead() -> None:
     snap = Strategy("s", recovery=10.0, overhead=0.25, step=1.0)
     ckpt = Strategy("c", recovery=10.0, interval=90.0, cost=10.0)
