@@ -667,5 +667,5 @@ def test_wait_returns_as_soon_as_the_stream_failed(cluster: Cluster) -> None:
         assert r.capture(1)
         wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
         t0 = time.monotonic()
-        assert not r.snap.wait(2.5)
-        assert time.monotonic() - t0 < 1.5
+        assert not r.snap.wait(10)
+        assert time.monotonic() - t0 < 5  # at once, not after the timeout (a wide margin for a loaded machine)
