@@ -146,6 +146,6 @@ def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(
         t0 = time.monotonic()
         with pytest.raises(CoordinatorUnavailable, match=r"rank 0: 1 of 4 ranks accounted for; waiting for rank"):
             await client.plan(_ask(0), t0 + 0.6)
-        assert 0.55 <= time.monotonic() - t0 < 1.5
+        assert 0.55 <= time.monotonic() - t0 < 3.0
 
     asyncio.run(_with_node(coordinator.endpoint, body))

@@ -185,7 +185,7 @@ def test_a_held_plan_request_is_answered_wait_after_the_hold(start, dealer) -> N
     t0 = time.monotonic()
     reply = ask(a, PlanRequest(job="j", rank=0, world_size=2, node="a"))
     assert isinstance(reply, PlanReply) and reply.status == "wait" and "rank(s) 1" in reply.reason
-    assert 0.25 <= time.monotonic() - t0 < 1.0
+    assert 0.25 <= time.monotonic() - t0 < 2.5
 
 
 def test_held_plan_requests_are_answered_when_the_coordinator_stops(start, dealer) -> None:

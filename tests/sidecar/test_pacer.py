@@ -35,7 +35,7 @@ def test_idle_time_accumulates_at_most_one_burst() -> None:
     time.sleep(0.1)  # 1 MB of idle rate, but only 200 kB may be saved up
     assert timed_takes(pacer, 200_000, 1) < 0.01
     elapsed = timed_takes(pacer, 500_000, 1)
-    assert 0.04 <= elapsed <= 0.2, elapsed  # 500 kB at 10 MB/s with an empty bucket
+    assert 0.04 <= elapsed <= 0.5, elapsed  # 500 kB at 10 MB/s with an empty bucket
 
 
 def test_unpaced_is_instant() -> None:
