@@ -57,6 +57,7 @@ class AutoInterval:
         self.interval = self.START
         self.cost_seconds: float | None = None  # estimated training time one snapshot costs
         self._clean: collections.deque[float] = collections.deque(maxlen=self.BASELINE_WINDOW)
+        self._baseline: float | None = None  # median of ``_clean``, kept as it changes (once per clean step)
         self._episode: list[float] = []  # loaded step times since the last clean step
         self._episode_snapshots = 0
         self._loaded_next = False  # whether the step now beginning is loaded
@@ -65,7 +66,7 @@ class AutoInterval:
     @property
     def baseline_seconds(self) -> float | None:
         """The median clean step time, once three clean steps were seen."""
-        return statistics.median(self._clean) if len(self._clean) >= 3 else None
+        return self._baseline
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be snapshotted (the caller still skips it if no slot is free)."""
@@ -95,10 +96,11 @@ class AutoInterval:
             else:
                 self._close_episode()
                 self._clean.append(step_seconds)
+                self._baseline = statistics.median(self._clean) if len(self._clean) >= 3 else None
+                self._choose()
         if started:
             self._episode_snapshots += 1
         self._loaded_next = in_flight
-        self._choose()
 
     def _close_episode(self) -> None:
         base = self.baseline_seconds
@@ -106,6 +108,7 @@ class AutoInterval:
             cost = max(0.0, sum(t - base for t in self._episode)) / self._episode_snapshots
             a = self.ALPHA
             self.cost_seconds = cost if self.cost_seconds is None else (1 - a) * self.cost_seconds + a * cost
+            self._choose()
         self._episode.clear()
         self._episode_snapshots = 0
 
