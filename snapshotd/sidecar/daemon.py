@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -83,7 +84,7 @@ class Sidecar:
         self.cfg = cfg
         self.ctx = zmq.asyncio.Context()
         self.store = SnapshotStore(cfg.memory_limit)
-        self._acks: dict[tuple[str, int, int], list[int]] = {}  # stream -> [ack every, unacked, last index]
+        self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
         self.pacer = Pacer(cfg.max_rate)
         self.ranks: dict[RankKey, LocalRank] = {}
         self.links: dict[str, PeerLink] = {}
@@ -559,13 +560,13 @@ class Sidecar:
             if done:
                 self.version += 1
             key = (msg.job, msg.rank, msg.step)
-            acks = self._acks.get(key)
+            batch = self._acks.get(key)
             count = 1
-            if acks is not None:  # [ack every, received since the last ack, index of the last chunk]
-                acks[1] += 1
-                if not (done or acks[1] >= acks[0] or msg.index >= acks[2]):
+            if batch is not None:
+                batch.unacked += 1
+                if not (done or batch.unacked >= batch.every or msg.index >= batch.last):
                     return
-                count, acks[1] = acks[1], 0
+                count, batch.unacked = batch.unacked, 0
                 if done:
                     del self._acks[key]
             self._reply(self._data_out, ident, ChunkAck(job=msg.job, rank=msg.rank, step=msg.step, index=msg.index,
@@ -575,7 +576,7 @@ class Sidecar:
             self.store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
                              chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta)  # fmt: skip
             if msg.window >= 4:  # acknowledge every quarter window: fewer messages, the sender never starved
-                self._acks[(msg.job, msg.rank, msg.step)] = [msg.window // 4, 0, msg.nchunks - 1]
+                self._acks[(msg.job, msg.rank, msg.step)] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
             self._reply(self._data_out, ident, StreamAccept(job=msg.job, rank=msg.rank, step=msg.step,
                                                             bases=tuple(self.store.steps(msg.job, msg.rank)[-8:])))  # fmt: skip
         elif isinstance(msg, StreamAbort):
@@ -729,6 +730,15 @@ class Sidecar:
         self._acks = {k: v for k, v in self._acks.items() if self.store.holds(*k)}  # streams whose sender vanished
         for task in reply.tasks:
             self._spawn(self._replicate(task), f"re-replication of {task.job} rank {task.rank} step {task.step}")
+
+
+@dataclasses.dataclass(slots=True)
+class _AckBatch:
+    """Acknowledgement of one incoming stream: every ``every`` chunks, and always at its ``last`` chunk index."""
+
+    every: int
+    last: int
+    unacked: int = 0  # chunks received since the last ack
 
 
 def _keep_malloc_arenas() -> None:
