@@ -202,23 +202,10 @@ def _sidecar_rows(
     args: argparse.Namespace,
     drivers: list[list[str]],
 ) -> list[dict[str, Any]]:
-    """One result row per driver of :func:`_sidecar_phase`."""
-    outs = _sidecar_phase(workdir, label, link, codec, args, drivers)
-    return [_row(f"{label} sidecar", out, args.chunk) for out in outs]
-
-
-def _sidecar_phase(
-    workdir: str,
-    label: str,
-    link: Link | None,
-    codec: str,
-    args: argparse.Namespace,
-    drivers: list[list[str]],
-) -> list[dict[str, Any]]:
     """A coordinator, sidecars A and B (A's buddy) and, one after the other, ``drivers`` on A.
 
-    Returns each driver's JSON plus both sidecars' RSS after it and the coordinator's re-replication tasks
-    during it.
+    Returns one result row per driver (:func:`_row`): its JSON plus both sidecars' RSS after it and the
+    coordinator's re-replication tasks during it.
     """
     phase_dir = os.path.join(workdir, label)
     host_a, host_b = (link.addr_a, link.addr_b) if link else ("127.0.0.1", "127.0.0.1")
@@ -252,7 +239,7 @@ def _sidecar_phase(
             out["receiver_rss_bytes"] = _rss_bytes(receiver.pid)
             out["sender_rss_bytes"] = _rss_bytes(sender.pid)
             out["replications"] = _replications(cluster.coordinator.log_path) - before
-            outs.append(out)
+            outs.append(_row(f"{label} sidecar", out, args.chunk))
     return outs
 
 
