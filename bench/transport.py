@@ -23,15 +23,20 @@ a long job pays that once, so the timed snapshots are the steady state.
 A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
 state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
 durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``.
-Every phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
+Every other phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
 ``--insecure``). The coordinator's ``--heartbeat-timeout`` defaults to 8 s here, not 3 s: while a step's
 stream to its buddy is younger than that, the coordinator counts it as in flight; an older one is "missing a
 copy" and the coordinator has the buddy pull the same step again, concurrently with the stream, which then
 fails (the ``replications`` column counts such tasks; it should stay 0).
 
+4. **Security** (``--security`` only): the loopback phase again with ``SNAPSHOTD_SECRET`` set, once with the
+   data plane on CURVE (the default) and once in ``members`` mode (plaintext behind the member check), each
+   row's ``vs_raw`` against the same raw socket.
+
 Summary: ``state_bytes``, ``sidecar_GBps`` and ``raw_socket_GBps`` (loopback, GB/s), ``loopback_ratio``
 (sidecar / raw), ``sidecar_rss_bytes`` (receiving sidecar's VmRSS after the repeats), and, when shaped links
-ran, ``link_1gbit_ratio``, ``link_10gbit_ratio`` and ``delta_speedup_1gbit`` (median raw time / delta time).
+ran, ``link_1gbit_ratio``, ``link_10gbit_ratio`` and ``delta_speedup_1gbit`` (median raw time / delta time),
+and with ``--security``, ``curve_GBps`` and ``members_GBps``.
 """
 
 from __future__ import annotations
@@ -65,9 +70,10 @@ _LINK_RATES = (("1gbit", 1e9), ("10gbit", 10e9))
 _COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seconds", "receiver_rss_bytes",
             "sender_rss_bytes", "replications"]  # fmt: skip
 _SUMMARY_KEYS = ("state_bytes", "sidecar_GBps", "raw_socket_GBps", "loopback_ratio", "sidecar_rss_bytes",
-                 "link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit")  # fmt: skip
+                 "link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit", "curve_GBps", "members_GBps")  # fmt: skip
 _CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat",
-                "heartbeat_timeout", "timeout")  # fmt: skip
+                "security", "heartbeat_timeout", "timeout")  # fmt: skip
+_BENCH_SECRET = "snapshotd-bench transport"  # a throwaway secret for the security phase
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)"
     )
     parser.add_argument("--no-links", action="store_true", help="skip the shaped-link phases")
+    parser.add_argument("--security", action="store_true",
+                        help="also stream on loopback with a secret: CURVE, and --data-security members")  # fmt: skip
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -122,6 +130,12 @@ def run(args: argparse.Namespace) -> Report:
         summary["raw_socket_GBps"] = raw / 1e9
         summary["loopback_ratio"] = side["stream_Bps"] / raw
         summary["sidecar_rss_bytes"] = side["receiver_rss_bytes"]
+        for mode in ("curve", "members") if args.security else ():
+            (row,) = _sidecar_rows(workdir, f"loopback-{mode}", None, "raw", args,
+                                   [_transport_argv(args.size, args.repeat)], security=mode)  # fmt: skip
+            row["run"], row["vs_raw"] = f"loopback sidecar, {mode}", row["stream_Bps"] / raw
+            results.append(row)
+            summary[f"{mode}_GBps"] = row["stream_Bps"] / 1e9
         reason = "disabled by --no-links" if args.no_links else links_available()
         config["links"] = reason or "ran"
         if reason is not None:
@@ -201,8 +215,10 @@ def _sidecar_rows(
     codec: str,
     args: argparse.Namespace,
     drivers: list[list[str]],
+    security: str | None = None,
 ) -> list[dict[str, Any]]:
-    """A coordinator, sidecars A and B (A's buddy) and, one after the other, ``drivers`` on A.
+    """A coordinator, sidecars A and B (A's buddy) and, one after the other, ``drivers`` on A; with
+    ``security`` (a ``--data-security`` mode) every process has a secret, else none does.
 
     Returns one result row per driver (:func:`_row`): its JSON plus both sidecars' RSS after it and the
     coordinator's re-replication tasks during it.
@@ -213,9 +229,11 @@ def _sidecar_rows(
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
     side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
-    no_secret = {"SNAPSHOTD_SECRET": ""}
+    if security:
+        side_flags += ["--data-security", security]
+    env = {"SNAPSHOTD_SECRET": _BENCH_SECRET if security else ""}
     with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL,
-                      heartbeat_timeout=args.heartbeat_timeout, env=no_secret) as cluster:  # fmt: skip
+                      heartbeat_timeout=args.heartbeat_timeout, env=env) as cluster:  # fmt: skip
         _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
         sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
         receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")

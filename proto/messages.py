@@ -14,7 +14,7 @@ Three conversations use these messages:
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
   :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
-  :class:`StatusRequest`, :class:`StatusReply`.
+  :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`.
 
 Any side may answer with :class:`Error`.
 """
@@ -489,6 +489,25 @@ class StatusReply(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemberQuery(Message):
+    """Whether ``host`` (the IP address a data-plane connection came from) is a member of the job: the host of
+    the data address of a live sidecar registered with the coordinator. Asked by sidecars in ``members`` mode."""
+
+    TYPE: ClassVar[str] = "member_query"
+    host: str = spec_field(_ADDR)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class MemberReply(Message):
+    """The answer to a :class:`MemberQuery`: ``node`` is a live member on ``host`` (empty when ``member`` is false)."""
+
+    TYPE: ClassVar[str] = "member_reply"
+    host: str = spec_field(_ADDR)
+    member: bool = spec_field(Bool())
+    node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """A refusal. ``code`` is machine-readable (e.g. ``memory_limit``, ``not_found``, ``bad_message``)."""
 
@@ -505,7 +524,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreReply,
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
-        StatusRequest, StatusReply, Error,
+        StatusRequest, StatusReply, MemberQuery, MemberReply, Error,
     )
 }  # fmt: skip
 
@@ -662,6 +681,8 @@ __all__ = [
     "HeartbeatReply",
     "InventoryItem",
     "MESSAGE_TYPES",
+    "MemberQuery",
+    "MemberReply",
     "Message",
     "PlanReply",
     "PlanRequest",

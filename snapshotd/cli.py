@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
     s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
     s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")
+    s.add_argument("--data-security", default="curve", choices=("curve", "members"),
+                   help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
+                        "the hosts of the job's members (default %(default)s)")  # fmt: skip
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
@@ -130,6 +133,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         nice=args.nice,
         request_timeout=parse_duration(args.peer_timeout),
         secret=secret,
+        data_security=args.data_security,
         insecure=args.insecure,
         **extra,
     )

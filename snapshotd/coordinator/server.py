@@ -50,6 +50,7 @@ from snapshotd.proto import (
     Error,
     Heartbeat,
     HeartbeatReply,
+    MemberQuery,
     Message,
     PlanReply,
     PlanRequest,
@@ -299,6 +300,8 @@ class _Server:
             return None
         if isinstance(msg, RegisterSidecar):
             return self.state.register(msg, now)
+        if isinstance(msg, MemberQuery):
+            return self.state.member(msg)
         if isinstance(msg, StatusRequest):
             return StatusReply(body=msgpack.packb(self.state.status(now), use_bin_type=True))
         self.state.bad_messages += 1

@@ -26,11 +26,14 @@ import logging
 import math
 import operator
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from snapshotd.proto import (
     Assignment,
     Heartbeat,
     HeartbeatReply,
+    MemberQuery,
+    MemberReply,
     PlanReply,
     PlanRequest,
     RankInfo,
@@ -81,6 +84,14 @@ class _Node:
     in_bps: float = 0.0
 
     @property
+    def host(self) -> str:
+        """The host of its data address (what a ``members`` mode sidecar admits connections from)."""
+        try:
+            return (urlsplit(self.data_addr).hostname or "").lower()
+        except ValueError:
+            return ""
+
+    @property
     def domain(self) -> tuple[str, str]:
         """The failure domain: the rack, or the node alone when it has no rack label."""
         return ("rack", self.rack) if self.rack else ("node", self.name)
@@ -107,6 +118,7 @@ class CoordinatorState:
         self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
         self._ring: list[str] = []  # live node names, sorted
         self._domains: collections.Counter[tuple[str, str]] = collections.Counter()  # live nodes per failure domain
+        self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._epoch = 0  # bumped on every membership change
         self._placement: dict[str, tuple[str, ...]] = {}  # node -> buddy node names, for this epoch
         self._warned_short = False
@@ -148,6 +160,13 @@ class CoordinatorState:
         self._seen(node, now)
         node.told = self.heartbeat_interval()
         return SidecarRegistered(heartbeat_interval=node.told)
+
+    def member(self, msg: MemberQuery) -> MemberReply:
+        """Whether ``msg.host`` is the host of a live node's data address (compared as written at registration,
+        case-insensitively: ``members`` mode requires IP addresses there)."""
+        on_host = self._hosts.get(msg.host.lower())
+        node = next(iter(on_host), "") if on_host else ""
+        return MemberReply(host=msg.host, member=bool(node), node=node)
 
     def heartbeat_interval(self) -> float:
         """The interval every sidecar is given now (see ``CoordinatorConfig.target_heartbeats_per_s``).
@@ -200,12 +219,17 @@ class CoordinatorState:
         self._live[node.name] = None
         bisect.insort(self._ring, node.name)
         self._domains[node.domain] += 1
+        self._hosts.setdefault(node.host, {})[node.name] = None
         self._membership_changed()
 
     def _remove_live(self, node: _Node) -> None:
         del self._live[node.name]
         del self._ring[bisect.bisect_left(self._ring, node.name)]
         self._domains[node.domain] -= 1
+        on_host = self._hosts[node.host]
+        del on_host[node.name]
+        if not on_host:
+            del self._hosts[node.host]
         self._membership_changed()
 
     def _membership_changed(self) -> None:

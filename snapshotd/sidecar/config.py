@@ -7,6 +7,7 @@ import getpass
 import os
 import socket
 
+from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.shm import SHM_DIR
 
 __all__ = ["SidecarConfig", "default_ipc_path"]
@@ -64,7 +65,12 @@ class SidecarConfig:
     slowing steps down. 0 keeps the priority of the shell."""
 
     secret: str | None = None
-    """The job's ``SNAPSHOTD_SECRET``: CURVE on every TCP socket when set."""
+    """The job's ``SNAPSHOTD_SECRET``: CURVE on every TCP socket when set (but see ``data_security``)."""
+
+    data_security: str = "curve"
+    """With a secret: ``curve`` encrypts the data plane too; ``members`` leaves it plaintext and admits only
+    connections from the hosts of live members' data addresses, as the coordinator says (the control plane stays
+    on CURVE; see :mod:`snapshotd.security`). Needs ``advertise`` (or the bind host) to be an IP address."""
 
     insecure: bool = False
     """Allow a routable ``data_bind`` without a secret."""
@@ -86,5 +92,11 @@ class SidecarConfig:
             raise ValueError(f"codec must be auto, raw or delta-lz4, got {self.codec!r}")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"--nice must be 0-19, got {self.nice}")
+        if self.data_security not in DATA_SECURITY_MODES:
+            raise ValueError(f"--data-security must be one of {', '.join(DATA_SECURITY_MODES)}, "
+                             f"got {self.data_security!r}")  # fmt: skip
+        if self.data_security == "members" and self.secret is None:
+            raise ValueError("--data-security members needs SNAPSHOTD_SECRET: the coordinator, which says who is "
+                             "a member, is reached over CURVE")  # fmt: skip
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:
             raise ValueError("heartbeat interval and request timeout must be positive")

@@ -15,6 +15,8 @@ from snapshotd.proto import (
     Error,
     Heartbeat,
     HeartbeatReply,
+    MemberQuery,
+    MemberReply,
     Message,
     PlanReply,
     PlanRequest,
@@ -130,6 +132,25 @@ class CoordinatorClient:
             raise ProtocolError(f"coordinator answered {reply.TYPE} to heartbeat")
         self._warned = False
         return reply
+
+    async def is_member(self, host: str, timeout: float) -> bool:
+        """Whether ``host`` is the host of a live member's data address (see :class:`~snapshotd.proto.MemberQuery`).
+
+        Each question has a socket of its own, closed when answered: they are rare (a data-plane connection being
+        set up) and may overlap.
+
+        Raises:
+            CoordinatorUnavailable: no answer within ``timeout``.
+            ProtocolError: the coordinator refused the question or answered something else.
+        """
+        sock = self._socket()
+        try:
+            reply = await self._request(sock, MemberQuery(host=host), timeout)
+        finally:
+            sock.close(linger=0)
+        if not isinstance(reply, MemberReply):
+            raise ProtocolError(f"coordinator answered {reply.TYPE} to member_query")
+        return reply.member
 
     async def plan(self, req: PlanRequest, deadline: float) -> PlanReply:
         """The recovery plan of ``req.rank`` (``req.ranks`` must be empty), asked for until it is not ``wait``.

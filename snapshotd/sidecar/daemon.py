@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from snapshotd import proto
 from snapshotd.progress import Progress
@@ -58,7 +59,14 @@ from snapshotd.proto import (
     UnregisterRank,
     codec,
 )
-from snapshotd.security import check_bind, secure_server, start_authenticator
+from snapshotd.security import (
+    DATA_DOMAIN,
+    MembersGate,
+    check_bind,
+    ip_host,
+    secure_server,
+    start_authenticator,
+)
 from snapshotd.shm import Arena, create_arena, pid_alive, sweep_stale_arenas
 
 from .config import SidecarConfig
@@ -88,6 +96,7 @@ class Sidecar:
         self.pacer = Pacer(cfg.max_rate)
         self.ranks: dict[RankKey, LocalRank] = {}
         self.links: dict[str, PeerLink] = {}
+        self._from_ip: str | None = None  # members mode: the IP address outgoing data connections come from
         self.policies: dict[str, CodecPolicy] = {}
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.incarnation = uuid.uuid4().hex[:16]
@@ -116,10 +125,16 @@ class Sidecar:
         _keep_malloc_arenas()
         if cfg.nice:
             os.nice(cfg.nice)
-        auth = start_authenticator(self.ctx, cfg.secret)
+        self.control = CoordinatorClient(self.ctx, cfg.coordinator, secret=cfg.secret)
+        members = cfg.data_security == "members"
+        auth: MembersGate | AsyncioAuthenticator | None
+        if members:
+            auth = MembersGate(self.ctx, lambda host: self.control.is_member(host, cfg.request_timeout))
+            auth.start()
+        else:
+            auth = start_authenticator(self.ctx, cfg.secret)
         ipc = self.ctx.socket(zmq.ROUTER)
         data = self.ctx.socket(zmq.ROUTER)
-        self.control = CoordinatorClient(self.ctx, cfg.coordinator, secret=cfg.secret)
         installed: list[signal.Signals] = []
         try:
             for sock in (ipc, data):
@@ -135,9 +150,13 @@ class Sidecar:
             finally:
                 os.umask(old_umask)
             os.chmod(cfg.ipc, 0o600)
-            secure_server(data, cfg.secret)
+            if members:
+                data.zap_domain = DATA_DOMAIN
+            else:
+                secure_server(data, cfg.secret)
             data.bind(cfg.data_bind)
             self.data_addr = self._advertised(data.getsockopt_string(zmq.LAST_ENDPOINT))
+            self._from_ip = ip_host(self.data_addr) if members else None
             log.info("sidecar %s: ipc ipc://%s, data %s (bound %s), coordinator %s", cfg.node, cfg.ipc,
                      self.data_addr, data.getsockopt_string(zmq.LAST_ENDPOINT), cfg.coordinator)  # fmt: skip
             if ready is not None:
@@ -209,7 +228,9 @@ class Sidecar:
     def link(self, addr: str) -> PeerLink:
         link = self.links.get(addr)
         if link is None:
-            link = self.links[addr] = PeerLink(self.ctx, addr, secret=self.cfg.secret, timeout=self.cfg.request_timeout)
+            members = self._from_ip is not None  # plaintext, from the address members are known by
+            link = self.links[addr] = PeerLink(self.ctx, addr, secret=None if members else self.cfg.secret,
+                                               timeout=self.cfg.request_timeout, source=self._from_ip)  # fmt: skip
             self._spawn(link.run(), f"peer link {addr}")
         return link
 

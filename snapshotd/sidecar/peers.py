@@ -35,9 +35,15 @@ class PeerTimeout(PeerError, TimeoutError):
 
 
 class PeerLink:
-    """A DEALER connection to ``addr``; :meth:`run` is its reader task (start it in the owner's TaskGroup)."""
+    """A DEALER connection to ``addr``; :meth:`run` is its reader task (start it in the owner's TaskGroup).
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, *, secret: str | None, timeout: float) -> None:
+    With ``source`` (an IP address of this host) the connection leaves from that address, the one a ``members``
+    mode peer admits this node by; with ``secret`` it is a CURVE client.
+    """
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, addr: str, *, secret: str | None, timeout: float, source: str | None = None
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
         self.sock = ctx.socket(zmq.DEALER)
@@ -46,7 +52,7 @@ class PeerLink:
         self.sock.setsockopt(zmq.SNDHWM, 256)
         self.sock.setsockopt(zmq.RCVHWM, 4096)
         secure_client(self.sock, secret)
-        self.sock.connect(addr)
+        self.sock.connect(addr if source is None else _from(source, addr))
         self._queues: dict[Key, asyncio.Queue[Message]] = {}
         self.dropped = 0
 
@@ -123,3 +129,9 @@ class PeerLink:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+
+
+def _from(source: str, addr: str) -> str:
+    """ZeroMQ's ``tcp://SOURCE:0;HOST:PORT``: connect to ``addr`` from the address ``source``."""
+    host = f"[{source}]" if ":" in source else source
+    return f"tcp://{host}:0;{addr.removeprefix('tcp://')}"

@@ -41,9 +41,12 @@ def _check_sidecar_rows(doc: dict) -> None:
 
 
 def test_loopback_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    doc = _run_cli(tmp_path, "--size", "8MiB", "--repeat", "2", "--no-links")
+    doc = _run_cli(tmp_path, "--size", "8MiB", "--repeat", "2", "--no-links", "--security")
     summary = doc["summary"]
-    assert list(summary) == LOOPBACK_KEYS
+    assert list(summary) == [*LOOPBACK_KEYS, "curve_GBps", "members_GBps"]
+    assert summary["curve_GBps"] > 1e-3 and summary["members_GBps"] > 1e-3
+    runs = [r["run"] for r in doc["results"]]
+    assert "loopback sidecar, curve" in runs and "loopback sidecar, members" in runs
     assert summary["state_bytes"] == SIZE
     assert summary["sidecar_GBps"] > 1e-3 and summary["raw_socket_GBps"] > 1e-3
     assert summary["loopback_ratio"] == pytest.approx(summary["sidecar_GBps"] / summary["raw_socket_GBps"])

@@ -12,6 +12,7 @@ from snapshotd.proto import (
     Heartbeat,
     HeartbeatReply,
     InventoryItem,
+    MemberQuery,
     PlanReply,
     PlanRequest,
     RankInfo,
@@ -174,6 +175,26 @@ def test_same_incarnation_reregistering_keeps_data() -> None:
     two_node_job(st)
     register(st, "b", now=T0 + 1.0)  # e.g. its first registration reply was lost
     assert watermark(beat(st, "b", T0 + 1.1, changed=False)) == (6, 5)
+
+
+def test_members_are_the_hosts_of_live_data_addresses() -> None:
+    st = make()
+    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.5:7071", incarnation="i1"), T0)
+    st.register(RegisterSidecar(node="b", data_addr="tcp://10.0.0.6:7071", incarnation="i1"), T0)
+    st.register(RegisterSidecar(node="c", data_addr="tcp://10.0.0.6:7072", incarnation="i1"), T0)  # same host
+    assert st.member(MemberQuery(host="10.0.0.5")).node == "a"
+    assert st.member(MemberQuery(host="10.0.0.6")).member
+    assert not st.member(MemberQuery(host="10.0.0.7")).member
+    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)  # moved
+    assert not st.member(MemberQuery(host="10.0.0.5")).member
+    assert st.member(MemberQuery(host="10.0.0.8")).member
+    keep_alive(st, T0 + 2.0, "a", "c")
+    keep_alive(st, T0 + 3.5, "a", "c")  # b last seen at T0: dead; c still on its host
+    assert st.member(MemberQuery(host="10.0.0.6")).node == "c"
+    keep_alive(st, T0 + 5.0, "a")
+    keep_alive(st, T0 + 6.6, "a")  # c dead too
+    reply = st.member(MemberQuery(host="10.0.0.6"))
+    assert not reply.member and reply.node == "" and reply.host == "10.0.0.6"
 
 
 def test_unknown_node_gets_known_false() -> None:

@@ -30,6 +30,8 @@ from snapshotd.proto.messages import (
     Heartbeat,
     HeartbeatReply,
     InventoryItem,
+    MemberQuery,
+    MemberReply,
     Message,
     PlanReply,
     PlanRequest,
@@ -143,6 +145,8 @@ def sample_messages() -> list[Message]:
                   plans=(RankPlan(2, "ready", 16, True, (), ""), RankPlan(7, "none", -1, False, (), "gone"))),
         StatusRequest(),
         StatusReply(body=msgpack.packb({"nodes": ["node-a"]})),
+        MemberQuery(host="10.0.0.2"),
+        MemberReply(host="10.0.0.2", member=True, node="node-a"),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
     ]
 
