@@ -102,16 +102,23 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 def run_scenario(
     workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
-    say: Callable[[str], None] = print,
+    data_security: str | None = None, say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`)."""
+    """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
+
+    With ``data_security`` (``curve`` or ``members``) every process shares a fresh secret, the sidecars run that
+    ``--data-security`` mode, and the replacement node C binds its data plane on 127.0.0.3, a host of its own.
+    """
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
     world = 4
     job = f"demo-{uuid.uuid4().hex[:6]}"
     jobs: list[TrainingJob] = []
+    secret = uuid.uuid4().hex if data_security else None
+    side_flags = ["--data-security", data_security] if data_security else []
     with contextlib.ExitStack() as cleanup:
-        cluster = cleanup.enter_context(LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5))
+        cluster = cleanup.enter_context(LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5,
+                                                     env={"SNAPSHOTD_SECRET": secret or ""}))  # fmt: skip
 
         def stop_ranks() -> None:  # registered last, so it runs first: ranks stop before their sidecars
             for j in jobs:
@@ -119,8 +126,8 @@ def run_scenario(
 
         cleanup.callback(stop_ranks)
         cluster.start_coordinator()
-        node_a = cluster.start_sidecar("A")
-        node_b = cluster.start_sidecar("B")
+        node_a = cluster.start_sidecar("A", *side_flags)
+        node_b = cluster.start_sidecar("B", *side_flags)
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
         say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
@@ -141,13 +148,13 @@ def run_scenario(
         say(f"      node B killed at step {reached} (its sidecar and ranks 2-3); ranks 0-1 stopped by the launcher")
 
         def b_dead() -> bool:
-            nodes = fetch_status(cluster.coordinator_addr, secret=None)["nodes"]
+            nodes = fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]
             return any(n["node"] == "B" and not n["alive"] for n in nodes)
 
         _wait_for(b_dead, 30, "the coordinator to declare node B dead")
         detection = time.monotonic() - t_dead
         say(f"[3/4] coordinator declared node B dead after {detection:.2f} s; replacement sidecar starts as node C")
-        cluster.start_sidecar("C")
+        cluster.start_sidecar("C", *side_flags, data_bind="tcp://127.0.0.3:0" if data_security else "tcp://127.0.0.1:0")
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
         second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c)

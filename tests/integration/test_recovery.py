@@ -56,6 +56,17 @@ def test_node_loss_four_ranks_bit_identical(tmp_path) -> None:
     assert not _shm_leftovers(s["job"])
 
 
+def test_node_loss_in_members_mode_bit_identical(tmp_path) -> None:
+    """The same story with a secret and plaintext data planes behind the member check; the replacement node
+    (127.0.0.3) pulls from node A (127.0.0.1), which admits it because the coordinator knows it."""
+    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, data_security="members",
+                     say=lambda _: None)  # fmt: skip
+    assert s["ranks_agree"] and s["steps_lost"] <= 1, s
+    assert s["bit_identical"] and s["losses_identical"], s
+    assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
+    assert not _shm_leftovers(s["job"])
+
+
 @pytest.mark.timeout(300)
 def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
     """SIGKILL the training ranks (nodes live): restore is the local fast path with zero bytes over the network,
