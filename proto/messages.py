@@ -490,8 +490,9 @@ class StatusReply(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class MemberQuery(Message):
-    """Whether ``host`` (the IP address a data-plane connection came from) is a member of the job: the host of
-    the data address of a live sidecar registered with the coordinator. Asked by sidecars in ``members`` mode."""
+    """Whether ``host`` (the IPv4 address a data-plane connection came from) is a member: the host of the data
+    address of a live sidecar registered with the coordinator (one coordinator serves one job). Asked by
+    sidecars in ``members`` mode."""
 
     TYPE: ClassVar[str] = "member_query"
     host: str = spec_field(_ADDR)

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.units import parse_bytes, parse_duration, parse_rate
 
 __all__ = ["main"]
@@ -50,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
     s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
     s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")
-    s.add_argument("--data-security", default="curve", choices=("curve", "members"),
+    s.add_argument("--data-security", default="curve", choices=DATA_SECURITY_MODES,
                    help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
                         "the hosts of the job's members (default %(default)s)")  # fmt: skip
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")

@@ -15,27 +15,33 @@ apart two processes on a member's host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import ipaddress
 import logging
 import os
+import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 import zmq.auth.asyncio
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 __all__ = [
     "DATA_SECURITY_MODES",
     "CurveKeys",
+    "HandshakeWatch",
     "MembersGate",
     "check_bind",
     "curve_keys",
-    "ip_host",
+    "data_host",
+    "members_source",
     "secret_from_env",
     "secure_client",
     "secure_server",
@@ -52,6 +58,10 @@ MEMBER_TTL_S = 60.0
 """How long a host the coordinator called a member is admitted without asking again."""
 REFUSED_TTL_S = 5.0
 """How long a refused host is refused without asking again (a host that keeps knocking costs one query per this)."""
+FAILED_TTL_S = 1.0
+"""How long a question that failed (the coordinator unreachable) stands before the next handshake asks again."""
+MAX_QUESTIONS = 16
+"""Questions to the coordinator in flight at once."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
 
@@ -156,18 +166,31 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def ip_host(addr: str) -> str:
-    """The host of ``tcp://HOST:PORT`` when it is an IP address (what ZAP reports a peer by), lower-cased.
+def data_host(addr: str) -> str:
+    """The host of ``tcp://HOST:PORT`` as ZAP reports a peer: an IPv4 address in dotted form; "" when it is
+    anything else (a name, IPv6, not a TCP address). ``members`` mode compares addresses and never resolves names."""
+    try:
+        return str(ipaddress.IPv4Address(urlsplit(addr).hostname or ""))
+    except ValueError:
+        return ""
+
+
+def members_source(addr: str) -> str:
+    """The address a ``members`` mode sidecar advertising ``addr`` connects from, checked to be one of this host's.
 
     Raises:
-        ValueError: the host is a name (``members`` mode compares addresses, never resolves names).
+        ValueError: the advertised host is not an IPv4 address, or not one this host has.
     """
-    host = (urlsplit(addr).hostname or "").lower()
+    host = data_host(addr)
+    if not host:
+        raise ValueError(f"--data-security members needs an IPv4 address to advertise, got {addr}: pass --advertise "
+                         "with this node's address on the training network")  # fmt: skip
     try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"--data-security members needs an IP address to advertise, got {host!r} in {addr}: "
-                         "pass --advertise with this node's address on the training network") from None
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+    except OSError as exc:
+        raise ValueError(f"--advertise {host} is not an address of this host ({exc.strerror}): in members mode "
+                         "peers admit this node by it, and its connections leave from it") from None  # fmt: skip
     return host
 
 
@@ -176,29 +199,39 @@ class MembersGate:
 
     Each handshake on a socket with :data:`DATA_DOMAIN` is answered from a cache of the coordinator's answers
     (``is_member(host)``; a member is remembered for :data:`MEMBER_TTL_S`, a refusal for :data:`REFUSED_TTL_S`),
-    else after asking it; handshakes are answered concurrently, so a slow answer delays only its own
-    connection. A question that fails (the coordinator unreachable) refuses the connection and is not
-    remembered. Anything but a NULL handshake in that domain is refused. Connections already admitted stay up.
+    else after asking it: one question per host at a time (handshakes from a host already being asked about wait
+    for that answer) and at most :data:`MAX_QUESTIONS` at once, so that a host that keeps knocking cannot flood
+    the coordinator. Handshakes are answered concurrently, so a slow answer delays only its own connections. A
+    question that fails (the coordinator unreachable) answers ZAP status 300, a temporary failure that ZeroMQ
+    retries, and is remembered for :data:`FAILED_TTL_S`; a refusal answers 400. Anything but a NULL handshake in
+    that domain, or from no address, is refused. Connections already admitted stay up.
 
     Args:
         ctx: the context whose sockets this gate serves (at most one ZAP handler per context).
         is_member: asks the coordinator; raises on failure.
+        clock: seconds, monotonic (for tests).
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, is_member: Callable[[str], Awaitable[bool]]) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, is_member: Callable[[str], Awaitable[bool]], *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:  # fmt: skip
         self.ctx = ctx
         self.is_member = is_member
+        self.clock = clock
         self.sock: zmq.asyncio.Socket | None = None
-        self._known: dict[str, tuple[bool, float]] = {}  # host -> (member, until)
+        self._known: dict[str, tuple[str, float]] = {}  # host -> (verdict: "member" | "refused" | a failure, until)
+        self._asking: dict[str, asyncio.Future[None]] = {}  # host -> its question in flight
+        self._questions = asyncio.Semaphore(MAX_QUESTIONS)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._warned: set[str] = set()
+        self._logged: dict[str, float] = {}  # host -> when its last refusal was logged
 
     def start(self) -> None:
         """Bind the ZAP endpoint and serve it on the running loop until :meth:`stop`."""
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.bind(_ZAP_ENDPOINT)
-        self._spawn(self._serve())
+        self._spawn(self._serve()).add_done_callback(_report_death)
 
     def stop(self) -> None:
         for task in list(self._tasks):
@@ -207,10 +240,11 @@ class MembersGate:
             self.sock.close(linger=0)
             self.sock = None
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _serve(self) -> None:
         assert self.sock is not None
@@ -228,28 +262,122 @@ class MembersGate:
     async def _answer(self, envelope: list[bytes], request: list[bytes]) -> None:
         _version, request_id, domain, address, _identity, mechanism = request[:6]
         host = address.decode("ascii", "replace").lower()
-        if domain != DATA_DOMAIN or mechanism != b"NULL":
-            ok, why = False, f"unexpected {mechanism.decode('ascii', 'replace')} handshake in domain {domain!r}"
+        if domain != DATA_DOMAIN or mechanism != b"NULL" or not host:
+            code, why = b"400", f"unexpected {mechanism.decode('ascii', 'replace')} handshake from {host or '?'}"
         else:
-            ok, why = await self.admits(host)
-        if not ok and host not in self._warned:
-            if len(self._warned) < 1024:
-                self._warned.add(host)
-            log.warning("refused a data-plane connection from %s: %s", host, why)
-        status = [b"200", b"OK"] if ok else [b"400", why.encode()[:255]]
+            code, why = await self.decide(host)
+        if code != b"200":
+            self._log_refusal(host, why)
         if self.sock is not None:
-            await self.sock.send_multipart([*envelope, b"1.0", request_id, *status, b"", b""])
+            await self.sock.send_multipart([*envelope, b"1.0", request_id, code, why.encode()[:255] or b"OK", b"", b""])
 
-    async def admits(self, host: str) -> tuple[bool, str]:
-        """Whether to admit a connection from ``host``, and why not (empty when admitted)."""
-        now = time.monotonic()
+    async def decide(self, host: str) -> tuple[bytes, str]:
+        """The ZAP status for a connection from ``host``: 200 (a member), 400 (not one) or 300 (the coordinator
+        could not be asked), and why not (empty for 200)."""
         known = self._known.get(host)
-        if known is None or known[1] <= now:
+        if known is None or known[1] <= self.clock():
+            asking = self._asking.get(host)
+            if asking is None:
+                asking = self._asking[host] = asyncio.ensure_future(self._ask(host))
+                asking.add_done_callback(lambda _: self._asking.pop(host, None))
+            await asyncio.shield(asking)
+            known = self._known[host]
+        verdict = known[0]
+        if verdict == "member":
+            return b"200", ""
+        if verdict == "refused":
+            return b"400", "not the host of any live sidecar registered with the coordinator"
+        return b"300", f"cannot ask the coordinator whether it is a member: {verdict}"
+
+    async def _ask(self, host: str) -> None:
+        async with self._questions:
             try:
-                member = await self.is_member(host)
+                verdict = "member" if await self.is_member(host) else "refused"
+                ttl = MEMBER_TTL_S if verdict == "member" else REFUSED_TTL_S
             except Exception as exc:
-                return False, f"cannot ask the coordinator whether it is a member: {exc}"
-            if len(self._known) > 100_000:
-                self._known = {h: k for h, k in self._known.items() if k[1] > now}
-            known = self._known[host] = (member, now + (MEMBER_TTL_S if member else REFUSED_TTL_S))
-        return (True, "") if known[0] else (False, "not the host of any live member of this job")
+                verdict, ttl = str(exc) or type(exc).__name__, FAILED_TTL_S
+        now = self.clock()
+        if len(self._known) > 100_000:
+            self._known = {h: k for h, k in self._known.items() if k[1] > now}
+        self._known[host] = (verdict, now + ttl)
+
+    def _log_refusal(self, host: str, why: str) -> None:
+        now = self.clock()
+        last = self._logged.get(host)
+        if last is not None and now - last < 60.0:
+            return
+        if len(self._logged) > 1024:
+            self._logged = {h: t for h, t in self._logged.items() if now - t < 60.0}
+        self._logged[host] = now
+        log.warning("refused a data-plane connection from %s: %s (logged at most once a minute per host)", host, why)
+
+
+def _report_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the data plane's member check stopped; new connections will hang", exc_info=task.exception())
+
+
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)  # fmt: skip
+
+
+class HandshakeWatch:
+    """Follow the handshakes of a connecting socket, so that a peer refusing us is named instead of timing out.
+
+    ZeroMQ hides a failed handshake: messages just wait. This reads the socket's monitor and keeps
+    :attr:`failure`, a sentence saying why the last handshake failed (None once one succeeds), for the owner to
+    put in its timeout errors; each new reason is logged once. A refusal by the peer's member check (ZAP status
+    400), after which ZeroMQ would never connect again, is retried every ``retry_s``: the peer may simply not
+    have heard of this node yet (ZeroMQ retries a temporary failure, status 300, by itself). :meth:`run` is the watching task (start it beside the socket's reader);
+    :meth:`close` before closing the socket.
+
+    Args:
+        sock: a connecting socket, before or after ``connect``.
+        endpoint: what it connects to, exactly as passed to ``connect``.
+        peer: how to name the peer in messages.
+    """
+
+    def __init__(self, sock: zmq.asyncio.Socket, endpoint: str, peer: str, *, retry_s: float = 1.0) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.peer = peer
+        self.retry_s = retry_s
+        self.failure: str | None = None
+        self._monitor: zmq.asyncio.Socket | None = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._logged: set[str] = set()
+
+    async def run(self) -> None:
+        """Read handshake events until cancelled (or :meth:`close`)."""
+        while self._monitor is not None:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            kind, value = event["event"], event["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.failure = None
+                continue
+            refused = kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400
+            self.failure = self._explain(kind, value)
+            if self.failure not in self._logged:
+                self._logged.add(self.failure)
+                log.warning("%s", self.failure)
+            if refused:  # ZeroMQ gives up on this connection: ask again later
+                await asyncio.sleep(self.retry_s)
+                self.sock.disconnect(self.endpoint)
+                self.sock.connect(self.endpoint)
+
+    def _explain(self, kind: int, value: int) -> str:
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 300:
+            return f"{self.peer} cannot check this node's membership now (its coordinator does not answer)"
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return (f"{self.peer} refused this node (status {value}): it does not know this host as a member of the "
+                    "job (--data-security members; check --advertise) or this node's key is not the job's")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (f"security mismatch with {self.peer}: one side uses CURVE and the other does not (is "
+                    "SNAPSHOTD_SECRET set on both, with the same --data-security?)")
+        return f"handshake with {self.peer} failed: wrong SNAPSHOTD_SECRET on one side?"
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None

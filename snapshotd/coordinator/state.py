@@ -26,7 +26,6 @@ import logging
 import math
 import operator
 from collections.abc import Iterable
-from urllib.parse import urlsplit
 
 from snapshotd.proto import (
     Assignment,
@@ -43,6 +42,7 @@ from snapshotd.proto import (
     SidecarRegistered,
     Watermark,
 )
+from snapshotd.security import data_host
 
 from .config import CoordinatorConfig
 from .jobs import MAX_LISTED, Item, Job, PlanRow, Round
@@ -85,11 +85,8 @@ class _Node:
 
     @property
     def host(self) -> str:
-        """The host of its data address (what a ``members`` mode sidecar admits connections from)."""
-        try:
-            return (urlsplit(self.data_addr).hostname or "").lower()
-        except ValueError:
-            return ""
+        """The IPv4 host of its data address, what a ``members`` mode sidecar admits connections from ("": none)."""
+        return data_host(self.data_addr)
 
     @property
     def domain(self) -> tuple[str, str]:
@@ -162,9 +159,9 @@ class CoordinatorState:
         return SidecarRegistered(heartbeat_interval=node.told)
 
     def member(self, msg: MemberQuery) -> MemberReply:
-        """Whether ``msg.host`` is the host of a live node's data address (compared as written at registration,
-        case-insensitively: ``members`` mode requires IP addresses there)."""
-        on_host = self._hosts.get(msg.host.lower())
+        """Whether ``msg.host`` is the IPv4 host of a live node's data address (any node registered here: one
+        coordinator serves one job)."""
+        on_host = self._hosts.get(data_host(f"tcp://{msg.host}:0"))
         node = next(iter(on_host), "") if on_host else ""
         return MemberReply(host=msg.host, member=bool(node), node=node)
 
@@ -219,17 +216,19 @@ class CoordinatorState:
         self._live[node.name] = None
         bisect.insort(self._ring, node.name)
         self._domains[node.domain] += 1
-        self._hosts.setdefault(node.host, {})[node.name] = None
+        if node.host:
+            self._hosts.setdefault(node.host, {})[node.name] = None
         self._membership_changed()
 
     def _remove_live(self, node: _Node) -> None:
         del self._live[node.name]
         del self._ring[bisect.bisect_left(self._ring, node.name)]
         self._domains[node.domain] -= 1
-        on_host = self._hosts[node.host]
-        del on_host[node.name]
-        if not on_host:
-            del self._hosts[node.host]
+        on_host = self._hosts.get(node.host)
+        if on_host is not None:
+            del on_host[node.name]
+            if not on_host:
+                del self._hosts[node.host]
         self._membership_changed()
 
     def _membership_changed(self) -> None:

@@ -28,7 +28,7 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto.limits import MAX_PLAN_RANKS
-from snapshotd.security import secure_client
+from snapshotd.security import HandshakeWatch, secure_client
 
 __all__ = ["CoordinatorClient", "CoordinatorUnavailable"]
 
@@ -87,24 +87,33 @@ class CoordinatorClient:
         self.ctx = ctx
         self.endpoint = endpoint
         self.secret = secret
-        self._hb = self._socket()
+        self._hb = self._socket(watch=True)
         self._plan: zmq.asyncio.Socket | None = None  # open while plan calls run
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
         self._warned = False
 
-    def _socket(self) -> zmq.asyncio.Socket:
+    def _socket(self, *, watch: bool = False) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         secure_client(sock, self.secret)
+        if watch:
+            self.handshakes = HandshakeWatch(sock, self.endpoint, f"coordinator {self.endpoint}")
         sock.connect(self.endpoint)
         return sock
 
+    async def watch(self) -> None:
+        """Follow the heartbeat connection's handshakes until cancelled, so that a timeout says why (run it as a
+        task beside the heartbeats; see :class:`~snapshotd.security.HandshakeWatch`)."""
+        await self.handshakes.run()
+
     def _timed_out(self, timeout: float) -> CoordinatorUnavailable:
+        failure = self.handshakes.failure
+        why = f" ({failure})" if failure else ""
         if not self._warned:
-            log.warning("coordinator %s did not answer within %.1f s", self.endpoint, timeout)
+            log.warning("coordinator %s did not answer within %.1f s%s", self.endpoint, timeout, why)
             self._warned = True
-        return CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s")
+        return CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s{why}")
 
     async def _request(self, sock: zmq.asyncio.Socket, msg: Message, timeout: float) -> Message:
         while await sock.poll(0):  # drop replies to earlier requests that timed out
@@ -145,9 +154,15 @@ class CoordinatorClient:
         """
         sock = self._socket()
         try:
-            reply = await self._request(sock, MemberQuery(host=host), timeout)
+            async with asyncio.timeout(timeout):
+                await sock.send_multipart(encode(MemberQuery(host=host)))
+                reply = decode(await sock.recv_multipart())
+        except TimeoutError:
+            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
         finally:
             sock.close(linger=0)
+        if isinstance(reply, Error):
+            raise ProtocolError(f"coordinator refused member_query: {reply.message}")
         if not isinstance(reply, MemberReply):
             raise ProtocolError(f"coordinator answered {reply.TYPE} to member_query")
         return reply.member
@@ -292,6 +307,7 @@ class CoordinatorClient:
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None
+        self.handshakes.close()
         self._hb.close(linger=0)
         if self._plan is not None:
             self._plan.close(linger=0)

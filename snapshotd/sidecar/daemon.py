@@ -63,7 +63,7 @@ from snapshotd.security import (
     DATA_DOMAIN,
     MembersGate,
     check_bind,
-    ip_host,
+    members_source,
     secure_server,
     start_authenticator,
 )
@@ -129,7 +129,7 @@ class Sidecar:
         members = cfg.data_security == "members"
         auth: MembersGate | AsyncioAuthenticator | None
         if members:
-            auth = MembersGate(self.ctx, lambda host: self.control.is_member(host, cfg.request_timeout))
+            auth = MembersGate(self.ctx, lambda host: self.control.is_member(host, min(5.0, cfg.request_timeout)))
             auth.start()
         else:
             auth = start_authenticator(self.ctx, cfg.secret)
@@ -152,11 +152,12 @@ class Sidecar:
             os.chmod(cfg.ipc, 0o600)
             if members:
                 data.zap_domain = DATA_DOMAIN
+                data.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit
             else:
                 secure_server(data, cfg.secret)
             data.bind(cfg.data_bind)
             self.data_addr = self._advertised(data.getsockopt_string(zmq.LAST_ENDPOINT))
-            self._from_ip = ip_host(self.data_addr) if members else None
+            self._from_ip = members_source(self.data_addr) if members else None
             log.info("sidecar %s: ipc ipc://%s, data %s (bound %s), coordinator %s", cfg.node, cfg.ipc,
                      self.data_addr, data.getsockopt_string(zmq.LAST_ENDPOINT), cfg.coordinator)  # fmt: skip
             if ready is not None:
@@ -174,6 +175,7 @@ class Sidecar:
                     tg.create_task(self._data_loop(data)),
                     tg.create_task(self._writer(data, self._data_out)),
                     tg.create_task(self._control_loop()),
+                    tg.create_task(self.control.watch()),
                 ]
                 await stop.wait()
                 log.info("sidecar %s: stopping", cfg.node)

@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from snapshotd.proto import Message, ProtocolError, decode, encode
-from snapshotd.security import secure_client
+from snapshotd.security import HandshakeWatch, secure_client
 
 __all__ = ["PeerError", "PeerLink", "PeerTimeout"]
 
@@ -52,12 +52,22 @@ class PeerLink:
         self.sock.setsockopt(zmq.SNDHWM, 256)
         self.sock.setsockopt(zmq.RCVHWM, 4096)
         secure_client(self.sock, secret)
-        self.sock.connect(addr if source is None else _from(source, addr))
+        endpoint = addr if source is None else _from(source, addr)
+        self.handshakes = HandshakeWatch(self.sock, endpoint, f"peer {addr}")
+        self.sock.connect(endpoint)
         self._queues: dict[Key, asyncio.Queue[Message]] = {}
         self.dropped = 0
 
     async def run(self) -> None:
-        """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped."""
+        """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped.
+
+        Also follows the connection's handshakes (see :class:`~snapshotd.security.HandshakeWatch`).
+        """
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.handshakes.run())
+            tg.create_task(self._read())
+
+    async def _read(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
             try:
@@ -96,7 +106,8 @@ class PeerLink:
             async with asyncio.timeout(self.timeout):
                 await self.sock.send_multipart(encode(msg), copy=False)
         except TimeoutError as exc:
-            raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s") from exc
+            raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s"
+                              + self._why()) from exc  # fmt: skip
 
     def send_nowait(self, msg: Message) -> bool:
         """Send only if the socket takes it at once (a best-effort notice); False if it did not."""
@@ -120,14 +131,19 @@ class PeerLink:
             async with asyncio.timeout(self.timeout):
                 msg = await queue.get()
         except TimeoutError as exc:
-            raise PeerTimeout(f"no answer from {self.addr} within {self.timeout:.1f} s") from exc
+            raise PeerTimeout(f"no answer from {self.addr} within {self.timeout:.1f} s" + self._why()) from exc
         if isinstance(msg, expected):
             return msg
         if msg.TYPE == "error":
             raise PeerError(f"{self.addr}: {getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}")
         raise PeerError(f"{self.addr} answered {msg.TYPE}, expected {[t.TYPE for t in expected]}")
 
+    def _why(self) -> str:
+        failure = self.handshakes.failure
+        return f" ({failure})" if failure else ""
+
     def close(self) -> None:
+        self.handshakes.close()
         self.sock.close(linger=0)
 
 

@@ -185,6 +185,8 @@ def test_members_are_the_hosts_of_live_data_addresses() -> None:
     assert st.member(MemberQuery(host="10.0.0.5")).node == "a"
     assert st.member(MemberQuery(host="10.0.0.6")).member
     assert not st.member(MemberQuery(host="10.0.0.7")).member
+    st.register(RegisterSidecar(node="d", data_addr="tcp://trainer-7:7071", incarnation="i1"), T0)  # a name
+    assert not st.member(MemberQuery(host="trainer-7")).member and not st.member(MemberQuery(host="")).member
     st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)  # moved
     assert not st.member(MemberQuery(host="10.0.0.5")).member
     assert st.member(MemberQuery(host="10.0.0.8")).member

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -11,7 +12,7 @@ import zmq
 from snapshotd import proto
 from snapshotd.client import Snapshotter
 from snapshotd.local_cluster import LocalCluster
-from snapshotd.security import ip_host, secure_client
+from snapshotd.security import data_host, members_source, secure_client
 from snapshotd.sidecar.config import SidecarConfig
 
 pytestmark = pytest.mark.integration
@@ -67,9 +68,14 @@ def test_members_mode_needs_a_secret_and_an_address(tmp_path) -> None:
         SidecarConfig(coordinator="tcp://127.0.0.1:1", data_security="members")
     with pytest.raises(ValueError, match="data-security must be one of"):
         SidecarConfig(coordinator="tcp://127.0.0.1:1", secret=SECRET, data_security="none")
-    with pytest.raises(ValueError, match="needs an IP address to advertise, got 'trainer-7'"):
-        ip_host("tcp://trainer-7:7071")
-    assert ip_host("tcp://10.1.2.3:7071") == "10.1.2.3"
+    with pytest.raises(ValueError, match="needs an IPv4 address to advertise, got tcp://trainer-7:7071"):
+        members_source("tcp://trainer-7:7071")
+    with pytest.raises(ValueError, match="needs an IPv4 address"):
+        members_source("tcp://[::1]:7071")
+    with pytest.raises(ValueError, match="--advertise 192.0.2.7 is not an address of this host"):
+        members_source("tcp://192.0.2.7:7071")  # TEST-NET-1: never local
+    assert members_source("tcp://127.0.0.3:7071") == "127.0.0.3"
+    assert data_host("tcp://10.1.2.3:7071") == "10.1.2.3" and data_host("tcp://trainer-7:1") == ""
 
 
 def test_secret_job_streams_over_curve_and_refuses_outsiders(tmp_path) -> None:
@@ -88,3 +94,31 @@ def test_secret_job_streams_over_curve_and_refuses_outsiders(tmp_path) -> None:
         assert _ask(node_b.fields["data"], "a wrong secret", pull) is None
         assert _ask(node_b.fields["data"], None, pull) is None
         assert _ask(cluster.coordinator_addr, None, proto.StatusRequest()) is None
+
+
+def _log_says(cluster: LocalCluster, proc, text: str, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in cluster.tail(proc, 200):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_mismatched_security_is_named_not_a_bare_timeout(tmp_path) -> None:
+    """Node A encrypts its data plane, node B runs members mode: A's stream to B fails naming the mismatch, and a
+    sidecar started with another secret says so about the coordinator."""
+    job = f"mix-{uuid.uuid4().hex[:6]}"
+    with LocalCluster(str(tmp_path), env={"SNAPSHOTD_SECRET": SECRET}) as cluster:
+        cluster.start_coordinator()
+        node_a = cluster.start_sidecar("A", "--peer-timeout", "2s")
+        cluster.start_sidecar("B", "--data-security", "members")
+        w = torch.arange(1024, dtype=torch.float32)
+        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10) as snap:
+            assert snap.restore(timeout=20) == 0
+            assert snap.capture(1)
+            assert not snap.wait(15)
+            assert "security mismatch with peer" in snap.stats.last_error, snap.stats
+        assert _log_says(cluster, node_a, "one side uses CURVE and the other does not")
+        stranger = cluster.start_sidecar("C", prefix=["env", "SNAPSHOTD_SECRET=not the job's secret"])
+        assert _log_says(cluster, stranger, "wrong SNAPSHOTD_SECRET on one side?")
