@@ -57,8 +57,8 @@ _COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_mean_ms", "st
             "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
 
 
-_CONFIG_KEYS = ("params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every", "max_rate",
-               "sidecar_nice", "device", "threads")  # fmt: skip
+_CONFIG_KEYS = ("params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every",
+               "replicated", "max_rate", "sidecar_nice", "device", "threads")  # fmt: skip
 
 
 def _int_list(text: str) -> list[int]:
@@ -120,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-rate", type=_rate, default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
     )
+    parser.add_argument("--replicated", action="store_true",
+                        help="snapshotd: each rank snapshots its share of the model, optimizer and scheduler, which "
+                             "every data-parallel rank holds alike (Snapshotter replicated=)")  # fmt: skip
     parser.add_argument(
         "--sidecar-nice",
         type=int,
@@ -182,7 +185,7 @@ def _measure(
     extra = ("--max-rate", args.max_rate) if args.max_rate else ()
     flags = ["--steps", str(total), "--params", str(args.params), "--batch", str(args.batch),
              "--threads", str(args.threads), "--device", args.device, "--no-digest", "--plan", json.dumps(plan),
-             "--every", str(args.every)]  # fmt: skip
+             "--every", str(args.every), *(["--replicated"] if args.replicated else [])]  # fmt: skip
     if any(name in _SUMMARY_RATIO for name, _, _ in plan):
         flags += ["--ckpt-dir", os.path.join(workdir, "checkpoints")]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=5.0) as cluster:

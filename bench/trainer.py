@@ -207,6 +207,8 @@ def _train_step(model: Any, opt: Any, sched: Any, params: list[torch.Tensor], x:
     return loss
 
 
+REPLICATED = ("model", "optim", "sched")
+"""The state every data-parallel rank holds alike (``--replicated``); the RNG is each rank's own."""
 _SNAP_COUNTERS = ("started", "skipped", "durable", "failed", "bytes")
 
 
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", default=None, help="snapshot every step under this job name (default: no snapshots)")
     p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
     p.add_argument("--every", type=every_arg, default=1, help="snapshot every K-th step, or auto (see Snapshotter)")
+    p.add_argument("--replicated", action="store_true",
+                   help="snapshot the model, optimizer and scheduler once across the ranks (Snapshotter replicated=)")  # fmt: skip
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         from snapshotd.client import Snapshotter
 
         snap = Snapshotter(state, job=args.job, rank=args.rank, world_size=args.world, sidecar=args.sidecar,
-                           every=args.every)  # fmt: skip
+                           every=args.every, replicated=REPLICATED if args.replicated else ())  # fmt: skip
         t0 = time.perf_counter()
         start = snap.restore()
         restore_seconds = time.perf_counter() - t0

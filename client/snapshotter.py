@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +47,7 @@ from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel, SidecarUnavailable
 from .direct import direct_targets, writable_by
+from .replicas import ReplicaShard
 from .schedule import AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
@@ -85,6 +86,33 @@ class SnapshotStats:
     last_error: str = ""
 
 
+def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: Any) -> Mapping[str, Any]:
+    """``state`` as snapshots see it: each value named in ``replicated`` wrapped in a :class:`ReplicaShard`.
+
+    Raises:
+        ValueError: a key not in ``state``, a value that is not Stateful, no process group, or not a gloo one.
+    """
+    if isinstance(replicated, str):
+        raise ValueError(f"replicated must be a sequence of state keys, got the string {replicated!r}")
+    if not replicated:
+        return state
+    missing = [k for k in replicated if k not in state]
+    if missing:
+        raise ValueError(f"replicated keys {missing} are not in the state (its keys: {list(state)})")
+    if group is None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ValueError("replicated= needs torch.distributed initialised, or a replica_group")
+        group = torch.distributed.group.WORLD
+    out: dict[str, Any] = {}
+    shards: list[ReplicaShard] = []
+    for key, value in state.items():
+        if key in replicated:
+            value = ReplicaShard(value, group, key, before=shards)
+            shards.append(value)
+        out[key] = value
+    return out
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
@@ -106,6 +134,12 @@ class Snapshotter:
         timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
             its own.
         slots: shared-memory slots (two: one streaming, one holding the newest complete copy).
+        replicated: keys of ``state`` whose Stateful values every rank of ``replica_group`` holds bitwise alike
+            (data parallelism: the model, optimizer and scheduler; never the RNG or the data loader). Each of
+            their tensors is snapshotted by one rank of the group only, and ``restore()`` shares them out over
+            the group (see :mod:`snapshotd.client.replicas`). Every rank of the group must pass the same keys.
+        replica_group: a gloo process group of the ranks holding ``replicated`` alike; default the whole world
+            (which must then use gloo).
 
     Raises:
         ValueError: missing job/rank/world size, or a bad argument.
@@ -123,6 +157,8 @@ class Snapshotter:
         when_busy: str = "skip",
         timeout: float = 30.0,
         slots: int = 2,
+        replicated: Sequence[str] = (),
+        replica_group: Any = None,
     ) -> None:
         dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.job = job or os.environ.get("SNAPSHOTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
@@ -147,6 +183,7 @@ class Snapshotter:
 
         self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
+        self._snapshotted = _shard_replicas(state, replicated, replica_group)
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self.when_busy = when_busy
@@ -192,7 +229,7 @@ class Snapshotter:
             SidecarUnavailable: the sidecar or coordinator did not answer in time.
             ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
         """
-        flat = flatten(self.state)
+        flat = flatten(self._snapshotted)
         self._register(flat.data_bytes, self.timeout)
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
             self._free.clear()
@@ -228,7 +265,7 @@ class Snapshotter:
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
         placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
-        restore_into(self.state, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+        restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
         self._last_step = self._last_captured = reply.step
         self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False
@@ -262,7 +299,7 @@ class Snapshotter:
             due = self._auto.due(step) if self._auto is not None else step % self.every == 0  # type: ignore[operator]
             if not due:
                 return False
-            flat = flatten(self.state)  # TypeError for unsnapshottable values propagates: a user error
+            flat = flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
             started = self._start(step, flat)
             return started
         finally:

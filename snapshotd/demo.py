@@ -38,7 +38,7 @@ class TrainingJob:
     """The rank processes of one attempt of a training job."""
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
-                 sidecars: dict[int, str], step_delay: float = 0.0) -> None:  # fmt: skip
+                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False) -> None:  # fmt: skip
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -50,7 +50,7 @@ class TrainingJob:
                 "--step-delay", str(step_delay),
             ]  # fmt: skip
             if job is not None:
-                argv += ["--job", job, "--sidecar", sidecars[rank]]
+                argv += ["--job", job, "--sidecar", sidecars[rank], *(["--replicated"] if replicated else [])]
             log = open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb")  # noqa: SIM115 - closed by the child's exit
             self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             log.close()
@@ -102,12 +102,14 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 def run_scenario(
     workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
-    data_security: str | None = None, say: Callable[[str], None] = print,
+    data_security: str | None = None, replicated: bool = False, say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
 
     With ``data_security`` (``curve`` or ``members``) every process shares a fresh secret, the sidecars run that
     ``--data-security`` mode, and the replacement node C binds its data plane on 127.0.0.3, a host of its own.
+    With ``replicated`` the ranks snapshot their model, optimizer and scheduler once across the four of them
+    (``Snapshotter(replicated=...)``).
     """
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
@@ -137,7 +139,7 @@ def run_scenario(
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
         first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
-                            step_delay=step_delay)  # fmt: skip
+                            step_delay=step_delay, replicated=replicated)  # fmt: skip
         jobs.append(first)
         _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
         cluster.kill(node_b)
@@ -157,7 +159,8 @@ def run_scenario(
         cluster.start_sidecar("C", *side_flags, data_bind="tcp://127.0.0.3:0" if data_security else "tcp://127.0.0.1:0")
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
-        second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c)
+        second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c,
+                             replicated=replicated)  # fmt: skip
         jobs.append(second)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
@@ -182,6 +185,7 @@ def run_scenario(
             all(r["losses"][k] == ref["losses"][k] for k in r["losses"]) for r, ref in zip(results, reference, strict=True)
         ),
         "state_bytes_per_rank": results[0]["state_bytes"],
+        "snapshot_bytes_per_rank": max(r["stats"]["bytes"] / max(1, r["stats"]["started"]) for r in results),
     }
     return summary
 

@@ -10,7 +10,9 @@ import uuid
 import pytest
 import torch
 
+from snapshotd.bench.trainer import build_state
 from snapshotd.client import NotRecoverable, Snapshotter
+from snapshotd.client.state import flatten
 from snapshotd.demo import TrainingJob, run_scenario
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
@@ -64,6 +66,26 @@ def test_node_loss_in_members_mode_bit_identical(tmp_path) -> None:
     assert s["ranks_agree"] and s["steps_lost"] <= 1, s
     assert s["bit_identical"] and s["losses_identical"], s
     assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
+    assert not _shm_leftovers(s["job"])
+
+
+def _snapshot_bytes(params: int, steps: int) -> int:
+    """What one rank of the demo snapshots without ``replicated``: model, AdamW moments, scheduler and RNG."""
+    _, state = build_state(params, steps, seed=0)
+    state["model"](torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    state["optim"].step()  # the moments exist from the first step on
+    return flatten(state).data_bytes
+
+
+def test_node_loss_with_replicated_state_bit_identical(tmp_path) -> None:
+    """The same story with the model, optimizer and scheduler snapshotted once across the 4 data-parallel ranks:
+    each rank streams about a quarter of them, and after the restore the ranks share their parts out again."""
+    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, replicated=True,
+                     say=lambda _: None)  # fmt: skip
+    assert s["ranks_agree"] and s["steps_lost"] <= 1, s
+    assert s["bit_identical"] and s["losses_identical"], s
+    assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
+    assert 0.24 < s["snapshot_bytes_per_rank"] / _snapshot_bytes(PARAMS, STEPS) < 0.3, s  # a quarter, and the RNG
     assert not _shm_leftovers(s["job"])
 
 

@@ -1,0 +1,227 @@
+"""Snapshot state that every rank of a data-parallel group holds alike once, not once per rank.
+
+In data-parallel training every rank of a replica group holds bitwise the same model, optimizer and scheduler
+state. ``Snapshotter(state, replicated=("model", "optim"))`` wraps each of those values in a
+:class:`ReplicaShard`: in its snapshots, each tensor of the value's state dict is kept by exactly one rank of
+the group (whole tensors, spread so that every rank keeps about the same number of bytes), and the others keep
+a small marker in its place. A rank then copies and streams about ``1/group size`` of the replicated state.
+
+On restore every rank of the group loads its own snapshot of the same step (the coordinator's plan round makes
+sure of that), and then each rank in turn broadcasts the tensors it kept to the others over the group (one
+``torch.distributed.broadcast`` per rank and value), so that every rank loads the whole state dict. The group
+must use the gloo backend, which carries CPU tensors: with NCCL training, create one with
+``torch.distributed.new_group(backend="gloo")``.
+
+Which rank keeps which tensor is a pure function of the state dict's structure (the byte sizes of its tensors
+in walk order) and the group size, computed alike by every rank at capture and again at restore; the markers
+name the keeper so that a snapshot taken with another assignment is refused, not mixed up. DTensors are left
+alone: their local shards differ between ranks already.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .state import _dtensor_type
+
+__all__ = ["ELIDED", "ReplicaShard", "assign_keepers"]
+
+ELIDED = "\0snapshotd.elided"
+"""The key of the marker dict that stands for a tensor another rank keeps: ``{ELIDED: [keeper, dtype, shape]}``."""
+_ALIGN = 64
+
+
+def assign_keepers(sizes: list[int], ranks: int, load: list[int] | None = None) -> list[int]:
+    """A keeper rank for each of ``sizes`` (bytes), balancing the bytes each rank keeps.
+
+    Largest first, each to the rank keeping the fewest bytes so far (the lowest such rank on a tie), counting
+    from ``load`` (bytes each rank keeps already; updated in place) when given; the same inputs give the same
+    answer on every rank.
+    """
+    load = load if load is not None else [0] * ranks
+    keeper = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        keeper[i] = rank
+        load[rank] += sizes[i]
+    return keeper
+
+
+class ReplicaShard:
+    """A Stateful stand-in for ``inner`` in snapshots: its state dict, each tensor kept by one rank of ``group``.
+
+    The keepers are assigned over the tensors of the shards ``before`` this one too (the earlier replicated
+    values of the same state, whose state dicts are read afresh each time), so that the largest tensors of a
+    model and of its optimizer's moments do not all land on the same ranks.
+
+    Args:
+        inner: the Stateful value (a module, an optimizer, a scheduler) every rank of ``group`` holds alike.
+        group: a gloo process group of the ranks holding ``inner`` alike.
+        name: the state key, for messages.
+        before: the shards of the same state that come before this one (restored before it, too).
+
+    Raises:
+        ValueError: ``inner`` is not Stateful or ``group`` is not a gloo group.
+    """
+
+    def __init__(self, inner: Any, group: Any, name: str, before: Sequence[ReplicaShard] = ()) -> None:
+        if not (callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None))):
+            raise ValueError(f"replicated state {name!r} must be Stateful (have state_dict and load_state_dict)")
+        backend = dist.get_backend(group)
+        if backend != "gloo":
+            raise ValueError(f"replica group of {name!r} uses {backend}; it must be a gloo group, which carries CPU "
+                             "tensors: torch.distributed.new_group(ranks, backend='gloo')")  # fmt: skip
+        self.inner = inner
+        self.group = group
+        self.name = name
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.before = tuple(before)
+        self._sizes: tuple[int, ...] | None = None
+        self._memo: tuple[Any, list[int]] | None = None
+
+    def sizes(self) -> tuple[int, ...]:
+        """The byte sizes of the tensors of the state dict this shard last saw (read it now if it saw none)."""
+        if self._sizes is None:
+            self._sizes = tuple(_nbytes(x) for x in _leaves(self.inner.state_dict()))
+        return self._sizes
+
+    def _keepers(self, leaves: list[Any]) -> list[int]:
+        """Keepers of ``leaves``, counting from the bytes the shards before this one give each rank (each of
+        those assigned its own tensors the same way, from the ones before it). Remembered while the sizes stay."""
+        self._sizes = tuple(_nbytes(x) for x in leaves)
+        key = (tuple(shard.sizes() for shard in self.before), self._sizes)
+        if self._memo is None or self._memo[0] != key:
+            load = [0] * self.size
+            for sizes in key[0]:
+                assign_keepers(list(sizes), self.size, load)
+            self._memo = (key, assign_keepers(list(self._sizes), self.size, load))
+        return self._memo[1]
+
+    def state_dict(self) -> Any:
+        """``inner.state_dict()`` with every tensor another rank keeps replaced by a marker (containers are new;
+        the tensors this rank keeps are the live ones)."""
+        sd = self.inner.state_dict()
+        keeper = self._keepers(_leaves(sd))
+        order = iter(keeper)
+
+        def elide(t: torch.Tensor) -> Any:
+            k = next(order)
+            return t if k == self.rank else {ELIDED: [k, str(t.dtype).removeprefix("torch."), list(t.shape)]}
+
+        return _rebuild(sd, elide)
+
+    def load_state_dict(self, sd: Any) -> None:
+        """Fill every marker of ``sd`` with the tensor its keeper restored (collective over the group: every
+        rank calls this for the same step), then ``inner.load_state_dict`` the whole.
+
+        Raises:
+            ValueError: the markers do not match this group's assignment (a snapshot taken with another group
+                size or structure), or a marker is malformed.
+        """
+        leaves = _leaves(sd)
+        keeper = self._keepers(leaves)
+        for i, (leaf, k) in enumerate(zip(leaves, keeper, strict=True)):
+            marked = _marker(leaf)
+            if (marked is None) != (k == self.rank) or (marked is not None and marked[0] != k):
+                raise ValueError(f"state[{self.name!r}]: tensor {i} of its state dict was snapshotted by another "
+                                 f"assignment of ranks (this group has {self.size}): restore with the same "
+                                 "replicated= and group size as the snapshot was taken with")  # fmt: skip
+        filled: list[Any] = list(leaves)
+        for k in range(self.size):
+            mine = [i for i in range(len(leaves)) if keeper[i] == k]
+            offsets, total = _layout([_nbytes(leaves[i]) for i in mine])
+            buf = torch.empty(total, dtype=torch.uint8)
+            if k == self.rank:
+                for i, off in zip(mine, offsets, strict=True):
+                    n = _nbytes(leaves[i])
+                    if n:
+                        buf[off : off + n] = leaves[i].detach().reshape(-1).cpu().view(torch.uint8)
+            if total:
+                dist.broadcast(buf, src=dist.get_global_rank(self.group, k), group=self.group)
+            if k != self.rank:
+                for i, off in zip(mine, offsets, strict=True):
+                    _, dtype, shape = _marker(leaves[i])  # type: ignore[misc]
+                    n = _nbytes(leaves[i])
+                    filled[i] = buf[off : off + n].view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+        it = iter(filled)
+        self.inner.load_state_dict(_rebuild(sd, lambda _: next(it)))
+
+
+def _marker(x: Any) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
+    """``(keeper, dtype, shape)`` of a marker; None for a tensor.
+
+    Raises:
+        ValueError: a malformed marker.
+    """
+    if isinstance(x, torch.Tensor):
+        return None
+    try:
+        keeper, dtype_name, shape = x[ELIDED]
+        dtype = getattr(torch, dtype_name)
+        if not isinstance(dtype, torch.dtype) or type(keeper) is not int or not all(type(n) is int for n in shape):
+            raise TypeError
+        return keeper, dtype, tuple(shape)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ValueError(f"malformed replica marker {x!r}") from None
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    _, dtype, shape = _marker(x)  # type: ignore[misc]
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _leaves(obj: Any) -> list[Any]:
+    """The shardable tensors and markers of ``obj``, in :func:`_rebuild`'s order."""
+    out: list[Any] = []
+
+    def keep(x: Any) -> Any:
+        out.append(x)
+        return x
+
+    _rebuild(obj, keep)
+    return out
+
+
+def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """A copy of the containers of ``obj`` with ``leaf`` applied to every shardable tensor and every marker, in
+    walk order (dicts in insertion order). Other values, DTensors included, are kept as they are."""
+    dtensor = _dtensor_type()
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x if dtensor is not None and isinstance(x, dtensor) else leaf(x)
+        t = type(x)
+        if t is dict and ELIDED in x:
+            return leaf(x)
+        if t is dict or t is collections.OrderedDict:
+            out = t((k, walk(v)) for k, v in x.items())
+            meta = getattr(x, "_metadata", None)
+            if meta is not None:
+                out._metadata = meta  # type: ignore[attr-defined]  # nn.Module's per-submodule versions
+            return out
+        if t is list:
+            return [walk(v) for v in x]
+        if t is tuple:
+            return tuple(walk(v) for v in x)
+        return x
+
+    return walk(obj)
