@@ -86,8 +86,9 @@ class SnapshotStats:
     last_error: str = ""
 
 
-def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: Any) -> Mapping[str, Any]:
-    """``state`` as snapshots see it: each value named in ``replicated`` wrapped in a :class:`ReplicaShard`.
+def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: Any) -> tuple[Mapping[str, Any], Any]:
+    """``state`` as snapshots see it, each value named in ``replicated`` wrapped in a :class:`ReplicaShard`, and
+    the replica group (None without ``replicated``).
 
     Raises:
         ValueError: a key not in ``state``, a value that is not Stateful, no process group, or not a gloo one.
@@ -95,7 +96,7 @@ def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: 
     if isinstance(replicated, str):
         raise ValueError(f"replicated must be a sequence of state keys, got the string {replicated!r}")
     if not replicated:
-        return state
+        return state, None
     missing = [k for k in replicated if k not in state]
     if missing:
         raise ValueError(f"replicated keys {missing} are not in the state (its keys: {list(state)})")
@@ -110,7 +111,7 @@ def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: 
             value = ReplicaShard(value, group, key, before=shards)
             shards.append(value)
         out[key] = value
-    return out
+    return out, group
 
 
 def _env_int(name: str) -> int | None:
@@ -183,7 +184,7 @@ class Snapshotter:
 
         self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
-        self._snapshotted = _shard_replicas(state, replicated, replica_group)
+        self._snapshotted, self._replica_group = _shard_replicas(state, replicated, replica_group)
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self.when_busy = when_busy
@@ -229,6 +230,32 @@ class Snapshotter:
             SidecarUnavailable: the sidecar or coordinator did not answer in time.
             ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
         """
+        try:
+            flat, reply = self._ask_restore(timeout)
+        except Exception:
+            self._replicas_agree(ok=False)
+            raise
+        self._replicas_agree(ok=True)
+        self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
+                         "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
+        if reply.source == "fresh":
+            log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
+            return 0
+        arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
+        entries = decode_table(reply.table, reply.slot_bytes)
+        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
+        restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+        self._last_step = self._last_captured = reply.step
+        self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
+        self._table_sent = False
+        log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
+                 f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
+        del arena
+        return reply.step
+
+    def _ask_restore(self, timeout: float) -> tuple[FlatState, RestoreReply]:
+        """Register, ask the sidecar for the recoverable step and wait for its reply (the data is in place, or
+        in the arena slot, when this returns); the live state flattened for it."""
         flat = flatten(self._snapshotted)
         self._register(flat.data_bytes, self.timeout)
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
@@ -257,22 +284,25 @@ class Snapshotter:
         assert isinstance(reply, RestoreReply)
         with self._lock:  # so that the first capture() finds its free slots
             self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
-        self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
-                         "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
-        if reply.source == "fresh":
-            log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
-            return 0
-        arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
-        entries = decode_table(reply.table, reply.slot_bytes)
-        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
-        restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
-        self._last_step = self._last_captured = reply.step
-        self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
-        self._table_sent = False
-        log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
-                 f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
-        del arena
-        return reply.step
+        return flat, reply
+
+    def _replicas_agree(self, *, ok: bool) -> None:
+        """With ``replicated``: tell the replica group whether this rank's own part was restored, before any
+        rank waits in a broadcast for a part that will never come.
+
+        Raises:
+            RuntimeError: this rank got its part but another rank of the group did not (that rank raises its
+                own error).
+        """
+        group = self._replica_group
+        if group is None:
+            return
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int32), group=group)
+        failed = [torch.distributed.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
+        if ok and failed:
+            raise RuntimeError(f"job {self.job!r}: rank(s) {failed} of the replica group could not restore their "
+                               "part of the replicated state (see their errors), so no rank can load it whole")  # fmt: skip
 
     def capture(self, step: int) -> bool:
         """Start a snapshot of the state as it is after ``step`` completed optimizer steps.

@@ -74,8 +74,18 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
         restore_into(view, taken.entries, taken.meta, data)
         fresh["step"] = view["step"]
         again = _train(fresh, 5, rank)
+        # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
+        snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(out_dir, "none.ipc"),
+                           timeout=1, replicated=("model", "optim"))  # fmt: skip
+        try:
+            snap._replicas_agree(ok=rank != 1)
+            agreed = "ok"
+        except RuntimeError as exc:
+            agreed = str(exc)
+        finally:
+            snap.close(unregister=False)
         result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
-                  "same": again == reference}  # fmt: skip
+                  "same": again == reference, "agreed": agreed}  # fmt: skip
         Path(out_dir, f"rank{rank}.txt").write_text(repr(result))
         dist.destroy_process_group()
     except BaseException:
@@ -104,6 +114,9 @@ def test_each_rank_keeps_a_third_and_restore_shares_it_out(tmp_path: Path) -> No
         assert 0.25 < res["kept"] / res["whole"] < 0.45, results
         assert res["markers"] > 0
     assert sum(r["kept"] for r in results) < 1.1 * results[0]["whole"]
+    assert results[1]["agreed"] == "ok"  # the failing rank raises its own error
+    for r in (0, 2):
+        assert "rank(s) [1] of the replica group could not restore" in results[r]["agreed"]
 
 
 def test_bad_replicated_arguments_are_named() -> None:
