@@ -1,16 +1,19 @@
 """Snapshot state that every rank of a data-parallel group holds alike once, not once per rank.
 
-In data-parallel training every rank of a replica group holds bitwise the same model, optimizer and scheduler
-state. ``Snapshotter(state, replicated=("model", "optim"))`` wraps each of those values in a
+In data-parallel training every rank of a replica group holds bitwise the same parameters, optimizer state and
+scheduler state. ``Snapshotter(state, replicated=("model", "optim"))`` wraps each of those values in a
 :class:`ReplicaShard`: in its snapshots, each tensor of the value's state dict is kept by exactly one rank of
 the group (whole tensors, spread so that every rank keeps about the same number of bytes), and the others keep
 a small marker in its place. A rank then copies and streams about ``1/group size`` of the replicated state.
+A module's buffers are the exception, kept by every rank: DDP broadcasts them from rank 0 at each forward, and
+each rank then updates them from its own batch (BatchNorm's running statistics), so they are not alike.
 
 On restore every rank of the group loads its own snapshot of the same step (the coordinator's plan round makes
 sure of that), and then each rank in turn broadcasts the tensors it kept to the others over the group (one
-``torch.distributed.broadcast`` per rank and value), so that every rank loads the whole state dict. The group
-must use the gloo backend, which carries CPU tensors: with NCCL training, create one with
-``torch.distributed.new_group(backend="gloo")``.
+``torch.distributed.broadcast`` per rank and value), so that every rank loads the whole state dict. Before
+the first broadcast of a value the ranks agree that each found its part as expected, so that a rank that did
+not raises and the others say so instead of waiting. The group must use the gloo backend, which carries CPU
+tensors: with NCCL training, create one with ``torch.distributed.new_group(backend="gloo")``.
 
 Which rank keeps which tensor is a pure function of the state dict's structure (the byte sizes of its tensors
 in walk order) and the group size, computed alike by every rank at capture and again at restore; the markers
@@ -27,12 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .state import _dtensor_type
+from .state import ELIDED, _dtensor_type, check_tensor
 
-__all__ = ["ELIDED", "ReplicaShard", "assign_keepers"]
+__all__ = ["ELIDED", "ReplicaShard", "agree", "assign_keepers"]
 
-ELIDED = "\0snapshotd.elided"
-"""The key of the marker dict that stands for a tensor another rank keeps: ``{ELIDED: [keeper, dtype, shape]}``."""
 _ALIGN = 64
 
 
@@ -72,15 +73,19 @@ class ReplicaShard:
     def __init__(self, inner: Any, group: Any, name: str, before: Sequence[ReplicaShard] = ()) -> None:
         if not (callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None))):
             raise ValueError(f"replicated state {name!r} must be Stateful (have state_dict and load_state_dict)")
-        backend = dist.get_backend(group)
-        if backend != "gloo":
+        backend = str(dist.get_backend(group))
+        if "gloo" not in backend:
             raise ValueError(f"replica group of {name!r} uses {backend}; it must be a gloo group, which carries CPU "
                              "tensors: torch.distributed.new_group(ranks, backend='gloo')")  # fmt: skip
         self.inner = inner
         self.group = group
         self.name = name
         self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError(f"this process is not a member of the replica group of {name!r}")
         self.size = dist.get_world_size(group)
+        self.own = frozenset(n for n, _ in inner.named_buffers()) if isinstance(inner, torch.nn.Module) else frozenset()
+        """State dict keys every rank keeps: a module's buffers (see the module docstring)."""
         self.before = tuple(before)
         self._sizes: tuple[int, ...] | None = None
         self._memo: tuple[Any, list[int]] | None = None
@@ -88,7 +93,7 @@ class ReplicaShard:
     def sizes(self) -> tuple[int, ...]:
         """The byte sizes of the tensors of the state dict this shard last saw (read it now if it saw none)."""
         if self._sizes is None:
-            self._sizes = tuple(_nbytes(x) for x in _leaves(self.inner.state_dict()))
+            self._sizes = tuple(_nbytes(x) for x in _leaves(self.inner.state_dict(), self.own))
         return self._sizes
 
     def _keepers(self, leaves: list[Any]) -> list[int]:
@@ -107,14 +112,15 @@ class ReplicaShard:
         """``inner.state_dict()`` with every tensor another rank keeps replaced by a marker (containers are new;
         the tensors this rank keeps are the live ones)."""
         sd = self.inner.state_dict()
-        keeper = self._keepers(_leaves(sd))
+        keeper = self._keepers(_leaves(sd, self.own))
         order = iter(keeper)
 
-        def elide(t: torch.Tensor) -> Any:
+        def elide(t: torch.Tensor, keys: tuple[Any, ...]) -> Any:
+            dtype = check_tensor(t, (self.name, *keys))  # on every rank, not only on its keeper
             k = next(order)
-            return t if k == self.rank else {ELIDED: [k, str(t.dtype).removeprefix("torch."), list(t.shape)]}
+            return t if k == self.rank else {ELIDED: [k, dtype, list(t.shape)]}
 
-        return _rebuild(sd, elide)
+        return _rebuild(sd, elide, self.own)
 
     def load_state_dict(self, sd: Any) -> None:
         """Fill every marker of ``sd`` with the tensor its keeper restored (collective over the group: every
@@ -124,14 +130,27 @@ class ReplicaShard:
             ValueError: the markers do not match this group's assignment (a snapshot taken with another group
                 size or structure), or a marker is malformed.
         """
-        leaves = _leaves(sd)
+        leaves = _leaves(sd, self.own)
         keeper = self._keepers(leaves)
-        for i, (leaf, k) in enumerate(zip(leaves, keeper, strict=True)):
-            marked = _marker(leaf)
-            if (marked is None) != (k == self.rank) or (marked is not None and marked[0] != k):
-                raise ValueError(f"state[{self.name!r}]: tensor {i} of its state dict was snapshotted by another "
-                                 f"assignment of ranks (this group has {self.size}): restore with the same "
-                                 "replicated= and group size as the snapshot was taken with")  # fmt: skip
+        problem = ""
+        try:
+            marks = [_marker(leaf) for leaf in leaves]
+        except ValueError as exc:
+            problem, marks = str(exc), []
+        for i, (mark, k) in enumerate(zip(marks, keeper, strict=True) if not problem else ()):
+            if (mark is None) != (k == self.rank) or (mark is not None and mark[0] != k):
+                unsharded = all(m is None for m in marks)
+                problem = (f"state[{self.name!r}]: tensor {i} of its state dict was snapshotted "
+                           + ("without replicated=" if unsharded else f"by another assignment of ranks (this group "
+                              f"has {self.size})") + ": restore with the replicated= keys and group size it was "
+                           "taken with")  # fmt: skip
+                break
+        failed = agree(self.group, ok=not problem)
+        if problem:
+            raise ValueError(problem)
+        if failed:
+            raise ValueError(f"state[{self.name!r}]: rank(s) {failed} of the replica group found their part of it "
+                             "unlike this snapshot's (see their errors)")  # fmt: skip
         filled: list[Any] = list(leaves)
         for k in range(self.size):
             mine = [i for i in range(len(leaves)) if keeper[i] == k]
@@ -148,9 +167,19 @@ class ReplicaShard:
                 for i, off in zip(mine, offsets, strict=True):
                     _, dtype, shape = _marker(leaves[i])  # type: ignore[misc]
                     n = _nbytes(leaves[i])
-                    filled[i] = buf[off : off + n].view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+                    filled[i] = buf[off : off + n].view(dtype).reshape(shape).clone() if n else torch.empty(shape, dtype=dtype)
         it = iter(filled)
-        self.inner.load_state_dict(_rebuild(sd, lambda _: next(it)))
+        self.inner.load_state_dict(_rebuild(sd, lambda _x, _keys: next(it), self.own))
+
+    fills_markers = True
+    """Tells :func:`~snapshotd.client.state.restore_into` that markers in this value's snapshot are expected."""
+
+
+def agree(group: Any, *, ok: bool) -> list[int]:
+    """Tell every rank of ``group`` whether this one is ``ok``; the global ranks that are not (collective)."""
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int32), group=group)
+    return [dist.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
 
 
 def _marker(x: Any) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
@@ -189,39 +218,40 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _leaves(obj: Any) -> list[Any]:
+def _leaves(obj: Any, own: frozenset[str]) -> list[Any]:
     """The shardable tensors and markers of ``obj``, in :func:`_rebuild`'s order."""
     out: list[Any] = []
 
-    def keep(x: Any) -> Any:
+    def keep(x: Any, _keys: tuple[Any, ...]) -> Any:
         out.append(x)
         return x
 
-    _rebuild(obj, keep)
+    _rebuild(obj, keep, own)
     return out
 
 
-def _rebuild(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    """A copy of the containers of ``obj`` with ``leaf`` applied to every shardable tensor and every marker, in
-    walk order (dicts in insertion order). Other values, DTensors included, are kept as they are."""
+def _rebuild(obj: Any, leaf: Callable[[Any, tuple[Any, ...]], Any], own: frozenset[str]) -> Any:
+    """A copy of the containers of ``obj`` with ``leaf(value, keys)`` applied to every shardable tensor and every
+    marker, in walk order (dicts in insertion order). Other values are kept as they are: DTensors, and the
+    top-level entries named in ``own`` (every rank keeps those)."""
     dtensor = _dtensor_type()
 
-    def walk(x: Any) -> Any:
+    def walk(x: Any, keys: tuple[Any, ...]) -> Any:
         if isinstance(x, torch.Tensor):
-            return x if dtensor is not None and isinstance(x, dtensor) else leaf(x)
+            return x if dtensor is not None and isinstance(x, dtensor) else leaf(x, keys)
         t = type(x)
         if t is dict and ELIDED in x:
-            return leaf(x)
+            return leaf(x, keys)
         if t is dict or t is collections.OrderedDict:
-            out = t((k, walk(v)) for k, v in x.items())
+            out = t((k, x[k] if not keys and k in own else walk(v, (*keys, k))) for k, v in x.items())
             meta = getattr(x, "_metadata", None)
             if meta is not None:
                 out._metadata = meta  # type: ignore[attr-defined]  # nn.Module's per-submodule versions
             return out
         if t is list:
-            return [walk(v) for v in x]
+            return [walk(v, (*keys, i)) for i, v in enumerate(x)]
         if t is tuple:
-            return tuple(walk(v) for v in x)
+            return tuple(walk(v, (*keys, i)) for i, v in enumerate(x))
         return x
 
-    return walk(obj)
+    return walk(obj, ())

@@ -20,6 +20,7 @@ in :attr:`Snapshotter.stats`.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import threading
@@ -47,7 +48,7 @@ from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel, SidecarUnavailable
 from .direct import direct_targets, writable_by
-from .replicas import ReplicaShard
+from .replicas import ReplicaShard, agree
 from .schedule import AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
@@ -233,9 +234,9 @@ class Snapshotter:
         try:
             flat, reply = self._ask_restore(timeout)
         except Exception:
-            self._replicas_agree(ok=False)
+            self._replicas_agree(ok=False, timeout=timeout)
             raise
-        self._replicas_agree(ok=True)
+        self._replicas_agree(ok=True, timeout=timeout)
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
                          "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
         if reply.source == "fresh":
@@ -286,20 +287,20 @@ class Snapshotter:
             self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
         return flat, reply
 
-    def _replicas_agree(self, *, ok: bool) -> None:
+    def _replicas_agree(self, *, ok: bool, timeout: float) -> None:
         """With ``replicated``: tell the replica group whether this rank's own part was restored, before any
-        rank waits in a broadcast for a part that will never come.
+        rank waits in a broadcast for a part that will never come. Ranks wait for each other up to ``timeout``
+        (a rank pulling its part may take longer than the process group's own timeout).
 
         Raises:
             RuntimeError: this rank got its part but another rank of the group did not (that rank raises its
-                own error).
+                own error), or a rank did not arrive within ``timeout`` (torch names it).
         """
         group = self._replica_group
         if group is None:
             return
-        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(torch.distributed.get_world_size(group))]
-        torch.distributed.all_gather(flags, torch.tensor([0 if ok else 1], dtype=torch.int32), group=group)
-        failed = [torch.distributed.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
+        torch.distributed.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+        failed = agree(group, ok=ok)
         if ok and failed:
             raise RuntimeError(f"job {self.job!r}: rank(s) {failed} of the replica group could not restore their "
                                "part of the replicated state (see their errors), so no rank can load it whole")  # fmt: skip

@@ -33,12 +33,15 @@ import torch
 from ..proto import limits as L
 from ..proto.manifest import DTYPE_SIZES, TensorEntry
 
-__all__ = ["ALIGN", "FlatState", "copy_into", "flatten", "restore_into"]
+__all__ = ["ALIGN", "ELIDED", "FlatState", "check_tensor", "copy_into", "flatten", "restore_into"]
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 64
 """Every tensor's offset in the data buffer is a multiple of this."""
+ELIDED = "\0snapshotd.elided"
+"""The key of the marker dict that stands in a snapshot for a tensor another rank of its replica group kept:
+``{ELIDED: [keeper, dtype, shape]}`` (see :mod:`snapshotd.client.replicas`)."""
 
 FORMAT_VERSION = 1
 MAX_DEPTH = 32
@@ -152,17 +155,38 @@ class _Flattener:
         code = _EXT_TENSOR
         if self.dtensor is not None and isinstance(v, self.dtensor):
             v, code = v.to_local(), _EXT_DTENSOR
-        if v.layout != torch.strided:
-            raise _unsupported(keys, f"a tensor with layout {v.layout}")
-        name = _DTYPE_NAMES.get(v.dtype)
-        if name is None:
-            raise _unsupported(keys, f"a tensor of dtype {v.dtype}")
-        if v.is_meta:
-            raise _unsupported(keys, "a tensor on the meta device")
+        name = check_tensor(v, keys)
         index = len(self.tensors)
         self.tensors.append(v.detach())
         self.specs.append(("/".join(map(str, keys)), name, tuple(v.shape)))
         return msgpack.ExtType(code, index.to_bytes(4, "big"))
+
+
+def check_tensor(v: torch.Tensor, keys: Path) -> str:
+    """The dtype name of a (local) tensor that snapshots can carry.
+
+    Raises:
+        TypeError: a layout, dtype or device they cannot, naming ``keys``.
+    """
+    if v.layout != torch.strided:
+        raise _unsupported(keys, f"a tensor with layout {v.layout}")
+    name = _DTYPE_NAMES.get(v.dtype)
+    if name is None:
+        raise _unsupported(keys, f"a tensor of dtype {v.dtype}")
+    if v.is_meta:
+        raise _unsupported(keys, "a tensor on the meta device")
+    return name
+
+
+def _has_marker(tree: Any, depth: int = 0) -> bool:
+    """Whether a decoded tree holds a :data:`ELIDED` marker (a tensor another rank of a replica group kept)."""
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(tree, dict):
+        return ELIDED in tree or any(_has_marker(v, depth + 1) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_has_marker(v, depth + 1) for v in tree)
+    return False
 
 
 @functools.lru_cache(maxsize=8)
@@ -506,6 +530,10 @@ def restore_into(
             f"snapshot does not match the state: state keys missing {missing}, extra keys {extra}"
         )
 
+    for key, value in state.items():
+        if not getattr(value, "fills_markers", False) and _has_marker(top[key][1]):
+            raise ValueError(f"{_where((key,))} was snapshotted with replicated=, each rank keeping part of it: "
+                             "restore it with the same replicated= keys and group size")  # fmt: skip
     restorer = _Restorer(entries, data, placed or {})
     with torch.no_grad():
         for key, value in state.items():

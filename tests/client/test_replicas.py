@@ -33,7 +33,7 @@ def test_keepers_balance_bytes_largest_first_and_agree() -> None:
 
 def _build(seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64))
+    model = nn.Sequential(nn.Embedding(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return {"model": model, "optim": opt, "step": 0}
 
@@ -59,12 +59,14 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
         torch.set_num_threads(1)
         state = _build(0)
         _train(state, 3, rank)
+        state["model"][1].running_mean.add_(rank)  # as under DDP: buffers are each rank's own
         shards = [ReplicaShard(state["model"], dist.group.WORLD, "model")]
         shards.append(ReplicaShard(state["optim"], dist.group.WORLD, "optim", before=shards))
         taken = flatten({"model": shards[0], "optim": shards[1], "step": state["step"]})
         data = torch.empty(taken.data_bytes, dtype=torch.uint8)
         copy_into(taken, data)
         whole = flatten(state).data_bytes
+        state_before_mean = state["model"][1].running_mean.clone()
         reference = _train(state, 5, rank)
 
         fresh = _build(1)  # other weights, and an optimizer without moments: all of it comes from the snapshot
@@ -73,19 +75,39 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
         view = {"model": shards[0], "optim": shards[1], "step": 0}
         restore_into(view, taken.entries, taken.meta, data)
         fresh["step"] = view["step"]
+        own_buffer = bool(torch.equal(fresh["model"][1].running_mean, state_before_mean))
         again = _train(fresh, 5, rank)
+
+        # a snapshot taken with replicated= is refused without it, and one taken without it is refused with it
+        try:
+            restore_into(_build(2), taken.entries, taken.meta, data)
+            unsharded_restore = "restored"
+        except ValueError as exc:
+            unsharded_restore = str(exc)
+        plain = flatten(_build(3))
+        plain_data = torch.empty(plain.data_bytes, dtype=torch.uint8)
+        copy_into(plain, plain_data)
+        other = _build(4)
+        shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
+        shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
+        try:
+            restore_into({"model": shards[0], "optim": shards[1], "step": 0}, plain.entries, plain.meta, plain_data)
+            sharded_restore = "restored"
+        except ValueError as exc:
+            sharded_restore = str(exc)
         # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
         snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(out_dir, "none.ipc"),
                            timeout=1, replicated=("model", "optim"))  # fmt: skip
         try:
-            snap._replicas_agree(ok=rank != 1)
+            snap._replicas_agree(ok=rank != 1, timeout=30)
             agreed = "ok"
         except RuntimeError as exc:
             agreed = str(exc)
         finally:
             snap.close(unregister=False)
         result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
-                  "same": again == reference, "agreed": agreed}  # fmt: skip
+                  "same": again == reference, "agreed": agreed, "own_buffer": own_buffer,
+                  "unsharded_restore": unsharded_restore, "sharded_restore": sharded_restore}  # fmt: skip
         Path(out_dir, f"rank{rank}.txt").write_text(repr(result))
         dist.destroy_process_group()
     except BaseException:
@@ -115,6 +137,10 @@ def test_each_rank_keeps_a_third_and_restore_shares_it_out(tmp_path: Path) -> No
         assert res["markers"] > 0
     assert sum(r["kept"] for r in results) < 1.1 * results[0]["whole"]
     assert results[1]["agreed"] == "ok"  # the failing rank raises its own error
+    for res in results:
+        assert res["own_buffer"], res  # BatchNorm's running statistics came back as each rank had them
+        assert "was snapshotted with replicated=" in res["unsharded_restore"], res
+        assert "snapshotted without replicated=" in res["sharded_restore"], res
     for r in (0, 2):
         assert "rank(s) [1] of the replica group could not restore" in results[r]["agreed"]
 
