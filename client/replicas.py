@@ -24,6 +24,7 @@ alone: their local shards differ between ranks already.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +33,9 @@ import torch.distributed as dist
 
 from .state import ELIDED, _dtensor_type, check_tensor
 
-__all__ = ["ELIDED", "ReplicaShard", "agree", "assign_keepers"]
+__all__ = ["ELIDED", "ReplicaShard", "agree", "assign_keepers", "fail_remaining"]
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64
 
@@ -84,8 +87,12 @@ class ReplicaShard:
         if self.rank < 0:
             raise ValueError(f"this process is not a member of the replica group of {name!r}")
         self.size = dist.get_world_size(group)
-        self.own = frozenset(n for n, _ in inner.named_buffers()) if isinstance(inner, torch.nn.Module) else frozenset()
-        """State dict keys every rank keeps: a module's buffers (see the module docstring)."""
+        self.own = (frozenset(n for n, _ in inner.named_buffers(remove_duplicate=False))
+                    if isinstance(inner, torch.nn.Module) else frozenset())  # fmt: skip
+        """State dict keys every rank keeps: a module's buffers (see the module docstring). Only a module's own:
+        a Stateful that wraps a module has its buffers shared out like any tensor."""
+        self.agreed = False
+        """Whether this restore passed this shard's agreement (see :func:`fail_remaining`)."""
         self.before = tuple(before)
         self._sizes: tuple[int, ...] | None = None
         self._memo: tuple[Any, list[int]] | None = None
@@ -131,12 +138,12 @@ class ReplicaShard:
                 size or structure), or a marker is malformed.
         """
         leaves = _leaves(sd, self.own)
-        keeper = self._keepers(leaves)
         problem = ""
         try:
             marks = [_marker(leaf) for leaf in leaves]
+            keeper = self._keepers(leaves)
         except ValueError as exc:
-            problem, marks = str(exc), []
+            problem, marks, keeper = str(exc), [], []
         for i, (mark, k) in enumerate(zip(marks, keeper, strict=True) if not problem else ()):
             if (mark is None) != (k == self.rank) or (mark is not None and mark[0] != k):
                 unsharded = all(m is None for m in marks)
@@ -145,12 +152,13 @@ class ReplicaShard:
                               f"has {self.size})") + ": restore with the replicated= keys and group size it was "
                            "taken with")  # fmt: skip
                 break
+        self.agreed = True
         failed = agree(self.group, ok=not problem)
         if problem:
             raise ValueError(problem)
         if failed:
-            raise ValueError(f"state[{self.name!r}]: rank(s) {failed} of the replica group found their part of it "
-                             "unlike this snapshot's (see their errors)")  # fmt: skip
+            raise ValueError(f"state[{self.name!r}]: rank(s) {failed} of the replica group could not load their part "
+                             "of it (see their errors)")  # fmt: skip
         filled: list[Any] = list(leaves)
         for k in range(self.size):
             mine = [i for i in range(len(leaves)) if keeper[i] == k]
@@ -173,6 +181,18 @@ class ReplicaShard:
 
     fills_markers = True
     """Tells :func:`~snapshotd.client.state.restore_into` that markers in this value's snapshot are expected."""
+
+
+def fail_remaining(shards: Sequence[ReplicaShard]) -> None:
+    """After this rank's restore failed: take part, as failed, in the agreement of every shard it did not reach,
+    in order, so that the other ranks raise there instead of waiting for it (errors doing so are logged)."""
+    for shard in shards:
+        if not shard.agreed:
+            try:
+                agree(shard.group, ok=False)
+            except Exception as exc:  # the group itself broke: the caller's error is the one that matters
+                log.warning("could not tell the replica group of %r that this rank failed: %s", shard.name, exc)
+                return
 
 
 def agree(group: Any, *, ok: bool) -> list[int]:

@@ -48,7 +48,7 @@ from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel, SidecarUnavailable
 from .direct import direct_targets, writable_by
-from .replicas import ReplicaShard, agree
+from .replicas import ReplicaShard, agree, fail_remaining
 from .schedule import AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
@@ -226,15 +226,25 @@ class Snapshotter:
 
         Blocks until every rank of the job has asked (so all restore the same step), at most ``timeout`` seconds.
 
+        With ``replicated``, a collective over the replica group (every rank of it calls ``restore()``): a rank
+        that fails says so to the others, which then raise too instead of waiting for it.
+
         Raises:
             NotRecoverable: snapshots exist but no step is complete for every rank (restore from disk instead).
             SidecarUnavailable: the sidecar or coordinator did not answer in time.
             ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
+            RuntimeError: with ``replicated``, another rank of the replica group failed.
         """
+        shards = [v for v in self._snapshotted.values() if isinstance(v, ReplicaShard)]
+        for shard in shards:
+            shard.agreed = False
         try:
             flat, reply = self._ask_restore(timeout)
         except Exception:
-            self._replicas_agree(ok=False, timeout=timeout)
+            try:
+                self._replicas_agree(ok=False, timeout=timeout)
+            except Exception as exc:  # this rank's own error is the one to raise
+                log.warning("could not tell the replica group that this rank's restore failed: %s", exc)
             raise
         self._replicas_agree(ok=True, timeout=timeout)
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
@@ -245,7 +255,11 @@ class Snapshotter:
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
         placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
-        restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+        try:
+            restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+        except Exception:
+            fail_remaining(shards)
+            raise
         self._last_step = self._last_captured = reply.step
         self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False
@@ -289,8 +303,9 @@ class Snapshotter:
 
     def _replicas_agree(self, *, ok: bool, timeout: float) -> None:
         """With ``replicated``: tell the replica group whether this rank's own part was restored, before any
-        rank waits in a broadcast for a part that will never come. Ranks wait for each other up to ``timeout``
-        (a rank pulling its part may take longer than the process group's own timeout).
+        rank waits in a broadcast for a part that will never come. The group's first rank waits for the others
+        up to about ``timeout`` (a rank pulling its part may take longer than the process group's own timeout);
+        the others wait for it up to the process group's timeout.
 
         Raises:
             RuntimeError: this rank got its part but another rank of the group did not (that rank raises its
@@ -299,7 +314,9 @@ class Snapshotter:
         group = self._replica_group
         if group is None:
             return
-        torch.distributed.monitored_barrier(group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+        # a rank's own restore may take its request's timeout, plus the wait for its slots, after the others'
+        wait = datetime.timedelta(seconds=timeout + self.timeout + 10)
+        torch.distributed.monitored_barrier(group, timeout=wait, wait_all_ranks=True)
         failed = agree(group, ok=ok)
         if ok and failed:
             raise RuntimeError(f"job {self.job!r}: rank(s) {failed} of the replica group could not restore their "

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from snapshotd.client import Snapshotter
-from snapshotd.client.replicas import ELIDED, ReplicaShard, assign_keepers
+from snapshotd.client.replicas import ELIDED, ReplicaShard, assign_keepers, fail_remaining
 from snapshotd.client.state import copy_into, flatten, restore_into
 
 WORLD = 3
@@ -95,6 +95,21 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
             sharded_restore = "restored"
         except ValueError as exc:
             sharded_restore = str(exc)
+        # a rank whose restore fails before its shards are loaded takes part in their agreement as failed, so the
+        # others raise there instead of waiting in a broadcast
+        other = _build(5)
+        shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
+        shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
+        view = {"model": shards[0], "optim": shards[1], "step": 0}
+        if rank == 1:
+            view = {"model": shards[0], "optim": shards[1], "steps": 0}  # not the snapshot's keys: refused first
+        try:
+            restore_into(view, taken.entries, taken.meta, data)
+            partial = "restored"
+        except ValueError as exc:
+            fail_remaining(shards)
+            partial = str(exc)
+
         # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
         snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(out_dir, "none.ipc"),
                            timeout=1, replicated=("model", "optim"))  # fmt: skip
@@ -106,7 +121,7 @@ def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
         finally:
             snap.close(unregister=False)
         result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
-                  "same": again == reference, "agreed": agreed, "own_buffer": own_buffer,
+                  "same": again == reference, "agreed": agreed, "own_buffer": own_buffer, "partial": partial,
                   "unsharded_restore": unsharded_restore, "sharded_restore": sharded_restore}  # fmt: skip
         Path(out_dir, f"rank{rank}.txt").write_text(repr(result))
         dist.destroy_process_group()
@@ -137,6 +152,9 @@ def test_each_rank_keeps_a_third_and_restore_shares_it_out(tmp_path: Path) -> No
         assert res["markers"] > 0
     assert sum(r["kept"] for r in results) < 1.1 * results[0]["whole"]
     assert results[1]["agreed"] == "ok"  # the failing rank raises its own error
+    assert "snapshot does not match the state" in results[1]["partial"]
+    for r in (0, 2):
+        assert "rank(s) [1] of the replica group could not load their part of it" in results[r]["partial"], results
     for res in results:
         assert res["own_buffer"], res  # BatchNorm's running statistics came back as each rank had them
         assert "was snapshotted with replicated=" in res["unsharded_restore"], res
