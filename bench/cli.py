@@ -15,6 +15,8 @@ import logging
 import sys
 from types import ModuleType
 
+from snapshotd.local_cluster import sigterm_as_interrupt
+
 from .report import Report, emit
 
 __all__ = ["SUBCOMMANDS", "main"]
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``snapshotd-bench`` with ``argv`` (``sys.argv[1:]`` when None) and return the exit status.
 
     Returns 0 on success (and for ``--help``), 2 for a usage error or a subcommand that is not built yet,
-    130 when interrupted.
+    130 when interrupted (Ctrl-C, or SIGTERM: the benchmark's processes are stopped either way).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         )
     try:
-        report = module.run(args)
+        with sigterm_as_interrupt():
+            report = module.run(args)
     except KeyboardInterrupt:
         print(f"snapshotd-bench {args.bench}: interrupted", file=sys.stderr)
         return 130

@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             return status_main(args.coordinator, watch=args.watch, as_json=args.json, secret=secret)
         if args.command == "demo":
             from snapshotd.demo import run_demo
+            from snapshotd.local_cluster import sigterm_as_interrupt
 
-            return run_demo(steps=args.steps, kill_at=args.kill_at, params=int(parse_bytes(args.params)))
+            with sigterm_as_interrupt():
+                return run_demo(steps=args.steps, kill_at=args.kill_at, params=int(parse_bytes(args.params)))
     except ValueError as exc:
         print(f"snapshotd {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -17,13 +17,32 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from snapshotd.shm import sweep_stale_arenas
 
-__all__ = ["LocalCluster", "ManagedProcess"]
+__all__ = ["LocalCluster", "ManagedProcess", "sigterm_as_interrupt"]
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread, so that a command killed with it
+    tears its clusters down as on Ctrl-C instead of leaving their processes behind (no-op in other threads)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclasses.dataclass(slots=True)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,3 +140,60 @@ def test_a_failing_rank_is_a_clear_error_with_its_log(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"rank \d exited with 2:(.|\n)*--steps"):
         run_ranks(str(tmp_path), 2, ["--steps", "many"], timeout=60, on_progress=seen.append)
     assert all(n == 0 for n in seen)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc's parent links)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass  # it exited meanwhile
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_benchmark_and_every_process_it_started(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "snapshotd.bench.cli", "overhead", "--params", "200000", "--steps", "200",
+            "--rounds", "1", "--variants", "none,snapshotd", "--workdir", str(tmp_path / "work")]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        started: set[int] = set()
+        while len(started) < 5:  # a coordinator, two sidecars and two ranks
+            assert bench.poll() is None and time.monotonic() < deadline, "the benchmark's processes never started"
+            time.sleep(0.2)
+            started = {p for p in _descendants(bench.pid) if "python" in _exe(p)}
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait(10)
+    assert bench.returncode == 130, err.decode()[-2000:]
+    assert b"interrupted" in err
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in started if _alive(p)] == []  # coordinator, sidecars and ranks all stopped
