@@ -18,7 +18,9 @@ the sidecars' streaming take cycles from it), snapshotting after every step slow
   the job's speed. Loaded steps back to back (a snapshot in flight longer than the interval) are costed against
   the baseline at hand every :attr:`AutoInterval.PROBE_EVERY` steps (or two intervals).
 
-A "step" longer than :attr:`AutoInterval.PAUSE` baselines is the training loop pausing (an evaluation, a disk
+The first :attr:`AutoInterval.WARMUP` snapshots are not costed: they pay once for what later ones reuse (the
+buddy's first buffers, the first touch of the shared memory), which on a busy host can cost more than the
+steady state and would set the interval from an outlier. A "step" longer than :attr:`AutoInterval.PAUSE` baselines is the training loop pausing (an evaluation, a disk
 checkpoint, a gap between capture calls) and is left out of both measurements. Before it has measured anything
 the interval is :attr:`AutoInterval.START` (the first step is always due, so a
 job is protected from its first step on). The class is pure bookkeeping: no clock, no I/O, not thread-safe (the
@@ -42,6 +44,7 @@ class AutoInterval:
     """
 
     START = 8
+    WARMUP = 2
     MAX_INTERVAL = 1024
     PROBE_EVERY = 64
     PROBE_STEPS = 3
@@ -60,6 +63,7 @@ class AutoInterval:
         self._baseline: float | None = None  # median of ``_clean``, kept as it changes (once per clean step)
         self._episode: list[float] = []  # loaded step times since the last clean step
         self._episode_snapshots = 0
+        self._settled = 0  # snapshots whose episodes were closed (the first WARMUP of them are not costed)
         self._loaded_next = False  # whether the step now beginning is loaded
         self._first = True
 
@@ -104,7 +108,9 @@ class AutoInterval:
 
     def _close_episode(self) -> None:
         base = self.baseline_seconds
-        if self._episode and self._episode_snapshots and base is not None:
+        warm = self._settled >= self.WARMUP
+        self._settled += self._episode_snapshots
+        if self._episode and self._episode_snapshots and base is not None and warm:
             cost = max(0.0, sum(t - base for t in self._episode)) / self._episode_snapshots
             a = self.ALPHA
             self.cost_seconds = cost if self.cost_seconds is None else (1 - a) * self.cost_seconds + a * cost

@@ -46,6 +46,15 @@ def test_interval_grows_until_the_cost_fits_the_budget() -> None:
     assert 2000 // 32 - 10 <= len(started) <= 2000 // 32 + 40
 
 
+def test_the_first_snapshots_one_time_costs_do_not_set_the_interval() -> None:
+    sched = AutoInterval(budget=0.01)
+    # the first two snapshots slow their steps tenfold (the buddy's fresh buffers), the later ones 0.1 s a step
+    simulate(sched, 2 * AutoInterval.START + 1, base=1.0, extra_per_step=1.0, busy_steps=2)
+    assert sched.cost_seconds is None and sched.interval == AutoInterval.START
+    simulate(sched, 2000, base=1.0, extra_per_step=0.1, busy_steps=2)
+    assert sched.cost_seconds == pytest.approx(0.2) and sched.interval == 32
+
+
 def test_free_snapshots_go_every_step_except_the_probes() -> None:
     sched = AutoInterval(budget=0.01)
     started, slowdown = simulate(sched, 640, base=0.5, extra_per_step=0.0, busy_steps=1)
