@@ -135,9 +135,7 @@ class Snapshotter:
         when_busy: ``"skip"`` (default) skips a step's snapshot when both slots are busy; ``"block"`` waits.
         timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
             its own.
-        slots: shared-memory slots. Three: one streaming, one holding the newest complete copy, and one holding
-            the job's durable step while the newest is not yet durable on every rank (another node's failure
-            may make the job resume from it). With two, captures wait for the job's durable step to move.
+        slots: shared-memory slots (two: one streaming, one holding the newest complete copy).
         replicated: keys of ``state`` whose Stateful values every rank of ``replica_group`` holds bitwise alike
             (data parallelism: the model, optimizer and scheduler; never the RNG or the data loader). Each of
             their tensors is snapshotted by one rank of the group only, and ``restore()`` shares them out over
@@ -160,7 +158,7 @@ class Snapshotter:
         every: int | str = 1,
         when_busy: str = "skip",
         timeout: float = 30.0,
-        slots: int = 3,
+        slots: int = 2,
         replicated: Sequence[str] = (),
         replica_group: Any = None,
     ) -> None:

