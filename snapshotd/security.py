@@ -328,8 +328,8 @@ class HandshakeWatch:
     :attr:`failure`, a sentence saying why the last handshake failed (None once one succeeds), for the owner to
     put in its timeout errors; each new reason is logged once. A refusal by the peer's member check (ZAP status
     400), after which ZeroMQ would never connect again, is retried every ``retry_s``: the peer may simply not
-    have heard of this node yet (ZeroMQ retries a temporary failure, status 300, by itself). :meth:`run` is the watching task (start it beside the socket's reader);
-    :meth:`close` before closing the socket.
+    have heard of this node yet (ZeroMQ retries a temporary failure, status 300, by itself). :meth:`run` is the
+    watching task (start it beside the socket's reader); :meth:`close` before closing the socket.
 
     Args:
         sock: a connecting socket, before or after ``connect``.

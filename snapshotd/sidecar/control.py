@@ -87,19 +87,20 @@ class CoordinatorClient:
         self.ctx = ctx
         self.endpoint = endpoint
         self.secret = secret
-        self._hb = self._socket(watch=True)
+        self._hb = self._socket(connect=False)
+        self.handshakes = HandshakeWatch(self._hb, endpoint, f"coordinator {endpoint}")  # before its first handshake
+        self._hb.connect(endpoint)
         self._plan: zmq.asyncio.Socket | None = None  # open while plan calls run
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
         self._warned = False
 
-    def _socket(self, *, watch: bool = False) -> zmq.asyncio.Socket:
+    def _socket(self, *, connect: bool = True) -> zmq.asyncio.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         secure_client(sock, self.secret)
-        if watch:
-            self.handshakes = HandshakeWatch(sock, self.endpoint, f"coordinator {self.endpoint}")
-        sock.connect(self.endpoint)
+        if connect:
+            sock.connect(self.endpoint)
         return sock
 
     async def watch(self) -> None:
