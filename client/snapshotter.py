@@ -132,10 +132,12 @@ class Snapshotter:
         every: snapshot every ``every``-th step, or ``"auto"``: as often as 1% of training time allows, measured
             as the job runs (see :mod:`snapshotd.client.schedule`; on a GPU node, where snapshots cost the step
             next to nothing, that is every step).
-        when_busy: ``"skip"`` (default) skips a step's snapshot when both slots are busy; ``"block"`` waits.
+        when_busy: ``"skip"`` (default) skips a step's snapshot when no slot is free; ``"block"`` waits.
         timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
             its own.
-        slots: shared-memory slots (two: one streaming, one holding the newest complete copy).
+        slots: shared-memory slots. Three: one streaming, and the copies recovery may need: the newest complete
+            one, and those on the buddies not older than the job's durable step D (another node's failure may
+            make the job resume from one). A rank runs at most ``slots - 1`` snapshots ahead of D.
         replicated: keys of ``state`` whose Stateful values every rank of ``replica_group`` holds bitwise alike
             (data parallelism: the model, optimizer and scheduler; never the RNG or the data loader). Each of
             their tensors is snapshotted by one rank of the group only, and ``restore()`` shares them out over
@@ -158,7 +160,7 @@ class Snapshotter:
         every: int | str = 1,
         when_busy: str = "skip",
         timeout: float = 30.0,
-        slots: int = 2,
+        slots: int = 3,
         replicated: Sequence[str] = (),
         replica_group: Any = None,
     ) -> None:

@@ -318,8 +318,11 @@ class Sidecar:
             self._drop_rank(lr)
 
     def _send_slots(self, lr: LocalRank, note: str = "", failed_step: int = -1) -> None:
+        held = len(lr.valid_steps())
         free = lr.release_free()
         self.version += 1
+        if len(lr.valid_steps()) != held:  # a copy is gone: the coordinator must not plan a restore from it
+            self._wake.set()
         self._reply(self._ipc_out, lr.identity, SlotUpdate(
             job=lr.job, rank=lr.rank, free_slots=tuple(free), seen_step=lr.seen_step,
             durable_step=lr.durable_step, failed_step=failed_step, note=note,
@@ -404,6 +407,7 @@ class Sidecar:
             s.streaming = False
             if buddies and ok == len(buddies):
                 lr.durable_step = max(lr.durable_step, s.step)
+                s.durable = True
             superseded = lr.stream_task is not None and lr.stream_task is not asyncio.current_task()
             if lr.stream_task is asyncio.current_task():
                 lr.stream_task = None
@@ -470,6 +474,7 @@ class Sidecar:
                 lr.slots[i] = SlotState()
         lr.seen_step = step
         s = lr.slots[index]
+        s.durable = True  # the step every rank resumes from: kept while the job's D has not passed it
         seconds = time.monotonic() - t0
         log.info("rank %d of job %s restores step %d (%s%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
                  ", into its tensors" if direct else "", pulled, seconds)  # fmt: skip
@@ -582,6 +587,7 @@ class Sidecar:
             self.bytes_in += msg.payload.nbytes
             if done:
                 self.version += 1
+                self._wake.set()  # the job's watermarks may move: tell the coordinator now
             key = (msg.job, msg.rank, msg.step)
             batch = self._acks.get(key)
             count = 1
@@ -716,6 +722,7 @@ class Sidecar:
                     registered, sent_version = True, -1
                     log.info("registered with coordinator %s as %s", self.cfg.coordinator, self.cfg.node)
                 self._check_ranks()
+                self._wake.clear()  # a change from here on wakes the next heartbeat, even one made while this one waits
                 version = self.version
                 changed = version != sent_version
                 hb = Heartbeat(
@@ -734,7 +741,6 @@ class Sidecar:
                 self._apply(hb_reply)
             except (CoordinatorUnavailable, ProtocolError) as exc:
                 log.debug("control plane: %s", exc)
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._wake.wait()
@@ -750,6 +756,12 @@ class Sidecar:
         for w in reply.watermarks:
             if self.store.drop_older(w.job, w.durable):
                 self.version += 1
+            for lr in self.ranks.values():
+                if lr.job == w.job and lr.job_durable != w.durable:
+                    before = lr.free_slots()
+                    lr.job_durable = w.durable
+                    if lr.free_slots() != before:  # D moved past a held copy: the client may have its slot
+                        self._send_slots(lr)
         self._acks = {k: v for k, v in self._acks.items() if self.store.holds(*k)}  # streams whose sender vanished
         for task in reply.tasks:
             self._spawn(self._replicate(task), f"re-replication of {task.job} rank {task.rank} step {task.step}")

@@ -6,7 +6,14 @@ Slot discipline (what makes the local copy safe to restore from after a crash):
   a slot is listed free, the sidecar treats its contents as gone.
 - An announced slot is *valid*: the copy finished before the announce. It streams to the buddies.
 - The newest valid slot whose stream has ended is *kept* (the local fast-path copy); so are streaming slots.
-  Every other slot is free. With two slots, the client can stage step s+1 only once step s reached its buddies.
+- So is every *durable* slot (its stream reached every buddy, or it holds a restored step) at or above the job's
+  durable watermark D, as the coordinator last said: if another node dies, the job may resume from D or any
+  durable step above it that the coordinator learns of before, and this node's copy of this rank's step may then
+  be the only one left (its buddy may be the node that died). A newer step's copy does not replace it; D moving
+  past it does. So a rank runs at most ``slots - 1`` snapshots ahead of D.
+- While a stream is in flight after a first complete copy, one more slot is held back: the client waits for the
+  stream instead of superseding it step after step on a slow link.
+- Every other slot is free. While a restore is pending or the rank's process is gone, nothing valid is freed.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ class SlotState:
     meta: bytes = b""
     data_bytes: int = 0
     elem: int = 1
+    durable: bool = False
+    """Its stream reached every buddy, or it holds a restored step: kept while at or above the job's D."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,6 +64,8 @@ class LocalRank:
     stream_task: asyncio.Task[None] | None = None
     buddy_streams: dict[str, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
     stream_step: int = -1
+    job_durable: int = -1
+    """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
 
     def set_table(self, table_id: int, table: bytes) -> None:
         """Adopt a new tensor table (validated against the arena's slot size).
@@ -79,12 +90,15 @@ class LocalRank:
         return best
 
     def free_slots(self) -> list[int]:
-        """Slots the client may overwrite now; listing a slot here invalidates it."""
-        kept = self.kept_slot()
+        """Slots the client may overwrite now (see the module docstring); listing a slot here invalidates it."""
+        newest = self.kept_slot()
         free = []
         for i, s in enumerate(self.slots):
-            if i != kept and not s.streaming and s.pins == 0:
-                free.append(i)
+            if i == newest or s.streaming or s.pins or (s.valid and s.durable and s.step >= self.job_durable):
+                continue
+            free.append(i)
+        if newest is not None and any(s.streaming for s in self.slots):
+            free = free[1:]
         return free
 
     def release_free(self) -> list[int]:

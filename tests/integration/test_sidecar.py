@@ -557,7 +557,7 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
         final = max(r.started)
         stats = r.snap.stats
         assert stats.last_durable_step == final and stats.failed == 1, stats
-        assert "did not take step 2" in stats.last_error
+        assert "did not take step" in stats.last_error  # step 2, or a later one staged as step 2 failed
         assert stats.skipped > 0 and stats.started + stats.skipped == step
         assert_holds(cluster, "C", r, job, final)
         wait_for(lambda: watch.watermark(job) == (final, final), f"G = D = {final}")
