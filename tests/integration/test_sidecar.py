@@ -565,6 +565,37 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
     assert 1 in watch.checked[job] and watch.checked[job][-1] == final
 
 
+def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(cluster: Cluster, watch: StatusWatch) -> None:
+    """Node B is rank 1's home and rank 0's only buddy. Rank 0's step 2 reached B; rank 1's step 2 was still
+    streaming from B to C when B died. Rank 0's step 2 is then only on A and rank 1's only step is 1 (on C): A
+    must still hold rank 0's step 1, which only D (1 here) moving past it may free, not the newer copy."""
+    cluster.start("A")
+    b = cluster.start("B", "--max-rate", "12MB/s")  # rank 1's 24 MB stream to C takes 2 s
+    cluster.start("C")
+    job = cluster.job("common")
+    small, large = big(1 << 20), big(24 << 20)
+    with open_ranks(cluster, job, [("A", small), ("B", large)]) as [r0, r1]:
+        watch.track(job, [r0, r1])
+        assert r0.capture(1) and r1.capture(1)
+        assert r0.snap.wait(WAIT) and r1.snap.wait(WAIT)
+        wait_for(lambda: watch.watermark(job) == (1, 1), "G = D = 1")
+        assert r1.capture(2)
+        wait_for(lambda: stored_bytes(cluster, "C") >= 2 * large.data_bytes, "rank 1's step 2 to begin streaming")
+        assert r0.capture(2) and r0.snap.wait(WAIT)  # on B now
+        cluster.kill(b)
+        assert_not_held(cluster, "C", job, 1, 2)  # B died before rank 1's step 2 was complete anywhere
+        wait_for(lambda: not watch.node("B")["alive"], "B to be declared dead")
+        r1.snap.close(unregister=False)  # rank 1's process went down with its node
+        with (
+            Snapshotter(large.at(0), job=job, rank=1, world_size=2, sidecar=cluster.ipc("C"), timeout=WAIT) as new1,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            steps = list(pool.map(lambda snap: snap.restore(timeout=WAIT), [r0.snap, new1], timeout=WAIT + 10))
+            assert steps == [1, 1]
+            assert (r0.snap.restored["source"], new1.restored["source"]) == ("local", "replica")
+            assert torch.equal(r0.work.state["w"], small.at(1)["w"]) and torch.equal(new1.state["w"], large.at(1)["w"])
+
+
 def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, watch: StatusWatch) -> None:
     cluster.start("A", "--max-rate", "10MB/s")
     cluster.start("B")
