@@ -1,4 +1,6 @@
-"""``every="auto"``: snapshot as often as a budget of training time allows.
+"""Which steps a rank snapshots: :class:`AutoInterval` for ``every="auto"``, :class:`AlignedStride` for ``every=N``.
+
+``every="auto"``: snapshot as often as a budget of training time allows.
 
 Where snapshots cost the training step something (on a host whose cores training keeps busy, the staging copy and
 the sidecars' streaming take cycles from it), snapshotting after every step slows training by that cost. The
@@ -33,7 +35,7 @@ import collections
 import math
 import statistics
 
-__all__ = ["AutoInterval"]
+__all__ = ["AlignedStride", "AutoInterval"]
 
 
 class AutoInterval:
@@ -125,3 +127,40 @@ class AutoInterval:
         need = self.cost_seconds / (self.budget * base)  # steps per snapshot for the budget
         k = 1 if need <= 1 else 1 << math.ceil(math.log2(need) - 1e-9)
         self.interval = min(self.MAX_INTERVAL, k)
+
+
+class AlignedStride:
+    """``every=N`` with ``when_busy="skip"``: which steps are due, so that ranks that must skip skip alike.
+
+    A restore needs a step that every rank snapshotted. A rank that skips whichever step finds its slots busy
+    snapshots steps of its own, and ranks whose streams end at different moments may then share none. So a step
+    is due when ``step % stride == 0``, where ``stride`` is ``N`` times a power of two: it doubles when a due step
+    finds no free slot, and halves (never below ``N``) after :attr:`HALVE_AFTER` steps midway between two due
+    steps found a slot free. Ranks whose strides differ by a power of two still share every step of the larger.
+    Pure bookkeeping: no clock, no I/O, not thread-safe (the training thread owns it).
+    """
+
+    MAX_FACTOR = 64
+    HALVE_AFTER = 2
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        self.every = every
+        self.stride = every
+        self._free_midway = 0
+
+    def due(self, step: int) -> bool:
+        return step % self.stride == 0
+
+    def record(self, step: int, *, slot_free: bool) -> None:
+        """Account ``step`` (one of the user's ``every``-th steps): whether a slot was free at it."""
+        if self.due(step):
+            if not slot_free:
+                self.stride = min(self.stride * 2, self.every * self.MAX_FACTOR)
+                self._free_midway = 0
+        elif self.stride > self.every and step % (self.stride // 2) == 0:
+            self._free_midway = self._free_midway + 1 if slot_free else 0
+            if self._free_midway >= self.HALVE_AFTER:
+                self.stride //= 2
+                self._free_midway = 0

@@ -49,7 +49,7 @@ from snapshotd.shm import Arena, attach_arena
 from .channel import Channel, SidecarUnavailable
 from .direct import direct_targets, writable_by
 from .replicas import ReplicaShard, agree, fail_remaining
-from .schedule import AutoInterval
+from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
 
@@ -132,7 +132,9 @@ class Snapshotter:
         every: snapshot every ``every``-th step, or ``"auto"``: as often as 1% of training time allows, measured
             as the job runs (see :mod:`snapshotd.client.schedule`; on a GPU node, where snapshots cost the step
             next to nothing, that is every step).
-        when_busy: ``"skip"`` (default) skips a step's snapshot when no slot is free; ``"block"`` waits.
+        when_busy: ``"skip"`` (default) skips a step's snapshot when no slot is free, and then, so that all
+            ranks skip alike, snapshots only the steps of a coarser power-of-two grid until its slots are free
+            again (:class:`~snapshotd.client.schedule.AlignedStride`); ``"block"`` waits.
         timeout: seconds for any wait on the sidecar (registration, a blocked capture, a slot); ``restore()`` has
             its own.
         slots: shared-memory slots. Three: one streaming, and the copies recovery may need: the newest complete
@@ -190,6 +192,7 @@ class Snapshotter:
         self._snapshotted, self._replica_group = _shard_replicas(state, replicated, replica_group)
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
+        self._aligned = AlignedStride(every) if isinstance(every, int) and when_busy == "skip" else None
         self.when_busy = when_busy
         self.timeout = timeout
         self.slots = slots
@@ -350,6 +353,14 @@ class Snapshotter:
             if not due:
                 return False
             flat = flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
+            if self._aligned is not None:
+                with self._lock:
+                    slot_free = bool(self._free) or self._arena is None
+                aligned = self._aligned.due(step)
+                self._aligned.record(step, slot_free=slot_free)
+                if not aligned:  # passed over so that this rank skips the steps the others skip
+                    self.stats.skipped += 1
+                    return False
             started = self._start(step, flat)
             return started
         finally:

@@ -51,3 +51,6 @@ MAX_LIST_ITEMS = 1 << 20
 
 MAX_SLOTS = 16
 """Shared-memory slots per rank."""
+
+MAX_UNUSABLE_STEPS = 64
+"""Steps a watermark names as unusable (a sidecar holds a rank's copies of a few steps above D)."""

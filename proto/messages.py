@@ -107,11 +107,16 @@ class Assignment:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Watermark:
-    """A job's recoverable step G and its newest durable step (-1: none yet)."""
+    """A job's recoverable step G and its newest durable step D (-1: none yet).
+
+    ``unusable``: steps above D that some rank holds but that no restore can use, because another rank holds a
+    newer step without this one (see :meth:`snapshotd.coordinator.jobs.Job.unusable`); the oldest first.
+    """
 
     job: str = spec_field(_JOB)
     recoverable: int = spec_field(_STEP_OR_NONE)
     durable: int = spec_field(_STEP_OR_NONE)
+    unusable: tuple[int, ...] = spec_field(ListOf(_STEP, L.MAX_UNUSABLE_STEPS), default=(), added=True)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -62,7 +62,8 @@ class Job:
 
     ``covered[s]`` is the number of ranks ``r < world_size`` holding step ``s`` on some live node;
     ``durable[s]`` the number holding it as non-local copies on at least ``replicas`` live nodes other than
-    their home. Both are kept exact on every holder or home change. ``version`` counts the changes of
+    their home; ``newest[s]`` the number whose newest step held on a live node is ``s``. All three are kept exact
+    on every holder or home change. ``version`` counts the changes of
     ``holders`` and of the world size: while it stays the same, so does every plan answer read from them.
     """
 
@@ -75,6 +76,7 @@ class Job:
     last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
     covered: dict[int, int] = dataclasses.field(default_factory=dict)
     durable: dict[int, int] = dataclasses.field(default_factory=dict)
+    newest: dict[int, int] = dataclasses.field(default_factory=dict)
     durable_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, step) in durable
     watermark: Watermark | None = None  # cache; None when stale
     published: Watermark | None = None  # the last one handed out
@@ -91,9 +93,12 @@ class Job:
                 by_step = holders[rank] = {}
             h = by_step.get(step)
             if h is None:
-                h = by_step[step] = {}
                 if rank < ws:
                     covered[step] = covered.get(step, 0) + 1
+                    old = max(by_step, default=-1)
+                    if step > old:
+                        self._renew(old, step)
+                h = by_step[step] = {}
             h[node] = local
             if not local and rank < ws and homes.get(rank) != node:
                 self._recheck(rank, step, h)
@@ -117,6 +122,8 @@ class Job:
                         covered[step] = left
                     else:
                         del covered[step]
+                    if step > max(by_step, default=-1):
+                        self._renew(step, max(by_step, default=-1))
             if counted:
                 self._recheck(rank, step, h)
         self.watermark = None
@@ -133,13 +140,48 @@ class Job:
 
     def resize(self, world_size: int) -> None:
         self.world_size = world_size
-        self.covered, self.durable, self.durable_pairs = {}, {}, set()
+        self.covered, self.durable, self.durable_pairs, self.newest = {}, {}, set(), {}
         for rank, by_step in self.holders.items():
             for step, h in by_step.items() if rank < world_size else ():
                 self.covered[step] = self.covered.get(step, 0) + 1
                 self._recheck(rank, step, h)
+            if rank < world_size:
+                self._renew(-1, max(by_step))
         self.watermark = None
         self.version += 1
+
+    def unusable(self, durable: int, limit: int) -> tuple[int, ...]:
+        """Steps above ``durable`` that some rank holds but no restore can use, at most ``limit``, oldest first.
+
+        Such a step is missing for a rank that already holds a newer one: steps only grow, so that rank will
+        never have it (it skipped the step, or its copy never reached a buddy). Costs O(distinct steps held).
+        """
+        ws = self.world_size
+        if not ws:
+            return ()
+        behind = ws - sum(self.newest.values())  # ranks holding nothing have not reached any step yet
+        newest = sorted(self.newest.items())
+        i, out = 0, []
+        for step in sorted(s for s, n in self.covered.items() if s > durable and n < ws):
+            while i < len(newest) and newest[i][0] < step:
+                behind += newest[i][1]
+                i += 1
+            if self.covered[step] + behind < ws:
+                out.append(step)
+                if len(out) == limit:
+                    break
+        return tuple(out)
+
+    def _renew(self, old: int, new: int) -> None:
+        """A rank's newest held step moved from ``old`` to ``new`` (-1: none)."""
+        if old >= 0:
+            left = self.newest[old] - 1
+            if left:
+                self.newest[old] = left
+            else:
+                del self.newest[old]
+        if new >= 0:
+            self.newest[new] = self.newest.get(new, 0) + 1
 
     def _recheck(self, rank: int, step: int, h: dict[str, bool]) -> None:
         """Count the durable copies of ``(rank, step)`` (held by ``h``) and move it in or out of ``durable``."""

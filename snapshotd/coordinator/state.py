@@ -42,6 +42,7 @@ from snapshotd.proto import (
     SidecarRegistered,
     Watermark,
 )
+from snapshotd.proto.limits import MAX_UNUSABLE_STEPS
 from snapshotd.security import data_host
 
 from .config import CoordinatorConfig
@@ -415,7 +416,8 @@ class CoordinatorState:
                 rnd.closed = True
             else:
                 d = min(d, rnd.step)
-        wm = job.watermark = Watermark(job=job.name, recoverable=g, durable=d)
+        wm = job.watermark = Watermark(job=job.name, recoverable=g, durable=d,
+                                       unusable=job.unusable(d, MAX_UNUSABLE_STEPS))  # fmt: skip
         if wm == job.published:  # hand out the same object while nothing moved: replies stay cacheable
             job.watermark = job.published
         job.published = job.watermark

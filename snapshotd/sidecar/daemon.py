@@ -756,11 +756,12 @@ class Sidecar:
         for w in reply.watermarks:
             if self.store.drop_older(w.job, w.durable):
                 self.version += 1
+            unusable = frozenset(w.unusable)
             for lr in self.ranks.values():
-                if lr.job == w.job and lr.job_durable != w.durable:
+                if lr.job == w.job and (lr.job_durable, lr.job_unusable) != (w.durable, unusable):
                     before = lr.free_slots()
-                    lr.job_durable = w.durable
-                    if lr.free_slots() != before:  # D moved past a held copy: the client may have its slot
+                    lr.job_durable, lr.job_unusable = w.durable, unusable
+                    if lr.free_slots() != before:  # a held copy is no longer needed: the client may have its slot
                         self._send_slots(lr)
         self._acks = {k: v for k, v in self._acks.items() if self.store.holds(*k)}  # streams whose sender vanished
         for task in reply.tasks:

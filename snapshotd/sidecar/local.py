@@ -10,7 +10,9 @@ Slot discipline (what makes the local copy safe to restore from after a crash):
   durable watermark D, as the coordinator last said: if another node dies, the job may resume from D or any
   durable step above it that the coordinator learns of before, and this node's copy of this rank's step may then
   be the only one left (its buddy may be the node that died). A newer step's copy does not replace it; D moving
-  past it does. So a rank runs at most ``slots - 1`` snapshots ahead of D.
+  past it does, or the coordinator naming its step *unusable* (another rank skipped it, so no restore can use
+  it; without that, ranks that skipped different steps could fill their slots and wait for each other forever).
+  So a rank runs at most ``slots - 1`` snapshots ahead of D.
 - While a stream is in flight after a first complete copy, one more slot is held back: the client waits for the
   stream instead of superseding it step after step on a slow link.
 - Every other slot is free. While a restore is pending or the rank's process is gone, nothing valid is freed.
@@ -66,6 +68,8 @@ class LocalRank:
     stream_step: int = -1
     job_durable: int = -1
     """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
+    job_unusable: frozenset[int] = frozenset()
+    """Steps above D that no restore can use, as the coordinator last said."""
 
     def set_table(self, table_id: int, table: bytes) -> None:
         """Adopt a new tensor table (validated against the arena's slot size).
@@ -94,12 +98,16 @@ class LocalRank:
         newest = self.kept_slot()
         free = []
         for i, s in enumerate(self.slots):
-            if i == newest or s.streaming or s.pins or (s.valid and s.durable and s.step >= self.job_durable):
+            if i == newest or s.streaming or s.pins or self._needed(s):
                 continue
             free.append(i)
         if newest is not None and any(s.streaming for s in self.slots):
             free = free[1:]
         return free
+
+    def _needed(self, s: SlotState) -> bool:
+        """Whether a restore after another node's death may need this copy (see the module docstring)."""
+        return s.valid and s.durable and s.step >= self.job_durable and s.step not in self.job_unusable
 
     def release_free(self) -> list[int]:
         """Mark every free slot invalid and return them (call right before telling the client)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapshotd.client.schedule import AutoInterval
+from snapshotd.client.schedule import AlignedStride, AutoInterval
 
 
 def simulate(
@@ -99,3 +99,36 @@ def test_a_pause_of_the_loop_is_not_charged_to_the_snapshot() -> None:
     for _ in range(5):
         sched.record(1.0, started=False, in_flight=False)
     assert sched.interval == 32 and sched.cost_seconds == pytest.approx(0.2)
+
+
+def test_aligned_stride_doubles_when_busy_and_halves_when_free_midway() -> None:
+    s = AlignedStride(2)
+    assert [t for t in range(1, 9) if s.due(t)] == [2, 4, 6, 8]
+    s.record(2, slot_free=False)  # a due step found every slot busy
+    assert s.stride == 4 and not s.due(6) and s.due(8)
+    s.record(8, slot_free=False)
+    assert s.stride == 8
+    s.record(12, slot_free=True)  # midway between due steps 8 and 16, a slot was free
+    s.record(16, slot_free=True)  # due: taken
+    s.record(20, slot_free=True)  # midway again: twice in a row
+    assert s.stride == 4
+    s.record(22, slot_free=True)  # not a due step of 4, nor midway: no change
+    assert s.stride == 4
+
+
+def test_aligned_strides_of_two_ranks_share_the_larger_ones_steps() -> None:
+    slow, fast = AlignedStride(1), AlignedStride(1)
+    for t in (1, 2, 4, 8):
+        slow.record(t, slot_free=False)
+    assert (slow.stride, fast.stride) == (16, 1)
+    assert all(fast.due(t) for t in range(1, 200) if slow.due(t))
+
+
+def test_aligned_stride_is_bounded() -> None:
+    s = AlignedStride(3)
+    for t in range(3, 3 * 10_000, 3):
+        if s.due(t):
+            s.record(t, slot_free=False)
+    assert s.stride == 3 * AlignedStride.MAX_FACTOR
+    with pytest.raises(ValueError, match="every must be at least 1"):
+        AlignedStride(0)

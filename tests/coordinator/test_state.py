@@ -145,6 +145,20 @@ def test_recoverable_needs_a_step_common_to_every_rank() -> None:
     assert watermark(reply) == (8, -1)
 
 
+def test_a_step_some_rank_skipped_is_named_unusable() -> None:
+    """Rank 1 holds 7 and 9 but not 8: it will never have 8, so no restore can use 8 and a's copies of it need not
+    be held; likewise 9, which rank 0 passed. Step 10, which rank 1 has not reached yet, may still be common."""
+    st = make()
+    for n in "ab":
+        register(st, n)
+    beat(st, "a", T0, ranks("j", 2, 0), inv("j", 0, 7, 8, 10, local=True) + inv("j", 1, 7, 9))
+    reply = beat(st, "b", T0, ranks("j", 2, 1), inv("j", 1, 7, 9, local=True) + inv("j", 0, 7, 8, 10))
+    (wm,) = reply.watermarks
+    assert (wm.recoverable, wm.durable, wm.unusable) == (7, 7, (8, 9))
+    reply = beat(st, "b", T0 + 0.1, ranks("j", 2, 1), inv("j", 1, 7, 9, 11, local=True) + inv("j", 0, 7, 8, 10))
+    assert reply.watermarks[0].unusable == (8, 9, 10)  # rank 1 passed 10 without it
+
+
 def test_dead_node_expiry_drops_its_inventory_and_homes() -> None:
     st = make()
     two_node_job(st)
@@ -489,8 +503,9 @@ def register_any(st: CoordinatorState, node: str, now: float = T0) -> None:
 # ------------------------------------------------------------------------------------ index invariants
 
 
-def _index_from_scratch(st: CoordinatorState) -> dict[str, tuple[dict, dict, set]]:
-    """Every job's holders, per-step counts and durable pairs, recounted from the live nodes' inventories."""
+def _index_from_scratch(st: CoordinatorState) -> dict[str, tuple[dict, dict, dict, set, dict]]:
+    """Every job's holders, per-step counts, durable pairs and newest steps, recounted from the live nodes'
+    inventories."""
     holders: dict[str, dict[int, dict[int, dict[str, bool]]]] = {}
     for node in st._nodes.values():
         for j, r, s, loc in node.inventory if node.alive else ():
@@ -500,14 +515,17 @@ def _index_from_scratch(st: CoordinatorState) -> dict[str, tuple[dict, dict, set
         covered: dict[int, int] = {}
         durable: dict[int, int] = {}
         pairs = set()
+        newest: dict[int, int] = {}
         for r, by_step in holders.get(name, {}).items():
+            if r < job.world_size:
+                newest[max(by_step)] = newest.get(max(by_step), 0) + 1
             for s, h in by_step.items() if r < job.world_size else ():
                 covered[s] = covered.get(s, 0) + 1
                 copies = sum(1 for n, loc in h.items() if not loc and n != job.homes.get(r))
                 if copies >= job.replicas:
                     durable[s] = durable.get(s, 0) + 1
                     pairs.add((r, s))
-        out[name] = (holders.get(name, {}), covered, durable, pairs)
+        out[name] = (holders.get(name, {}), covered, durable, pairs, newest)
     return out
 
 
@@ -532,6 +550,7 @@ def test_incremental_index_equals_a_recount_after_any_sequence_of_reports(seed: 
             register(st, node, now)
         if rnd.random() < 0.1:
             st.expire(now + rnd.choice([0.0, 5.0]))
-        for name, (holders, covered, durable, pairs) in _index_from_scratch(st).items():
+        for name, (holders, covered, durable, pairs, newest) in _index_from_scratch(st).items():
             job = st._jobs[name]
             assert (job.holders, job.covered, job.durable, job.durable_pairs) == (holders, covered, durable, pairs)
+            assert job.newest == newest

@@ -64,6 +64,9 @@ def test_durable_copies_are_held_until_the_jobs_durable_watermark_passes_them(ra
     rank.job_durable = 2  # D moved: step 1 is no longer needed
     assert rank.release_free() == [0]
     assert rank.valid_steps() == [2, 3]
+    rank.job_unusable = frozenset({2})  # another rank skipped step 2: no restore can use it
+    assert rank.release_free() == [0, 1]
+    assert rank.valid_steps() == [3]
 
 
 def test_a_copy_that_never_reached_its_buddies_is_freed_by_a_newer_one(rank: LocalRank) -> None:
