@@ -420,6 +420,8 @@ class CoordinatorState:
                                        unusable=job.unusable(d, MAX_UNUSABLE_STEPS))  # fmt: skip
         if wm == job.published:  # hand out the same object while nothing moved: replies stay cacheable
             job.watermark = job.published
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("job %s: G %d, D %d, unusable %s", job.name, g, d, list(wm.unusable))
         job.published = job.watermark
         return job.watermark
 
@@ -685,11 +687,19 @@ def _why_none(job: Job) -> str:
         verb = "has" if len(lacking) == 1 else "have"
         what = f"rank{'s' if len(lacking) > 1 else ''} {named} {verb} no complete snapshot on a live node"
     else:
-        behind = min(job.holders, key=lambda r: max(job.holders[r]))
-        ahead = max(job.holders, key=lambda r: min(job.holders[r]))
+        ranks = sorted(r for r in job.holders if r < job.world_size)
         what = "no step is complete for every rank on live nodes: " + "; ".join(
-            f"rank {r} holds steps {min(job.holders[r])}..{max(job.holders[r])}" for r in (behind, ahead))
+            f"rank {r} holds step{'s' if len(job.holders[r]) > 1 else ''} {_steps(job.holders[r])}"
+            for r in ranks[:MAX_LISTED])
+        if len(ranks) > MAX_LISTED:
+            what += f"; {len(ranks) - MAX_LISTED} more ranks"
     return f"job {job.name}: {what}; restore from your last disk checkpoint"
+
+
+def _steps(steps: Iterable[int], most: int = 6) -> str:
+    """The newest ``most`` of ``steps``, comma-separated, oldest first."""
+    newest = sorted(steps)[-most:]
+    return ", ".join(map(str, newest))
 
 
 def _check_rank(job: str, rank: int, world_size: int) -> None:

@@ -407,7 +407,6 @@ class Sidecar:
             s.streaming = False
             if buddies and ok == len(buddies):
                 lr.durable_step = max(lr.durable_step, s.step)
-                s.durable = True
             superseded = lr.stream_task is not None and lr.stream_task is not asyncio.current_task()
             if lr.stream_task is asyncio.current_task():
                 lr.stream_task = None
@@ -474,7 +473,6 @@ class Sidecar:
                 lr.slots[i] = SlotState()
         lr.seen_step = step
         s = lr.slots[index]
-        s.durable = True  # the step every rank resumes from: kept while the job's D has not passed it
         seconds = time.monotonic() - t0
         log.info("rank %d of job %s restores step %d (%s%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
                  ", into its tensors" if direct else "", pulled, seconds)  # fmt: skip

@@ -6,12 +6,12 @@ Slot discipline (what makes the local copy safe to restore from after a crash):
   a slot is listed free, the sidecar treats its contents as gone.
 - An announced slot is *valid*: the copy finished before the announce. It streams to the buddies.
 - The newest valid slot whose stream has ended is *kept* (the local fast-path copy); so are streaming slots.
-- So is every *durable* slot (its stream reached every buddy, or it holds a restored step) at or above the job's
-  durable watermark D, as the coordinator last said: if another node dies, the job may resume from D or any
-  durable step above it that the coordinator learns of before, and this node's copy of this rank's step may then
-  be the only one left (its buddy may be the node that died). A newer step's copy does not replace it; D moving
-  past it does, or the coordinator naming its step *unusable* (another rank skipped it, so no restore can use
-  it; without that, ranks that skipped different steps could fill their slots and wait for each other forever).
+- So is every valid slot at or above the job's durable watermark D, as the coordinator last said: if another
+  node dies, the job may resume from D or any step above it that becomes durable first (by this stream or by the
+  coordinator having a copy made), and this node's copy of this rank's step may then be the only one left (its
+  buddy may be the node that died). A newer step's copy does not replace it; D moving past it does, or the
+  coordinator naming its step *unusable* (another rank skipped it, so no restore can use it; without that, ranks
+  that skipped different steps could fill their slots and wait for each other forever).
   So a rank runs at most ``slots - 1`` snapshots ahead of D.
 - While a stream is in flight after a first complete copy, one more slot is held back: the client waits for the
   stream instead of superseding it step after step on a slow link.
@@ -39,8 +39,6 @@ class SlotState:
     meta: bytes = b""
     data_bytes: int = 0
     elem: int = 1
-    durable: bool = False
-    """Its stream reached every buddy, or it holds a restored step: kept while at or above the job's D."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -107,7 +105,7 @@ class LocalRank:
 
     def _needed(self, s: SlotState) -> bool:
         """Whether a restore after another node's death may need this copy (see the module docstring)."""
-        return s.valid and s.durable and s.step >= self.job_durable and s.step not in self.job_unusable
+        return s.valid and s.step >= self.job_durable and s.step not in self.job_unusable
 
     def release_free(self) -> list[int]:
         """Mark every free slot invalid and return them (call right before telling the client)."""

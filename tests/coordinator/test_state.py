@@ -320,6 +320,18 @@ def test_plan_none_names_the_rank_without_snapshots() -> None:
     assert "disk checkpoint" in reply.reason
 
 
+def test_plan_none_lists_what_each_rank_holds() -> None:
+    st = make()
+    for n in "ab":
+        register(st, n)
+    beat(st, "a", T0, ranks("j", 2, 0), inv("j", 0, 9, 11, 12, local=True))
+    beat(st, "b", T0, ranks("j", 2, 1), inv("j", 1, 8, 10, local=True))
+    assert plan(st, 0, "a").status == "wait"
+    reply = plan(st, 1, "b")
+    assert reply.status == "none"
+    assert "rank 0 holds steps 9, 11, 12; rank 1 holds steps 8, 10;" in reply.reason
+
+
 def test_answered_rank_asking_again_starts_a_new_round() -> None:
     st = make()
     two_node_job(st)

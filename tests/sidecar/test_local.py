@@ -44,37 +44,29 @@ def test_streaming_slot_is_busy_and_newest_finished_slot_is_kept(rank: LocalRank
     assert rank.free_slots() == []  # slot 0 is held back while step 3 streams
     assert rank.valid_steps() == [1, 2, 3]
     assert rank.find(2) == 1 and rank.find(4) is None
-    rank.slots[2].streaming = False  # step 3's stream ended without reaching its buddies
+    rank.job_durable = 3  # step 3's stream ended and the job's durable step moved to it
+    rank.slots[2].streaming = False
     assert rank.kept_slot() == 2 and rank.free_slots() == [0, 1]
 
 
-def test_durable_copies_are_held_until_the_jobs_durable_watermark_passes_them(rank: LocalRank) -> None:
-    """Another node's failure may make the job resume from D or any durable step above it that the coordinator
-    hears of first; this node's copy of that step may then be the only one left (its buddy may be the node that
-    failed). So a newer copy does not free an older durable one; only D moving past it does."""
+def test_copies_are_held_until_the_jobs_durable_watermark_passes_them(rank: LocalRank) -> None:
+    """Another node's failure may make the job resume from D or any step above it that becomes durable first; this
+    node's copy of that step may then be the only one left (its buddy may be the node that failed). So a newer
+    copy does not free an older one; D moving past it does, or its step being named unusable."""
     rank.job_durable = 1
     announce(rank, 0, 1, streaming=False)
     announce(rank, 1, 2, streaming=False)
-    rank.slots[0].durable = rank.slots[1].durable = True
     assert rank.free_slots() == [2]  # steps 1 (= D) and 2 (newest) are held
     announce(rank, 2, 3)  # streaming
     assert rank.free_slots() == []
-    rank.slots[2].streaming, rank.slots[2].durable = False, True
-    assert rank.free_slots() == []  # step 2 is durable and above D: D may yet become 2
+    rank.slots[2].streaming = False
+    assert rank.free_slots() == []  # step 2 is above D: D may yet become 2
     rank.job_durable = 2  # D moved: step 1 is no longer needed
     assert rank.release_free() == [0]
     assert rank.valid_steps() == [2, 3]
     rank.job_unusable = frozenset({2})  # another rank skipped step 2: no restore can use it
     assert rank.release_free() == [0, 1]
     assert rank.valid_steps() == [3]
-
-
-def test_a_copy_that_never_reached_its_buddies_is_freed_by_a_newer_one(rank: LocalRank) -> None:
-    rank.job_durable = 1
-    announce(rank, 0, 1, streaming=False)  # its stream failed or was superseded: not durable
-    announce(rank, 1, 2, streaming=False)
-    rank.slots[1].durable = True
-    assert rank.free_slots() == [0, 2]
 
 
 def test_pinned_slot_is_never_free(rank: LocalRank) -> None:
@@ -87,6 +79,7 @@ def test_pinned_slot_is_never_free(rank: LocalRank) -> None:
 def test_release_free_invalidates_what_it_hands_back(rank: LocalRank) -> None:
     announce(rank, 0, 1, streaming=False)
     announce(rank, 1, 2, streaming=False)
+    rank.job_durable = 2
     assert rank.release_free() == [0, 2]
     assert rank.slots[0] == SlotState() and rank.valid_steps() == [2]
     assert rank.kept_slot() == 1
@@ -95,6 +88,7 @@ def test_release_free_invalidates_what_it_hands_back(rank: LocalRank) -> None:
 def test_awaiting_restore_or_dead_rank_keeps_every_valid_slot(rank: LocalRank) -> None:
     announce(rank, 0, 1, streaming=False)
     announce(rank, 1, 2, streaming=False)
+    rank.job_durable = 2  # step 1 would be free
     for flag in ("awaiting_restore", "alive"):
         setattr(rank, flag, flag == "awaiting_restore")
         assert rank.release_free() == [2]  # only the slot that held nothing
