@@ -135,12 +135,13 @@ class AlignedStride:
     A restore needs a step that every rank snapshotted. A rank that skips whichever step finds its slots busy
     snapshots steps of its own, and ranks whose streams end at different moments may then share none. So a step
     is due when ``step % stride == 0``, where ``stride`` is ``N`` times a power of two: it doubles when a due step
-    finds no free slot, and halves (never below ``N``) after :attr:`HALVE_AFTER` steps midway between two due
-    steps found a slot free. Ranks whose strides differ by a power of two still share every step of the larger.
-    Pure bookkeeping: no clock, no I/O, not thread-safe (the training thread owns it).
+    finds no free slot (up to :attr:`MAX_FACTOR` times ``N``), and halves (never below ``N``) once
+    :attr:`HALVE_AFTER` steps in a row midway between two due steps find a slot free (halving at the first one lets
+    two ranks freed a step apart fall out of phase for good). Ranks whose strides differ by a power of two still
+    share every step of the larger. Pure bookkeeping: no clock, no I/O, not thread-safe (the training thread owns it).
     """
 
-    MAX_FACTOR = 64
+    MAX_FACTOR = 32
     HALVE_AFTER = 2
 
     def __init__(self, every: int) -> None:

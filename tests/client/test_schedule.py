@@ -101,18 +101,20 @@ def test_a_pause_of_the_loop_is_not_charged_to_the_snapshot() -> None:
     assert sched.interval == 32 and sched.cost_seconds == pytest.approx(0.2)
 
 
-def test_aligned_stride_doubles_when_busy_and_halves_when_free_midway() -> None:
+def test_aligned_stride_doubles_when_busy_and_halves_when_free_midway_twice() -> None:
     s = AlignedStride(2)
     assert [t for t in range(1, 9) if s.due(t)] == [2, 4, 6, 8]
     s.record(2, slot_free=False)  # a due step found every slot busy
     assert s.stride == 4 and not s.due(6) and s.due(8)
     s.record(8, slot_free=False)
     assert s.stride == 8
+    s.record(10, slot_free=True)  # neither due nor midway: no change
     s.record(12, slot_free=True)  # midway between due steps 8 and 16, a slot was free
     s.record(16, slot_free=True)  # due: taken
-    s.record(20, slot_free=True)  # midway again: twice in a row
-    assert s.stride == 4
-    s.record(22, slot_free=True)  # not a due step of 4, nor midway: no change
+    s.record(20, slot_free=False)  # midway, busy: the count starts again
+    s.record(28, slot_free=True)
+    assert s.stride == 8
+    s.record(36, slot_free=True)  # midway again: twice in a row
     assert s.stride == 4
 
 
@@ -126,7 +128,7 @@ def test_aligned_strides_of_two_ranks_share_the_larger_ones_steps() -> None:
 
 def test_aligned_stride_is_bounded() -> None:
     s = AlignedStride(3)
-    for t in range(3, 3 * 10_000, 3):
+    for t in range(3, 3 * 1_000, 3):
         if s.due(t):
             s.record(t, slot_free=False)
     assert s.stride == 3 * AlignedStride.MAX_FACTOR

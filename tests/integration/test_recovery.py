@@ -137,7 +137,8 @@ def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
               "durable snapshots again after the coordinator restart")  # fmt: skip
         results = run.wait(120)
         assert all(r["stats"]["errors"] == 0 or r["stats"]["durable"] > 30 for r in results)
-        assert all(r["stats"]["last_durable_step"] == 40 for r in results)
+        # the last step is snapshotted only if due: after the outage the skip stride may be up to 32, and 32 is due
+        assert all(r["stats"]["last_durable_step"] >= 32 for r in results)
 
 
 @pytest.mark.timeout(300)
