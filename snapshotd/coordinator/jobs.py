@@ -122,8 +122,9 @@ class Job:
                         covered[step] = left
                     else:
                         del covered[step]
-                    if step > max(by_step, default=-1):
-                        self._renew(step, max(by_step, default=-1))
+                    rest = max(by_step, default=-1)
+                    if step > rest:
+                        self._renew(step, rest)
             if counted:
                 self._recheck(rank, step, h)
         self.watermark = None

@@ -318,10 +318,10 @@ class Sidecar:
             self._drop_rank(lr)
 
     def _send_slots(self, lr: LocalRank, note: str = "", failed_step: int = -1) -> None:
-        held = len(lr.valid_steps())
+        held = sum(s.valid for s in lr.slots)
         free = lr.release_free()
         self.version += 1
-        if len(lr.valid_steps()) != held:  # a copy is gone: the coordinator must not plan a restore from it
+        if sum(s.valid for s in lr.slots) != held:  # a copy is gone: the coordinator must not plan a restore from it
             self._wake.set()
         self._reply(self._ipc_out, lr.identity, SlotUpdate(
             job=lr.job, rank=lr.rank, free_slots=tuple(free), seen_step=lr.seen_step,
