@@ -109,8 +109,10 @@ class Assignment:
 class Watermark:
     """A job's recoverable step G and its newest durable step D (-1: none yet).
 
-    ``unusable``: steps above D that some rank holds but that no restore can use, because another rank holds a
-    newer step without this one (see :meth:`snapshotd.coordinator.jobs.Job.unusable`); the oldest first.
+    ``unusable``: steps above D that some rank holds but that no restore can use, the oldest first: another rank
+    holds a newer step without this one, or the step is *stale*, held when a plan round froze at an older step, so
+    a copy of it may come from the run that failed (see :meth:`snapshotd.coordinator.jobs.Job.unusable`). A
+    sidecar frees its copies of them, local and buddy, at once.
     """
 
     job: str = spec_field(_JOB)

@@ -65,6 +65,10 @@ class Job:
     their home; ``newest[s]`` the number whose newest step held on a live node is ``s``. All three are kept exact
     on every holder or home change. ``version`` counts the changes of
     ``holders`` and of the world size: while it stays the same, so does every plan answer read from them.
+
+    ``stale = (lo, hi)``: the steps ``lo < s <= hi`` were held when a plan round froze at ``lo`` (see
+    :meth:`fork`), so a copy of such a step may come from the run that failed rather than the one that resumed
+    from ``lo``; they count for neither G nor D, and are unusable, until D reaches ``hi``. ``(-1, -1)``: none.
     """
 
     name: str
@@ -83,6 +87,34 @@ class Job:
     round: Round | None = None
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
     version: int = 0
+    stale: tuple[int, int] = (-1, -1)
+
+    def fork(self, step: int) -> None:
+        """A plan round froze at ``step``: training resumes from it, so the copies of later steps held now (the
+        failed run's: its local slots, its buddy copies, its streams still landing) must never be mixed with the
+        resumed run's copies of the same steps, which carry the same ``(rank, step)`` names."""
+        held = max((max(by_step) for by_step in self.holders.values()), default=-1)
+        lo, hi = self.stale
+        if lo < step <= hi:  # an earlier fork's stale steps above ``step`` stay stale
+            held = max(held, hi)
+        self.stale = (step, held) if held > step else (-1, -1)
+        self.watermark = None
+
+    def watermarks(self, cap: int | None) -> tuple[int, int]:
+        """G and D: the newest step complete for every rank on live nodes, and the newest held as ``replicas``
+        buddy copies for every rank (-1: none), stale steps left out; D at most ``cap``. A D at or past the
+        stale steps ends them."""
+        ws = self.world_size
+        if not ws:
+            return -1, -1
+        lo, hi = self.stale
+        g = max((s for s, n in self.covered.items() if n == ws and not lo < s <= hi), default=-1)
+        d = max((s for s, n in self.durable.items() if n == ws and not lo < s <= hi), default=-1)
+        if cap is not None:
+            d = min(d, cap)
+        if hi >= 0 and d >= hi:
+            self.stale = (-1, -1)
+        return g, d
 
     def add(self, node: str, items: Iterable[Item]) -> None:
         """``node`` now holds these snapshots of this job (none of which it held before)."""
@@ -154,20 +186,22 @@ class Job:
     def unusable(self, durable: int, limit: int) -> tuple[int, ...]:
         """Steps above ``durable`` that some rank holds but no restore can use, at most ``limit``, oldest first.
 
-        Such a step is missing for a rank that already holds a newer one: steps only grow, so that rank will
-        never have it (it skipped the step, or its copy never reached a buddy). Costs O(distinct steps held).
+        Such a step is stale (see :meth:`fork`), or missing for a rank that already holds a newer one: steps only
+        grow, so that rank will never have it (it skipped the step, or its copy never reached a buddy). Costs
+        O(distinct steps held).
         """
         ws = self.world_size
         if not ws:
             return ()
+        lo, hi = self.stale
         behind = ws - sum(self.newest.values())  # ranks holding nothing have not reached any step yet
         newest = sorted(self.newest.items())
         i, out = 0, []
-        for step in sorted(s for s, n in self.covered.items() if s > durable and n < ws):
+        for step in sorted(s for s, n in self.covered.items() if s > durable and (n < ws or lo < s <= hi)):
             while i < len(newest) and newest[i][0] < step:
                 behind += newest[i][1]
                 i += 1
-            if self.covered[step] + behind < ws:
+            if lo < step <= hi or self.covered[step] + behind < ws:
                 out.append(step)
                 if len(out) == limit:
                     break

@@ -407,15 +407,11 @@ class CoordinatorState:
         """G and D of a job (see DESIGN "Watermark"); D is capped at the plan step while a round is open."""
         if job.watermark is not None:
             return job.watermark
-        ws = job.world_size
-        g = max((s for s, n in job.covered.items() if n == ws), default=-1) if ws else -1
-        d = max((s for s, n in job.durable.items() if n == ws), default=-1) if ws else -1
-        rnd = job.round
-        if rnd is not None and rnd.frozen and not rnd.closed:
-            if g > rnd.step and len(rnd.answered) >= ws:  # every rank holds a newer step: training resumed
-                rnd.closed = True
-            else:
-                d = min(d, rnd.step)
+        rnd = job.round if job.round is not None and job.round.frozen and not job.round.closed else None
+        g, d = job.watermarks(rnd.step if rnd is not None else None)
+        if rnd is not None and g > rnd.step and len(rnd.answered) >= job.world_size:  # training resumed past it
+            rnd.closed = True
+            g, d = job.watermarks(None)
         wm = job.watermark = Watermark(job=job.name, recoverable=g, durable=d,
                                        unusable=job.unusable(d, MAX_UNUSABLE_STEPS))  # fmt: skip
         if wm == job.published:  # hand out the same object while nothing moved: replies stay cacheable
@@ -490,6 +486,7 @@ class CoordinatorState:
                 rnd.outcome, rnd.reason = "none", _why_none(job)
             else:
                 rnd.outcome, rnd.step = "ready", g
+                job.fork(g)
             log.info("job %s: every rank asked; plan %s at step %d", job.name, rnd.outcome, rnd.step)
             job.watermark = None  # the durable cap starts now
         self._answered(job, rnd, ranks)

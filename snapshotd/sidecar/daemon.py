@@ -752,9 +752,9 @@ class Sidecar:
                     log.info("%s is no longer a buddy of %s rank %d: its stream stops", addr, lr.job, lr.rank)
                     task.cancel()
         for w in reply.watermarks:
-            if self.store.drop_older(w.job, w.durable):
-                self.version += 1
             unusable = frozenset(w.unusable)
+            if self.store.drop_unneeded(w.job, w.durable, unusable):
+                self.version += 1
             for lr in self.ranks.values():
                 if lr.job == w.job and (lr.job_durable, lr.job_unusable) != (w.durable, unusable):
                     before = lr.free_slots()

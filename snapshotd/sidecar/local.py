@@ -11,7 +11,8 @@ Slot discipline (what makes the local copy safe to restore from after a crash):
   coordinator having a copy made), and this node's copy of this rank's step may then be the only one left (its
   buddy may be the node that died). A newer step's copy does not replace it; D moving past it does, or the
   coordinator naming its step *unusable* (another rank skipped it, so no restore can use it; without that, ranks
-  that skipped different steps could fill their slots and wait for each other forever).
+  that skipped different steps could fill their slots and wait for each other forever; or a restore resumed from
+  an older step, so copies of this one may be the failed run's).
   So a rank runs at most ``slots - 1`` snapshots ahead of D.
 - While a stream is in flight after a first complete copy, one more slot is held back: the client waits for the
   stream instead of superseding it step after step on a slow link.

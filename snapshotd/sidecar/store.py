@@ -4,7 +4,8 @@ A snapshot is written chunk by chunk into a buffer preallocated from its manifes
 when every chunk is in and its checksum verified; only complete snapshots are reported, served or used as delta
 bases. Memory is bounded by ``memory_limit``: a new snapshot that does not fit is refused with
 :class:`MemoryLimitReached` (the sender then skips that step); nothing complete is ever evicted to make room.
-Retention follows the coordinator's durable watermark (:meth:`SnapshotStore.drop_older`).
+Retention follows the coordinator's watermark (:meth:`SnapshotStore.drop_unneeded`): steps below the durable step D
+and the steps it names unusable go.
 """
 
 from __future__ import annotations
@@ -189,13 +190,12 @@ class SnapshotStore:
         """Complete steps held for ``(job, rank)``, oldest first."""
         return sorted(s.step for s in self._snaps.values() if s.job == job and s.rank == rank and s.complete)
 
-    def drop_older(self, job: str, durable: int) -> int:
-        """Drop every snapshot of ``job`` older than ``durable`` (unpinned). Returns the bytes freed."""
-        if durable < 0:
-            return 0
+    def drop_unneeded(self, job: str, durable: int, unusable: frozenset[int] = frozenset()) -> int:
+        """Drop every unpinned snapshot of ``job`` older than ``durable`` or at a step in ``unusable`` (no restore
+        can use it; see :class:`~snapshotd.proto.Watermark`). Returns the bytes freed."""
         freed = 0
         for key, snap in list(self._snaps.items()):
-            if key[0] == job and key[2] < durable and snap.pins == 0:
+            if key[0] == job and (key[2] < durable or key[2] in unusable) and snap.pins == 0:
                 freed += self._remove(key)
         return freed
 

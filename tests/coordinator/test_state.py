@@ -366,6 +366,47 @@ def test_durable_capped_at_plan_step_while_the_round_is_open() -> None:
     assert watermark(beat(st, "b", LATER + 0.1, changed=False)) == (7, 7)
 
 
+def test_steps_held_when_a_round_froze_stay_out_of_every_watermark_until_durable_passes_them() -> None:
+    """The plan freezes at 6 while rank 0 also holds 7 (the failed run's). The resumed run snapshots its own
+    step 7 under the same name: neither copy may ever be restored, so 7 is unusable and G and D skip it; the
+    next plan round still restores 6. Step 8 is the resumed run's alone: once durable, everything is as usual."""
+    st = make()
+    for n in "ab":
+        register(st, n)
+    beat(st, "a", T0, ranks("j", 2, 0), inv("j", 0, 5, 6, 7, local=True) + inv("j", 1, 5, 6))
+    beat(st, "b", T0, ranks("j", 2, 1), inv("j", 1, 5, 6, local=True) + inv("j", 0, 5, 6, 7))
+    plan(st, 1, "b")
+    assert plan(st, 0, "a").step == 6
+    # The resumed run's step 7 lands on every node before its old copies go.
+    beat(st, "a", LATER, ranks("j", 2, 0), inv("j", 0, 6, 7, local=True) + inv("j", 1, 6, 7))
+    reply = beat(st, "b", LATER, ranks("j", 2, 1), inv("j", 1, 6, 7, local=True) + inv("j", 0, 6, 7))
+    (wm,) = reply.watermarks
+    assert (wm.recoverable, wm.durable, wm.unusable) == (6, 6, (7,))
+    # Every rank restarts again: the plan is 6, never 7.
+    plan(st, 0, "a", now=LATER + 1)
+    assert plan(st, 1, "b", now=LATER + 1).step == 6
+    assert plan(st, 0, "a", now=LATER + 1).step == 6
+    beat(st, "a", LATER + 2, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 6, 7, 8))
+    reply = beat(st, "b", LATER + 2, ranks("j", 2, 1), inv("j", 1, 6, 7, 8, local=True) + inv("j", 0, 6, 7, 8))
+    (wm,) = reply.watermarks  # every rank has its answer and G is past 6: the round closes, D moves on
+    assert (wm.recoverable, wm.durable, wm.unusable) == (8, 8, ())
+    assert st._jobs["j"].stale == (-1, -1)
+
+
+def test_a_fork_inside_stale_steps_keeps_the_newer_ones_stale() -> None:
+    """A second restore at 6 while 7-9 are stale from a restore at 5 (and only 7 is held now) keeps 8 and 9
+    out too: copies of them from the first failed run may still land."""
+    st = make()
+    register(st, "a")
+    beat(st, "a", LATER, ranks("j", 1, 0), inv("j", 0, 5, 6, 7, local=True))
+    job = st._jobs["j"]
+    job.stale = (5, 9)
+    job.fork(6)
+    assert job.stale == (6, 9)
+    job.fork(9)
+    assert job.stale == (-1, -1)
+
+
 # ------------------------------------------------------------------------------------------------ re-replication
 
 

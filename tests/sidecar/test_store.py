@@ -137,21 +137,21 @@ def test_memory_limit_refuses_new_streams_and_keeps_what_is_held() -> None:
     assert store.used_bytes == 3 * CHUNK + 32
 
 
-def test_drop_older_follows_the_watermark_and_spares_pinned_and_other_jobs() -> None:
+def test_drop_unneeded_follows_the_watermark_and_spares_pinned_and_other_jobs() -> None:
     store = SnapshotStore(1 << 20)
     data = payload(CHUNK, 7)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4, 5):
         fill(store, step, data)
     fill(store, 1, data, rank=1)
     begin(store, 4, data.nbytes, job="other")
     store.get(JOB, 0, 1).pins = 1
-    assert store.drop_older(JOB, -1) == 0
-    freed = store.drop_older(JOB, 3)
-    assert freed == 2 * (CHUNK + 16)  # step 2 of rank 0 and step 1 of rank 1; pinned step 1 stays
-    assert store.steps(JOB, 0) == [1, 3] and store.steps(JOB, 1) == []
+    assert store.drop_unneeded(JOB, -1) == 0
+    freed = store.drop_unneeded(JOB, 3, frozenset({4}))
+    assert freed == 3 * (CHUNK + 16)  # steps 2 and 4 of rank 0 and step 1 of rank 1; pinned step 1 stays
+    assert store.steps(JOB, 0) == [1, 3, 5] and store.steps(JOB, 1) == []
     store.get(JOB, 0, 1).pins = 0
-    store.drop_older(JOB, 3)
-    assert store.steps(JOB, 0) == [3]
+    store.drop_unneeded(JOB, 3)
+    assert store.steps(JOB, 0) == [3, 5]
     assert store.get("other", 0, 4, complete=False) is not None
     store.drop_job(JOB)
     assert [s.job for s in store] == ["other"] and store.used_bytes == CHUNK + 16
