@@ -14,7 +14,11 @@ Two measurements, both on this machine's CPU:
    One row per (data, codec): ratio (encoded / raw bytes, chunks that do not shrink count as raw),
    throughputs in raw bytes per second, and the break-even link rate below which the codec delivers a chunk
    sooner than ``raw`` (:func:`snapshotd.proto.codec.breakeven_rate`). ``raw`` itself has no row: ratio 1,
-   no work.
+   no work. Delta rows also give ``entropy_ratio``: the XOR delta's entropy over its raw bits, each bit position
+   of an element taken as an independent coin with the frequency measured in the data. No coder of that model
+   encodes the delta smaller, so ``1 / entropy_ratio`` bounds what delta streaming can gain on a link where
+   coding is free; summary ``delta_speedup_bound_fp32`` is that bound over the three fp32 tensors together, and
+   ``delta_speedup_fp32`` what ``delta-lz4``'s ratios give on the same link (raw bytes over encoded bytes).
 
 Timings are the best of ``--repeat`` passes (least disturbed by other load).
 """
@@ -90,13 +94,21 @@ def run(args: argparse.Namespace) -> Report:
             log.info("%s", row)
             results.append(row)
 
+    raw_bytes = entropy_bytes = encoded_bytes = 0.0
     for row in results:
         kind, _, dtype = row["data"].rpartition("-")
         if row["codec"] == "delta-lz4" and kind in _TENSORS:
             summary[f"delta_ratio_{dtype}_{kind}"] = row["ratio"]
             summary[f"delta_breakeven_Gbit_{dtype}_{kind}"] = row["breakeven_Gbit"]
+            if dtype == "fp32":
+                raw_bytes += row["raw_bytes"]
+                entropy_bytes += row["raw_bytes"] * row["entropy_ratio"]
+                encoded_bytes += row["raw_bytes"] * row["ratio"]
         if row["codec"] == "shuffle-lz4" and kind == "params":
             summary[f"shuffle_ratio_{dtype}_params"] = row["ratio"]
+    if entropy_bytes:
+        summary["delta_speedup_fp32"] = raw_bytes / encoded_bytes
+        summary["delta_speedup_bound_fp32"] = raw_bytes / entropy_bytes
     summary["best_breakeven_Gbit"] = max((r["breakeven_Gbit"] for r in results), default=0.0)
     summary["checksum_Bps"] = _checksum_rate(data[0][1], args.repeat)
 
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> Report:
         "compress_Bps",
         "decompress_Bps",
         "breakeven_Gbit",
+        "entropy_ratio",
     ]
     return Report(bench="codec", config=config, results=results, summary=summary, columns=columns)
 
@@ -203,6 +216,7 @@ def _measure(
         raise AssertionError(f"{codec} on {name} did not round-trip")
     ratio = sum(memoryview(p).nbytes for _, p in encoded) / n
     c_bps, d_bps = n / t_c, n / t_d
+    entropy_ratio = None if base is None else _bit_entropy_ratio(buf, base, elem)
     return {
         "data": name,
         "codec": codec,
@@ -214,7 +228,25 @@ def _measure(
         "breakeven_Gbit": breakeven_rate(ratio, c_bps, d_bps) * 8 / 1e9,
         "encoded_chunks": sum(used == codec for used, _ in encoded),
         "chunks": len(spans),
+        "entropy_ratio": entropy_ratio,
     }
+
+
+def _bit_entropy_ratio(buf: memoryview, base: memoryview, elem: int) -> float:
+    """Entropy of ``buf XOR base`` over its raw bits, bit position ``i`` of every ``elem``-byte element being an
+    independent coin whose frequency of ones is measured here (the ``entropy_ratio`` column)."""
+    whole = buf.nbytes // elem * elem
+    x = np.bitwise_xor(np.frombuffer(buf, np.uint8, whole), np.frombuffer(base, np.uint8, whole)).reshape(-1, elem)
+    if not x.size:
+        return 1.0
+    bits = 0.0
+    for j in range(elem):
+        column = x[:, j]
+        for b in range(8):
+            p = float(np.count_nonzero(column & (1 << b))) / len(column)
+            if 0.0 < p < 1.0:
+                bits -= p * np.log2(p) + (1 - p) * np.log2(1 - p)
+    return bits / (8 * elem)
 
 
 # ----------------------------------------------------------------------------------------------- the data

@@ -93,7 +93,7 @@ class Job:
         """A plan round froze at ``step``: training resumes from it, so the copies of later steps held now (the
         failed run's: its local slots, its buddy copies, its streams still landing) must never be mixed with the
         resumed run's copies of the same steps, which carry the same ``(rank, step)`` names."""
-        held = max((max(by_step) for by_step in self.holders.values()), default=-1)
+        held = max(self.newest, default=-1)  # O(distinct steps), not O(ranks): this runs as the plan freezes
         lo, hi = self.stale
         if lo < step <= hi:  # an earlier fork's stale steps above ``step`` stay stale
             held = max(held, hi)

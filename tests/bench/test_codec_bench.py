@@ -52,6 +52,10 @@ def test_summary_keys_and_sanity(report: Report) -> None:
             assert s[f"delta_breakeven_Gbit_{dtype}_{kind}"] >= 0
         assert 0 < s[f"shuffle_ratio_{dtype}_params"] <= 1
     assert s["best_breakeven_Gbit"] == max(r["breakeven_Gbit"] for r in report.results)
+    fp32 = [r for r in report.results if r["codec"] == "delta-lz4" and r["data"].endswith("-fp32")]
+    raw = sum(r["raw_bytes"] for r in fp32)
+    assert s["delta_speedup_bound_fp32"] == pytest.approx(raw / sum(r["raw_bytes"] * r["entropy_ratio"] for r in fp32))
+    assert s["delta_speedup_fp32"] == pytest.approx(raw / sum(r["raw_bytes"] * r["ratio"] for r in fp32))
 
 
 def test_rows(report: Report) -> None:
@@ -62,6 +66,10 @@ def test_rows(report: Report) -> None:
         assert set(report.columns or []) <= row.keys()
         assert 0 < row["ratio"] <= 1 and row["compress_Bps"] > 0 and row["decompress_Bps"] > 0
         assert row["elem"] == (2 if row["data"].endswith("bf16") else 4)
+        if row["codec"] == "delta-lz4":  # some bits of an element change less often than others
+            assert 0 < row["entropy_ratio"] < 1
+        else:
+            assert row["entropy_ratio"] is None
         if row["encoded_chunks"] == 0:  # nothing shrank: all raw, ratio exactly 1, never pays
             assert row["ratio"] == 1 and row["breakeven_Gbit"] == 0
     random = {r["codec"]: r for r in report.results if r["data"] == "random-fp32"}
