@@ -191,11 +191,12 @@ class SnapshotStore:
         return sorted(s.step for s in self._snaps.values() if s.job == job and s.rank == rank and s.complete)
 
     def drop_unneeded(self, job: str, durable: int, unusable: frozenset[int] = frozenset()) -> int:
-        """Drop every unpinned snapshot of ``job`` older than ``durable`` or at a step in ``unusable`` (no restore
-        can use it; see :class:`~snapshotd.proto.Watermark`). Returns the bytes freed."""
+        """Drop every unpinned snapshot of ``job`` older than ``durable``, and every complete one at a step in
+        ``unusable`` (no restore can use it; see :class:`~snapshotd.proto.Watermark`). A stream of an unusable
+        step still arriving completes first, so that its sender sees it taken. Returns the bytes freed."""
         freed = 0
         for key, snap in list(self._snaps.items()):
-            if key[0] == job and (key[2] < durable or key[2] in unusable) and snap.pins == 0:
+            if key[0] == job and snap.pins == 0 and (key[2] < durable or (key[2] in unusable and snap.complete)):
                 freed += self._remove(key)
         return freed
 

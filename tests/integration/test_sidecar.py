@@ -596,6 +596,59 @@ def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(cluster: Clust
             assert torch.equal(r0.work.state["w"], small.at(1)["w"]) and torch.equal(new1.state["w"], large.at(1)["w"])
 
 
+def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_runs(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
+    """Rank 0 had snapshotted step 6 and rank 1 had not when both restarted, so the job resumed from 5. The
+    resumed run's step 6 comes out differently (as with nondeterministic kernels) under the same name. When both
+    ranks restart again before a later step is durable, the job must resume from 5 again: at 6, rank 0 could get
+    the failed run's copy and rank 1 the resumed run's. Once step 7 is durable, 7 is the plan."""
+    cluster.start("A")
+    cluster.start("B")
+    job = cluster.job("fork")
+    shape = {"w": ((1 << 18,), torch.float32)}
+    homes = ("A", "B")
+
+    def restart(previous: Sequence[Rank], resumed_from: int | None) -> list[Rank]:
+        """Every rank's process restarts on its node and restores; the restored step must be ``resumed_from``."""
+        for r in previous:
+            r.snap.close(unregister=False)
+        ranks = []
+        for i, node in enumerate(homes):
+            work = Workload(shape, seed=10 + i)
+            work.reshape(6, shape)  # the resumed run: steps from 6 on differ from the failed run's
+            snap = Snapshotter(work.state, job=job, rank=i, world_size=2, sidecar=cluster.ipc(node), timeout=WAIT)
+            ranks.append(Rank(snap, work, node, cluster.node(node)))
+        with ThreadPoolExecutor(2) as pool:
+            steps = list(pool.map(lambda r: r.snap.restore(timeout=WAIT), ranks, timeout=WAIT + 10))
+        assert steps == [resumed_from] * 2
+        for r in ranks:
+            assert torch.equal(r.work.state["w"], r.work.at(resumed_from)["w"])
+        return ranks
+
+    with open_ranks(cluster, job, [(node, Workload(shape, seed=10 + i)) for i, node in enumerate(homes)]) as failed:
+        for step in range(1, 6):
+            assert all(r.capture(step) for r in failed) and all(r.snap.wait(WAIT) for r in failed)
+        wait_for(lambda: watch.watermark(job) == (5, 5), "G = D = 5")
+        assert failed[0].capture(6) and failed[0].snap.wait(WAIT)  # rank 1 died before its step 6
+        assert_holds(cluster, "B", failed[0], job, 6)
+        resumed = restart(failed, 5)
+        try:
+            assert all(r.capture(6) for r in resumed) and all(r.snap.wait(WAIT) for r in resumed)
+            again = restart(resumed, 5)
+        finally:
+            for r in resumed:
+                r.snap.close()
+        try:
+            for step in (6, 7):
+                assert all(r.capture(step) for r in again) and all(r.snap.wait(WAIT) for r in again)
+            wait_for(lambda: watch.watermark(job) == (7, 7), "G = D = 7")
+            restart(again, 7)[0].snap.close()
+        finally:
+            for r in again:
+                r.snap.close()
+
+
 def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, watch: StatusWatch) -> None:
     cluster.start("A", "--max-rate", "10MB/s")
     cluster.start("B")

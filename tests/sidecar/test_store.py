@@ -143,12 +143,14 @@ def test_drop_unneeded_follows_the_watermark_and_spares_pinned_and_other_jobs() 
     for step in (1, 2, 3, 4, 5):
         fill(store, step, data)
     fill(store, 1, data, rank=1)
+    begin(store, 4, data.nbytes, rank=1)
     begin(store, 4, data.nbytes, job="other")
     store.get(JOB, 0, 1).pins = 1
     assert store.drop_unneeded(JOB, -1) == 0
     freed = store.drop_unneeded(JOB, 3, frozenset({4}))
     assert freed == 3 * (CHUNK + 16)  # steps 2 and 4 of rank 0 and step 1 of rank 1; pinned step 1 stays
     assert store.steps(JOB, 0) == [1, 3, 5] and store.steps(JOB, 1) == []
+    assert store.get(JOB, 1, 4, complete=False) is not None  # still arriving: it completes first
     store.get(JOB, 0, 1).pins = 0
     store.drop_unneeded(JOB, 3)
     assert store.steps(JOB, 0) == [3, 5]
