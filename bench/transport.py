@@ -22,7 +22,10 @@ a long job pays that once, so the timed snapshots are the steady state.
 
 A sidecar's rate (``stream``) is the state's bytes over the median time from ``capture()`` returning (the
 state is in shared memory; the transport phase's state has no optimizer, so the copy is synchronous) to
-durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``.
+durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection setup and its first ``recv``;
+it moves the same bytes just before and just after each sidecar phase, and its rate is the mean of the two runs'
+medians (both in the row, ``raw_before_Bps`` and ``raw_after_Bps``), so that the machine's speed drifting during a
+phase moves both sides of a ratio alike.
 Every other phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
 ``--insecure``). The coordinator's ``--heartbeat-timeout`` defaults to 8 s here, not 3 s: while a step's
 stream to its buddy is younger than that, the coordinator counts it as in flight; an older one is "missing a
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -52,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from snapshotd.local_cluster import LocalCluster
@@ -121,10 +126,9 @@ def run(args: argparse.Namespace) -> Report:
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snapshotd-bench-transport-") as workdir:
-        (side,) = _sidecar_rows(
-            workdir, "loopback", None, "raw", args, [_transport_argv(args.size, args.repeat)]
-        )
-        raw = _raw_row("loopback", None, args.size, args.repeat, args, side, results)
+        phase = functools.partial(_sidecar_rows, workdir, "loopback", None, "raw", args,
+                                  [_transport_argv(args.size, args.repeat)])  # fmt: skip
+        (side,), raw = _beside_raw("loopback", None, args.size, args.repeat, args, results, phase)
         summary["state_bytes"] = side["state_bytes"]
         summary["sidecar_GBps"] = side["stream_Bps"] / 1e9
         summary["raw_socket_GBps"] = raw / 1e9
@@ -158,8 +162,10 @@ def _links(workdir: str, args: argparse.Namespace, results: list[dict[str, Any]]
             drivers = [_transport_argv(args.link_size, args.link_repeat)]
             if label == "1gbit":  # the raw-codec training run shares these sidecars
                 drivers.append(train)
-            side, *train_raw = _sidecar_rows(workdir, label, link, "raw", args, drivers)
-            raw = _raw_row(label, link, args.link_size, args.link_repeat, args, side, results)
+            phase = functools.partial(_sidecar_rows, workdir, label, link, "raw", args, drivers)
+            (side, *train_raw), raw = _beside_raw(
+                label, link, args.link_size, args.link_repeat, args, results, phase
+            )
             out[f"link_{label}_ratio"] = side["stream_Bps"] / raw
             if label == "1gbit":
                 (delta,) = _sidecar_rows(workdir, f"{label}-delta", link, "delta-lz4", args, [train])
@@ -171,22 +177,31 @@ def _links(workdir: str, args: argparse.Namespace, results: list[dict[str, Any]]
     return {k: out[k] for k in _SUMMARY_KEYS if k in out}
 
 
-def _raw_row(
+def _beside_raw(
     label: str,
     link: Link | None,
     size: int,
     repeat: int,
     args: argparse.Namespace,
-    side: dict[str, Any],
     results: list[dict[str, Any]],
-) -> float:
-    """Move ``size`` bytes ``repeat`` times by raw socket; append its row, then ``side`` (the sidecars')."""
-    log.info("%s: raw socket moves %s x %d", label, format_bytes(size), repeat)
-    raw = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
-    side["vs_raw"] = side["stream_Bps"] / raw
-    results.append({"run": f"{label} raw socket", "state_bytes": size, "stream_Bps": raw, "vs_raw": 1.0})
-    results.append(side)
-    return raw
+    sidecars: Callable[[], list[dict[str, Any]]],
+) -> tuple[list[dict[str, Any]], float]:
+    """Run the phase ``sidecars`` between two raw-socket runs moving ``size`` bytes ``repeat`` times; append the
+    raw row (the mean of the two runs' medians) and the phase's first row, with its ``vs_raw``.
+
+    Returns:
+        The phase's rows and the raw socket's rate.
+    """
+    log.info("%s: raw socket moves %s x %d, before and after the sidecars", label, format_bytes(size), repeat)
+    before = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
+    rows = sidecars()
+    after = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
+    raw = (before + after) / 2
+    rows[0]["vs_raw"] = rows[0]["stream_Bps"] / raw
+    results.append({"run": f"{label} raw socket", "state_bytes": size, "stream_Bps": raw, "vs_raw": 1.0,
+                    "raw_before_Bps": before, "raw_after_Bps": after})  # fmt: skip
+    results.append(rows[0])
+    return rows, raw
 
 
 def _row(name: str, out: dict[str, Any], chunk: str | None) -> dict[str, Any]:
