@@ -46,6 +46,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from snapshotd.local_cluster import held_interrupts
+
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
@@ -133,7 +135,7 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
                     "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
             if r == 0:
                 argv += ["--progress", progress]
-            with open(logs[r], "wb") as log:
+            with open(logs[r], "wb") as log, held_interrupts():  # the finally below stops what ``procs`` holds
                 procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while True:

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
 
 __all__ = ["TrainingJob", "run_demo", "run_scenario"]
@@ -51,9 +51,8 @@ class TrainingJob:
             ]  # fmt: skip
             if job is not None:
                 argv += ["--job", job, "--sidecar", sidecars[rank], *(["--replicated"] if replicated else [])]
-            log = open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb")  # noqa: SIM115 - closed by the child's exit
-            self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            log.close()
+            with open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb") as log, held_interrupts():
+                self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def result_path(self, rank: int) -> str:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.json")

@@ -22,7 +22,7 @@ from typing import Any
 
 from snapshotd.shm import sweep_stale_arenas
 
-__all__ = ["LocalCluster", "ManagedProcess", "sigterm_as_interrupt"]
+__all__ = ["LocalCluster", "ManagedProcess", "held_interrupts", "sigterm_as_interrupt"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,30 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM wait: each one that arrives is raised again as the block ends, when its
+    previous handler acts on it (e.g. with KeyboardInterrupt). Start a child process and record it inside one, so
+    that no interrupt comes between the two: the child would be left running, with nothing to stop it. A no-op
+    outside the main thread, where Python runs no signal handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        arrived.append(signum)
+
+    previous = {sig: signal.signal(sig, hold) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for signum in arrived:
+            signal.raise_signal(signum)
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,12 +149,10 @@ class LocalCluster:
     def _start(self, name: str, argv: list[str], ready: re.Pattern[str], prefix: Sequence[str] = ()) -> ManagedProcess:
         log_path = os.path.join(self.workdir, f"{name}-{len(self._all)}.log")
         cmd = [*prefix, sys.executable, "-m", "snapshotd.cli", *argv]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                stdin=subprocess.DEVNULL)  # fmt: skip
         found: dict[str, str] = {}
         got = threading.Event()
 
-        def pump() -> None:
+        def pump(proc: subprocess.Popen[bytes]) -> None:
             assert proc.stdout is not None
             with proc.stdout, open(log_path, "ab") as out:
                 for line in proc.stdout:
@@ -142,10 +164,13 @@ class LocalCluster:
                             found.update(m.groupdict())
                             got.set()
 
-        pumper = threading.Thread(target=pump, name=f"log-{name}", daemon=True)
-        pumper.start()
-        managed = ManagedProcess(name, proc, log_path, found, pumper)
-        self._all.append(managed)
+        with held_interrupts():  # close() stops what ``_all`` holds
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+                                    stdin=subprocess.DEVNULL)  # fmt: skip
+            pumper = threading.Thread(target=pump, args=(proc,), name=f"log-{name}", daemon=True)
+            pumper.start()
+            managed = ManagedProcess(name, proc, log_path, found, pumper)
+            self._all.append(managed)
         deadline = time.monotonic() + self.READY_TIMEOUT
         while not got.wait(0.05):
             if proc.poll() is not None or time.monotonic() > deadline:
