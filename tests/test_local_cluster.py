@@ -5,14 +5,23 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from snapshotd.local_cluster import held_interrupts, sigterm_as_interrupt
 
 
+@pytest.fixture
+def sigint_interrupts() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt, as in a fresh interpreter, whatever an earlier test left installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_an_interrupt_inside_a_held_block_is_raised_as_it_ends(signum: signal.Signals) -> None:
+def test_an_interrupt_inside_a_held_block_is_raised_as_it_ends(signum: signal.Signals, sigint_interrupts: None) -> None:
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     recorded = []
     with sigterm_as_interrupt():
