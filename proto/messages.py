@@ -112,7 +112,7 @@ class Watermark:
     ``unusable``: steps above D that some rank holds but that no restore can use, the oldest first: another rank
     holds a newer step without this one, or the step is *stale*, held when a plan round froze at an older step, so
     a copy of it may come from the run that failed (see :meth:`snapshotd.coordinator.jobs.Job.unusable`). A
-    sidecar frees its copies of them, local and buddy, at once.
+    sidecar frees its copies of them at once, local and buddy; a buddy copy still arriving once it is complete.
     """
 
     job: str = spec_field(_JOB)

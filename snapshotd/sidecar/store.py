@@ -194,6 +194,8 @@ class SnapshotStore:
         """Drop every unpinned snapshot of ``job`` older than ``durable``, and every complete one at a step in
         ``unusable`` (no restore can use it; see :class:`~snapshotd.proto.Watermark`). A stream of an unusable
         step still arriving completes first, so that its sender sees it taken. Returns the bytes freed."""
+        if durable < 0 and not unusable:  # every heartbeat reply asks: nothing to look for
+            return 0
         freed = 0
         for key, snap in list(self._snaps.items()):
             if key[0] == job and snap.pins == 0 and (key[2] < durable or (key[2] in unusable and snap.complete)):
