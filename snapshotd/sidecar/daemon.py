@@ -511,10 +511,11 @@ class Sidecar:
             index = self._restore_slot(lr, snap.data_bytes)
             slot = lr.arena.slot(index)[: snap.data_bytes]
             sink = self._direct_sink(lr, req, snap.table, slot)
-            if sink is not None:
-                sink.land(0, snap.data.data)
-            else:
-                slot[:] = snap.data.data
+            for start, part in snap.data.parts():
+                if sink is not None:
+                    sink.land(start, part)
+                else:
+                    slot[start : start + part.nbytes] = part
             lr.slots[index] = SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
                                         data_bytes=snap.data_bytes)  # fmt: skip
             return index, 0, sink is not None
@@ -621,8 +622,9 @@ class Sidecar:
         else:
             raise ProtocolError(f"{msg.TYPE} is not a data-plane request")
 
-    def _source(self, job: str, rank: int, step: int) -> tuple[bytes, bytes, int, Callable[[], memoryview]]:
-        """A complete copy of ``(job, rank, step)`` held here: buddy store first, else a local slot.
+    def _source(self, job: str, rank: int, step: int) -> tuple[bytes, bytes, int, Callable[[int, int], memoryview]]:
+        """A complete copy of ``(job, rank, step)`` held here, buddy store first, else a local slot: its table, meta,
+        length, and ``read(start, end)``, which returns those bytes (zero-copy where they are contiguous here).
 
         Raises:
             UnknownSnapshot: neither holds it complete.
@@ -630,31 +632,31 @@ class Sidecar:
         try:
             snap = self.store.get(job, rank, step)
 
-            def export() -> memoryview:
+            def read(start: int, end: int) -> memoryview:
                 snap.exported = True
-                return snap.data.data
+                return snap.data.view(start, end)
 
-            return snap.table, snap.meta, snap.data_bytes, export
+            return snap.table, snap.meta, snap.data_bytes, read
         except UnknownSnapshot:
             lr = self.ranks.get((job, rank))
             index = lr.find(step) if lr is not None else None
             if lr is None or index is None:
                 raise
             s = lr.slots[index]
-            return s.table, s.meta, s.data_bytes, lambda: lr.arena.slot(index)[: s.data_bytes]
+            slot = lr.arena.slot(index)[: s.data_bytes]
+            return s.table, s.meta, s.data_bytes, lambda start, end: slot[start:end]
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
-        table, meta, nbytes, view = self._source(req.job, req.rank, req.step)
+        table, meta, nbytes, read = self._source(req.job, req.rank, req.step)
         lr = self.ranks.get((req.job, req.rank))
         index = lr.find(req.step) if lr is not None else None
         pinned = lr.slots[index] if lr is not None and index is not None else None
         if pinned is not None:
             pinned.pins += 1
         try:
-            data = view()
             chunk = self.pull_chunk_bytes
             for index in range(req.first, min(req.first + req.count, -(-nbytes // chunk))):
-                part = data[index * chunk : (index + 1) * chunk]
+                part = read(index * chunk, min((index + 1) * chunk, nbytes))
                 await self._data_out.put((ident, Chunk(
                     job=req.job, rank=req.rank, step=req.step, index=index, raw_len=part.nbytes,
                     checksum=codec.checksum(part), payload=part,
@@ -676,7 +678,7 @@ class Sidecar:
             def allocate(m: StreamBegin) -> Lander:
                 snap = self.store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
                                         chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta)  # fmt: skip
-                return arena_sink(snap.data.data)
+                return snap.data.land
 
             try:
                 _, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step, allocate=allocate)

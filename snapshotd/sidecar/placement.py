@@ -64,7 +64,8 @@ def _address(view: memoryview) -> int:
 
 
 Lander = Callable[[int, memoryview], None]
-"""``land(start, chunk)``: put bytes ``[start, start + len(chunk))`` of a snapshot where they belong."""
+"""``land(start, chunk)``: put bytes ``[start, start + len(chunk))`` of a snapshot where they belong. The caller never
+writes ``chunk`` again, so a lander may keep it rather than copy it."""
 
 
 def arena_sink(slot: memoryview) -> Lander:

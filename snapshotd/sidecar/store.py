@@ -1,9 +1,11 @@
 """The buddy store: snapshots that other nodes streamed to this sidecar, held in host memory.
 
-A snapshot is written chunk by chunk into a buffer preallocated from its manifest. It becomes *complete* only
-when every chunk is in and its checksum verified; only complete snapshots are reported, served or used as delta
-bases. Memory is bounded by ``memory_limit``: a new snapshot that does not fit is refused with
-:class:`MemoryLimitReached` (the sender then skips that step); nothing complete is ever evicted to make room.
+A snapshot's memory is reserved from its manifest when its stream begins; its chunks are held as they arrive
+(:class:`~.chunks.SnapshotBuffer`: a raw chunk is kept in the buffer ZeroMQ received it into, a decoded one in a
+buffer from a pool). It becomes *complete* only when every chunk is in and its checksum verified; only complete
+snapshots are reported, served or used as delta bases. Memory is bounded by ``memory_limit``: a new snapshot that
+does not fit is refused with :class:`MemoryLimitReached` (the sender then skips that step); nothing complete is
+ever evicted to make room.
 Retention follows the coordinator's watermark (:meth:`SnapshotStore.drop_unneeded`): steps below the durable step D
 and the steps it names unusable go.
 """
@@ -17,6 +19,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from snapshotd.proto import ProtocolError, codec
+
+from .chunks import ADOPT_MIN_BYTES, SnapshotBuffer
 
 __all__ = ["MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
 
@@ -38,7 +42,7 @@ class UnknownSnapshot(KeyError):
 
 @dataclasses.dataclass(slots=True)
 class StoredSnapshot:
-    """One rank's snapshot of one step: table and meta blobs, the data buffer, and which chunks arrived."""
+    """One rank's snapshot of one step: table and meta blobs, its bytes, and which chunks arrived."""
 
     job: str
     rank: int
@@ -46,38 +50,33 @@ class StoredSnapshot:
     src_node: str
     table: bytes
     meta: bytes
-    chunk_bytes: int
-    data: np.ndarray  # uint8, data_bytes long
+    data: SnapshotBuffer
     received: np.ndarray  # bool per chunk
     missing: int
     complete: bool = False
     pins: int = 0  # pulls in progress; a pinned snapshot is not dropped
-    exported: bool = False  # zero-copy views went to zmq: never reuse this buffer as a spare
+    exported: bool = False  # zero-copy views went to zmq: never give its buffers back to the pool
 
     @property
     def data_bytes(self) -> int:
-        return int(self.data.nbytes)
+        return self.data.nbytes
 
     @property
     def nchunks(self) -> int:
-        return int(self.received.size)
-
-    def chunk_range(self, index: int) -> tuple[int, int]:
-        start = index * self.chunk_bytes
-        return start, min(start + self.chunk_bytes, self.data_bytes)
+        return self.data.nchunks
 
 
 class SnapshotStore:
     """In-memory buddy copies, keyed by ``(job, rank, step)``. Not thread-safe: the sidecar's loop owns it."""
 
-    MAX_SPARES = 2
-
     def __init__(self, memory_limit: int) -> None:
         self.memory_limit = memory_limit
         self._snaps: dict[Key, StoredSnapshot] = {}
-        # Buffers of dropped snapshots, reused for the next snapshot of the same size: a fresh buffer costs the
-        # kernel zeroing every page on first touch, which was a third of a receiving sidecar's CPU.
-        self._spares: list[np.ndarray] = []
+        # Chunk buffers of dropped snapshots, by size, reused for decoded chunks: a fresh buffer costs the kernel
+        # zeroing every page on first touch. At most twice the largest snapshot seen, and counted against the limit.
+        self._spares: dict[int, list[np.ndarray]] = {}
+        self.spare_bytes = 0
+        self._spare_cap = 0
         self.used_bytes = 0  # snapshots held (spares are counted against the limit separately)
         self.version = 0  # bumps whenever the set of complete snapshots changes (for inventory reports)
 
@@ -90,10 +89,11 @@ class SnapshotStore:
     def begin(
         self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes, meta: bytes
     ) -> StoredSnapshot:
-        """Preallocate a snapshot about to arrive. A previous incomplete copy of the same key is replaced.
+        """Reserve memory for a snapshot about to arrive. A previous incomplete copy of the same key is replaced; a
+        complete one stays and is returned.
 
         Raises:
-            MemoryLimitReached: the buffer would not fit under the memory limit.
+            MemoryLimitReached: the snapshot would not fit under the memory limit.
         """
         key = (job, rank, step)
         old = self._snaps.get(key)
@@ -101,24 +101,20 @@ class SnapshotStore:
             if old.complete:
                 return old
             self._remove(key)
-        buffer = self._take_spare(data_bytes)
         need = data_bytes + len(table) + len(meta)
-        while self.used_bytes + self.spare_bytes + need > self.memory_limit and self._spares:
-            self._spares.pop()
+        self._shed_spares(self.used_bytes + self.spare_bytes + need - self.memory_limit)
         if self.used_bytes + self.spare_bytes + need > self.memory_limit:
             raise MemoryLimitReached(
                 f"memory limit {self.memory_limit} B reached: holding {self.used_bytes} B, "
                 f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
             )
-        nchunks = -(-data_bytes // chunk_bytes) if data_bytes else 0
-        snap = StoredSnapshot(
-            job, rank, step, src_node, bytes(table), bytes(meta), chunk_bytes,
-            buffer if buffer is not None else np.empty(data_bytes, dtype=np.uint8),
-            np.zeros(nchunks, dtype=bool), nchunks,
-        )  # fmt: skip
+        data = SnapshotBuffer(data_bytes, chunk_bytes, self._take_spare)
+        snap = StoredSnapshot(job, rank, step, src_node, bytes(table), bytes(meta), data,
+                              np.zeros(data.nchunks, dtype=bool), data.nchunks)  # fmt: skip
         self._snaps[key] = snap
         self.used_bytes += need
-        if nchunks == 0:
+        self._spare_cap = max(self._spare_cap, 2 * data_bytes)
+        if data.nchunks == 0:
             self._complete(snap)
         return snap
 
@@ -133,7 +129,10 @@ class SnapshotStore:
         self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview, raw_len: int,
         checksum: int, base_step: int, elem: int,
     ) -> bool:
-        """Decode, verify and write one chunk. Returns True when this chunk completed the snapshot.
+        """Decode, verify and hold one chunk. Returns True when this chunk completed the snapshot.
+
+        A ``raw`` payload of at least :data:`~.chunks.ADOPT_MIN_BYTES` is kept as is, not copied: the caller must
+        never modify its bytes afterwards (a received ZeroMQ frame never is).
 
         Raises:
             UnknownSnapshot: no stream for this key (never begun, aborted, or dropped).
@@ -145,21 +144,25 @@ class SnapshotStore:
             return False
         if not 0 <= index < snap.nchunks:
             raise ProtocolError(f"chunk {index} is outside 0..{snap.nchunks - 1}")
-        start, end = snap.chunk_range(index)
+        start, end = snap.data.chunk_range(index)
         if raw_len != end - start:
             raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
-        out = snap.data.data[start:end]
-        base = None
-        if codec_name == "delta-lz4":
-            try:
-                base_snap = self.get(job, rank, base_step)
-            except UnknownSnapshot as exc:
-                raise ProtocolError(f"delta base step {base_step} is not held: {exc}") from exc
-            if base_snap.data_bytes < end:
-                raise ProtocolError(f"delta base step {base_step} is too short for chunk {index}")
-            base = base_snap.data.data[start:end]
-        codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
-        codec.verify(out, checksum)
+        if codec_name == "raw" and raw_len >= ADOPT_MIN_BYTES and payload.nbytes == raw_len:
+            codec.verify(payload, checksum)
+            snap.data.adopt(index, payload)
+        else:
+            base = None
+            if codec_name == "delta-lz4":
+                try:
+                    base_snap = self.get(job, rank, base_step)
+                except UnknownSnapshot as exc:
+                    raise ProtocolError(f"delta base step {base_step} is not held: {exc}") from exc
+                if base_snap.data_bytes < end:
+                    raise ProtocolError(f"delta base step {base_step} is too short for chunk {index}")
+                base = base_snap.data.view(start, end)
+            out = snap.data.writable(index)
+            codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
+            codec.verify(out, checksum)
         if not snap.received[index]:
             snap.received[index] = True
             snap.missing -= 1
@@ -169,7 +172,7 @@ class SnapshotStore:
         return False
 
     def mark_complete(self, job: str, rank: int, step: int) -> None:
-        """Declare a snapshot whose buffer was filled and verified by a pull (re-replication) complete."""
+        """Declare a snapshot whose every byte a pull (re-replication) landed and verified complete."""
         snap = self.get(job, rank, step, complete=False)
         if not snap.complete:
             snap.received[:] = True
@@ -215,22 +218,38 @@ class SnapshotStore:
         log.debug("snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes)
 
     def _remove(self, key: Key) -> int:
-        """Forget a snapshot. Its buffer becomes a spare (counted against the limit) when spares are few."""
+        """Forget a snapshot. Its owned chunk buffers become spares (counted against the limit) up to the cap."""
         snap = self._snaps.pop(key)
         freed = snap.data_bytes + len(snap.table) + len(snap.meta)
         self.used_bytes -= freed
-        if not snap.exported and snap.data_bytes and len(self._spares) < self.MAX_SPARES:
-            self._spares.append(snap.data)
+        owned = snap.data.release()
+        if not snap.exported:
+            for buf in owned:
+                if self.spare_bytes + buf.nbytes > self._spare_cap:
+                    break
+                self._spares.setdefault(buf.nbytes, []).append(buf)
+                self.spare_bytes += buf.nbytes
         if snap.complete:
             self.version += 1
         return freed
 
-    @property
-    def spare_bytes(self) -> int:
-        return sum(b.nbytes for b in self._spares)
+    def _take_spare(self, nbytes: int) -> np.ndarray:
+        """A chunk buffer of ``nbytes``: a spare if one has that size, else a new one."""
+        spares = self._spares.get(nbytes)
+        if not spares:
+            return np.empty(nbytes, dtype=np.uint8)
+        self.spare_bytes -= nbytes
+        buf = spares.pop()
+        if not spares:
+            del self._spares[nbytes]
+        return buf
 
-    def _take_spare(self, nbytes: int) -> np.ndarray | None:
-        for i, buf in enumerate(self._spares):
-            if buf.nbytes == nbytes:
-                return self._spares.pop(i)
-        return None
+    def _shed_spares(self, excess: int) -> None:
+        """Free spares until ``excess`` bytes are gone, or none is left."""
+        while excess > 0 and self._spares:
+            size, spares = next(iter(self._spares.items()))
+            spares.pop()
+            if not spares:
+                del self._spares[size]
+            self.spare_bytes -= size
+            excess -= size

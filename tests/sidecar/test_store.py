@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from snapshotd.proto import ChecksumMismatch, CodecError, ProtocolError, checksum, compress_chunk
+from snapshotd.sidecar.chunks import ADOPT_MIN_BYTES
 from snapshotd.sidecar.store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
 
 JOB = "job"
@@ -49,7 +50,7 @@ def test_snapshot_is_complete_only_when_every_chunk_is_verified() -> None:
     assert put(store, 5, data, 1) is True
     snap = store.get(JOB, 0, 5)
     assert snap.complete and snap.nchunks == 4 and snap.missing == 0
-    assert bytes(snap.data) == data.tobytes()
+    assert snap.data.tobytes() == data.tobytes()
     assert (snap.table, snap.meta, snap.src_node) == (b"t" * 10, b"m" * 6, "A")
     assert store.steps(JOB, 0) == [5] and store.complete_keys() == [(JOB, 0, 5)]
     assert store.version == version + 1
@@ -132,7 +133,7 @@ def test_memory_limit_refuses_new_streams_and_keeps_what_is_held() -> None:
     with pytest.raises(MemoryLimitReached, match=r"memory limit 12388 B reached.*step 2 needs"):
         begin(store, 2, 2 * CHUNK)
     assert store.steps(JOB, 0) == [1] and len(store) == 1
-    assert bytes(store.get(JOB, 0, 1).data) == data.tobytes()
+    assert store.get(JOB, 0, 1).data.tobytes() == data.tobytes()
     begin(store, 2, CHUNK)  # a smaller one still fits
     assert store.used_bytes == 3 * CHUNK + 32
 
@@ -170,7 +171,7 @@ def test_delta_chunk_decodes_against_the_held_base() -> None:
     begin(store, 2, new.nbytes)
     done = store.put_chunk(JOB, 0, 2, 0, codec_name="delta-lz4", payload=memoryview(packed), raw_len=CHUNK,
                            checksum=checksum(new), base_step=1, elem=4)  # fmt: skip
-    assert done and bytes(store.get(JOB, 0, 2).data) == new.tobytes()
+    assert done and store.get(JOB, 0, 2).data.tobytes() == new.tobytes()
 
 
 def test_delta_chunk_without_its_base_is_refused() -> None:
@@ -190,12 +191,12 @@ def test_mark_complete_after_a_pull_filled_the_buffer() -> None:
     store = SnapshotStore(1 << 20)
     data = payload(3 * CHUNK, 10)
     begin(store, 7, data.nbytes)
-    store.get(JOB, 0, 7, complete=False).data[:] = data
+    store.get(JOB, 0, 7, complete=False).data.land(0, data.data)
     version = store.version
     store.mark_complete(JOB, 0, 7)
     store.mark_complete(JOB, 0, 7)  # idempotent
     assert store.steps(JOB, 0) == [7] and store.version == version + 1
-    assert bytes(store.get(JOB, 0, 7).data) == data.tobytes()
+    assert store.get(JOB, 0, 7).data.tobytes() == data.tobytes()
     with pytest.raises(UnknownSnapshot):
         store.mark_complete(JOB, 0, 8)
 
@@ -205,3 +206,46 @@ def test_unknown_snapshot_message_names_the_key() -> None:
     with pytest.raises(UnknownSnapshot) as info:
         store.get(JOB, 3, 9)
     assert str(info.value) == "snapshot of job 'job' rank 3 step 9 is not held here"
+
+
+def test_large_raw_chunks_are_held_uncopied_and_only_once_verified() -> None:
+    store = SnapshotStore(1 << 24)
+    big = ADOPT_MIN_BYTES
+    data = payload(2 * big, 9)
+    store.begin(JOB, 0, 1, src_node="A", data_bytes=data.nbytes, chunk_bytes=big, table=b"", meta=b"")
+    first, second = data.data[:big], data.data[big:]
+    with pytest.raises(ChecksumMismatch):
+        store.put_chunk(JOB, 0, 1, 0, codec_name="raw", payload=first, raw_len=big, checksum=checksum(first) ^ 1,
+                        base_step=-1, elem=1)  # fmt: skip
+    snap = store.get(JOB, 0, 1, complete=False)
+    assert snap.missing == 2
+    for index, part in enumerate((first, second)):
+        store.put_chunk(JOB, 0, 1, index, codec_name="raw", payload=part, raw_len=big, checksum=checksum(part),
+                        base_step=-1, elem=1)  # fmt: skip
+    assert snap.complete and snap.data.tobytes() == data.tobytes()
+    assert np.shares_memory(np.frombuffer(snap.data.view(0, big), dtype=np.uint8), data)
+
+
+def test_decoded_chunks_of_a_dropped_snapshot_are_reused_and_shed_under_the_limit() -> None:
+    store = SnapshotStore(4 * CHUNK + 64)
+    data = (np.arange(2 * CHUNK) % 7).astype(np.uint8)  # compressible
+
+    def fill_lz4(step: int) -> None:
+        begin(store, step, data.nbytes)
+        for index in range(2):
+            part = data.data[index * CHUNK : (index + 1) * CHUNK]
+            used, packed = compress_chunk("lz4", part)
+            assert used == "lz4"
+            store.put_chunk(JOB, 0, step, index, codec_name=used, payload=memoryview(packed), raw_len=CHUNK,
+                            checksum=checksum(part), base_step=-1, elem=1)  # fmt: skip
+
+    fill_lz4(1)
+    buffers = [np.frombuffer(part, dtype=np.uint8) for _, part in store.get(JOB, 0, 1).data.parts()]
+    store.drop_unneeded(JOB, 2)
+    assert store.spare_bytes == 2 * CHUNK and store.used_bytes == 0
+    fill_lz4(2)  # its chunks land in the dropped snapshot's buffers
+    assert store.spare_bytes == 0 and store.get(JOB, 0, 2).data.tobytes() == data.tobytes()
+    assert all(any(np.shares_memory(b, s) for s in buffers) for _, b in store.get(JOB, 0, 2).data.parts())
+    store.drop_unneeded(JOB, 3)
+    begin(store, 3, 4 * CHUNK - 16)  # fits only once the spares are freed
+    assert store.spare_bytes == 0 and store.used_bytes == 4 * CHUNK
