@@ -19,9 +19,10 @@ class SnapshotBuffer:
     A buddy copy is written once per training step and read almost never (by a restore or a pull), so a chunk
     that arrives whole, in a buffer nobody writes again (a raw payload ZeroMQ received), is *adopted*: kept as that
     view, which holds its frame alive, instead of being copied into a preallocated buffer: on two cores that copy
-    was a large part of the loopback stream's gap to a raw socket. Every other write (a decoded chunk, a small one, bytes
-    at another offset) goes into a buffer of the chunk's size that this snapshot owns, taken from ``take`` (the
-    store's pool). Reading one chunk's bytes is a zero-copy view; reading across chunks is a joined copy.
+    was a large part of the loopback stream's gap to a raw socket. Every other write (a decoded chunk, a small
+    one, bytes at another offset) goes into a buffer of the chunk's size that this snapshot owns, taken from
+    ``take`` (the store's pool). Reading one chunk's bytes is a zero-copy view; reading across chunks is a joined
+    copy.
     """
 
     __slots__ = ("_chunks", "_owned", "_take", "chunk_bytes", "nbytes")
@@ -123,10 +124,10 @@ class SnapshotBuffer:
         return b"".join(part for _, part in self.parts())
 
     def release(self) -> list[np.ndarray]:
-        """Forget every chunk; returns the owned buffers (for the pool). The buffer reads as unwritten afterwards."""
+        """Hand over the owned chunk buffers, once, for the pool. Views already taken still read the same bytes
+        until a new owner writes them, so the caller must not reuse a buffer while one may be read."""
         owned = list(self._owned.values())
         self._owned.clear()
-        self._chunks = [None] * self.nchunks
         return owned
 
     def _chunk(self, index: int) -> memoryview:

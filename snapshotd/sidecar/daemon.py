@@ -75,7 +75,7 @@ from .local import LocalRank, SlotState
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
 from .placement import DirectSink, Lander, PlacementError, arena_sink
-from .store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
+from .store import MemoryLimitReached, SnapshotStore, StoredSnapshot, UnknownSnapshot
 from .transfer import CodecPolicy, PullFailed, pull_snapshot, send_snapshot
 
 __all__ = ["Sidecar", "run_sidecar"]
@@ -83,6 +83,7 @@ __all__ = ["Sidecar", "run_sidecar"]
 log = logging.getLogger(__name__)
 
 RankKey = tuple[str, int]
+_Read = Callable[[int, int], memoryview]  # read(start, end): bytes of a held copy
 
 
 class Sidecar:
@@ -611,7 +612,7 @@ class Sidecar:
             self.store.abort(msg.job, msg.rank, msg.step)
             self._acks.pop((msg.job, msg.rank, msg.step), None)
         elif isinstance(msg, PullManifest):
-            table, meta, nbytes, _ = self._source(msg.job, msg.rank, msg.step)
+            table, meta, nbytes, _, _ = self._source(msg.job, msg.rank, msg.step)
             self._reply(self._data_out, ident, StreamBegin(
                 job=msg.job, rank=msg.rank, step=msg.step, src_node=self.cfg.node, data_bytes=nbytes,
                 chunk_bytes=self.pull_chunk_bytes, table=table, meta=meta,
@@ -622,9 +623,10 @@ class Sidecar:
         else:
             raise ProtocolError(f"{msg.TYPE} is not a data-plane request")
 
-    def _source(self, job: str, rank: int, step: int) -> tuple[bytes, bytes, int, Callable[[int, int], memoryview]]:
+    def _source(self, job: str, rank: int, step: int) -> tuple[bytes, bytes, int, _Read, StoredSnapshot | SlotState]:
         """A complete copy of ``(job, rank, step)`` held here, buddy store first, else a local slot: its table, meta,
-        length, and ``read(start, end)``, which returns those bytes (zero-copy where they are contiguous here).
+        length, ``read(start, end)``, which returns those bytes (zero-copy where they are contiguous here), and the
+        holder to pin while reading (a pinned copy is never dropped or overwritten).
 
         Raises:
             UnknownSnapshot: neither holds it complete.
@@ -636,7 +638,7 @@ class Sidecar:
                 snap.exported = True
                 return snap.data.view(start, end)
 
-            return snap.table, snap.meta, snap.data_bytes, read
+            return snap.table, snap.meta, snap.data_bytes, read, snap
         except UnknownSnapshot:
             lr = self.ranks.get((job, rank))
             index = lr.find(step) if lr is not None else None
@@ -644,15 +646,11 @@ class Sidecar:
                 raise
             s = lr.slots[index]
             slot = lr.arena.slot(index)[: s.data_bytes]
-            return s.table, s.meta, s.data_bytes, lambda start, end: slot[start:end]
+            return s.table, s.meta, s.data_bytes, lambda start, end: slot[start:end], s
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
-        table, meta, nbytes, read = self._source(req.job, req.rank, req.step)
-        lr = self.ranks.get((req.job, req.rank))
-        index = lr.find(req.step) if lr is not None else None
-        pinned = lr.slots[index] if lr is not None and index is not None else None
-        if pinned is not None:
-            pinned.pins += 1
+        _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
+        holder.pins += 1
         try:
             chunk = self.pull_chunk_bytes
             for index in range(req.first, min(req.first + req.count, -(-nbytes // chunk))):
@@ -663,8 +661,7 @@ class Sidecar:
                 )))  # fmt: skip
                 self.bytes_out += part.nbytes
         finally:
-            if pinned is not None:
-                pinned.pins -= 1
+            holder.pins -= 1
 
     async def _replicate(self, task: ReplicateTask) -> None:
         """Pull a copy of a snapshot that lost a replica (coordinator's re-replication) into the buddy store."""
