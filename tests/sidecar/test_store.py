@@ -1,4 +1,4 @@
-"""The buddy store: preallocation, chunk verification, completion, abort, retention and the memory limit."""
+"""The buddy store: memory reservation, chunk verification and adoption, completion, abort, retention, the limit."""
 
 from __future__ import annotations
 
