@@ -325,8 +325,10 @@ class HandshakeWatch:
     """Follow the handshakes of a connecting socket, so that a peer refusing us is named instead of timing out.
 
     ZeroMQ hides a failed handshake: messages just wait. This reads the socket's monitor and keeps
-    :attr:`failure`, a sentence saying why the last handshake failed (None once one succeeds), for the owner to
-    put in its timeout errors; each new reason is logged once. A refusal by the peer's member check (ZAP status
+    :attr:`failure`, a sentence saying why handshakes fail (None once one succeeds), for the owner to put in its
+    timeout errors; each new reason is logged once. A failure ZeroMQ gives no detail for never replaces a named
+    one seen since the last success: with a security mismatch the two alternate as ZeroMQ reconnects, depending
+    on which side notices first. A refusal by the peer's member check (ZAP status
     400), after which ZeroMQ would never connect again, is retried every ``retry_s``: the peer may simply not
     have heard of this node yet (ZeroMQ retries a temporary failure, status 300, by itself). :meth:`run` is the
     watching task (start it beside the socket's reader); :meth:`close` before closing the socket.
@@ -350,30 +352,37 @@ class HandshakeWatch:
         """Read handshake events until cancelled (or :meth:`close`)."""
         while self._monitor is not None:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            kind, value = event["event"], event["value"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.failure = None
-                continue
-            refused = kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400
-            self.failure = self._explain(kind, value)
-            if self.failure not in self._logged:
-                self._logged.add(self.failure)
-                log.warning("%s", self.failure)
-            if refused:  # ZeroMQ gives up on this connection: ask again later
+            if self.note(event["event"], event["value"]):  # ZeroMQ gives up on this connection: ask again later
                 await asyncio.sleep(self.retry_s)
                 self.sock.disconnect(self.endpoint)
                 self.sock.connect(self.endpoint)
 
-    def _explain(self, kind: int, value: int) -> str:
+    def note(self, kind: int, value: int) -> bool:
+        """Record one handshake event (a monitor event and its value); True when the peer's member check refused
+        this node, after which ZeroMQ never connects again by itself."""
+        if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.failure = None
+            return False
+        reason, named = self._explain(kind, value)
+        if named or self.failure is None:
+            self.failure = reason
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("%s", reason)
+        return kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400
+
+    def _explain(self, kind: int, value: int) -> tuple[str, bool]:
+        """Why a handshake failed, and whether ZeroMQ said (False: a guess)."""
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 300:
-            return f"{self.peer} cannot check this node's membership now (its coordinator does not answer)"
+            return f"{self.peer} cannot check this node's membership now (its coordinator does not answer)", True
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return (f"{self.peer} refused this node (status {value}): it does not know this host as a member of the "
-                    "job (--data-security members; check --advertise) or this node's key is not the job's")
+                    "job (--data-security members; check --advertise) or this node's key is not the job's"), True
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
             return (f"security mismatch with {self.peer}: one side uses CURVE and the other does not (is "
-                    "SNAPSHOTD_SECRET set on both, with the same --data-security?)")
-        return f"handshake with {self.peer} failed: wrong SNAPSHOTD_SECRET on one side?"
+                    "SNAPSHOTD_SECRET set on both, with the same --data-security?)"), True
+        return (f"handshake with {self.peer} failed, with no detail from ZeroMQ: SNAPSHOTD_SECRET differs between the "
+                "two sides, or one side uses CURVE and the other does not (--data-security)?"), False
 
     def close(self) -> None:
         if self._monitor is not None:

@@ -121,3 +121,29 @@ def test_a_refused_connection_is_retried_and_named(monkeypatch: pytest.MonkeyPat
             ctx.destroy(linger=0)
 
     asyncio.run(scenario())
+
+
+def test_a_failure_without_detail_never_hides_a_named_one() -> None:
+    """With a security mismatch ZeroMQ reports the mismatch or a bare failure, whichever side notices first, as
+    it reconnects: the reason kept is the named one until a handshake succeeds."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    watch = security.HandshakeWatch(sock, "tcp://127.0.0.1:9", "peer B")
+    try:
+        mismatch = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
+        bare = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
+        assert watch.note(*bare) is False
+        assert watch.failure is not None and watch.failure.startswith("handshake with peer B failed, with no detail")
+        watch.note(*mismatch)
+        watch.note(*bare)
+        assert watch.failure is not None and watch.failure.startswith("security mismatch with peer B")
+        assert watch.note(zmq.EVENT_HANDSHAKE_FAILED_AUTH, 400) is True  # refused: the caller connects again
+        assert watch.failure.startswith("peer B refused this node (status 400)")
+        watch.note(zmq.EVENT_HANDSHAKE_SUCCEEDED, 0)
+        assert watch.failure is None
+        watch.note(*bare)
+        assert watch.failure.startswith("handshake with peer B failed")
+    finally:
+        watch.close()
+        sock.close(linger=0)
+        ctx.destroy(linger=0)
