@@ -2,7 +2,10 @@
 
 For each N of ``--sidecars`` (default 100, 1,000 and 10,000 in turn): a real ``snapshotd coordinator`` process
 (:class:`~snapshotd.local_cluster.LocalCluster`, heartbeat interval 0.5 s and timeout 3 s by default) and
-``--workers`` processes of :mod:`.simsidecars` (at nice 10) that drive N simulated sidecars between them. Each
+``--workers`` processes of :mod:`.simsidecars` (at nice 10, 4 by default) that drive N simulated sidecars between
+them. A simulator reads its sidecars' plan replies one after another, and that reading counts in the plan latency
+below; on 2 cores four simulators measured the 10,000-sidecar round with less of their own queueing than two, and
+more than four only added contention (the README has the runs). Each
 simulated sidecar has its own DEALER socket, so the coordinator sees N TCP connections as it would in a real job
 (it keys nodes by the name in each message, so several could share a socket, but that would hide the per-connection
 cost), registers and heartbeats as the real sidecar does, and reports 8 ranks (``--ranks-per-node``) of one job
@@ -103,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sidecars", type=_int_list, default=[100, 1000, 10000],
                         help="simulated sidecars, one run per value (default 100,1000,10000)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks each sidecar hosts (default 8)")
-    parser.add_argument("--workers", type=int, default=2, help="simulator processes (default 2)")
+    parser.add_argument("--workers", type=int, default=4, help="simulator processes (default 4)")
     parser.add_argument("--window", type=float, default=5.0, help="seconds of measured heartbeats (default 5)")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds after the ramp before measuring (1)")
     parser.add_argument("--step-seconds", type=float, default=0.5,
