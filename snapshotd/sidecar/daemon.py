@@ -512,11 +512,9 @@ class Sidecar:
             index = self._restore_slot(lr, snap.data_bytes)
             slot = lr.arena.slot(index)[: snap.data_bytes]
             sink = self._direct_sink(lr, req, snap.table, slot)
+            land = sink.land if sink is not None else arena_sink(slot)
             for start, part in snap.data.parts():
-                if sink is not None:
-                    sink.land(start, part)
-                else:
-                    slot[start : start + part.nbytes] = part
+                land(start, part)
             lr.slots[index] = SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
                                         data_bytes=snap.data_bytes)  # fmt: skip
             return index, 0, sink is not None

@@ -20,7 +20,7 @@ import numpy as np
 
 from snapshotd.proto import ProtocolError, codec
 
-from .chunks import ADOPT_MIN_BYTES, SnapshotBuffer
+from .chunks import SnapshotBuffer
 
 __all__ = ["MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
 
@@ -147,9 +147,10 @@ class SnapshotStore:
         start, end = snap.data.chunk_range(index)
         if raw_len != end - start:
             raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
-        if codec_name == "raw" and raw_len >= ADOPT_MIN_BYTES and payload.nbytes == raw_len:
-            codec.verify(payload, checksum)
-            snap.data.adopt(index, payload)
+        if codec_name == "raw":
+            chunk = codec.decompress_chunk("raw", payload, raw_len)  # checks the length; a view of the payload
+            codec.verify(chunk, checksum)
+            snap.data.land(start, chunk)  # kept as it is when large enough (see SnapshotBuffer.land)
         else:
             base = None
             if codec_name == "delta-lz4":
