@@ -616,7 +616,6 @@ class Sidecar:
                 chunk_bytes=self.pull_chunk_bytes, table=table, meta=meta,
             ))  # fmt: skip
         elif isinstance(msg, PullRequest):
-            self._source(msg.job, msg.rank, msg.step)  # refuse at once if not held
             self._spawn(self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}")
         else:
             raise ProtocolError(f"{msg.TYPE} is not a data-plane request")
@@ -647,7 +646,13 @@ class Sidecar:
             return s.table, s.meta, s.data_bytes, lambda start, end: slot[start:end], s
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
-        _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
+        try:
+            _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
+        except UnknownSnapshot as exc:  # never held, or dropped since the request came (D moved)
+            self.errors += 1
+            self._reply(self._data_out, ident, Error(job=req.job, code="not_found", message=str(exc), rank=req.rank,
+                                                     step=req.step))  # fmt: skip
+            return
         holder.pins += 1
         try:
             chunk = self.pull_chunk_bytes
