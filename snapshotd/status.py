@@ -113,6 +113,8 @@ def render_status(doc: dict[str, Any]) -> str:
         g, d = j.get("recoverable", -1), j.get("durable", -1)
         lines += ["", f"job {j['job']}: world size {j.get('world_size')}, recoverable step G = {_step(g)}, "
                       f"newest durable step = {_step(d)}"]  # fmt: skip
+        if j.get("round"):
+            lines.append("  " + _round(j["round"], j.get("world_size")))
         ranks = j.get("ranks", [])
         shown = ranks
         if len(ranks) > _RANK_ROWS:
@@ -124,6 +126,17 @@ def render_status(doc: dict[str, Any]) -> str:
         if len(shown) < len(ranks):
             lines.append(f"  ... {len(ranks) - len(shown)} more ranks (worst shown; --json lists all)")
     return "\n".join(lines)
+
+
+def _round(rnd: dict[str, Any], world_size: int | None) -> str:
+    """One line on a job's last plan round: still asking, or its outcome and how its answers went."""
+    if rnd.get("age_s") is None:
+        return f"plan round open: {rnd.get('asked')} of {world_size} ranks asked"
+    what = f"ready at step {rnd['step']}" if rnd.get("outcome") == "ready" else rnd.get("outcome")
+    answered = f"{rnd.get('answered')} of {world_size} ranks answered"
+    if rnd.get("answer_s") is not None:
+        answered += f", the last {format_seconds(rnd['answer_s'])} after the last rank asked"
+    return f"last plan round: {what}, {format_seconds(rnd['age_s'])} ago; {answered}"
 
 
 def _step(step: int) -> str:

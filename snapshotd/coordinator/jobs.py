@@ -43,6 +43,17 @@ class Round:
     step: int = -1
     reason: str = ""
     waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
+    frozen_at: float = 0.0  # when the last rank asked (the coordinator's clock); set once frozen
+    answered_at: float | None = None  # when the last rank was answered
+
+    def status(self, now: float) -> dict:
+        """The round for the status document: outcome and step (once frozen), ranks asked and answered,
+        ``age_s`` since it froze and ``answer_s``, from the freeze to the last rank's answer (None until then)."""
+        return {
+            "outcome": self.outcome or "asking", "step": self.step, "asked": len(self.asked),
+            "answered": len(self.answered), "age_s": round(now - self.frozen_at, 3) if self.frozen else None,
+            "answer_s": None if self.answered_at is None else round(self.answered_at - self.frozen_at, 6),
+        }  # fmt: skip
 
     def wait_reason(self, world_size: int) -> str:
         if self.waiting_note[0] != len(self.asked):

@@ -224,7 +224,7 @@ class _Server:
         confirm, send, clock = self.state.confirm, self.send_frames, time.monotonic
         while due:
             held = due.popleft()
-            if held.token is not None and confirm(held.msg, held.token):  # its draft holds: send it
+            if held.token is not None and confirm(held.msg, held.token, clock()):  # its draft holds: send it
                 send(held.envelope, [held.frame])
             else:
                 self.reanswer(held, now, final=False)
@@ -236,7 +236,7 @@ class _Server:
 
     def reanswer(self, held: Held, now: float, *, final: bool) -> None:
         """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
-        if held.token is not None and self.state.confirm(held.msg, held.token):  # its draft holds: send it
+        if held.token is not None and self.state.confirm(held.msg, held.token, now):  # its draft holds: send it
             self.held.wake(held.msg.job)
             self.send_frames(held.envelope, [held.frame])
             return

@@ -479,7 +479,7 @@ class CoordinatorState:
             if len(rnd.asked) < job.world_size:
                 return _wait(msg, rnd.wait_reason(job.world_size))
             g = self._watermark(job).recoverable
-            rnd.frozen = True
+            rnd.frozen, rnd.frozen_at = True, now
             if not job.seen_inventory:
                 rnd.outcome, rnd.step, rnd.reason = "fresh", 0, f"job {job.name} has no snapshot yet: start at 0"
             elif g < 0:
@@ -489,7 +489,7 @@ class CoordinatorState:
                 job.fork(g)
             log.info("job %s: every rank asked; plan %s at step %d", job.name, rnd.outcome, rnd.step)
             job.watermark = None  # the durable cap starts now
-        self._answered(job, rnd, ranks)
+        self._answered(job, rnd, ranks, now)
         return self._rows(job, rnd.outcome, rnd.step, rnd.reason, msg)
 
     def draft(self, msg: PlanRequest) -> tuple[object, list[PlanRow]] | None:
@@ -511,24 +511,26 @@ class CoordinatorState:
             return None
         return self._token(job, rnd, g), self._rows(job, "ready", g, "", msg)
 
-    def confirm(self, msg: PlanRequest, token: object) -> bool:
+    def confirm(self, msg: PlanRequest, token: object, now: float) -> bool:
         """``plan_rows(msg, now, held=True)`` when it answers the :meth:`draft` made under ``token``: True, and
-        ``msg``'s ranks are recorded as answered; False (nothing recorded) when the draft is stale."""
+        ``msg``'s ranks are recorded as answered at ``now``; False (nothing recorded) when the draft is stale."""
         job = self._jobs.get(msg.job)
         rnd = job.round if job is not None else None
         if job is None or rnd is None or not rnd.frozen or rnd.outcome != "ready":
             return False
         if self._token(job, rnd, rnd.step) != token:
             return False
-        self._answered(job, rnd, msg.all_ranks)
+        self._answered(job, rnd, msg.all_ranks, now)
         return True
 
     def _token(self, job: Job, rnd: Round, step: int) -> tuple[object, ...]:
         return (rnd, job.world_size, job.version, self._epoch, step)
 
-    def _answered(self, job: Job, rnd: Round, ranks: tuple[int, ...]) -> None:
+    def _answered(self, job: Job, rnd: Round, ranks: tuple[int, ...], now: float) -> None:
         rnd.answered.update(ranks)
         if len(rnd.answered) == job.world_size:
+            if rnd.answered_at is None:
+                rnd.answered_at = now
             job.watermark = None  # the round may close now
 
     def _rows(self, job: Job, outcome: str, step: int, reason: str, msg: PlanRequest) -> list[PlanRow]:
@@ -629,7 +631,8 @@ class CoordinatorState:
         node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]), stored_bytes,
         out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank: rank,
         node (its home, or None), newest_step (-1: none), lag_steps (newest - recoverable; None while no step
-        is recoverable), copies (live holders of the recoverable step).
+        is recoverable), copies (live holders of the recoverable step); ``round``: its last plan round (None
+        before the first), see :meth:`~.jobs.Round.status`.
         """
         nodes = []
         for name in sorted(self._nodes):
@@ -654,7 +657,7 @@ class CoordinatorState:
                     "lag_steps": newest - g if g >= 0 else None, "copies": len(steps.get(g, ())),
                 })  # fmt: skip
             jobs.append({"job": name, "world_size": job.world_size, "recoverable": g, "durable": wm.durable,
-                         "ranks": ranks})  # fmt: skip
+                         "ranks": ranks, "round": None if job.round is None else job.round.status(now)})  # fmt: skip
         return {
             "coordinator": {
                 "uptime_s": round(now - self.started, 3), "replicas": self.cfg.replicas,

@@ -85,9 +85,12 @@ def test_a_draft_is_the_held_requests_answer_while_nothing_changes() -> None:
     drafted = st.draft(req)
     assert drafted is not None
     token, rows = drafted
-    assert not st.confirm(req, token)  # the round is not frozen yet
+    assert not st.confirm(req, token, LATER)  # the round is not frozen yet
     st.plan(ask("b", 2, 3), LATER)  # the last ranks: frozen at step 5
-    assert st.confirm(req, token)
+    assert st.status(LATER + 1)["jobs"][0]["round"] == {
+        "outcome": "ready", "step": 5, "asked": 4, "answered": 2, "age_s": 1.0, "answer_s": None}
+    assert st.confirm(req, token, LATER + 0.25)
+    assert st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25  # every rank answered, 0.25 s after the freeze
     reply = st.plan(req, LATER, held=True)  # what the slow path answers, for comparison
     assert rows == [(p.rank, p.status, p.step, p.local, p.sources, p.reason) for p in reply.answers()]
 
@@ -102,7 +105,7 @@ def test_a_draft_is_refused_once_holders_or_the_round_changed() -> None:
     beat(st, "b", LATER, ranks("j", 4, 2, 3), inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True)
          + inv("j", 0, 5))  # fmt: skip  # b dropped its copy of rank 1: rank 1's sources change
     st.plan(ask("b", 2, 3), LATER)
-    assert not st.confirm(req, drafted[0])
+    assert not st.confirm(req, drafted[0], LATER)
     assert summary(st.plan(req, LATER, held=True))[1] == (1, "ready", 5, True, ())
     # a new round: the old draft names the old round
     st.plan(ask("a", 0), LATER)

@@ -174,7 +174,12 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
     assert doc["jobs"][0]["recoverable"] == 5 and doc["coordinator"]["heartbeats"] >= 4
     assert doc["coordinator"]["heartbeat_interval"] == 0.1
-    assert "recoverable step G = 5" in render_status(doc)
+    rendered = render_status(doc)
+    assert "recoverable step G = 5" in rendered
+    rnd = doc["jobs"][0]["round"]  # rank 0 was held, then answered with rank 1: in the same loop pass
+    assert (rnd["outcome"], rnd["step"], rnd["asked"], rnd["answered"]) == ("ready", 4, 2, 2)
+    assert 0 <= rnd["answer_s"] < took and rnd["age_s"] >= rnd["answer_s"]
+    assert "last plan round: ready at step 4" in rendered and "2 of 2 ranks answered, the last" in rendered
 
 
 def test_a_held_plan_request_is_answered_wait_after_the_hold(start, dealer) -> None:

@@ -493,6 +493,10 @@ def test_status_document() -> None:
     (job,) = doc["jobs"]
     assert (job["job"], job["world_size"], job["recoverable"], job["durable"]) == ("j", 2, 6, 5)
     assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "copies": 1}
+    assert job["round"] is None  # no rank asked for a plan yet
+    plan(st, 0, "a")
+    assert st.status(T0 + 3.0)["jobs"][0]["round"] == {
+        "outcome": "asking", "step": -1, "asked": 1, "answered": 0, "age_s": None, "answer_s": None}
 
 
 # ------------------------------------------------------------------------------------ heartbeat interval scaling
