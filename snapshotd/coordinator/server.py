@@ -227,7 +227,7 @@ class _Server:
             if held.token is not None and confirm(held.msg, held.token, clock()):  # its draft holds: send it
                 send(held.envelope, [held.frame])
             else:
-                self.reanswer(held, now, final=False)
+                self.reanswer(held, clock(), final=False)
             if clock() >= end:
                 break
         if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
