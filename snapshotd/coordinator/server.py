@@ -222,13 +222,15 @@ class _Server:
             self.held.wake(self.state.plan_changes.pop())
         due, end = self.held.due, now + _HELD_SLICE_S
         confirm, send, clock = self.state.confirm, self.send_frames, time.monotonic
+        t = now  # one clock read per answer: it ends the slice and times the next answer
         while due:
             held = due.popleft()
-            if held.token is not None and confirm(held.msg, held.token, clock()):  # its draft holds: send it
+            if held.token is not None and confirm(held.msg, held.token, t):  # its draft holds: send it
                 send(held.envelope, [held.frame])
             else:
-                self.reanswer(held, clock(), final=False)
-            if clock() >= end:
+                self.reanswer(held, t, final=False)
+            t = clock()
+            if t >= end:
                 break
         if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
             for held in self.held.take_expired(now, _BATCH):
