@@ -16,6 +16,12 @@ by sending those bytes; the others are asked again of the state. Held requests w
 decision are answered for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that 10,000
 sidecars getting their plans at once do not stop heartbeats for the time that takes.
 
+A status document (``snapshotd status``) lists every node and rank: at 10,000 nodes of 8 ranks it takes about a
+quarter of a second to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
+in parts (see :meth:`~.state.CoordinatorState.status_parts`), for up to ``_STATUS_SLICE_S`` per pass of the loop,
+and sent once complete; at most ``_STATUS_BUILDS`` are built at once, and a request beyond gets
+``Error(code="busy")``.
+
 Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
 waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
@@ -35,13 +41,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.asyncio
 
@@ -78,6 +84,10 @@ _BATCH = 256
 """Requests handled per wake-up before the loop gets a turn (a plan request waits behind at most this many)."""
 _HELD_SLICE_S = 0.02
 """Seconds spent answering woken held plan requests before new requests get a turn."""
+_STATUS_SLICE_S = 0.005
+"""Seconds spent building status documents per pass of the loop."""
+_STATUS_BUILDS = 4
+"""Status documents built at once at most."""
 _BACKLOG = 4096
 """Connections the listening socket queues before accepting them (the kernel caps it at ``somaxconn``): a fleet
 connects at once after a coordinator restart, and beyond ZeroMQ's default of 100 the kernel drops SYNs, which
@@ -156,6 +166,7 @@ class _Server:
         self._complaints: dict[Any, float] = {}
         self.replies = HeartbeatReplies()
         self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
+        self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
 
     async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
@@ -169,12 +180,15 @@ class _Server:
         try:
             while not stop.is_set():
                 caught_up = True
-                if await self.sock.poll(timeout=0 if self.held.due or self.undrafted else _IDLE_POLL_MS):
+                busy = self.held.due or self.undrafted or self.statuses
+                if await self.sock.poll(timeout=0 if busy else _IDLE_POLL_MS):
                     caught_up = self.handle_batch()
                 now = time.monotonic()
                 self.answer_held(now, caught_up=caught_up)
                 if caught_up:
                     self.draft_some()
+                if self.statuses:
+                    self.build_statuses(time.monotonic() + _STATUS_SLICE_S)
                 if caught_up and now >= next_expiry:
                     self.expire(now)
                     gc_policy.tick(now, busy=len(self.held) > 0)
@@ -183,6 +197,7 @@ class _Server:
         finally:
             gc_policy.close()
         self.handle_batch()
+        self.build_statuses(math.inf)
         now = time.monotonic()
         for held in self.held.take_all():  # let their sidecars ask again (the next coordinator) at once
             self.reanswer(held, now, final=True)
@@ -305,7 +320,11 @@ class _Server:
         if isinstance(msg, MemberQuery):
             return self.state.member(msg)
         if isinstance(msg, StatusRequest):
-            return StatusReply(body=msgpack.packb(self.state.status(now), use_bin_type=True))
+            if len(self.statuses) >= _STATUS_BUILDS:
+                return Error(code="busy", message=f"{len(self.statuses)} status documents are being built; ask again "
+                                                  "in a second")  # fmt: skip
+            self.statuses.append(_StatusBuild(envelope, self.state.status_parts(now)))
+            return None
         self.state.bad_messages += 1
         if isinstance(msg, Error):  # never answer an error with an error
             return None
@@ -324,6 +343,26 @@ class _Server:
             except ProtocolError as exc:  # too big for one reply: answered the slow way, which says so
                 held.token = None
                 self.complain("draft", "cannot encode a plan reply: %s", exc)
+
+    def build_statuses(self, until: float) -> None:
+        """Build the oldest status documents part by part until the clock reads ``until`` (at least one part),
+        sending each one complete."""
+        while self.statuses:
+            build = self.statuses[0]
+            try:
+                part = next(build.parts, None)
+            except Exception as exc:  # a bug must not stop the loop
+                self.statuses.popleft()
+                self.complain("status", "failed to build a status document", exc_info=True)
+                self.send(build.envelope, Error(code="internal", message=_clip(f"{type(exc).__name__}: {exc}")))
+                continue
+            if part is None:
+                self.statuses.popleft()
+                self.send(build.envelope, StatusReply(body=b"".join(build.done)))
+            else:
+                build.done.append(part)
+            if time.monotonic() >= until:
+                return
 
     def send(self, envelope: list[bytes], reply: Message, node: str | None = None) -> None:
         """Encode and send ``reply``; a heartbeat reply to ``node`` is joined from cached pieces (see replies.py)."""
@@ -368,6 +407,17 @@ class _Server:
             self._complaints = {k: t for k, t in self._complaints.items() if now - t < _COMPLAIN_EVERY_S}
         self._complaints[key] = now
         log.warning(fmt + " (logged at most once a minute)", *args, exc_info=exc_info)
+
+
+class _StatusBuild:
+    """A status document being built: where it goes, its parts still to make, and those made."""
+
+    __slots__ = ("envelope", "parts", "done")
+
+    def __init__(self, envelope: list[bytes], parts: Iterator[bytes]) -> None:
+        self.envelope = envelope
+        self.parts = parts
+        self.done: list[bytes] = []
 
 
 def _clip(text: str) -> str:

@@ -53,6 +53,7 @@ def test_scale_small_end_to_end(tmp_path) -> None:
     assert row["hb_interval_s"] == 0.5 and row["hb_ratio"] > 0.5, row  # 20 sidecars: the configured interval
     assert row["death_timeout_s"] == 1.0, row
     assert 0 < row["coordinator_cpu"] < 1.5
+    assert 0 < row["status_ms"] < 5000  # the status document asked for halfway through the window
     # every rank (19 live nodes' and the replacement's) got its plan in the one round, timed from its freeze
     assert row["freeze_s"] is not None and row["plan_samples"] == 160
     assert row["plan_answered"] == row["plan_samples"] and row["plan_wrong"] == 0, row

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import uvloop
 import zmq
@@ -30,6 +31,8 @@ from snapshotd.proto import (
     RankInfo,
     RegisterSidecar,
     SidecarRegistered,
+    StatusReply,
+    StatusRequest,
     decode,
     encode,
 )
@@ -180,6 +183,34 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     assert (rnd["outcome"], rnd["step"], rnd["asked"], rnd["answered"]) == ("ready", 4, 2, 2)
     assert 0 <= rnd["answer_s"] < took and rnd["age_s"] >= rnd["answer_s"]
     assert "last plan round: ready at step 4" in rendered and "2 of 2 ranks answered, the last" in rendered
+
+
+def test_a_status_document_is_built_between_other_requests(start, dealer, monkeypatch) -> None:
+    """Built one part per loop pass, a large document never holds up the heartbeats queued behind it."""
+    monkeypatch.setattr("snapshotd.coordinator.state.STATUS_PART_ENTRIES", 1)
+    monkeypatch.setattr("snapshotd.coordinator.server._STATUS_SLICE_S", 0.0)
+    coord = start()
+    sock = dealer(coord.endpoint)
+    nodes = [f"n{i:03d}" for i in range(200)]
+    for node in nodes:
+        register(sock, node)
+    sock.send_multipart(encode(StatusRequest()))  # 200 passes of the loop to build
+    first = ask(sock, Heartbeat(node="n000", incarnation="i1"))
+    assert isinstance(first, HeartbeatReply) and first.known  # answered while the document was being built
+    assert sock.poll(int(TIMEOUT * 1000)), "no status reply"
+    reply = decode(sock.recv_multipart())
+    assert isinstance(reply, StatusReply)
+    assert [n["node"] for n in msgpack.unpackb(reply.body)["nodes"]] == nodes
+    for _ in range(5):  # four are built at once; the fifth is refused by name
+        sock.send_multipart(encode(StatusRequest()))
+    replies = []
+    for _ in range(5):
+        assert sock.poll(int(TIMEOUT * 1000)), "a status request went unanswered"
+        replies.append(decode(sock.recv_multipart()))
+    busy = [r for r in replies if isinstance(r, Error)]
+    assert len(busy) == 1 and busy[0].code == "busy" and "status documents are being built" in busy[0].message
+    assert all(len(msgpack.unpackb(r.body)["nodes"]) == 200 for r in replies if isinstance(r, StatusReply))
+    assert fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["coordinator"]["live_nodes"] == 200
 
 
 def test_a_held_plan_request_is_answered_wait_after_the_hold(start, dealer) -> None:

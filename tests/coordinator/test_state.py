@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 
+import msgpack
 import pytest
 
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
@@ -172,6 +173,23 @@ def test_dead_node_expiry_drops_its_inventory_and_homes() -> None:
     job = doc["jobs"][0]
     assert [r["node"] for r in job["ranks"]] == ["a", None]
     assert beat(st, "b", T0 + 3.7, changed=False).known is False  # must register again
+
+
+def test_status_parts_join_to_the_document_while_the_state_changes_between_them(monkeypatch) -> None:
+    monkeypatch.setattr("snapshotd.coordinator.state.STATUS_PART_ENTRIES", 1)
+    st = make()
+    two_node_job(st)
+    parts = st.status_parts(T0 + 1.0)
+    made = [next(parts), next(parts)]  # the head and node a
+    register(st, "c", now=T0 + 1.0)  # neither listed nor breaking the rest
+    beat(st, "b", T0 + 1.0, ranks("j", 2, 1), inv("j", 1, 5, 6, 7, local=True) + inv("j", 0, 5))
+    made += list(parts)
+    assert len(made) == 8  # head, a, b, jobs, job j's head, rank 0, rank 1, its round
+    doc = msgpack.unpackb(b"".join(made))
+    assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
+    assert [r["newest_step"] for r in doc["jobs"][0]["ranks"]] == [6, 7]  # each entry read as it is packed
+    assert doc["jobs"][0]["recoverable"] == 6 and doc["jobs"][0]["round"] is None
+    assert st.status(T0 + 1.0)["nodes"][2]["node"] == "c"
 
 
 def test_new_incarnation_drops_old_data() -> None:
