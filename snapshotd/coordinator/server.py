@@ -16,8 +16,8 @@ by sending those bytes; the others are asked again of the state. Held requests w
 decision are answered for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that 10,000
 sidecars getting their plans at once do not stop heartbeats for the time that takes.
 
-A status document (``snapshotd status``) lists every node and rank: at 10,000 nodes of 8 ranks it takes about a
-quarter of a second to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
+A status document (``snapshotd status``) lists every node and rank: at 10,000 nodes of 8 ranks it takes 0.2 s or
+more to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
 in parts (see :meth:`~.state.CoordinatorState.status_parts`), for up to ``_STATUS_SLICE_S`` per pass of the loop,
 and sent once complete; at most ``_STATUS_BUILDS`` are built at once, and a request beyond gets
 ``Error(code="busy")``.

@@ -650,7 +650,7 @@ class CoordinatorState:
         """The :meth:`status` document packed with msgpack, in parts of at most :data:`STATUS_PART_ENTRIES` node
         or rank entries; the parts joined are the document.
 
-        At 10,000 nodes of 8 ranks the document takes about a quarter of a second to build, so the server
+        At 10,000 nodes of 8 ranks the document takes 0.2 s or more to build, so the server
         handles requests between parts. The state may change meanwhile: the document lists the nodes and jobs
         there were, and the ranks of the world size there was, when the first part was made, each entry read as
         it is packed; times are as of ``now``.
