@@ -361,12 +361,12 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
         await w.ask({"cmd": "freeze", "at": stop_at}, _ANSWER_S)
         if w.owns(victim):
             await w.ask({"cmd": "lose", "victim": victim}, _ANSWER_S)
-    doc = await asyncio.to_thread(fetch_status, ep, secret=security.secret_from_env(), timeout=_ANSWER_S)
+    doc = await _status(ep)
     death_timeout = float(doc["coordinator"]["heartbeat_timeout"])
     row["death_timeout_s"] = round(death_timeout, 3)
     await asyncio.sleep(death_timeout + 0.5)
     row.update(await _plans(n, args, workers, victim))
-    doc = await asyncio.to_thread(fetch_status, ep, secret=security.secret_from_env(), timeout=_ANSWER_S)
+    doc = await _status(ep)
     rnd = next((j["round"] for j in doc["jobs"] if j.get("round")), None)
     answer_s = rnd["answer_s"] if rnd is not None else None
     row["plan_answer_ms"] = round(answer_s * 1e3, 1) if answer_s is not None else math.nan
@@ -396,7 +396,7 @@ async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str,
     marks0 = await _all(workers, {"cmd": "mark"})
     await asyncio.sleep(args.window / 2)
     s0 = time.monotonic()
-    await asyncio.to_thread(fetch_status, ep, secret=security.secret_from_env(), timeout=_ANSWER_S)
+    await _status(ep)
     status_ms = (time.monotonic() - s0) * 1e3
     await asyncio.sleep(max(0.0, c0 + args.window - time.monotonic()))
     marks1 = await _all(workers, {"cmd": "mark"})
@@ -443,6 +443,11 @@ async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victi
         "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99), "plan_max_ms": _pct(ms, 100),
         "plan_samples": ranks, "plan_answered": len(replies), "plan_wrong": len(wrong),
     }  # fmt: skip
+
+
+async def _status(ep: str) -> dict[str, Any]:
+    """The coordinator's status document (as ``snapshotd status --json`` prints it)."""
+    return await asyncio.to_thread(fetch_status, ep, secret=security.secret_from_env(), timeout=_ANSWER_S)
 
 
 def _all_answered(requests: int) -> Callable[[list[dict[str, Any]]], bool]:

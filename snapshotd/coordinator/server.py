@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 import signal
@@ -409,15 +410,13 @@ class _Server:
         log.warning(fmt + " (logged at most once a minute)", *args, exc_info=exc_info)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _StatusBuild:
     """A status document being built: where it goes, its parts still to make, and those made."""
 
-    __slots__ = ("envelope", "parts", "done")
-
-    def __init__(self, envelope: list[bytes], parts: Iterator[bytes]) -> None:
-        self.envelope = envelope
-        self.parts = parts
-        self.done: list[bytes] = []
+    envelope: list[bytes]
+    parts: Iterator[bytes]
+    done: list[bytes] = dataclasses.field(default_factory=list)
 
 
 def _clip(text: str) -> str:
