@@ -6,10 +6,11 @@ For each N of ``--sidecars`` (default 100, 1,000 and 10,000 in turn): a real ``s
 them. A simulator reads its sidecars' plan replies one after another, and that reading counts in the plan latency
 below; on 2 cores four simulators measured the 10,000-sidecar round with less of their own queueing than two, and
 more than four only added contention (the README has the runs). Each
-simulated sidecar has its own DEALER socket, so the coordinator sees N TCP connections as it would in a real job
-(it keys nodes by the name in each message, so several could share a socket, but that would hide the per-connection
-cost), registers and heartbeats as the real sidecar does, and reports 8 ranks (``--ranks-per-node``) of one job
-of 8N ranks and an inventory of 32 snapshots that changes every training step (``--step-seconds``, by default
+simulated sidecar has its own heartbeat DEALER socket, so the coordinator sees N heartbeat connections as it would
+in a real job (it keys nodes by the name in each message, so several could share a socket, but that would hide the
+per-connection cost); four share a plan socket, where a real job has one per sidecar. Each registers and
+heartbeats as the real sidecar does, and reports 8 ranks (``--ranks-per-node``) of one job of 8N ranks and an
+inventory of 32 snapshots that changes every training step (``--step-seconds``, by default
 one heartbeat interval: every heartbeat carries its full inventory, the real sidecar's worst case).
 
 1. **Ramp**: every sidecar registers and heartbeats; ``up`` counts those the coordinator answered at least once
@@ -30,7 +31,8 @@ one heartbeat interval: every heartbeat carries its full inventory, the real sid
    ``death_timeout_s``) plus 0.5 s for it to declare the silent node dead.
 4. **Plan round**: every one of the 8N ranks asks for a plan, each sidecar (the replacement for the lost
    node's ranks) asking for its 8 in one request as the real sidecar does, the sidecars spread over one
-   heartbeat interval, on lasting plan sockets (see :mod:`.simsidecars`) while every sidecar keeps heartbeating.
+   heartbeat interval, on plan sockets connected before the round as the real sidecar's are (see
+   :mod:`.simsidecars`), while every sidecar keeps heartbeating.
    The coordinator holds each request until the last rank is asked for, which freezes the round, and then
    answers them all, one reply per request; a request held past its hold time gets ``wait`` and its sidecar
    asks again at once. ``freeze_s``: from the first request to the last answer.

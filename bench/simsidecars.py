@@ -19,10 +19,10 @@ process (``t0``, ``step_seconds``): a node holds its own ranks' steps ``s`` and 
 
 Plan requests go out on lasting plan sockets, never on the heartbeat socket: one DEALER per ``_PLAN_SHARE``
 sidecars of the process (the real sidecar has one of its own; sharing keeps the file descriptors of 10,000
-simulated sidecars under the limit, see :func:`plan_sockets`), opened at the first plan call and kept until
-``stop``. As the real sidecar does when its ranks restore together, a sidecar asks for all its ranks in one
-request (``rank`` and ``ranks``) and gets one reply covering them; replies are matched to requests by ``(job,
-first rank)``. The coordinator holds a request that must wait until the round is decided or its hold time
+simulated sidecars under the limit, see :func:`plan_sockets`), connected with the first sidecar that uses it
+(the real sidecar connects its plan socket at start) and kept until ``stop``. As the real sidecar does when its
+ranks restore together, a sidecar asks for all its ranks in one request (``rank`` and ``ranks``) and gets one
+reply covering them; replies are matched to requests by ``(job, first rank)``. The coordinator holds a request that must wait until the round is decided or its hold time
 passes; a ``wait`` answer makes the sidecar ask again at once, as the real one does, so every rank is asked for
 until it gets its plan. For each rank the process records when it was first asked for and when its final (not
 ``wait``) answer came, on ``time.monotonic()``, the clock every process shares: the moment the reply is read
@@ -199,6 +199,9 @@ class Fleet:
     def _add(self, sim: _Sim) -> None:
         self.sims[sim.index] = sim
         self.loop.add_reader(sim.sock.fileno(), self._drain, sim.sock, sim)
+        if sim.index // _PLAN_SHARE not in self.plan_socks:
+            plan = self.plan_socks[sim.index // _PLAN_SHARE] = self._socket()
+            self.loop.add_reader(plan.fileno(), self._drain_plans, plan)
         self._register(sim)
 
     def close(self) -> None:
@@ -332,10 +335,7 @@ class Fleet:
         self._ask(index, ranks)
 
     def _ask(self, index: int, ranks: tuple[int, ...]) -> None:
-        sock = self.plan_socks.get(index // _PLAN_SHARE)
-        if sock is None:
-            sock = self.plan_socks[index // _PLAN_SHARE] = self._socket()
-            self.loop.add_reader(sock.fileno(), self._drain_plans, sock)
+        sock = self.plan_socks[index // _PLAN_SHARE]
         msg = PlanRequest(job=self.cfg.job, rank=ranks[0], world_size=self.world, node=node_name(index, self.cfg.total),
                           ranks=ranks[1:])  # fmt: skip
         sock.send_multipart(encode(msg), zmq.NOBLOCK)

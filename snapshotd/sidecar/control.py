@@ -78,9 +78,16 @@ class CoordinatorClient:
     (ranks calling in the same turn of the event loop ride the same one; a rank calling later sends a new
     request for every rank still waiting, which replaces the held one at the coordinator), and the coordinator
     answers it with one reply covering them all, handed out to each call. The coordinator holds a request that
-    must wait (long-polling) and answers it the moment the job's round is decided. The plan socket, and the task
-    reading its replies and asking again after a timeout or a ``wait``, exist only while some :meth:`plan` call
-    runs: a fleet between restores holds one connection per sidecar to the coordinator, not two.
+    must wait (long-polling) and answers it the moment the job's round is decided. The task reading plan replies
+    and asking again after a timeout or a ``wait`` runs only while some :meth:`plan` call runs.
+
+    The plan socket is connected from the start, and replaced by a fresh connected one when the last
+    :meth:`plan` call ends: a recovery round is when the coordinator is busiest, and every sidecar of the fleet
+    asks then, so none of them should make it set up a connection first (at 10,000 sidecars that is 10,000 TCP
+    and ZMTP handshakes, CURVE ones with a secret, inside the round). The fresh socket is a new peer to the
+    coordinator, so a reply to a request whose calls gave up (or that a later request replaced) can never reach
+    a later call. Between restores a sidecar holds two connections to the coordinator: both idle but for the
+    heartbeats.
     """
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, secret: str | None) -> None:
@@ -90,7 +97,8 @@ class CoordinatorClient:
         self._hb = self._socket(connect=False)
         self.handshakes = HandshakeWatch(self._hb, endpoint, f"coordinator {endpoint}")  # before its first handshake
         self._hb.connect(endpoint)
-        self._plan: zmq.asyncio.Socket | None = None  # open while plan calls run
+        self._plan = self._socket()  # replaced when the last plan call ends
+        self._closed = False
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
         self._warned = False
@@ -186,8 +194,6 @@ class CoordinatorClient:
         answer: asyncio.Future[PlanReply] = asyncio.get_running_loop().create_future()
         group.waiters.setdefault(req.rank, []).append(answer)
         group.dirty = True
-        if self._plan is None:
-            self._plan = self._socket()
         if self._pump is None or self._pump.done():
             self._pump = asyncio.ensure_future(self._read_plans(self._plan))
         try:
@@ -204,7 +210,8 @@ class CoordinatorClient:
         return reply
 
     def _forget(self, group: _Group, rank: int, answer: asyncio.Future[PlanReply]) -> None:
-        """``answer`` is no longer awaited; close the plan socket with the last call."""
+        """``answer`` is no longer awaited; with the last call, stop reading plan replies and replace the plan
+        socket (see the class docstring)."""
         waiting = group.waiters.get(rank)
         if waiting is not None and answer in waiting:
             waiting.remove(answer)
@@ -215,13 +222,13 @@ class CoordinatorClient:
         if not self._groups and self._pump is not None:
             self._pump.cancel()
             self._pump = None
-            assert self._plan is not None
             self._plan.close(linger=0)
-            self._plan = None
+            if not self._closed:
+                self._plan = self._socket()
 
     async def _flush(self, group: _Group) -> None:
         """Send one request for all of ``group``'s waiting ranks if any joined since the last one."""
-        if not group.dirty or not group.waiters or self._plan is None:
+        if not group.dirty or not group.waiters:
             return
         group.dirty = False
         requests = group.request()
@@ -305,14 +312,13 @@ class CoordinatorClient:
         return bool(waiting)
 
     def close(self) -> None:
+        self._closed = True
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None
         self.handshakes.close()
         self._hb.close(linger=0)
-        if self._plan is not None:
-            self._plan.close(linger=0)
-            self._plan = None
+        self._plan.close(linger=0)
 
 
 def _single(job: str, plan: RankPlan) -> PlanReply:

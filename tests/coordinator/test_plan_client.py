@@ -92,19 +92,28 @@ def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(
         replies = await calls
         assert [(p.rank, p.status, p.step, p.local) for p in replies] == [(r, "ready", 5, True) for r in range(WORLD)]
         assert max(times.values()) - t0 < 1.2  # decided when rank 2 asked (0.4 s), not after a hold of 3 s
-        assert client._plan is None and client._pump is None and not client._groups  # closed with the last call
+        assert client._pump is None and not client._groups  # stopped with the last call
 
     asyncio.run(_with_node(coordinator.endpoint, body))
 
 
 def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
     """A scripted coordinator (a real ROUTER) sees the requests: one for the ranks asking at once, then one
-    for every rank still waiting when another joins; one reply answers each rank's own call."""
+    for every rank still waiting when another joins; one reply answers each rank's own call. The plan socket is
+    connected before the first call and replaced after the last: a reply to the replaced request, sent late,
+    never reaches the next call."""
     ctx = zmq.asyncio.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
+    monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     client = CoordinatorClient(ctx, f"tcp://127.0.0.1:{port}", secret=None)
+
+    async def handshakes(count: int) -> None:
+        async with asyncio.timeout(TIMEOUT):
+            for _ in range(count):
+                await monitor.recv_multipart()
+        assert not await monitor.poll(100)
 
     async def receive() -> tuple[list[bytes], PlanRequest]:
         async with asyncio.timeout(TIMEOUT):
@@ -114,6 +123,7 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
         return frames[:1], msg
 
     async def main() -> None:
+        await handshakes(2)  # the heartbeat and plan sockets, before any plan is asked for
         deadline = time.monotonic() + TIMEOUT
         calls = [asyncio.ensure_future(client.plan(_ask(r, 8), deadline)) for r in (5, 1, 3)]
         envelope, first = await receive()
@@ -130,12 +140,25 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
             (5, 7, False, ("tcp://b:1",)), (1, 7, False, ("tcp://b:1",)), (3, 7, True, ("tcp://b:1",)),
             (0, 7, False, ("tcp://b:1",))]  # fmt: skip
         assert not await router.poll(100)  # nothing more was sent
-        assert client._plan is None and not client._groups
+        assert not client._groups
+        await handshakes(1)  # the fresh plan socket, connected with no plan asked for
+
+        stale = PlanReply(job="j", rank=1, status="ready", step=3, local=False, sources=("tcp://old:1",))
+        await router.send_multipart([*envelope, *encode(stale)])  # an answer to the replaced request, sent late
+        call = asyncio.ensure_future(client.plan(_ask(1, 8), time.monotonic() + TIMEOUT))
+        fresh, third = await receive()
+        assert fresh != envelope and third.all_ranks == (1,)  # a new peer to the coordinator
+        await asyncio.sleep(0.2)
+        assert not call.done()  # the late answer went to the closed socket
+        await router.send_multipart([*fresh, *encode(PlanReply(job="j", rank=1, status="ready", step=9))])
+        async with asyncio.timeout(TIMEOUT):
+            assert (await call).step == 9
 
     try:
         asyncio.run(main())
     finally:
         client.close()
+        monitor.close(linger=0)
         router.close(linger=0)
         ctx.destroy(linger=0)
 
