@@ -17,16 +17,17 @@ the coordinator places them (ring order of the zero-padded names). Steps advance
 process (``t0``, ``step_seconds``): a node holds its own ranks' steps ``s`` and ``s - 1`` and its buddy ranks'
 ``s - 1`` and ``s - 2`` while training, both ``s`` and ``s - 1`` once frozen (the streams finish).
 
-Plan requests go out on lasting plan sockets, never on the heartbeat socket: one DEALER per ``_PLAN_SHARE``
-sidecars of the process (the real sidecar has one of its own; sharing keeps the file descriptors of 10,000
-simulated sidecars under the limit, see :func:`plan_sockets`), connected with the first sidecar that uses it
-(the real sidecar connects its plan socket at start) and kept until ``stop``. As the real sidecar does when its
-ranks restore together, a sidecar asks for all its ranks in one request (``rank`` and ``ranks``) and gets one
-reply covering them; replies are matched to requests by ``(job, first rank)``. The coordinator holds a request that must wait until the round is decided or its hold time
-passes; a ``wait`` answer makes the sidecar ask again at once, as the real one does, so every rank is asked for
-until it gets its plan. For each rank the process records when it was first asked for and when its final (not
-``wait``) answer came, on ``time.monotonic()``, the clock every process shares: the moment the reply is read
-off the socket, before it is decoded (the full decode, with every check, runs when the replies are reported).
+Plan requests go out on lasting plan sockets, never on the heartbeat socket: one DEALER per ``_PLAN_SHARE`` sidecars
+of the process (the real sidecar has one of its own; sharing keeps the file descriptors of 10,000 simulated sidecars
+under the limit, see :func:`plan_sockets`), connected with the first sidecar that uses it (the real sidecar connects
+its plan socket at start) and kept until ``stop``. As the real sidecar does when its ranks restore together, a
+sidecar asks for all its ranks in one request (``rank`` and ``ranks``) and gets one reply covering them; replies are
+matched to requests by ``(job, first rank)``. The coordinator holds a request that must wait until the round is
+decided or its hold time passes; a ``wait`` answer makes the sidecar ask again at once, as the real one does, so
+every rank is asked for until it gets its plan. For each rank the process records when it was first asked for and
+when its final (not ``wait``) answer came, on ``time.monotonic()``, the clock every process shares: the moment the
+reply is read off the socket, before it is decoded (the full decode, with every check, runs when the replies are
+reported).
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
 core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
