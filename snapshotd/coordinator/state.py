@@ -652,8 +652,8 @@ class CoordinatorState:
 
         At 10,000 nodes of 8 ranks the document takes 0.2 s or more to build, so the server
         handles requests between parts. The state may change meanwhile: the document lists the nodes and jobs
-        there were, and the ranks of the world size there was, when the first part was made, each entry read as
-        it is packed; times are as of ``now``.
+        there were when the first part was made, and each job's ranks up to the world size it had when its own
+        part began; each entry is read as it is packed, and times are as of ``now``.
         """
         packer = msgpack.Packer(use_bin_type=True)
         pack = packer.pack
