@@ -27,7 +27,9 @@ decided or its hold time passes; a ``wait`` answer makes the sidecar ask again a
 every rank is asked for until it gets its plan. For each rank the process records when it was first asked for and
 when its final (not ``wait``) answer came, on ``time.monotonic()``, the clock every process shares: the moment the
 reply is read off the socket, before it is decoded (the full decode, with every check, runs when the replies are
-reported).
+reported). Replies are matched to their requests (a decode each) when a ``wait`` comes, or once as many have been
+read as requests are unanswered: the bench's progress polls (``plans``) must not spend the cores on decoding while
+the replies they time are still being read.
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
 core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
@@ -407,8 +409,9 @@ class Fleet:
         if name == "ask":  # every live sidecar (the replacement too) asks for all its ranks
             asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent]
             return {"event": "asking", "requests": self.ask(asks, cmd["spread"])}
-        if name == "plans":
-            self._read_plans()
+        if name == "plans":  # matching costs a decode per reply: while replies are still coming, only at the end
+            if cmd.get("replies") or len(self.unread) >= len(self.asked):
+                self._read_plans()
             out: dict[str, Any] = {"event": "plans", "received": self.received,
                                    "left": sum(len(ranks) for _, ranks in self.asked.values()),
                                    "first_min": min(self.first, default=None),
