@@ -8,6 +8,7 @@ import random
 import msgpack
 import pytest
 
+import snapshotd.coordinator.state as state_module
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     Heartbeat,
@@ -482,6 +483,22 @@ def test_replication_prefers_assigned_buddies_then_racks_without_a_copy() -> Non
     keep_alive(st, T0 + 6.0, "b", "c", "d", "e")
     replies = keep_alive(st, T0 + 7.6, "b", "c", "d", "e")  # a died: the copy on c is pending, one more needed
     assert [n for n, r in replies.items() if r.tasks] == ["e"]  # r3 holds no copy yet; never d (a's rack)
+
+
+def test_sweep_runs_in_slices_one_per_expiry_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_module, "SWEEP_SLICE_RANKS", 2)
+    st = make()
+    for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3")):
+        register(st, n, rack=rack)
+    beat(st, "a", T0, ranks("j", 5, *range(5)), [i for r in range(5) for i in inv("j", r, 5, local=True)])
+    beat(st, "b", T0, (), [i for r in range(5) for i in inv("j", r, 5)])
+    for _ in range(3):  # one sweep, three slices: nothing is missing
+        assert not any(r.tasks for r in keep_alive(st, T0 + 2.0, "b", "c").values())
+    # a dies; the next sweep starts (a second after the last) and finds every rank with 1 of 2 copies, on b
+    for t, expected in ((3.5, [0, 1]), (3.6, [2, 3]), (3.7, [4]), (3.8, [])):
+        replies = keep_alive(st, T0 + t, "b", "c")
+        assert [task.rank for task in replies["c"].tasks] == expected
+        assert all(task.sources == (addr("b"),) for task in replies["c"].tasks) and not replies["b"].tasks
 
 
 def test_no_target_outside_the_homes_rack_means_no_task() -> None:
