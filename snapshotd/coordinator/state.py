@@ -10,11 +10,12 @@ its ranks hold that step (for G) and how many hold it durably (for D), updated i
 adds or removes; G and D are then a max over a job's few distinct steps, cached until the next change. A report
 of the same ranks as last time moves nothing. Placement is cached per node until membership changes. The
 re-replication sweep, the only O(ranks of all jobs) pass, starts at most once per second and runs in slices of
-``SWEEP_SLICE_RANKS`` ranks, one per call of :meth:`CoordinatorState.expire`. A plan request covers every restoring rank of its node and costs O(its
-ranks); its answer can be drafted while the round is still open (:meth:`CoordinatorState.draft`), so that once
-the round is decided a held request costs a check and a set update. The rate of heartbeats is bounded instead
-of the fleet: beyond ``target_heartbeats_per_s`` the interval handed out grows with the fleet
-(:meth:`heartbeat_interval`), so that 10,000 sidecars send 4,000 heartbeats a second, not 20,000.
+``SWEEP_SLICE_RANKS`` ranks, one per call of :meth:`CoordinatorState.expire`. A plan request covers every
+restoring rank of its node and costs O(its ranks); its answer can be drafted while the round is still open
+(:meth:`CoordinatorState.draft`), so that once the round is decided a held request costs a check and a set
+update. The rate of heartbeats is bounded instead of the fleet: beyond ``target_heartbeats_per_s`` the interval
+handed out grows with the fleet (:meth:`heartbeat_interval`), so that 10,000 sidecars send 4,000 heartbeats a
+second, not 20,000.
 """
 
 from __future__ import annotations
