@@ -52,7 +52,7 @@ from .replicas import ReplicaShard, agree, fail_remaining
 from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
-from .view import snapshot_view
+from .view import SnapshotView, restore_targets, snapshot_view
 
 __all__ = ["NotRecoverable", "SnapshotStats", "Snapshotter"]
 
@@ -248,8 +248,8 @@ class Snapshotter:
 
     def _ask_restore(self, timeout: float) -> tuple[FlatState, RestoreReply]:
         """Register, ask the sidecar for the recoverable step and wait for its reply (the data is in place, or
-        in the arena slot, when this returns); the live state flattened for it."""
-        flat = flatten(self._snapshotted)
+        in the arena slot, when this returns); the live state's restore targets flattened for it."""
+        flat = flatten(restore_targets(self._snapshotted))
         self._register(flat.data_bytes, self.timeout)
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
             self._free.clear()
@@ -358,7 +358,12 @@ class Snapshotter:
             return self.stats.last_durable_step >= target
 
     def close(self, *, unregister: bool = True) -> None:
-        """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread."""
+        """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread.
+
+        Afterwards the Snapshotter holds no reference to the state, so its objects are freed when the training
+        code drops them (a data loader's iterator and its worker processes among them), not whenever the garbage
+        collector gets to this object.
+        """
         if self._closed:
             return
         self._closed = True
@@ -370,6 +375,10 @@ class Snapshotter:
         if self._arena is not None:
             self._slot_tensors = []
             self._arena.close()
+        self.state = {}
+        self._snapshotted = SnapshotView({}, {}, {})
+        self._ddp = None
+        self._stager = Stager({}, self.stats)
 
     def __enter__(self) -> Snapshotter:
         return self

@@ -17,7 +17,7 @@ import torch
 from .ddp import DDP_KEY, DDPBuckets
 from .replicas import ReplicaShard
 
-__all__ = ["SnapshotView", "snapshot_view"]
+__all__ = ["SnapshotView", "restore_targets", "snapshot_view"]
 
 
 class SnapshotView(MutableMapping[str, Any]):
@@ -82,3 +82,18 @@ def snapshot_view(
     ddp = DDPBuckets(state) if any(isinstance(v, torch.nn.Module) for v in state.values()) else None
     view = SnapshotView(state, shards, {DDP_KEY: ddp} if ddp is not None else {})
     return view, (group if replicated else None), ddp
+
+
+def _holds_big_tensors(value: Any) -> bool:
+    inner = value.inner if isinstance(value, ReplicaShard) else value
+    return isinstance(inner, torch.Tensor | torch.nn.Module | torch.optim.Optimizer)
+
+
+def restore_targets(view: SnapshotView) -> dict[str, Any]:
+    """The values of ``view`` whose tensors a restore may write in place before loading the rest: modules,
+    optimizers and plain tensors (their state dicts have no side effects and hold nearly all the bytes).
+
+    Other Statefuls are left out: their ``state_dict()`` must not run before their ``load_state_dict()``, since it
+    may act (a ``StatefulDataLoader`` starts an iterator and its worker processes to answer it).
+    """
+    return {key: view[key] for key in view if _holds_big_tensors(view[key])}
