@@ -1,7 +1,8 @@
 """A real data-parallel training job for the demo, the integration tests and the benchmarks.
 
 Each rank is a process (``python -m snapshotd.bench.trainer ...``) in a gloo process group, training the GPT of
-:mod:`.workloads` with AdamW and a cosine LR schedule; gradients are averaged with one all-reduce per step. The
+:mod:`.workloads` wrapped in ``DistributedDataParallel`` with AdamW and a cosine LR schedule. The Snapshotter is
+given the unwrapped model (``ddp.module``), as many training scripts keep it, and finds the DDP wrapper itself. The
 batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``, so the data-loader position is the step
 itself and a restored run sees exactly the batches a failure-free run sees. With ``--job`` the rank snapshots
 every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would.
@@ -192,18 +193,12 @@ def _parse_plan(text: str) -> list[tuple[str, int, int]]:
     return blocks
 
 
-def _train_step(model: Any, opt: Any, sched: Any, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                world: int) -> torch.Tensor:  # fmt: skip
-    """Forward, backward, gradient all-reduce (mean), optimizer and scheduler step; returns the loss."""
-    logits = model(x)
+def _train_step(ddp: Any, opt: Any, sched: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward (DDP averages the gradients), optimizer and scheduler step; returns the loss."""
+    logits = ddp(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    flat = torch._utils._flatten_dense_tensors([q.grad for q in params])
-    dist.all_reduce(flat)
-    flat /= world
-    for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
-        q.grad.copy_(g)  # type: ignore[union-attr]  # backward() gave every parameter a gradient
     opt.step()
     sched.step()
     return loss
@@ -231,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--bucket-mb", type=float, default=1.0,
+                   help="DDP's bucket_cap_mb (small: several gradient buckets even for the small models here)")  # fmt: skip
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pace the demo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--plan", type=_parse_plan, default=None,
@@ -256,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=__import__("datetime").timedelta(seconds=60))  # fmt: skip
     cfg, state = build_state(args.params, args.steps, args.seed, args.device)
     model, opt, sched = state["model"], state["optim"], state["sched"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
     snap = None
     start = 0
     restore_seconds = 0.0
@@ -279,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     blocked_times: list[float] = []
     cpu_times: list[float] = []
     blocks: list[dict[str, Any]] = []
-    params = [p for p in model.parameters()]
     step = start
     for variant, interval, nsteps in plan:
         ckpt = None
@@ -300,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu0 = time.process_time()
             before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
             x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
-            loss = _train_step(model, opt, sched, params, x, y, args.world)
+            loss = _train_step(ddp, opt, sched, x, y)
             blocked = 0.0
             if capturing is not None:
                 capturing.capture(step + 1)

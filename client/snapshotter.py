@@ -52,6 +52,7 @@ from .replicas import ReplicaShard, agree, fail_remaining
 from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
+from .view import snapshot_view
 
 __all__ = ["NotRecoverable", "SnapshotStats", "Snapshotter"]
 
@@ -85,34 +86,6 @@ class SnapshotStats:
     """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
     errors: int = 0
     last_error: str = ""
-
-
-def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: Any) -> tuple[Mapping[str, Any], Any]:
-    """``state`` as snapshots see it, each value named in ``replicated`` wrapped in a :class:`ReplicaShard`, and
-    the replica group (None without ``replicated``).
-
-    Raises:
-        ValueError: a key not in ``state``, a value that is not Stateful, no process group, or not a gloo one.
-    """
-    if isinstance(replicated, str):
-        raise ValueError(f"replicated must be a sequence of state keys, got the string {replicated!r}")
-    if not replicated:
-        return state, None
-    missing = [k for k in replicated if k not in state]
-    if missing:
-        raise ValueError(f"replicated keys {missing} are not in the state (its keys: {list(state)})")
-    if group is None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise ValueError("replicated= needs torch.distributed initialised, or a replica_group")
-        group = torch.distributed.group.WORLD
-    out: dict[str, Any] = {}
-    shards: list[ReplicaShard] = []
-    for key, value in state.items():
-        if key in replicated:
-            value = ReplicaShard(value, group, key, before=shards)
-            shards.append(value)
-        out[key] = value
-    return out, group
 
 
 def _env_int(name: str) -> int | None:
@@ -189,7 +162,7 @@ class Snapshotter:
 
         self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
-        self._snapshotted, self._replica_group = _shard_replicas(state, replicated, replica_group)
+        self._snapshotted, self._replica_group, self._ddp = snapshot_view(state, replicated, replica_group)
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self._aligned = AlignedStride(every) if isinstance(every, int) and when_busy == "skip" else None
