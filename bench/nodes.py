@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from snapshotd.local_cluster import LocalCluster, ManagedProcess, held_interrupts
 from snapshotd.shm import pid_alive
 
-__all__ = ["AgentLine", "EmulatedNode", "RendezvousStore", "agent_lines", "node_processes"]
+__all__ = ["MARKER", "AgentLine", "EmulatedNode", "RendezvousStore", "agent_lines", "marked_processes", "node_processes"]
 
 MARKER = "SNAPSHOTD_TRIAL_NODE"
 """The environment variable that marks every process of an emulated node (its value is unique per node)."""
@@ -67,25 +67,26 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def _marked(marker: str) -> set[int]:
-    """The processes whose environment holds ``MARKER=marker``."""
-    needle = f"{MARKER}={marker}".encode()
+def marked_processes(fragment: str, *, exact: bool = False) -> set[int]:
+    """The processes whose ``MARKER`` variable holds ``fragment`` (or equals it, with ``exact``)."""
+    prefix = f"{MARKER}=".encode()
     found = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.add(int(entry))
+                values = [v[len(prefix) :].decode(errors="replace") for v in f.read().split(b"\0") if v.startswith(prefix)]
         except OSError:
             continue
+        if any(v == fragment if exact else fragment in v for v in values):
+            found.add(int(entry))
     return found
 
 
 def node_processes(root: int | None, marker: str) -> set[int]:
     """``root`` and its descendants, and every process marked with ``marker``: the live processes of a node."""
-    found = _marked(marker)
+    found = marked_processes(marker, exact=True)
     if root is not None:
         kids = _children()
         todo = [root]

@@ -161,6 +161,8 @@ class TrialResult:
     """Rank -> the last ``restored`` event of the rank (``step``, ``source``)."""
     exit_codes: dict[str, int | None]
     """Agent -> its exit code."""
+    pids: list[int] = dataclasses.field(default_factory=list)
+    """Every process the trial started itself: the store, the sidecars and the agents (all ended on return)."""
     reached: int | None = None
     """With a failure: the newest step any rank logged before the kill."""
     steps_lost: int | None = None
@@ -168,15 +170,18 @@ class TrialResult:
     milestones: dict[str, float] = dataclasses.field(default_factory=dict)
     """Wall-clock times (``time.time()``) of the recovery, see :attr:`split`."""
     split: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds of each phase of the recovery, in order (consecutive milestones, every one the latest of its ranks):
+    """Seconds of each phase of the recovery; each milestone is the latest of its ranks or agents:
 
-    - ``detection_seconds``: kill -> the coordinator declares the node dead (runs alongside the next two);
-    - ``launcher_restart_seconds``: kill -> the new rendezvous round formed on every agent; within it
-      ``worker_failure_seconds`` (kill -> the surviving agent saw its workers fail) and ``rendezvous_seconds``;
-    - ``process_start_seconds``: round -> each new worker runs the script's first line;
-    - ``model_build_seconds``: -> process group, dataset, model, DDP, optimizer built (imports included);
-    - ``restore_seconds``: -> ``restore()`` returned on every rank;
-    - ``first_step_seconds``: -> the first step after recovery completed on every rank;
+    - ``detection_seconds``: kill -> the coordinator declares the node dead (alongside the launcher's restart);
+    - ``launcher_restart_seconds``: kill -> the new rendezvous round formed on every agent, made of
+      ``worker_error_seconds`` (kill -> the surviving workers' collective raised), ``worker_exit_seconds``
+      (-> their agent saw them exit: the failed process's own teardown) and ``rendezvous_seconds`` (-> the
+      round: the dead node must first miss its rendezvous keep-alives);
+    - ``process_start_seconds``: round -> every new worker runs the script's first line;
+    - ``process_group_seconds``: -> ``init_process_group`` returned (imports, the workers' own rendezvous);
+    - ``model_build_seconds``: -> dataset, model, DDP (which imports ``torch._dynamo``), optimizer built;
+    - ``restore_seconds``: -> ``restore()`` returned on every rank (it waits until every rank asked);
+    - ``first_step_seconds``: -> the first step after the recovery completed on every rank;
     - ``total_seconds``: kill -> that first step.
     """
 
@@ -244,40 +249,41 @@ def _read_outcome(
 def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None, survivors: list[EmulatedNode],
                     agents: list[EmulatedNode]) -> None:  # fmt: skip
     """Fill ``result.milestones`` and ``result.split`` from the logs (see :attr:`TrialResult.split`)."""
+    nan = float("nan")
     year = datetime.datetime.fromtimestamp(killed_at).year
     noticed, rounds = [], []
     for node in agents:
         lines = [a for a in agent_lines(node.log_path, year) if a.t >= killed_at - 0.001]
         if node in survivors:
-            noticed += [next((a.t for a in lines if "will restart worker group" in a.message), float("nan"))]
-        rounds.append(
-            next((a.t for a in lines if "Rendezvous complete for workers" in a.message), float("nan"))
-        )
+            noticed.append(next((a.t for a in lines if "will restart worker group" in a.message), nan))
+        rounds.append(next((a.t for a in lines if "Rendezvous complete for workers" in a.message), nan))
+    raised: list[float] = []
     new: dict[str, list[float]] = {}
     for rank in range(result.world):
         events = _read_jsonl(os.path.join(result.out, f"events-rank{rank}.jsonl"))
+        raised += [e["t"] for e in events if e["event"] == "failed" and e["t"] >= killed_at]
         pids = {e["pid"] for e in events if e["event"] == "start" and e["t"] > killed_at}
         for e in events:
             if e["pid"] in pids:
                 new.setdefault(e["event"], []).append(e["t"])
     m = {
         "kill": killed_at,
-        "detected": dead_at if dead_at is not None else float("nan"),
-        "workers_failed": max(noticed, default=float("nan")),
-        "round": max(rounds, default=float("nan")),
-        **{
-            f"rank_{name}": max(new.get(name, [float("nan")]))
-            for name in ("start", "built", "restored", "first_step")
-        },
+        "detected": nan if dead_at is None else dead_at,
+        "workers_raised": max(raised, default=nan),
+        "workers_failed": max(noticed, default=nan),
+        "round": max(rounds, default=nan),
+        **{f"rank_{name}": max(new.get(name, [nan])) for name in ("start", "pg_ready", "built", "restored", "first_step")},
     }
     result.milestones = m
     result.split = {
         "detection_seconds": m["detected"] - m["kill"],
         "launcher_restart_seconds": m["round"] - m["kill"],
-        "worker_failure_seconds": m["workers_failed"] - m["kill"],
+        "worker_error_seconds": m["workers_raised"] - m["kill"],
+        "worker_exit_seconds": m["workers_failed"] - m["workers_raised"],
         "rendezvous_seconds": m["round"] - m["workers_failed"],
         "process_start_seconds": m["rank_start"] - m["round"],
-        "model_build_seconds": m["rank_built"] - m["rank_start"],
+        "process_group_seconds": m["rank_pg_ready"] - m["rank_start"],
+        "model_build_seconds": m["rank_built"] - m["rank_pg_ready"],
         "restore_seconds": m["rank_restored"] - m["rank_built"],
         "first_step_seconds": m["rank_first_step"] - m["rank_restored"],
         "total_seconds": m["rank_first_step"] - m["kill"],
@@ -380,6 +386,7 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     if failed:
         raise RuntimeError(f"torchrun agents exited non-zero: {failed}; see {workdir}/agent-*.log")
     result = _read_outcome(out, world, job, exit_codes, killed_at)
+    result.pids = [store.proc.pid, *(p for n in nodes for p in (n.sidecar.pid, n.agent.pid))]
     if killed_at is not None:
         assert cluster.coordinator is not None
         dead_at = _coordinator_dead_at(cluster.coordinator.log_path, node_names[cfg.lose])
@@ -409,9 +416,9 @@ def compare(reference: TrialResult, trial: TrialResult) -> dict[str, Any]:
     }
 
 
-_SPLIT_COLUMNS = ("detection_seconds", "launcher_restart_seconds", "worker_failure_seconds", "rendezvous_seconds",
-                  "process_start_seconds", "model_build_seconds", "restore_seconds", "first_step_seconds",
-                  "total_seconds")  # fmt: skip
+_SPLIT_COLUMNS = ("detection_seconds", "launcher_restart_seconds", "worker_error_seconds", "worker_exit_seconds",
+                  "rendezvous_seconds", "process_start_seconds", "process_group_seconds", "model_build_seconds",
+                  "restore_seconds", "first_step_seconds", "total_seconds")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterator, Mapping  # noqa: E402
 from typing import Any  # noqa: E402
@@ -166,6 +167,13 @@ def lr_schedule(opt: torch.optim.Optimizer, warmup: int, steps: int) -> torch.op
     return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[max(warmup, 1)])
 
 
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (the ones ``RNGState`` snapshots)."""
+    random.seed(seed)
+    numpy.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 over the names and the raw bytes of ``tensors``, in name order."""
     h = hashlib.sha256()
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                         dropout=args.dropout))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = lr_schedule(opt, args.warmup, args.steps)
-    torch.manual_seed(args.seed * 1000 + rank + 1)  # each rank its own dropout masks
+    seed_everything(args.seed * 1000 + rank + 1)  # each rank its own dropout masks
     rec.event("built")
 
     state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState()}
@@ -291,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(args.step_delay)
                 if step == args.steps:
                     break
+    parts = {key: tensor_digest(_state_tensors({key: obj})) for key, obj in state.items()}
     rec.final(f"final-rank{rank}.json", {"rank": rank, "steps": step, "digest": model_optim_digest(model, opt),
-                                         "state_digest": tensor_digest(_state_tensors(state))})  # fmt: skip
+                                         "state_digest": tensor_digest(_state_tensors(state)), "parts": parts})  # fmt: skip
     if rank == 0:
         rec.final("digest.json", {"steps": step, "digest": model_optim_digest(model, opt)})
     rec.event("done", step=step)
