@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import time
 import uuid
@@ -81,8 +82,9 @@ class TrialConfig:
     """Workers per node."""
     steps: int = 16
     """Optimizer steps of the job."""
-    kill_after: int = 6
-    """The lost node dies once its first rank has logged this step."""
+    kill_after: int = 11
+    """The lost node dies once its first rank has logged this step (with the default model flags an epoch is 9
+    steps, so the job restores in its second epoch, part-way through)."""
     lose: int = 1
     """Which node dies (0 is the node torchrun ranks first)."""
     max_restarts: int = 3
@@ -98,24 +100,20 @@ class TrialConfig:
     ``join_timeout`` and ``read_timeout`` bound a round that cannot form and a store read (default 600 and 60 s)."""
     share_store: bool = False
     """Leave torch's shared rendezvous TCPStore on (drops ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), to see it fail."""
-    model_args: tuple[str, ...] = (
-        "--width",
-        "32",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--block",
-        "32",
-        "--batch",
-        "8",
-    )
-    """The example's model and batch flags."""
+    model_args: tuple[str, ...] = ("--width", "32", "--layers", "1", "--heads", "2", "--block", "32", "--batch", "32")
+    """The example's model and batch flags: a model of 15k parameters, 9 steps an epoch on 4 ranks."""
     step_delay: float = 0.1
     """The example's ``--step-delay``: idle seconds per step, the accelerator's share of a step on a GPU node,
     during which the sidecars stream (on a 2-core machine they would otherwise fall behind and skip steps)."""
     timeout: float = 120.0
     """Seconds for the whole job (the trial raises TimeoutError past it)."""
+    replacement_first: bool = False
+    """Give the replacement node an address that sorts before every survivor's (127.0.0.1): torchrun then gives it
+    the first ranks, and the survivors' workers restart as other ranks than before."""
+    store_on: int | None = None
+    """None: the rendezvous store runs on a host of its own (``store_host``). A node's index: that node's agent
+    hosts it (``is_host=true``, as torchrun's default does for the node named in ``--rdzv-endpoint``), to see the
+    job go down with that node."""
     store_host: str = "127.0.0.9"
     """The rendezvous store's address: a host of its own."""
     example_dir: str = str(EXAMPLE_DIR)
@@ -128,6 +126,8 @@ class TrialConfig:
             raise ValueError(
                 f"kill_after must be between 1 and steps - 1 ({self.steps - 1}), got {self.kill_after}"
             )
+        if self.store_on is not None and not 0 <= self.store_on < self.nodes:
+            raise ValueError(f"store_on must name one of the {self.nodes} nodes, got {self.store_on}")
         if not 0 <= self.lose < self.nodes:
             raise ValueError(f"lose must name one of the {self.nodes} nodes, got {self.lose}")
         if self.max_restarts < 1 or self.timeout <= 0 or self.step_delay < 0 or self.monitor_interval <= 0:
@@ -139,8 +139,9 @@ class TrialConfig:
                 )
 
     def node_addr(self, index: int) -> str:
-        """Node ``index``'s ``--local-addr``; the replacement is index ``nodes``, after every survivor."""
-        return f"127.0.0.{2 + index}"
+        """Node ``index``'s ``--local-addr``; the replacement is index ``nodes``, ordered after every survivor
+        (before them with ``replacement_first``)."""
+        return "127.0.0.1" if index == self.nodes and self.replacement_first else f"127.0.0.{2 + index}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -184,6 +185,18 @@ class TrialResult:
     - ``first_step_seconds``: -> the first step after the recovery completed on every rank;
     - ``total_seconds``: kill -> that first step.
     """
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _is_host(conf: str, is_host: bool) -> str:
+    """``conf`` (a ``--rdzv-conf`` value) with ``is_host`` set to ``is_host``."""
+    items = [item for item in conf.split(",") if item and not item.startswith("is_host=")]
+    return ",".join([*items, f"is_host={str(is_host).lower()}"])
 
 
 def _read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -333,26 +346,24 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     if cfg.share_store:
         del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     script = os.path.join(cfg.example_dir, "train.py")
-    script_args = [
-        *cfg.model_args,
-        "--steps",
-        str(cfg.steps),
-        "--step-delay",
-        str(cfg.step_delay),
-        "--out",
-        out,
-    ]
+    script_args = [*cfg.model_args, "--steps", str(cfg.steps), "--step-delay", str(cfg.step_delay), "--out", out]
     deadline = time.monotonic() + cfg.timeout
-    store = RendezvousStore(os.path.join(cfg.example_dir, "rdzv_store.py"), workdir, host=cfg.store_host)
+    store = None
+    if cfg.store_on is None:
+        store = RendezvousStore(os.path.join(cfg.example_dir, "rdzv_store.py"), workdir, host=cfg.store_host)
+        endpoint = store.endpoint
+    else:
+        endpoint = f"{cfg.node_addr(cfg.store_on)}:{_free_port(cfg.node_addr(cfg.store_on))}"
     nodes: list[EmulatedNode] = []
     try:
-        torchrun_args = [
-            "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.nproc_per_node),
-            "--max-restarts", str(cfg.max_restarts), "--monitor-interval", str(cfg.monitor_interval),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", store.endpoint, "--rdzv-id", job, "--rdzv-conf", cfg.rdzv_conf,
-        ]  # fmt: skip
 
         def start(index: int) -> EmulatedNode:
+            torchrun_args = [
+                "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.nproc_per_node),
+                "--max-restarts", str(cfg.max_restarts), "--monitor-interval", str(cfg.monitor_interval),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
+                "--rdzv-conf", cfg.rdzv_conf if cfg.store_on is None else _is_host(cfg.rdzv_conf, index == cfg.store_on),
+            ]  # fmt: skip
             node = EmulatedNode(cluster, node_names[index], cfg.node_addr(index), torchrun_args=torchrun_args,
                                 script=script, script_args=script_args, env=env, workdir=workdir)  # fmt: skip
             nodes.append(node)
@@ -381,12 +392,13 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
                 time.sleep(_POLL)
             exit_codes = {n.name: n.agent.returncode for n in nodes}
     finally:
-        store.stop()
+        if store is not None:
+            store.stop()
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (fail and n == node_names[cfg.lose])}
     if failed:
         raise RuntimeError(f"torchrun agents exited non-zero: {failed}; see {workdir}/agent-*.log")
     result = _read_outcome(out, world, job, exit_codes, killed_at)
-    result.pids = [store.proc.pid, *(p for n in nodes for p in (n.sidecar.pid, n.agent.pid))]
+    result.pids = [*([store.proc.pid] if store else []), *(p for n in nodes for p in (n.sidecar.pid, n.agent.pid))]
     if killed_at is not None:
         assert cluster.coordinator is not None
         dead_at = _coordinator_dead_at(cluster.coordinator.log_path, node_names[cfg.lose])
@@ -440,6 +452,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--share-store", action="store_true",
                         help="leave torch's shared rendezvous TCPStore on (fails on torch 2.13: see the docstring)")  # fmt: skip
+    parser.add_argument("--replacement-first", action="store_true",
+                        help="the replacement node takes the first ranks (its address sorts before the survivors')")  # fmt: skip
+    parser.add_argument("--store-on-node", type=int, default=None, metavar="INDEX",
+                        help="let node INDEX's agent host the rendezvous store instead of a host of its own")  # fmt: skip
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument(
         "--timeout", type=float, default=d.timeout, help=f"seconds per job (default {d.timeout:.0f})"
@@ -457,7 +473,8 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError(f"--runs must be >= 1, got {args.runs}")
     cfg = TrialConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, steps=args.steps,
                       kill_after=args.kill_after, step_delay=args.step_delay, model_args=tuple(args.model_args.split()),
-                      rdzv_conf=args.rdzv_conf, share_store=args.share_store, timeout=args.timeout)  # fmt: skip
+                      rdzv_conf=args.rdzv_conf, share_store=args.share_store, timeout=args.timeout, store_on=args.store_on_node,
+                      replacement_first=args.replacement_first)  # fmt: skip
     tag = uuid.uuid4().hex[:6]
     rows = []
     with scratch_dir(args.workdir, prefix="snapshotd-torchrun-") as workdir, \

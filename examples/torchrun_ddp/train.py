@@ -230,6 +230,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps (default %(default)s)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's gradient bucket size in MiB (default %(default)s, DDP's own)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads per rank (default %(default)s)"
@@ -244,10 +246,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    rec = Recorder(args.out, int(os.environ.get("RANK", 0)))
+    rec.event("start", t=T_START, node=os.environ.get("SNAPSHOTD_SIDECAR", ""))
     dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from torchrun
     rank, world = dist.get_rank(), dist.get_world_size()
-    rec = Recorder(args.out, rank)
-    rec.event("start", t=T_START, node=os.environ.get("SNAPSHOTD_SIDECAR", ""))
     rec.event("pg_ready")
 
     dataset = CharDataset(CORPUS, args.block)
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = DDP(CharGPT(dataset.vocab, block=args.block, width=args.width, layers=args.layers, heads=args.heads,
-                        dropout=args.dropout))  # fmt: skip
+                        dropout=args.dropout), bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = lr_schedule(opt, args.warmup, args.steps)
     seed_everything(args.seed * 1000 + rank + 1)  # each rank its own dropout masks

@@ -2,7 +2,7 @@
 
 Two emulated nodes of two DDP workers each (4 gloo ranks), every node with its own sidecar and torchrun agent
 (c10d rendezvous on a store of its own, ``--max-restarts``). Node B (agent, workers, sidecar) is SIGKILLed after
-step 6 and a replacement node C starts; the surviving agent restarts its workers, and the job runs to the end.
+step 11, part-way through the second epoch, and a replacement node C starts; the surviving agent restarts its workers, and the job runs to the end.
 Against a failure-free run of the same job: every step's loss and the final state are bit-identical.
 """
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(240)
 def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> None:
-    cfg = TrialConfig()  # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 6
+    cfg = TrialConfig()  # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 11, in epoch 2
     t0 = time.monotonic()
     reference = run_trial(cluster, str(tmp_path), cfg, job=cluster.job("reference"), fail=False,
                           node_names=[cluster.node(f"{x}0") for x in "ABC"])  # fmt: skip
