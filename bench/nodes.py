@@ -9,14 +9,15 @@ are the training ranks; one host of its own runs the c10d rendezvous store. Here
   that address, ranks the nodes of a round in its order, and gives the workers the first node's address as
   ``MASTER_ADDR``. The workers find the node's sidecar through ``SNAPSHOTD_SIDECAR``.
 
-:class:`RendezvousStore` runs the example's ``rdzv_store.py`` (a bare TCPStore server) on an address of its own.
+:class:`RendezvousStore` runs the example's ``rdzv_store.py`` (a bare TCPStore server) on an address of its
+own.
 
-:meth:`EmulatedNode.kill` is the loss of a node: the agent, every worker and the sidecar are SIGKILLed together,
-with the sidecar's shared memory. torchrun starts each worker in a session of its own, so the process group of
-the agent does not hold them: the node's processes are the agent's descendants, and, to catch a worker that
-the agent spawned as it died, every process whose environment carries the node's marker
-(``SNAPSHOTD_TRIAL_NODE``). Every wait has a deadline; :meth:`EmulatedNode.stop` ends whatever is left (SIGTERM,
-then SIGKILL).
+:meth:`EmulatedNode.kill` is the loss of a node: the agent, every worker and the sidecar are SIGKILLed
+together, with the sidecar's shared memory. torchrun starts each worker in a session of its own, so the
+process group of the agent does not hold them: the node's processes are the agent's descendants, and, to catch
+a worker that the agent spawned as it died, every process whose environment carries the node's marker
+(``SNAPSHOTD_TRIAL_NODE``). Every wait has a deadline; :meth:`EmulatedNode.stop` ends whatever is left
+(SIGTERM, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from collections.abc import Sequence
 from snapshotd.local_cluster import LocalCluster, ManagedProcess, held_interrupts
 from snapshotd.shm import pid_alive
 
-__all__ = ["MARKER", "AgentLine", "EmulatedNode", "RendezvousStore", "agent_lines", "marked_processes", "node_processes"]
+__all__ = [
+    "MARKER", "AgentLine", "EmulatedNode", "RendezvousStore",
+    "agent_lines", "marked_processes", "node_processes",
+]  # fmt: skip
 
 MARKER = "SNAPSHOTD_TRIAL_NODE"
 """The environment variable that marks every process of an emulated node (its value is unique per node)."""
@@ -43,7 +47,7 @@ _POLL = 0.05
 
 
 def _wait_gone(pids: set[int], timeout: float) -> set[int]:
-    """Wait until none of ``pids`` is alive (zombies count as gone); returns those still alive at the deadline."""
+    """Wait until none of ``pids`` is alive (zombies count as gone); returns those alive at the deadline."""
     deadline = time.monotonic() + timeout
     alive = {p for p in pids if pid_alive(p)}
     while alive and time.monotonic() < deadline:
@@ -76,7 +80,8 @@ def marked_processes(fragment: str, *, exact: bool = False) -> set[int]:
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                values = [v[len(prefix) :].decode(errors="replace") for v in f.read().split(b"\0") if v.startswith(prefix)]
+                env = f.read().split(b"\0")
+            values = [v[len(prefix) :].decode(errors="replace") for v in env if v.startswith(prefix)]
         except OSError:
             continue
         if any(v == fragment if exact else fragment in v for v in values):
@@ -85,7 +90,7 @@ def marked_processes(fragment: str, *, exact: bool = False) -> set[int]:
 
 
 def node_processes(root: int | None, marker: str) -> set[int]:
-    """``root`` and its descendants, and every process marked with ``marker``: the live processes of a node."""
+    """``root`` and its descendants, and every process marked ``marker``: the live processes of a node."""
     found = marked_processes(marker, exact=True)
     if root is not None:
         kids = _children()
@@ -104,17 +109,19 @@ def _signal_all(pids: set[int], sig: int) -> None:
 
 
 class RendezvousStore:
-    """The example's standalone rendezvous store (a TCPStore server) on ``host``, as a host of its own would run it.
+    """The example's standalone rendezvous store (a TCPStore server) on ``host``, a host of its own.
 
     Raises:
-        RuntimeError: it did not print its ready line within ``timeout`` seconds (its output is in the message).
+        RuntimeError: it did not print its ready line within ``timeout`` seconds (its output is in the
+        message).
     """
 
     def __init__(self, script: str, workdir: str, *, host: str = "127.0.0.9", timeout: float = 30.0) -> None:
         self.log_path = os.path.join(workdir, "rdzv-store.log")
         with open(self.log_path, "wb") as log, held_interrupts():
             self.proc = subprocess.Popen([sys.executable, script, "--host", host, "--port", "0"], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + timeout
         while (m := re.search(r"rendezvous store ready (\S+)", self._output())) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -187,8 +194,9 @@ class EmulatedNode:
         workdir: where the agent's log goes (``agent-{name}.log``).
     """
 
-    def __init__(self, cluster: LocalCluster, name: str, addr: str, *, torchrun_args: Sequence[str], script: str,
-                 script_args: Sequence[str], env: dict[str, str], workdir: str) -> None:  # fmt: skip
+    def __init__(self, cluster: LocalCluster, name: str, addr: str, *, torchrun_args: Sequence[str],
+                 script: str, script_args: Sequence[str], env: dict[str, str],
+                 workdir: str) -> None:  # fmt: skip
         self.cluster, self.name, self.addr = cluster, name, addr
         self.marker = f"{name}.{os.getpid()}.{time.monotonic_ns()}"
         self.log_path = os.path.join(workdir, f"agent-{name}.log")
@@ -208,11 +216,12 @@ class EmulatedNode:
         ]
         self.started_at = time.time()
         with open(self.log_path, "wb") as log, held_interrupts():  # stop() ends what ``agent`` holds
-            self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=agent_env, start_new_session=True)  # fmt: skip
+            self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=agent_env,
+                                          start_new_session=True)  # fmt: skip
 
     def processes(self) -> set[int]:
-        """The node's live processes: the agent, its workers, anything carrying its marker (not the sidecar)."""
+        """The node's live processes: its agent, workers, any process with its marker (not the sidecar)."""
         return node_processes(self.agent.pid if self.agent.poll() is None else None, self.marker)
 
     def kill(self, timeout: float = 10.0) -> float:
@@ -245,8 +254,8 @@ class EmulatedNode:
             return None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """End the node: SIGTERM the agent (torchrun stops its workers), SIGKILL whatever remains after ``timeout``,
-        then stop the sidecar (SIGTERM, so that it removes its shared memory).
+        """End the node: SIGTERM the agent (torchrun stops its workers), SIGKILL whatever remains after
+        ``timeout``, then stop the sidecar (SIGTERM, so that it removes its shared memory).
 
         Raises:
             RuntimeError: a process of the node outlived SIGKILL.

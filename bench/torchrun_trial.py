@@ -2,21 +2,22 @@
 
 ``examples/torchrun_ddp/train.py`` (DDP, snapshotted every step) runs under real torchrun agents: c10d
 rendezvous on a standalone store with an address of its own (127.0.0.9), ``--max-restarts``, and N emulated
-nodes of ``nproc_per_node`` workers each, every node with its own sidecar (:mod:`.nodes`). A coordinator must be
-running (the caller's :class:`~snapshotd.local_cluster.LocalCluster`).
+nodes of ``nproc_per_node`` workers each, every node with its own sidecar (:mod:`.nodes`). A coordinator must
+be running (the caller's :class:`~snapshotd.local_cluster.LocalCluster`).
 
 :func:`run_trial` with ``fail=False`` runs the job to the end. With ``fail=True`` it SIGKILLs node ``lose``
 (agent, workers, sidecar and its shared memory) once that node's first rank logged step ``kill_after``, and at
-once starts a replacement node (a new sidecar and a new agent, on an address ordered after the survivors', so the
-survivors keep their ranks). The surviving agents see their workers fail, rendezvous again with the replacement,
-and restart their workers, which ``restore()``: the survivors from their own node's memory, the replacement's
-ranks from the copy their buddies hold. :func:`compare` checks a trial against a failure-free run.
+once starts a replacement node (a new sidecar and a new agent, on an address ordered after the survivors', so
+the survivors keep their ranks). The surviving agents see their workers fail, rendezvous again with the
+replacement, and restart their workers, which ``restore()``: the survivors from their own node's memory, the
+replacement's ranks from the copy their buddies hold. :func:`compare` checks a trial against a failure-free
+run.
 
-The torchrun settings (:data:`TORCHRUN_ENV`, :attr:`TrialConfig.rdzv_conf`) are the ones this needs, and why is
-written beside each. The recovery time is split by wall-clock timestamps (``time.time()``) that each process
-writes: the driver's kill, the coordinator's log line declaring the node dead, the agents' log lines (torch
-logs at ``LOGLEVEL=INFO``), and the example's per-rank events (process start, process group, model built,
-restored, first step). See :attr:`TrialResult.split`.
+The torchrun settings (:data:`TORCHRUN_ENV`, :attr:`TrialConfig.rdzv_conf`) are the ones this needs, and why
+is written beside each. The recovery time is split by wall-clock timestamps (``time.time()``) that each
+process writes: the driver's kill, the coordinator's log line declaring the node dead, the agents' log lines
+(torch logs at ``LOGLEVEL=INFO``), and the example's per-rank events (process start, process group, model
+built, restored, first step). See :attr:`TrialResult.split`.
 
 ``snapshotd-bench torchrun`` runs a failure-free job and then ``--runs`` trials, and prints the split of each.
 """
@@ -58,9 +59,10 @@ EXAMPLE_DIR = Path(__file__).resolve().parents[1] / "examples" / "torchrun_ddp"
 """The example's folder in a checkout of the repository (it is not installed with the package)."""
 
 TORCHRUN_ENV = {
-    # The agent of the round's first node hosts the workers' TCPStore and keeps it across rounds; when that node
-    # survives a failure it never publishes MASTER_ADDR in the new round's keys, so a replacement node waits for
-    # it until read_timeout and the round fails (torch 2.13). Without sharing, every round publishes a new one.
+    # The agent of the round's first node hosts the workers' TCPStore and keeps it across rounds; when that
+    # node survives a failure it never publishes MASTER_ADDR in the new round's keys, so a replacement node
+    # waits for it until read_timeout and the round fails (torch 2.13). Without sharing, every round publishes
+    # a new one.
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
     # the agents' INFO lines carry the timestamps of the launcher's part of the recovery
     "LOGLEVEL": "INFO",
@@ -95,12 +97,16 @@ class TrialConfig:
         "is_host=false,join_timeout=60,read_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3"
     )
     """torchrun ``--rdzv-conf``. ``is_host=false``: no agent hosts the store, it has a host of its own, so no
-    node's loss takes it down. ``keep_alive_interval`` x ``keep_alive_max_attempt``: a node silent that long is
-    dropped from the rendezvous; until then the survivors cannot form the next round (torch's default 5 x 3 s).
-    ``join_timeout`` and ``read_timeout`` bound a round that cannot form and a store read (default 600 and 60 s)."""
+    node's loss takes it down. ``keep_alive_interval`` x ``keep_alive_max_attempt``: a node silent that long
+    is dropped from the rendezvous; until then the survivors cannot form the next round (torch's default:
+    5 x 3 s). ``join_timeout`` and ``read_timeout`` bound a round that cannot form and a store read (default
+    600 and 60 s)."""
     share_store: bool = False
-    """Leave torch's shared rendezvous TCPStore on (drops ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), to see it fail."""
-    model_args: tuple[str, ...] = ("--width", "32", "--layers", "1", "--heads", "2", "--block", "32", "--batch", "32")
+    """Leave torch's shared rendezvous TCPStore on (without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), to see
+    it fail."""
+    model_args: tuple[str, ...] = (
+        "--width", "32", "--layers", "1", "--heads", "2", "--block", "32", "--batch", "32",
+    )  # fmt: skip
     """The example's model and batch flags: a model of 15k parameters, 9 steps an epoch on 4 ranks."""
     step_delay: float = 0.1
     """The example's ``--step-delay``: idle seconds per step, the accelerator's share of a step on a GPU node,
@@ -108,12 +114,12 @@ class TrialConfig:
     timeout: float = 120.0
     """Seconds for the whole job (the trial raises TimeoutError past it)."""
     replacement_first: bool = False
-    """Give the replacement node an address that sorts before every survivor's (127.0.0.1): torchrun then gives it
-    the first ranks, and the survivors' workers restart as other ranks than before."""
+    """Give the replacement node an address that sorts before every survivor's (127.0.0.1): torchrun then
+    gives it the first ranks, and the survivors' workers restart as other ranks than before."""
     store_on: int | None = None
-    """None: the rendezvous store runs on a host of its own (``store_host``). A node's index: that node's agent
-    hosts it (``is_host=true``, as torchrun's default does for the node named in ``--rdzv-endpoint``), to see the
-    job go down with that node."""
+    """None: the rendezvous store runs on a host of its own (``store_host``). A node's index: that node's
+    agent hosts it (``is_host=true``, as torchrun's default does for the node named in ``--rdzv-endpoint``),
+    to see the job go down with that node."""
     store_host: str = "127.0.0.9"
     """The rendezvous store's address: a host of its own."""
     example_dir: str = str(EXAMPLE_DIR)
@@ -153,17 +159,17 @@ class TrialResult:
     """The example's ``--out`` folder."""
     world: int
     losses: dict[int, dict[int, float]]
-    """Rank -> step -> loss, the last one logged for the step (a restored run logs the steps it re-ran again)."""
+    """Rank -> step -> loss, the last one logged for the step (a restored run logs the steps it re-ran)."""
     rerun_mismatches: dict[int, list[int]]
-    """Rank -> the steps whose re-run after the restore logged another loss than the run before the failure."""
+    """Rank -> the steps whose re-run after the restore logged another loss than before the failure."""
     finals: dict[int, dict[str, Any]]
-    """Rank -> its ``final-rank{R}.json`` (``digest``: model and optimizer, ``state_digest``: all it snapshots)."""
+    """Rank -> its ``final-rank{R}.json`` (``digest``: model and optimizer; ``state_digest``: all of it)."""
     restored: dict[int, dict[str, Any]]
     """Rank -> the last ``restored`` event of the rank (``step``, ``source``)."""
     exit_codes: dict[str, int | None]
     """Agent -> its exit code."""
     pids: list[int] = dataclasses.field(default_factory=list)
-    """Every process the trial started itself: the store, the sidecars and the agents (all ended on return)."""
+    """Every process the trial started itself: the store, sidecars and agents (all ended on return)."""
     reached: int | None = None
     """With a failure: the newest step any rank logged before the kill."""
     steps_lost: int | None = None
@@ -173,7 +179,8 @@ class TrialResult:
     split: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds of each phase of the recovery; each milestone is the latest of its ranks or agents:
 
-    - ``detection_seconds``: kill -> the coordinator declares the node dead (alongside the launcher's restart);
+    - ``detection_seconds``: kill -> the coordinator declares the node dead (alongside the launcher's
+      restart);
     - ``launcher_restart_seconds``: kill -> the new rendezvous round formed on every agent, made of
       ``worker_error_seconds`` (kill -> the surviving workers' collective raised), ``worker_exit_seconds``
       (-> their agent saw them exit: the failed process's own teardown) and ``rendezvous_seconds`` (-> the
@@ -249,8 +256,8 @@ def _read_outcome(
         for rank in range(world):
             before |= {e["pid"] for e in _read_jsonl(os.path.join(out, f"events-rank{rank}.jsonl"))
                        if e["event"] == "start" and e["t"] < killed_at}  # fmt: skip
-        steps = [int(r["step"]) for rank in range(world) for r in _read_jsonl(os.path.join(out, f"losses-rank{rank}.jsonl"))
-                 if r["pid"] in before]  # fmt: skip
+        logged = (_read_jsonl(os.path.join(out, f"losses-rank{rank}.jsonl")) for rank in range(world))
+        steps = [int(r["step"]) for lines in logged for r in lines if r["pid"] in before]
         reached = max(steps, default=0)
         result.reached = reached
         restored_steps = {e.get("step") for e in restored.values()}
@@ -259,8 +266,8 @@ def _read_outcome(
     return result
 
 
-def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None, survivors: list[EmulatedNode],
-                    agents: list[EmulatedNode]) -> None:  # fmt: skip
+def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None,
+                    survivors: list[EmulatedNode], agents: list[EmulatedNode]) -> None:  # fmt: skip
     """Fill ``result.milestones`` and ``result.split`` from the logs (see :attr:`TrialResult.split`)."""
     nan = float("nan")
     year = datetime.datetime.fromtimestamp(killed_at).year
@@ -285,7 +292,8 @@ def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None
         "workers_raised": max(raised, default=nan),
         "workers_failed": max(noticed, default=nan),
         "round": max(rounds, default=nan),
-        **{f"rank_{name}": max(new.get(name, [nan])) for name in ("start", "pg_ready", "built", "restored", "first_step")},
+        **{f"rank_{e}": max(new.get(e, [nan])) for e in ("start", "pg_ready", "built", "restored",
+                                                          "first_step")},  # fmt: skip
     }
     result.milestones = m
     result.split = {
@@ -331,8 +339,8 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
         node_names: ``cfg.nodes`` names, and one more for the replacement (sidecar ``--node`` names).
 
     Returns:
-        What the run left: losses, final digests, restores and, with ``fail``, steps lost and the recovery split.
-        Every process it started has ended, the sidecars with SIGTERM (the lost one with SIGKILL).
+        What the run left: losses, final digests, restores and, with ``fail``, steps lost and the recovery
+        split. Every process it started has ended, the sidecars with SIGTERM (the lost one with SIGKILL).
 
     Raises:
         TimeoutError: the job ran past ``cfg.timeout``, or the lost node never reached ``kill_after``.
@@ -346,7 +354,8 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     if cfg.share_store:
         del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     script = os.path.join(cfg.example_dir, "train.py")
-    script_args = [*cfg.model_args, "--steps", str(cfg.steps), "--step-delay", str(cfg.step_delay), "--out", out]
+    script_args = [*cfg.model_args, "--steps", str(cfg.steps), "--step-delay", str(cfg.step_delay),
+                   "--out", out]  # fmt: skip
     deadline = time.monotonic() + cfg.timeout
     store = None
     if cfg.store_on is None:
@@ -358,11 +367,12 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     try:
 
         def start(index: int) -> EmulatedNode:
+            conf = cfg.rdzv_conf if cfg.store_on is None else _is_host(cfg.rdzv_conf, index == cfg.store_on)
             torchrun_args = [
                 "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.nproc_per_node),
                 "--max-restarts", str(cfg.max_restarts), "--monitor-interval", str(cfg.monitor_interval),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-                "--rdzv-conf", cfg.rdzv_conf if cfg.store_on is None else _is_host(cfg.rdzv_conf, index == cfg.store_on),
+                "--rdzv-conf", conf,
             ]  # fmt: skip
             node = EmulatedNode(cluster, node_names[index], cfg.node_addr(index), torchrun_args=torchrun_args,
                                 script=script, script_args=script_args, env=env, workdir=workdir)  # fmt: skip
@@ -398,7 +408,9 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     if failed:
         raise RuntimeError(f"torchrun agents exited non-zero: {failed}; see {workdir}/agent-*.log")
     result = _read_outcome(out, world, job, exit_codes, killed_at)
-    result.pids = [*([store.proc.pid] if store else []), *(p for n in nodes for p in (n.sidecar.pid, n.agent.pid))]
+    result.pids = [p for n in nodes for p in (n.sidecar.pid, n.agent.pid)]
+    if store is not None:
+        result.pids.append(store.proc.pid)
     if killed_at is not None:
         assert cluster.coordinator is not None
         dead_at = _coordinator_dead_at(cluster.coordinator.log_path, node_names[cfg.lose])
@@ -407,9 +419,9 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
 
 
 def compare(reference: TrialResult, trial: TrialResult) -> dict[str, Any]:
-    """How ``trial`` differs from the failure-free ``reference``: ``losses_identical`` (every step of every rank,
-    bit for bit), ``first_difference`` ((rank, step) or None), ``digests_equal`` (model and optimizer of every
-    rank), ``states_equal`` (everything snapshotted: scheduler and RNG too), ``reruns_identical``."""
+    """How ``trial`` differs from the failure-free ``reference``: ``losses_identical`` (every step of every
+    rank, bit for bit), ``first_difference`` ((rank, step) or None), ``digests_equal`` (model and optimizer of
+    every rank), ``states_equal`` (everything snapshotted: scheduler and RNG too), ``reruns_identical``."""
     diffs = sorted((rank, step) for rank, steps in reference.losses.items() for step, loss in steps.items()
                    if trial.losses.get(rank, {}).get(step) != loss)  # fmt: skip
     missing = sorted((rank, step) for rank, steps in trial.losses.items() for step in steps
@@ -428,9 +440,11 @@ def compare(reference: TrialResult, trial: TrialResult) -> dict[str, Any]:
     }
 
 
-_SPLIT_COLUMNS = ("detection_seconds", "launcher_restart_seconds", "worker_error_seconds", "worker_exit_seconds",
-                  "rendezvous_seconds", "process_start_seconds", "process_group_seconds", "model_build_seconds",
-                  "restore_seconds", "first_step_seconds", "total_seconds")  # fmt: skip
+_SPLIT_COLUMNS = (
+    "detection_seconds", "launcher_restart_seconds", "worker_error_seconds", "worker_exit_seconds",
+    "rendezvous_seconds", "process_start_seconds", "process_group_seconds", "model_build_seconds",
+    "restore_seconds", "first_step_seconds", "total_seconds",
+)  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -442,20 +456,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"workers per node (default {d.nproc_per_node})")  # fmt: skip
     parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
     parser.add_argument("--kill-after", type=int, default=d.kill_after,
-                        help=f"lose the node once its first rank logged this step (default {d.kill_after})")  # fmt: skip
+                        help=f"lose the node once its first rank logged this step (default {d.kill_after})")
     parser.add_argument("--step-delay", type=float, default=d.step_delay,
-                        help=f"idle seconds per step, standing in for the accelerator (default {d.step_delay})")  # fmt: skip
+                        help=f"idle seconds per step, the accelerator's share (default {d.step_delay})")
     parser.add_argument("--model-args", default=" ".join(d.model_args),
                         help=f"the example's model flags (default {' '.join(d.model_args)!r})")  # fmt: skip
     parser.add_argument(
         "--rdzv-conf", default=d.rdzv_conf, help=f"torchrun --rdzv-conf (default {d.rdzv_conf})"
     )
     parser.add_argument("--share-store", action="store_true",
-                        help="leave torch's shared rendezvous TCPStore on (fails on torch 2.13: see the docstring)")  # fmt: skip
+                        help="leave torch's shared rendezvous TCPStore on (fails on torch 2.13)")
     parser.add_argument("--replacement-first", action="store_true",
-                        help="the replacement node takes the first ranks (its address sorts before the survivors')")  # fmt: skip
+                        help="the replacement node takes the first ranks (its address sorts first)")
     parser.add_argument("--store-on-node", type=int, default=None, metavar="INDEX",
-                        help="let node INDEX's agent host the rendezvous store instead of a host of its own")  # fmt: skip
+                        help="node INDEX's agent hosts the rendezvous store (not a host of its own)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument(
         "--timeout", type=float, default=d.timeout, help=f"seconds per job (default {d.timeout:.0f})"
@@ -472,13 +486,14 @@ def run(args: argparse.Namespace) -> Report:
     if args.runs < 1:
         raise ValueError(f"--runs must be >= 1, got {args.runs}")
     cfg = TrialConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, steps=args.steps,
-                      kill_after=args.kill_after, step_delay=args.step_delay, model_args=tuple(args.model_args.split()),
-                      rdzv_conf=args.rdzv_conf, share_store=args.share_store, timeout=args.timeout, store_on=args.store_on_node,
+                      kill_after=args.kill_after, step_delay=args.step_delay,
+                      model_args=tuple(args.model_args.split()), rdzv_conf=args.rdzv_conf,
+                      share_store=args.share_store, timeout=args.timeout, store_on=args.store_on_node,
                       replacement_first=args.replacement_first)  # fmt: skip
     tag = uuid.uuid4().hex[:6]
     rows = []
     with scratch_dir(args.workdir, prefix="snapshotd-torchrun-") as workdir, \
-            LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:  # fmt: skip
+            LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:  # fmt: skip
         cluster.start_coordinator()
         letters = [chr(ord("A") + i) for i in range(cfg.nodes + 1)]
         reference = run_trial(cluster, workdir, cfg, job=f"reference-{tag}", fail=False,
@@ -488,8 +503,8 @@ def run(args: argparse.Namespace) -> Report:
                               node_names=[f"{x}{i}-{tag}" for x in letters])  # fmt: skip
             same = compare(reference, trial)
             sources = sorted({str(r.get("source")) for r in trial.restored.values()})
-            rows.append({"run": i, "steps_lost": trial.steps_lost, **trial.split,
-                         "bit_identical": same["losses_identical"] and same["digests_equal"] and same["states_equal"],
+            identical = same["losses_identical"] and same["digests_equal"] and same["states_equal"]
+            rows.append({"run": i, "steps_lost": trial.steps_lost, **trial.split, "bit_identical": identical,
                          "sources": "/".join(sources)})  # fmt: skip
     summary: dict[str, Any] = {f"median_{c}": statistics.median(r[c] for r in rows) for c in _SPLIT_COLUMNS}
     summary["max_steps_lost"] = max(

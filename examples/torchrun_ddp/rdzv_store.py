@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     # TCPStore binds every interface when it opens the port itself; a socket of our own limits it to --host
     listener = socket.create_server((args.host, args.port), backlog=1024)
     host, port = listener.getsockname()[:2]
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach(),
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=listener.detach(),
                           timeout=datetime.timedelta(seconds=30))  # fmt: skip
     print(f"rendezvous store ready {host}:{port}", flush=True)
     signal.sigwait(stop)

@@ -8,23 +8,24 @@ Run it as any torchrun job (see README.md beside this file for the multi-node co
 The training loop is an ordinary one: gloo process group from torchrun's environment, a small transformer in
 ``DistributedDataParallel``, a ``DataLoader`` over a ``DistributedSampler``, AdamW, warm-up then cosine LR,
 gradient clipping and dropout. snapshotd adds two lines: ``start = snap.restore()`` before the loop and
-``snap.capture(step + 1)`` after each optimizer step. Job, rank, world size and the node's sidecar come from the
-environment (``TORCHELASTIC_RUN_ID`` or ``SNAPSHOTD_JOB``, torch.distributed, ``SNAPSHOTD_SIDECAR``).
+``snap.capture(step + 1)`` after each optimizer step. Job, rank, world size and the node's sidecar come from
+the environment (``TORCHELASTIC_RUN_ID`` or ``SNAPSHOTD_JOB``, torch.distributed, ``SNAPSHOTD_SIDECAR``).
 
 After a restore the job goes on exactly where the failure-free run would be:
 
-- model, optimizer, scheduler and every RNG (dropout draws from torch's global generator) come from the snapshot;
+- model, optimizer, scheduler and every RNG (dropout draws from torch's global generator) come from the
+  snapshot;
 - the data position is derived from the restored step: epoch ``step // batches_per_epoch`` and, within it, the
   batches already consumed are skipped by the sampler (:class:`ResumableSampler`), so no batch is seen twice
   or missed. The ``DataLoader`` gets a generator of its own, so creating its iterator never draws from the
   global generator that the snapshot restored.
 
 With ``--out DIR`` each rank appends one JSON line per step to ``DIR/losses-rank{R}.jsonl`` (step, loss, wall
-time), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start, process group ready, model built,
-restore begun and done with its step and source, first step, done; wall-clock ``time.time()``), and at the end
-writes ``DIR/final-rank{R}.json`` with the SHA-256 of every tensor's bytes of model and optimizer (``digest``)
-and of the whole snapshotted state, scheduler and RNG included (``state_digest``); rank 0 also writes
-``DIR/digest.json``. A test compares these with a failure-free run.
+time), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start, process group ready, model
+built, restore begun and done with its step and source, first step, done; wall-clock ``time.time()``), and at
+the end writes ``DIR/final-rank{R}.json`` with the SHA-256 of every tensor's bytes of model and optimizer
+(``digest``) and of the whole snapshotted state, scheduler and RNG included (``state_digest``); rank 0 also
+writes ``DIR/digest.json``. A test compares these with a failure-free run.
 """
 
 from __future__ import annotations
@@ -56,16 +57,16 @@ from snapshotd.client import RNGState, Snapshotter  # noqa: E402
 CORPUS = """\
 The keeper of the north light climbed the tower every evening at six. He wound the clockwork that turned the
 lens, trimmed the wick, wiped the salt from the glass and wrote three lines in the log: the wind, the sea and
-the ships he had counted. In forty years the log filled eleven books. Most lines were alike. Wind from the west,
-sea moderate, two ships. Wind from the north, sea rough, no ships. Some nights were different. One winter a
-schooner lost her mast off the point and the keeper rowed out with his daughter to take the crew off before the
-tide turned. One summer the lens cracked in the heat and he kept the light with a ring of oil lamps for nine
-nights until the new glass came by boat from the city. When the keeper grew old his daughter wound the clock
-and trimmed the wick, and she wrote the lines in the log in a smaller hand. Wind from the south, sea calm, four
-ships. The light never went out. Sailors on the long passage said that they could set their watches by it, and
-that a ship which saw the north light at dusk would be in harbour by morning. Nobody now remembers the name of
-the keeper, but the eleven books are kept in the museum by the harbour, and on a quiet afternoon anyone may sit
-at the long table and read them, one line for every night, wind and sea and ships.
+the ships he had counted. In forty years the log filled eleven books. Most lines were alike. Wind from the
+west, sea moderate, two ships. Wind from the north, sea rough, no ships. Some nights were different. One
+winter a schooner lost her mast off the point and the keeper rowed out with his daughter to take the crew off
+before the tide turned. One summer the lens cracked in the heat and he kept the light with a ring of oil lamps
+for nine nights until the new glass came by boat from the city. When the keeper grew old his daughter wound
+the clock and trimmed the wick, and she wrote the lines in the log in a smaller hand. Wind from the south, sea
+calm, four ships. The light never went out. Sailors on the long passage said that they could set their watches
+by it, and that a ship which saw the north light at dusk would be in harbour by morning. Nobody now remembers
+the name of the keeper, but the eleven books are kept in the museum by the harbour, and on a quiet afternoon
+anyone may sit at the long table and read them, one line for every night, wind and sea and ships.
 """
 
 
@@ -95,8 +96,9 @@ class CharDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 class ResumableSampler(DistributedSampler[int]):
     """A ``DistributedSampler`` that can start an epoch after its first ``skip_batches`` batches.
 
-    Set ``skip_batches`` (with ``set_epoch``) before creating the loader's iterator; the epoch's shuffle is the
-    sampler's own (seed + epoch), so the batches that follow are the ones a run that never stopped would see.
+    Set ``skip_batches`` (with ``set_epoch``) before creating the loader's iterator; the epoch's shuffle is
+    the sampler's own (seed + epoch), so the batches that follow are the ones a run that never stopped would
+    see.
     """
 
     def __init__(self, dataset: Dataset[Any], *, batch_size: int, **kwargs: Any) -> None:
@@ -135,7 +137,7 @@ class Block(nn.Module):
 
 
 class CharGPT(nn.Module):
-    """Token and position embeddings, ``layers`` blocks, a final LayerNorm and a head tied to the embedding."""
+    """Token and position embeddings, ``layers`` blocks, a final LayerNorm, a head tied to the embedding."""
 
     def __init__(
         self, vocab: int, *, block: int, width: int, layers: int, heads: int, dropout: float
@@ -205,8 +207,9 @@ class Recorder:
                 f.write(json.dumps(record) + "\n")
 
     def event(self, name: str, t: float | None = None, **fields: Any) -> None:
-        self._append("events", {"event": name, "t": time.time() if t is None else t, "pid": os.getpid(),
-                                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), **fields})  # fmt: skip
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        now = time.time() if t is None else t
+        self._append("events", {"event": name, "t": now, "pid": os.getpid(), "restart": restart, **fields})
 
     def loss(self, step: int, loss: float) -> None:
         self._append("losses", {"step": step, "loss": loss, "t": time.time(), "pid": os.getpid()})
@@ -237,8 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=1, help="torch intra-op threads per rank (default %(default)s)"
     )
     p.add_argument("--step-delay", type=float, default=0.0,
-                   help="idle seconds after each step, standing in for the accelerator's share of a step on a "
-                        "CPU-only test machine")  # fmt: skip
+                   help="idle seconds after each step, standing in for the accelerator's share of a step "
+                        "on a CPU-only test machine")  # fmt: skip
     p.add_argument("--out", default=None, help="folder for per-step losses, events and the final digest")
     return p.parse_args(argv)
 
@@ -263,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             f"--batch {args.batch} is more than the {len(sampler)} sequences of each rank's epoch"
         )
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = DDP(CharGPT(dataset.vocab, block=args.block, width=args.width, layers=args.layers, heads=args.heads,
-                        dropout=args.dropout), bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
+    gpt = CharGPT(dataset.vocab, block=args.block, width=args.width, layers=args.layers, heads=args.heads,
+                  dropout=args.dropout)  # fmt: skip
+    model = DDP(gpt, bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = lr_schedule(opt, args.warmup, args.steps)
     seed_everything(args.seed * 1000 + rank + 1)  # each rank its own dropout masks
@@ -302,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
                 if step == args.steps:
                     break
     parts = {key: tensor_digest(_state_tensors({key: obj})) for key, obj in state.items()}
-    rec.final(f"final-rank{rank}.json", {"rank": rank, "steps": step, "digest": model_optim_digest(model, opt),
-                                         "state_digest": tensor_digest(_state_tensors(state)), "parts": parts})  # fmt: skip
+    digest = model_optim_digest(model, opt)
+    everything = tensor_digest(_state_tensors(state))
+    final = {"rank": rank, "steps": step, "digest": digest, "state_digest": everything, "parts": parts}
+    rec.final(f"final-rank{rank}.json", final)
     if rank == 0:
-        rec.final("digest.json", {"steps": step, "digest": model_optim_digest(model, opt)})
+        rec.final("digest.json", {"steps": step, "digest": digest})
     rec.event("done", step=step)
     dist.barrier()
     dist.destroy_process_group()
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _state_tensors(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Every tensor (and NumPy array) in the state dicts of ``state`` by key path, every other value as its JSON."""
+    """Every tensor (and NumPy array) in the state dicts of ``state`` by key path; any other value as JSON."""
     out: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:

@@ -1,9 +1,10 @@
 """torchrun for real: ``examples/torchrun_ddp/train.py`` under two torchrun agents loses a node and recovers.
 
 Two emulated nodes of two DDP workers each (4 gloo ranks), every node with its own sidecar and torchrun agent
-(c10d rendezvous on a store of its own, ``--max-restarts``). Node B (agent, workers, sidecar) is SIGKILLed after
-step 11, part-way through the second epoch, and a replacement node C starts; the surviving agent restarts its workers, and the job runs to the end.
-Against a failure-free run of the same job: every step's loss and the final state are bit-identical.
+(c10d rendezvous on a store of its own, ``--max-restarts``). Node B (agent, workers, sidecar) is SIGKILLed
+after step 11, part-way through the second epoch, and a replacement node C starts; the surviving agent
+restarts its workers, and the job runs to the end. Against a failure-free run of the same job: every step's
+loss and the final state are bit-identical.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     assert same["losses_identical"], f"first differing (rank, step): {same['first_difference']}"
     assert same["reruns_identical"], trial.rerun_mismatches  # the steps run twice gave the same losses
     assert same["digests_equal"], {r: (reference.finals[r], trial.finals.get(r)) for r in range(4)}
-    assert same["states_equal"], {r: (reference.finals[r]["parts"], trial.finals[r]["parts"]) for r in range(4)}
+    assert same["states_equal"], {r: (reference.finals[r]["parts"], trial.finals[r]["parts"]) for r in (0, 3)}
 
     # every rank restored the same step, at most one step behind the newest step any rank completed
     assert len({r["step"] for r in trial.restored.values()}) == 1, trial.restored
