@@ -38,7 +38,8 @@ class TrainingJob:
     """The rank processes of one attempt of a training job."""
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
-                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False) -> None:  # fmt: skip
+                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False,
+                 parallel: str = "ddp") -> None:  # fmt: skip
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -47,7 +48,7 @@ class TrainingJob:
                 sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(rank), "--world", str(world),
                 "--init", f"tcp://127.0.0.1:{port}", "--steps", str(steps), "--params", str(params),
                 "--out", self.result_path(rank), "--progress", self.progress_path(rank),
-                "--step-delay", str(step_delay),
+                "--step-delay", str(step_delay), "--parallel", parallel,
             ]  # fmt: skip
             if job is not None:
                 argv += ["--job", job, "--sidecar", sidecars[rank], *(["--replicated"] if replicated else [])]
@@ -101,14 +102,16 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 def run_scenario(
     workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
-    data_security: str | None = None, replicated: bool = False, say: Callable[[str], None] = print,
+    data_security: str | None = None, replicated: bool = False, parallel: str = "ddp",
+    say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
 
     With ``data_security`` (``curve`` or ``members``) every process shares a fresh secret, the sidecars run that
     ``--data-security`` mode, and the replacement node C binds its data plane on 127.0.0.3, a host of its own.
     With ``replicated`` the ranks snapshot their model, optimizer and scheduler once across the four of them
-    (``Snapshotter(replicated=...)``).
+    (``Snapshotter(replicated=...)``). ``parallel`` is how every run wraps the model: ``ddp``, or ``fsdp2``
+    (``fully_shard``; each rank then snapshots its own shards).
     """
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
@@ -132,17 +135,17 @@ def run_scenario(
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
         say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}))
+        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={},
+                                parallel=parallel))
         reference = jobs[-1].wait(600)
 
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
         first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
-                            step_delay=step_delay, replicated=replicated)  # fmt: skip
+                            step_delay=step_delay, replicated=replicated, parallel=parallel)  # fmt: skip
         jobs.append(first)
         _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
-        cluster.kill(node_b)
-        first.kill([2, 3])
+        cluster.lose_node(node_b, [first.procs[2], first.procs[3]])
         t_dead = time.monotonic()
         reached = max(first.progress(r) for r in range(world))
         first.kill([0, 1])  # the launcher stops the job's surviving workers (they would block in all-reduce)
@@ -159,7 +162,7 @@ def run_scenario(
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
         second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c,
-                             replicated=replicated)  # fmt: skip
+                             replicated=replicated, parallel=parallel)  # fmt: skip
         jobs.append(second)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
