@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from snapshotd.bench import cli
 from snapshotd.bench.nodes import MARKER, AgentLine, RendezvousStore, marked_processes, node_processes
 from snapshotd.bench.torchrun_trial import (
     EXAMPLE_DIR,
@@ -25,6 +26,13 @@ from snapshotd.bench.torchrun_trial import (
     _read_outcome,
     compare,
 )
+
+
+def test_the_subcommand_is_listed_with_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["torchrun", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--runs", "--kill-after", "--rdzv-conf", "--share-store", "--store-on-node", "--replacement-first"):
+        assert flag in out
 
 
 def test_agent_line_parses_torch_log_lines_in_local_time() -> None:

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.timeout(240)
 def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> None:
-    cfg = TrialConfig()  # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 11, in epoch 2
+    # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 11, in epoch 2; each run takes about
+    # 20 s here and stops itself after 90 s, so the test's timeout leaves room for the runs' own cleanup
+    cfg = TrialConfig(timeout=90)
     t0 = time.monotonic()
     reference = run_trial(cluster, str(tmp_path), cfg, job=cluster.job("reference"), fail=False,
                           node_names=[cluster.node(f"{x}0") for x in "ABC"])  # fmt: skip
