@@ -204,17 +204,8 @@ class EmulatedNode:
         self.sidecar: ManagedProcess = cluster.start_sidecar(name)
         agent_env = {**os.environ, **env, "SNAPSHOTD_SIDECAR": cluster.ipc_path(name), MARKER: self.marker,
                      "PYTHONUNBUFFERED": "1"}  # fmt: skip
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            *torchrun_args,
-            "--local-addr",
-            addr,
-            script,
-            *script_args,
-        ]
-        self.started_at = time.time()
+        argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--local-addr", addr,
+                script, *script_args]  # fmt: skip
         with open(self.log_path, "wb") as log, held_interrupts():  # stop() ends what ``agent`` holds
             self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, env=agent_env,

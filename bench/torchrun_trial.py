@@ -7,11 +7,11 @@ be running (the caller's :class:`~snapshotd.local_cluster.LocalCluster`).
 
 :func:`run_trial` with ``fail=False`` runs the job to the end. With ``fail=True`` it SIGKILLs node ``lose``
 (agent, workers, sidecar and its shared memory) once that node's first rank logged step ``kill_after``, and at
-once starts a replacement node (a new sidecar and a new agent, on an address ordered after the survivors', so
-the survivors keep their ranks). The surviving agents see their workers fail, rendezvous again with the
-replacement, and restart their workers, which ``restore()``: the survivors from their own node's memory, the
-replacement's ranks from the copy their buddies hold. :func:`compare` checks a trial against a failure-free
-run.
+once starts a replacement node: a new sidecar and a new agent, on an address ordered after the survivors', so
+that the survivors keep their ranks when the lost node is the last one (the default). The surviving agents see
+their workers fail, rendezvous again with the replacement, and restart their workers, which ``restore()``: the
+survivors from their own node's memory, the replacement's ranks from the copy their buddies hold.
+:func:`compare` checks a trial against a failure-free run.
 
 The torchrun settings (:data:`TORCHRUN_ENV`, :attr:`TrialConfig.rdzv_conf`) are the ones this needs, and why
 is written beside each. The recovery time is split by wall-clock timestamps (``time.time()``) that each
@@ -236,7 +236,6 @@ def _read_outcome(
     mismatches: dict[int, list[int]] = {}
     finals: dict[int, dict[str, Any]] = {}
     restored: dict[int, dict[str, Any]] = {}
-    reached = None
     for rank in range(world):
         per_step: dict[int, float] = {}
         bad = []
@@ -258,11 +257,10 @@ def _read_outcome(
                        if e["event"] == "start" and e["t"] < killed_at}  # fmt: skip
         logged = (_read_jsonl(os.path.join(out, f"losses-rank{rank}.jsonl")) for rank in range(world))
         steps = [int(r["step"]) for lines in logged for r in lines if r["pid"] in before]
-        reached = max(steps, default=0)
-        result.reached = reached
+        result.reached = max(steps, default=0)
         restored_steps = {e.get("step") for e in restored.values()}
-        if len(restored_steps) == 1 and None not in restored_steps:
-            result.steps_lost = reached - int(restored_steps.pop())  # type: ignore[arg-type]
+        if len(restored_steps) == 1 and isinstance(step0 := restored_steps.pop(), int):
+            result.steps_lost = result.reached - step0
     return result
 
 
@@ -343,8 +341,9 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
         split. Every process it started has ended, the sidecars with SIGTERM (the lost one with SIGKILL).
 
     Raises:
+        ValueError: not ``cfg.nodes + 1`` node names.
         TimeoutError: the job ran past ``cfg.timeout``, or the lost node never reached ``kill_after``.
-        RuntimeError: an agent exited non-zero, or a process would not end.
+        RuntimeError: an agent exited non-zero (the others are then stopped), or a process would not end.
     """
     if len(node_names) != cfg.nodes + 1:
         raise ValueError(f"need {cfg.nodes + 1} node names (the last for the replacement), got {node_names}")
@@ -388,15 +387,17 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
                 lost = nodes[cfg.lose]
                 progress = os.path.join(out, f"losses-rank{cfg.lose * cfg.nproc_per_node}.jsonl")
                 while _last_step(progress) < cfg.kill_after:
-                    if time.monotonic() > deadline or any(n.agent.poll() is not None for n in nodes):
-                        raise TimeoutError(
-                            f"node {lost.name} did not reach step {cfg.kill_after}; see {workdir}"
-                        )
+                    if ended := {n.name: n.agent.poll() for n in nodes if n.agent.poll() is not None}:
+                        raise RuntimeError(f"agents exited before step {cfg.kill_after}: {ended}; {workdir}")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"node {lost.name} did not reach step {cfg.kill_after}; {workdir}")
                     time.sleep(_POLL)
                 killed_at = lost.kill()
                 running.remove(lost)
                 running.append(start(cfg.nodes))
             while any(n.agent.poll() is None for n in running):
+                if any(n.agent.poll() not in (None, 0) for n in running):
+                    break  # one agent gave up: the job is down (the others are stopped below)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"job {job} did not finish within {cfg.timeout:.0f} s; see {workdir}")
                 time.sleep(_POLL)
