@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="DDP's gradient bucket size in MiB (default %(default)s, DDP's own)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default %(default)s)")
     p.add_argument("--step-delay", type=float, default=0.0,
                    help="idle seconds after each step, standing in for the accelerator's share of a step "
                         "on a CPU-only test machine")  # fmt: skip
