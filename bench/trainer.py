@@ -25,7 +25,7 @@ the training thread spent in the snapshot or checkpoint machinery: ``capture()``
 
 The rank writes a JSON result (losses per step, step times, a SHA-256 over its whole final state, the
 snapshotter's stats, one record per block with its counters) and keeps a progress file holding the last completed
-step.
+step and its snapshot stride (:func:`read_progress`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from snapshotd.local_cluster import held_interrupts
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
-__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "PARALLEL", "plan_interval", "run_ranks", "state_digest"]
+__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "PARALLEL", "plan_interval", "read_progress", "run_ranks", "state_digest"]
 
 VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
 """What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
@@ -126,10 +126,13 @@ def _tail(path: str, lines: int = 20) -> str:
     return ""
 
 
-def _read_step(path: str) -> int:
+def read_progress(path: str) -> dict[str, int]:
+    """A rank's progress file: ``step`` (the last step completed), and with snapshots the Snapshotter's
+    ``stride`` and ``skipped`` at that step; zeros before the first step."""
     with contextlib.suppress(OSError, ValueError), open(path) as f:
-        return int(f.read() or 0)
-    return 0
+        record = json.load(f)
+        return {k: int(record.get(k, 0)) for k in ("step", "stride", "skipped")}
+    return {"step": 0, "stride": 0, "skipped": 0}
 
 
 def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
@@ -165,7 +168,7 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
             if failed:
                 raise RuntimeError(f"rank {failed[0]} exited with {codes[failed[0]]}:\n{_tail(logs[failed[0]])}")
             if on_progress is not None:
-                on_progress(_read_step(progress))
+                on_progress(read_progress(progress)["step"])
             if all(code == 0 for code in codes.values()):
                 break
             if time.monotonic() > deadline:
@@ -334,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             cpu_times.append(time.process_time() - cpu0)
             step += 1
             if args.progress:
-                _write_atomic(args.progress, str(step))
+                record = {"step": step}
+                if snap is not None:
+                    record.update(stride=snap.stats.stride, skipped=snap.stats.skipped)
+                _write_atomic(args.progress, json.dumps(record))
             if args.step_delay:
                 time.sleep(args.step_delay)
         if args.plan is not None:  # drain, untimed, so that no block's work spills into the next one

@@ -84,6 +84,11 @@ class SnapshotStats:
     """Training-thread time the optimizer pre-hook waited for a staging copy."""
     auto_interval: int = 0
     """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
+    stride: int = 0
+    """With ``every=N`` and ``when_busy="skip"``: the steps between the snapshots now due, ``N`` times a power of
+    two that doubles when a due step finds no free slot and halves as slots free again (0 otherwise). A node
+    lost now costs at most ``2 * stride - 1`` steps: up to ``stride - 1`` since the last due step, and one more
+    stride if that step's snapshot had not reached its buddies."""
     errors: int = 0
     last_error: str = ""
 
@@ -169,7 +174,7 @@ class Snapshotter:
         self.when_busy = when_busy
         self.timeout = timeout
         self.slots = slots
-        self.stats = SnapshotStats()
+        self.stats = SnapshotStats(stride=every if isinstance(every, int) and when_busy == "skip" else 0)
         self._lock = threading.Condition()
         self._free: set[int] = set()
         self._updates = 0  # SlotUpdates received
@@ -331,6 +336,7 @@ class Snapshotter:
                     slot_free = bool(self._free) or self._arena is None
                 aligned = self._aligned.due(step)
                 self._aligned.record(step, slot_free=slot_free)
+                self.stats.stride = self._aligned.stride
                 if not aligned:  # passed over so that this rank skips the steps the others skip
                     self.stats.skipped += 1
                     return False

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from snapshotd.bench.trainer import read_progress
 from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
 
@@ -62,9 +63,12 @@ class TrainingJob:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.progress")
 
     def progress(self, rank: int) -> int:
-        with contextlib.suppress(OSError, ValueError), open(self.progress_path(rank)) as f:
-            return int(f.read() or 0)
-        return 0
+        """The last step ``rank`` completed."""
+        return read_progress(self.progress_path(rank))["step"]
+
+    def stride(self, ranks: list[int]) -> int:
+        """The widest snapshot stride among ``ranks`` at their last completed step (see ``SnapshotStats.stride``)."""
+        return max(read_progress(self.progress_path(r))["stride"] for r in ranks)
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -148,6 +152,7 @@ def run_scenario(
         cluster.lose_node(node_b, [first.procs[2], first.procs[3]])
         t_dead = time.monotonic()
         reached = max(first.progress(r) for r in range(world))
+        stride = first.stride(list(range(world)))
         first.kill([0, 1])  # the launcher stops the job's surviving workers (they would block in all-reduce)
         say(f"      node B killed at step {reached} (its sidecar and ranks 2-3); ranks 0-1 stopped by the launcher")
 
@@ -177,6 +182,7 @@ def run_scenario(
         "step_restored": min(restored),
         "ranks_agree": len(restored) == 1,
         "steps_lost": reached - min(restored),
+        "stride_at_loss": stride,
         "detection_seconds": detection,
         "restore_seconds": max(r["restore_seconds"] for r in results),
         "restore_sources": {r["rank"]: r["restored"]["source"] for r in results},
@@ -213,6 +219,9 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     print(f"  step reached          {s['step_reached']}")
     print(f"  step restored         {s['step_restored']} (all 4 ranks agree: {'yes' if s['ranks_agree'] else 'NO'})")
     print(f"  steps lost            {s['steps_lost']}")
+    if s["stride_at_loss"] > 1:
+        print(f"                        (the sidecars had fallen behind: the ranks were snapshotting every "
+              f"{s['stride_at_loss']}th step, so up to {2 * s['stride_at_loss'] - 1} steps could be lost)")
     print(f"  detection time        {s['detection_seconds']:.2f} s (heartbeat timeout 1.5 s)")
     print(f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)")
     print(f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}")
