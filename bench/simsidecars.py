@@ -6,7 +6,7 @@ is pickled. The first command is ``start`` with a :class:`FleetConfig`; the othe
 ``freeze`` (training stops), ``lose`` (a sidecar falls silent, a replacement node registers with its ranks),
 ``ask`` (send plan requests), ``plans`` (the plan replies so far) and ``stop``.
 
-Each simulated sidecar behaves like the real one's control loop (``snapshotd/sidecar/daemon.py``): its own DEALER
+Each simulated sidecar behaves like the real one's control loop (``snapshotd/sidecar/heartbeat.py``): its own DEALER
 socket (one TCP connection to the coordinator), register, then heartbeat, wait for the reply (at most
 ``max(1, 4 * interval)``), wait ``interval``, heartbeat again; ``changed`` and the full ranks and inventory only
 when something changed since the last heartbeat the coordinator acknowledged. ``interval`` starts as the

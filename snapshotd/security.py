@@ -23,8 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 import zmq
@@ -221,67 +220,66 @@ class MembersGate:
         self.clock = clock
         self.sock: zmq.asyncio.Socket | None = None
         self._known: dict[str, tuple[str, float]] = {}  # host -> (verdict: "member" | "refused" | a failure, until)
-        self._asking: dict[str, asyncio.Future[None]] = {}  # host -> its question in flight
+        self._asking: dict[str, asyncio.Future[None]] = {}  # host -> done when its question in flight is answered
         self._questions = asyncio.Semaphore(MAX_QUESTIONS)
-        self._tasks: set[asyncio.Task[None]] = set()
         self._logged: dict[str, float] = {}  # host -> when its last refusal was logged
 
-    def start(self) -> None:
-        """Bind the ZAP endpoint and serve it on the running loop until :meth:`stop`."""
+    async def run(self) -> None:
+        """Bind the ZAP endpoint and answer handshakes until cancelled. Each handshake is answered by a task of
+        this call's own TaskGroup (so a slow answer delays only its own connections); they end with it."""
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
         self.sock.bind(_ZAP_ENDPOINT)
-        self._spawn(self._serve()).add_done_callback(_report_death)
-
-    def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self.sock is not None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                while True:
+                    frames = await self.sock.recv_multipart()
+                    try:
+                        split = frames.index(b"")
+                    except ValueError:
+                        continue  # not a ZAP request
+                    envelope, request = frames[: split + 1], frames[split + 1 :]
+                    if len(request) >= 6:
+                        group.create_task(self._answer(envelope, request))
+        finally:
             self.sock.close(linger=0)
             self.sock = None
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def _serve(self) -> None:
-        assert self.sock is not None
-        while True:
-            frames = await self.sock.recv_multipart()
-            try:
-                split = frames.index(b"")
-            except ValueError:
-                continue  # not a ZAP request
-            envelope, request = frames[: split + 1], frames[split + 1 :]
-            if len(request) < 6:
-                continue
-            self._spawn(self._answer(envelope, request))
-
     async def _answer(self, envelope: list[bytes], request: list[bytes]) -> None:
-        _version, request_id, domain, address, _identity, mechanism = request[:6]
-        host = address.decode("ascii", "replace").lower()
-        if domain != DATA_DOMAIN or mechanism != b"NULL" or not host:
-            code, why = b"400", f"unexpected {mechanism.decode('ascii', 'replace')} handshake from {host or '?'}"
-        else:
-            code, why = await self.decide(host)
-        if code != b"200":
-            self._log_refusal(host, why)
-        if self.sock is not None:
-            await self.sock.send_multipart([*envelope, b"1.0", request_id, code, why.encode()[:255] or b"OK", b"", b""])
+        try:
+            _version, request_id, domain, address, _identity, mechanism = request[:6]
+            host = address.decode("ascii", "replace").lower()
+            if domain != DATA_DOMAIN or mechanism != b"NULL" or not host:
+                code, why = b"400", f"unexpected {mechanism.decode('ascii', 'replace')} handshake from {host or '?'}"
+            else:
+                code, why = await self.decide(host)
+            if code != b"200":
+                self._log_refusal(host, why)
+            if self.sock is not None:
+                await self.sock.send_multipart([*envelope, b"1.0", request_id, code, why.encode()[:255] or b"OK",
+                                                b"", b""])  # fmt: skip
+        except Exception:  # one handshake's answer: never the gate's end (ZeroMQ retries the connection)
+            log.exception("answering a data-plane handshake failed")
 
     async def decide(self, host: str) -> tuple[bytes, str]:
         """The ZAP status for a connection from ``host``: 200 (a member), 400 (not one) or 300 (the coordinator
-        could not be asked), and why not (empty for 200)."""
+        could not be asked), and why not (empty for 200). The first handshake that needs the coordinator's word
+        on ``host`` asks; the others of that host wait for its answer."""
         known = self._known.get(host)
         if known is None or known[1] <= self.clock():
             asking = self._asking.get(host)
-            if asking is None:
-                asking = self._asking[host] = asyncio.ensure_future(self._ask(host))
-                asking.add_done_callback(lambda _: self._asking.pop(host, None))
-            await asyncio.shield(asking)
-            known = self._known[host]
+            if asking is not None:
+                await asyncio.shield(asking)
+            else:
+                asking = self._asking[host] = asyncio.get_running_loop().create_future()
+                try:
+                    await self._ask(host)
+                finally:
+                    del self._asking[host]
+                    asking.set_result(None)
+            known = self._known.get(host)
+            if known is None:  # the handshake that asked was given up before the answer came
+                return b"300", "the question to the coordinator was given up"
         verdict = known[0]
         if verdict == "member":
             return b"200", ""
@@ -310,11 +308,6 @@ class MembersGate:
             self._logged = {h: t for h, t in self._logged.items() if now - t < 60.0}
         self._logged[host] = now
         log.warning("refused a data-plane connection from %s: %s (logged at most once a minute per host)", host, why)
-
-
-def _report_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the data plane's member check stopped; new connections will hang", exc_info=task.exception())
 
 
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH

@@ -30,6 +30,8 @@ from snapshotd.proto import (
 from snapshotd.proto.limits import MAX_PLAN_RANKS
 from snapshotd.security import HandshakeWatch, secure_client
 
+from .tasks import TaskTree
+
 __all__ = ["CoordinatorClient", "CoordinatorUnavailable"]
 
 log = logging.getLogger(__name__)
@@ -90,10 +92,11 @@ class CoordinatorClient:
     heartbeats.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, secret: str | None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, secret: str | None, tasks: TaskTree) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.secret = secret
+        self.tasks = tasks
         self._hb = self._socket(connect=False)
         self.handshakes = HandshakeWatch(self._hb, endpoint, f"coordinator {endpoint}")  # before its first handshake
         self._hb.connect(endpoint)
@@ -195,7 +198,7 @@ class CoordinatorClient:
         group.waiters.setdefault(req.rank, []).append(answer)
         group.dirty = True
         if self._pump is None or self._pump.done():
-            self._pump = asyncio.ensure_future(self._read_plans(self._plan))
+            self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 await asyncio.sleep(0)  # the other ranks asking in this turn of the loop ride the same request

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from snapshotd.proto import DTYPE_SIZES, TensorEntry, decode_table, table_data_bytes
 from snapshotd.shm import Arena
@@ -69,6 +70,35 @@ class LocalRank:
     """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
     job_unusable: frozenset[int] = frozenset()
     """Steps above D that no restore can use, as the coordinator last said."""
+    on_change: Callable[[], None] = dataclasses.field(default=lambda: None, repr=False)
+    """Called when this rank's complete copies or its liveness change (the node's state sets it)."""
+
+    def set_slot(self, index: int, state: SlotState) -> None:
+        """Put ``state`` in slot ``index`` (every change of what a slot holds goes through here)."""
+        was_valid = self.slots[index].valid
+        self.slots[index] = state
+        if was_valid or state.valid:
+            self.on_change()
+
+    def clear_slots(self) -> None:
+        """Forget what every slot holds."""
+        if any(s.valid for s in self.slots):
+            self.on_change()
+        self.slots = [SlotState() for _ in self.slots]
+
+    def revive(self, pid: int, identity: bytes, world_size: int) -> None:
+        """A process (this rank's, or its restart) registered again with an arena that still fits. A new process
+        keeps every valid slot until its ``restore()`` decided which step it resumes from."""
+        self.awaiting_restore = self.awaiting_restore or self.pid != pid
+        self.pid, self.identity, self.alive, self.world_size = pid, identity, True, world_size
+        self.seen_step = max(self.valid_steps(), default=-1)
+        self.on_change()
+
+    def mark_dead(self) -> None:
+        """The rank's process is gone; its valid slots stay (the restart's local fast path)."""
+        if self.alive:
+            self.alive = False
+            self.on_change()
 
     def set_table(self, table_id: int, table: bytes) -> None:
         """Adopt a new tensor table (validated against the arena's slot size).
@@ -114,7 +144,7 @@ class LocalRank:
             return [i for i, s in enumerate(self.slots) if not s.valid and not s.streaming and s.pins == 0]
         free = self.free_slots()
         for i in free:
-            self.slots[i] = SlotState()
+            self.set_slot(i, SlotState())
         return free
 
     def find(self, step: int) -> int | None:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -19,7 +19,10 @@ import zmq.asyncio
 from snapshotd.proto import Message, ProtocolError, decode, encode
 from snapshotd.security import HandshakeWatch, secure_client
 
-__all__ = ["PeerError", "PeerLink", "PeerTimeout"]
+if TYPE_CHECKING:
+    from .tasks import TaskTree
+
+__all__ = ["PeerError", "PeerLink", "PeerLinks", "PeerTimeout"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +148,41 @@ class PeerLink:
     def close(self) -> None:
         self.handshakes.close()
         self.sock.close(linger=0)
+
+
+class PeerLinks:
+    """This sidecar's connections to the other sidecars' data planes: one :class:`PeerLink` per address, made on
+    first use, its reader running in the sidecar's task tree.
+
+    Args:
+        ctx: the sidecar's ZeroMQ context.
+        secret: the job's secret (CURVE), or None (plaintext: no secret, or ``members`` mode).
+        timeout: seconds any one reply may take.
+        source: the IP address outgoing connections leave from (``members`` mode), or None.
+        tasks: the sidecar's task tree.
+    """
+
+    def __init__(self, ctx: zmq.asyncio.Context, *, secret: str | None, timeout: float, source: str | None,
+                 tasks: TaskTree) -> None:  # fmt: skip
+        self.ctx = ctx
+        self.secret = secret
+        self.timeout = timeout
+        self.source = source
+        self.tasks = tasks
+        self._links: dict[str, PeerLink] = {}
+
+    def get(self, addr: str) -> PeerLink:
+        link = self._links.get(addr)
+        if link is None:
+            link = self._links[addr] = PeerLink(self.ctx, addr, secret=self.secret, timeout=self.timeout,
+                                                source=self.source)  # fmt: skip
+            self.tasks.spawn(link.run(), f"peer link {addr}")
+        return link
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
 
 
 def _from(source: str, addr: str) -> str:

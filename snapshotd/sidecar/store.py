@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -67,10 +67,16 @@ class StoredSnapshot:
 
 
 class SnapshotStore:
-    """In-memory buddy copies, keyed by ``(job, rank, step)``. Not thread-safe: the sidecar's loop owns it."""
+    """In-memory buddy copies, keyed by ``(job, rank, step)``. Not thread-safe: the sidecar's loop owns it.
 
-    def __init__(self, memory_limit: int) -> None:
+    Args:
+        memory_limit: bytes the copies may take (spare buffers included).
+        on_change: called whenever the set of complete copies changes (one completes, a complete one goes).
+    """
+
+    def __init__(self, memory_limit: int, on_change: Callable[[], None] = lambda: None) -> None:
         self.memory_limit = memory_limit
+        self.on_change = on_change
         self._snaps: dict[Key, StoredSnapshot] = {}
         # Chunk buffers of dropped snapshots, by size, reused for decoded chunks: a fresh buffer costs the kernel
         # zeroing every page on first touch. At most twice the largest snapshot seen, and counted against the limit.
@@ -78,7 +84,6 @@ class SnapshotStore:
         self.spare_bytes = 0
         self._spare_cap = 0
         self.used_bytes = 0  # snapshots held (spares are counted against the limit separately)
-        self.version = 0  # bumps whenever the set of complete snapshots changes (for inventory reports)
 
     def __len__(self) -> int:
         return len(self._snaps)
@@ -215,7 +220,7 @@ class SnapshotStore:
 
     def _complete(self, snap: StoredSnapshot) -> None:
         snap.complete = True
-        self.version += 1
+        self.on_change()
         log.debug("snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes)
 
     def _remove(self, key: Key) -> int:
@@ -231,7 +236,7 @@ class SnapshotStore:
                 self._spares.setdefault(buf.nbytes, []).append(buf)
                 self.spare_bytes += buf.nbytes
         if snap.complete:
-            self.version += 1
+            self.on_change()
         return freed
 
     def _take_spare(self, nbytes: int) -> np.ndarray:

@@ -23,6 +23,8 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.sidecar.control import CoordinatorClient, CoordinatorUnavailable
+from snapshotd.sidecar.node import Counters
+from snapshotd.sidecar.tasks import TaskTree
 
 from .test_server import TIMEOUT, Coordinator
 
@@ -52,10 +54,12 @@ async def _keep_beating(client: CoordinatorClient, stop: asyncio.Event) -> None:
 
 async def _with_node(endpoint: str, body: Callable[[CoordinatorClient], Awaitable[None]]) -> None:
     ctx = zmq.asyncio.Context()
-    client = CoordinatorClient(ctx, endpoint, secret=None)
+    tasks = TaskTree(Counters())
+    client = CoordinatorClient(ctx, endpoint, secret=None, tasks=tasks)
     stop = asyncio.Event()
     try:
         async with asyncio.timeout(3 * TIMEOUT), asyncio.TaskGroup() as tg:
+            tasks.attach(tg)
             tg.create_task(_keep_beating(client, stop))
             await asyncio.sleep(0.7)  # past the rebuild window
             try:
@@ -107,7 +111,8 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
     router.linger = 0
     monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    client = CoordinatorClient(ctx, f"tcp://127.0.0.1:{port}", secret=None)
+    tasks = TaskTree(Counters())
+    client = CoordinatorClient(ctx, f"tcp://127.0.0.1:{port}", secret=None, tasks=tasks)
 
     async def handshakes(count: int) -> None:
         async with asyncio.timeout(TIMEOUT):
@@ -123,6 +128,12 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
         return frames[:1], msg
 
     async def main() -> None:
+        async with asyncio.TaskGroup() as group:  # the client's plan pump runs in it, as in the sidecar's tree
+            tasks.attach(group)
+            await calls_and_replies()
+            tasks.cancel_all()
+
+    async def calls_and_replies() -> None:
         await handshakes(2)  # the heartbeat and plan sockets, before any plan is asked for
         deadline = time.monotonic() + TIMEOUT
         calls = [asyncio.ensure_future(client.plan(_ask(r, 8), deadline)) for r in (5, 1, 3)]

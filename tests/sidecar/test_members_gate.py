@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import zmq.asyncio
@@ -88,7 +89,8 @@ def test_a_refused_connection_is_retried_and_named(monkeypatch: pytest.MonkeyPat
         coord = _Coordinator()
         ctx = zmq.asyncio.Context()
         gate = MembersGate(ctx, coord.is_member)
-        gate.start()
+        gating = asyncio.ensure_future(gate.run())
+        await asyncio.sleep(0)  # the ZAP endpoint is bound before the server's first handshake
         server = ctx.socket(zmq.ROUTER)
         client = ctx.socket(zmq.DEALER)
         watch: security.HandshakeWatch | None = None
@@ -117,7 +119,9 @@ def test_a_refused_connection_is_retried_and_named(monkeypatch: pytest.MonkeyPat
                 watch.close()
             client.close(linger=0)
             server.close(linger=0)
-            gate.stop()
+            gating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gating
             ctx.destroy(linger=0)
 
     asyncio.run(scenario())

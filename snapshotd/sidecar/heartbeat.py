@@ -1,0 +1,127 @@
+"""The sidecar's control loop: registration, heartbeats, and what the coordinator's replies ask for.
+
+A heartbeat goes out every interval the coordinator gives, and at once whenever the node's state changed in a
+way the coordinator must hear of (:attr:`~.node.NodeState.changed`: a rank registered or died, a copy completed
+or went). It carries the ranks and the inventory of complete copies only when they differ from what the last
+acknowledged heartbeat carried. Each reply brings the buddy assignments (a stream to a sidecar no longer
+assigned stops), each job's watermarks (buddy copies below the durable step D, or of steps no restore can use,
+are dropped, and a rank whose held slots are no longer needed gets them back), and re-replication tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from snapshotd.logs import fields
+from snapshotd.proto import Heartbeat, HeartbeatReply, ProtocolError, RegisterSidecar
+from snapshotd.shm import pid_alive
+
+from .config import SidecarConfig
+from .control import CoordinatorClient, CoordinatorUnavailable
+from .node import NodeState
+from .replicate import ReplicateService
+from .serve import ServeService
+from .stream import RankNotify, StreamService
+from .tasks import TaskTree
+
+__all__ = ["ControlService"]
+
+log = logging.getLogger(__name__)
+
+
+class ControlService:
+    """Runs the control loop (see the module docstring).
+
+    Args:
+        state, cfg: the node's state and configuration.
+        control: the coordinator client.
+        streams: outgoing streams (a reassigned buddy's part is cut off).
+        serve: the data plane (incoming streams whose sender vanished are forgotten).
+        replicate: runs re-replication tasks.
+        tasks: the sidecar's task tree.
+        notify: hands a rank the slots it may have back.
+    """
+
+    def __init__(self, state: NodeState, cfg: SidecarConfig, control: CoordinatorClient, streams: StreamService,
+                 serve: ServeService, replicate: ReplicateService, tasks: TaskTree,
+                 notify: RankNotify) -> None:  # fmt: skip
+        self.state = state
+        self.cfg = cfg
+        self.control = control
+        self.streams = streams
+        self.serve = serve
+        self.replicate = replicate
+        self.tasks = tasks
+        self.notify = notify
+
+    async def run(self) -> None:
+        """Heartbeat until cancelled; the coordinator's absence is waited out (its next start is heard)."""
+        interval = self.cfg.heartbeat_interval
+        registered = False
+        sent: tuple[object, ...] | None = None  # what the last acknowledged heartbeat reported
+        with self.state.changed.subscribe() as changed:
+            while True:
+                try:
+                    if not registered:
+                        reply = await self.control.register(RegisterSidecar(
+                            node=self.state.node, rack=self.cfg.rack, data_addr=self.state.data_addr,
+                            incarnation=self.state.incarnation,
+                        ), timeout=max(1.0, 4 * interval))  # fmt: skip
+                        interval = reply.heartbeat_interval
+                        registered, sent = True, None
+                        log.info("registered with coordinator %s as %s", self.cfg.coordinator, self.state.node,
+                                 extra=fields(event="registered"))  # fmt: skip
+                    self._check_ranks()
+                    changed.clear()  # a change from here on wakes the next heartbeat, even one made while this waits
+                    report = self.state.report()
+                    news = report != sent
+                    counters = self.state.counters
+                    hb = Heartbeat(
+                        node=self.state.node, incarnation=self.state.incarnation, changed=news,
+                        ranks=report[0] if news else (), inventory=report[1] if news else (),
+                        bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
+                        stored_bytes=self.state.store.used_bytes,
+                    )  # fmt: skip
+                    hb_reply = await self.control.heartbeat(hb, timeout=max(1.0, 4 * interval))
+                    if not hb_reply.known:
+                        registered = False
+                        continue
+                    sent = report
+                    interval = hb_reply.heartbeat_interval or interval  # stretched as the fleet grows
+                    self._apply(hb_reply)
+                except (CoordinatorUnavailable, ProtocolError) as exc:
+                    log.debug("control plane: %s", exc)
+                except Exception:  # a bug in one round: the next round tries again
+                    self.state.counters.errors += 1
+                    log.exception("control loop round failed")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await changed.wait()
+
+    def _check_ranks(self) -> None:
+        for lr in self.state.ranks.values():
+            if lr.alive and not pid_alive(lr.pid):
+                lr.mark_dead()
+                log.warning("rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
+                            lr.rank, lr.job, lr.pid, extra=fields(lr.job, lr.rank, event="rank_died"))  # fmt: skip
+
+    def _apply(self, reply: HeartbeatReply) -> None:
+        state = self.state
+        state.set_assignments({(a.job, a.rank): a.buddies for a in reply.assignments})
+        for lr in state.ranks.values():
+            self.streams.cut_off(lr, state.assignments.get((lr.job, lr.rank), ()))
+        for w in reply.watermarks:
+            unusable = frozenset(w.unusable)
+            state.store.drop_unneeded(w.job, w.durable, unusable)
+            for lr in state.ranks.values():
+                if lr.job == w.job and (lr.job_durable, lr.job_unusable) != (w.durable, unusable):
+                    before = lr.free_slots()
+                    lr.job_durable, lr.job_unusable = w.durable, unusable
+                    if lr.free_slots() != before:  # a held copy is no longer needed: the client may have its slot
+                        self.notify(lr, "", -1)
+        self.serve.forget_vanished_streams()
+        for task in reply.tasks:
+            self.tasks.spawn(self.replicate.replicate(task),
+                             f"re-replication of {task.job} rank {task.rank} step {task.step}")  # fmt: skip

@@ -1,0 +1,145 @@
+"""The ipc endpoint's side of the sidecar: requests from the node's training ranks.
+
+A rank registers (the sidecar creates its shared-memory arena), announces each staged slot (the slot becomes a
+valid copy and starts streaming to the rank's buddies), asks to restore, and unregisters when it closes. The
+sidecar answers each request and, whenever the slots a rank may write into change, tells it with a
+:class:`~snapshotd.proto.SlotUpdate` (:class:`RankNotices`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from snapshotd.logs import fields
+from snapshotd.proto import (
+    Announce,
+    Message,
+    ProtocolError,
+    RankRegistered,
+    RegisterRank,
+    RestoreRequest,
+    SlotUpdate,
+    UnregisterRank,
+)
+from snapshotd.shm import create_arena
+
+from .local import LocalRank, SlotState
+from .node import NodeState
+from .outbox import Outbox
+from .pacer import Pacer
+from .restore import RestoreService
+from .stream import StreamService
+from .tasks import TaskTree
+
+__all__ = ["IngestService", "RankNotices"]
+
+log = logging.getLogger(__name__)
+
+
+class RankNotices:
+    """What the sidecar sends its local ranks, over the ipc endpoint's outbox."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+
+    def reply(self, ident: bytes, msg: Message) -> None:
+        self.outbox.reply(ident, msg)
+
+    def slots(self, lr: LocalRank, note: str = "", failed_step: int = -1) -> None:
+        """Hand ``lr``'s free slots back to its process (they stop being copies from now on), with what became of
+        the snapshot that freed them: ``failed_step`` and ``note`` when it did not reach every buddy."""
+        free = lr.release_free()
+        self.outbox.reply(lr.identity, SlotUpdate(
+            job=lr.job, rank=lr.rank, free_slots=tuple(free), seen_step=lr.seen_step,
+            durable_step=lr.durable_step, failed_step=failed_step, note=note,
+        ))  # fmt: skip
+
+
+class IngestService:
+    """Handles the requests of local ranks (see the module docstring).
+
+    Args:
+        state: the node's state.
+        notices: replies and slot updates to the ranks.
+        streams: starts the stream of an announced slot.
+        restores: runs a restore request.
+        tasks: the sidecar's task tree (a restore runs as its own task).
+        pacer: the node's pacer, told each announced step's duration.
+    """
+
+    def __init__(self, state: NodeState, notices: RankNotices, streams: StreamService, restores: RestoreService,
+                 tasks: TaskTree, pacer: Pacer) -> None:  # fmt: skip
+        self.state = state
+        self.notices = notices
+        self.streams = streams
+        self.restores = restores
+        self.tasks = tasks
+        self.pacer = pacer
+
+    def handle(self, ident: bytes, msg: Message) -> None:
+        """Act on one request from the rank at ``ident``.
+
+        Raises:
+            ProtocolError: a request that is not an ipc request, or one this rank may not make now.
+        """
+        if isinstance(msg, RegisterRank):
+            self._register(ident, msg)
+        elif isinstance(msg, Announce):
+            self._announce(ident, msg)
+        elif isinstance(msg, RestoreRequest):
+            self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
+        elif isinstance(msg, UnregisterRank):
+            self._unregister(msg.job, msg.rank)
+        else:
+            raise ProtocolError(f"{msg.TYPE} is not an ipc request")
+
+    def _register(self, ident: bytes, msg: RegisterRank) -> None:
+        lr = self.state.rank(msg.job, msg.rank)
+        need = max(4096, -(-msg.data_bytes // 4096) * 4096)
+        if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
+            lr.revive(msg.pid, ident, msg.world_size)
+        else:
+            if lr is not None:
+                self.state.drop_rank(lr)
+            arena = create_arena(msg.job, msg.rank, need, msg.slots, node=self.state.node)
+            lr = LocalRank(msg.job, msg.rank, msg.world_size, msg.pid, ident, arena,
+                           [SlotState() for _ in range(msg.slots)])  # fmt: skip
+            self.state.add_rank(lr)
+            log.info("rank %d of job %s (pid %d) registered: arena %s, %d x %d B", msg.rank, msg.job, msg.pid,
+                     arena.path, msg.slots, need, extra=fields(msg.job, msg.rank, event="rank_registered"))  # fmt: skip
+        lr.table_id = -1  # a new process numbers its tables afresh
+        self.notices.reply(ident, RankRegistered(
+            job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots,
+            pid=os.getpid(),
+        ))  # fmt: skip
+        self.notices.slots(lr)
+
+    def _unregister(self, job: str, rank: int) -> None:
+        lr = self.state.rank(job, rank)
+        if lr is not None:
+            log.info("rank %d of job %s closed its snapshotter", rank, job, extra=fields(job, rank, event="rank_closed"))
+            self.state.drop_rank(lr)
+
+    def _announce(self, ident: bytes, msg: Announce) -> None:
+        lr = self.state.rank(msg.job, msg.rank)
+        if lr is None:
+            raise ProtocolError(f"rank {msg.rank} of job {msg.job!r} announced before registering")
+        if msg.table.nbytes:
+            lr.set_table(msg.table_id, msg.table)
+        elif msg.table_id != lr.table_id:
+            raise ProtocolError(f"unknown tensor table {msg.table_id}; send the table again")
+        if not 0 <= msg.slot < lr.arena.slots:
+            raise ProtocolError(f"slot {msg.slot} is outside the arena's {lr.arena.slots} slots")
+        slot = lr.slots[msg.slot]
+        if slot.valid or slot.streaming or slot.pins:
+            raise ProtocolError(f"slot {msg.slot} was not free (it holds step {slot.step})")
+        newest = max(lr.valid_steps(), default=-1)
+        if msg.step <= newest:
+            raise ProtocolError(f"step {msg.step} is not newer than the newest snapshot {newest}; steps only grow")
+        lr.identity = ident
+        lr.seen_step = msg.step
+        self.pacer.report_step(msg.step_seconds, streaming=lr.stream_task is not None)
+        lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=bytes(msg.meta),
+                                        data_bytes=lr.data_bytes, elem=lr.elem))  # fmt: skip
+        self.streams.start(lr, msg.slot)

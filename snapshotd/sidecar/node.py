@@ -1,0 +1,141 @@
+"""One sidecar's state, and the signals that tell its services when it changed.
+
+:class:`NodeState` holds what the node knows: its local ranks (:class:`~.local.LocalRank`, with their arenas
+and slots), the copies it keeps for other nodes (:class:`~.store.SnapshotStore`), the buddies the coordinator
+assigned to its ranks, and its counters. The services read it freely. What they change goes through its methods
+or through the rank and store objects it owns, which report their changes to it, so that:
+
+- :attr:`NodeState.changed` fires whenever what the coordinator must hear of changes (the ranks, their liveness,
+  the complete copies held here): the heartbeat goes out at once rather than at its next tick;
+- :attr:`NodeState.assigned` fires whenever the buddy assignments change: a stream waiting for its rank's
+  buddies starts at once.
+
+It belongs to the sidecar's event loop: not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Callable, Iterator
+
+from snapshotd.proto import InventoryItem, RankInfo
+
+from .config import SidecarConfig
+from .local import LocalRank
+from .store import SnapshotStore
+
+__all__ = ["Counters", "NodeState", "RankKey", "Signal"]
+
+RankKey = tuple[str, int]
+
+
+class Signal:
+    """A broadcast wake-up: each :meth:`fire` sets the event of every current subscriber.
+
+    A subscriber clears its event before it looks at the state, so that a change made while it works wakes it
+    again: nothing fired between two looks is lost.
+    """
+
+    def __init__(self) -> None:
+        self._events: set[asyncio.Event] = set()
+
+    def fire(self) -> None:
+        for event in self._events:
+            event.set()
+
+    @contextlib.contextmanager
+    def subscribe(self) -> Iterator[asyncio.Event]:
+        """An event set at every fire while the block runs (it starts cleared)."""
+        event = asyncio.Event()
+        self._events.add(event)
+        try:
+            yield event
+        finally:
+            self._events.discard(event)
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``predicate()`` holds, looking again at each fire; False if ``timeout`` seconds passed."""
+        with self.subscribe() as event:
+            try:
+                async with asyncio.timeout(timeout):
+                    while not predicate():
+                        await event.wait()
+                        event.clear()
+            except TimeoutError:
+                return predicate()
+        return True
+
+
+@dataclasses.dataclass(slots=True)
+class Counters:
+    """What the sidecar did, for heartbeats and status."""
+
+    bytes_out: int = 0
+    """Snapshot bytes sent to other sidecars (streams and pulls served), as they went on the wire."""
+    bytes_in: int = 0
+    """Snapshot bytes received from other sidecars."""
+    errors: int = 0
+    """Requests refused or failed, and handler failures."""
+
+
+class NodeState:
+    """What one sidecar knows (see the module docstring).
+
+    Args:
+        cfg: the sidecar's configuration (its node name and memory limit are used here).
+    """
+
+    def __init__(self, cfg: SidecarConfig) -> None:
+        self.node = cfg.node
+        self.incarnation = uuid.uuid4().hex[:16]
+        """Tells the coordinator a restarted sidecar from the one it knew under the same node name."""
+        self.data_addr = ""
+        """The data-plane address other sidecars reach this one at (set once bound)."""
+        self.changed = Signal()
+        self.assigned = Signal()
+        self.store = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire)
+        self.ranks: dict[RankKey, LocalRank] = {}
+        self.assignments: dict[RankKey, tuple[str, ...]] = {}
+        self.counters = Counters()
+
+    def rank(self, job: str, rank: int) -> LocalRank | None:
+        return self.ranks.get((job, rank))
+
+    def add_rank(self, lr: LocalRank) -> None:
+        """Take ``lr`` in (replacing none: drop an older one of the same key first)."""
+        lr.on_change = self.changed.fire
+        self.ranks[(lr.job, lr.rank)] = lr
+        self.changed.fire()
+
+    def drop_rank(self, lr: LocalRank) -> None:
+        """Forget ``lr``: stop its stream and remove its arena (its shared memory is gone with it)."""
+        if lr.stream_task is not None:
+            lr.stream_task.cancel()
+        lr.arena.close(unlink=True)
+        if self.ranks.get((lr.job, lr.rank)) is lr:
+            del self.ranks[(lr.job, lr.rank)]
+        self.changed.fire()
+
+    def set_assignments(self, assignments: dict[RankKey, tuple[str, ...]]) -> None:
+        if assignments != self.assignments:
+            self.assignments = assignments
+            self.assigned.fire()
+
+    async def buddies(self, job: str, rank: int, timeout: float) -> tuple[str, ...]:
+        """The other sidecars ``(job, rank)`` streams to, waiting up to ``timeout`` seconds for the coordinator to
+        assign some (a rank that just registered gets them with the next heartbeat reply); empty if none came."""
+        key = (job, rank)
+        await self.assigned.wait_until(lambda: bool(self.assignments.get(key)), timeout)
+        return tuple(a for a in self.assignments.get(key, ()) if a != self.data_addr)
+
+    def report(self) -> tuple[tuple[RankInfo, ...], tuple[InventoryItem, ...]]:
+        """What a heartbeat tells the coordinator: the local ranks, and every complete copy held here (buddy
+        copies and the ranks' own valid slots)."""
+        ranks = tuple(RankInfo(lr.job, lr.rank, lr.world_size, lr.pid, lr.alive) for lr in self.ranks.values())
+        items = [InventoryItem(job, rank, step, False) for job, rank, step in self.store.complete_keys()]
+        for lr in self.ranks.values():
+            items.extend(InventoryItem(lr.job, lr.rank, step, True) for step in lr.valid_steps())
+        return ranks, tuple(items)

@@ -1,0 +1,62 @@
+"""Replies on a ROUTER socket: queued by the handlers, sent in order by one writer task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from snapshotd import proto
+from snapshotd.proto import Message
+
+from .node import Counters
+
+__all__ = ["Outbox"]
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Messages for the peers of one ROUTER socket.
+
+    :meth:`reply` never waits: a handler answers and goes on (a full queue drops the reply, logged and counted).
+    :meth:`put` waits for room, for bulk senders that must not drop (a served pull). :meth:`run` is the one place
+    that sends on the socket; a peer that left is logged, not fatal.
+
+    Args:
+        counters: the sidecar's (dropped replies count as errors).
+        timeout: seconds one send may take before it is given up.
+        maxsize: replies queued at most.
+    """
+
+    def __init__(self, counters: Counters, timeout: float, maxsize: int = 4096) -> None:
+        self._counters = counters
+        self._timeout = timeout
+        self._queue: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue(maxsize=maxsize)
+
+    def reply(self, ident: bytes, msg: Message) -> None:
+        try:
+            self._queue.put_nowait((ident, msg))
+        except asyncio.QueueFull:
+            self._counters.errors += 1
+            log.warning("reply queue full; dropped %s", msg.TYPE)
+
+    async def put(self, ident: bytes, msg: Message) -> None:
+        await self._queue.put((ident, msg))
+
+    async def run(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            ident, msg = await self._queue.get()
+            try:
+                frames = proto.encode(msg)
+            except Exception:  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
+                self._counters.errors += 1
+                log.exception("could not encode a %s reply; dropped it", msg.TYPE)
+                continue
+            try:
+                async with asyncio.timeout(self._timeout):
+                    await sock.send_multipart([ident, *frames], copy=False)
+            except (zmq.ZMQError, TimeoutError) as exc:
+                log.debug("could not send %s to a peer that left: %s", msg.TYPE, exc)

@@ -1,0 +1,185 @@
+"""Restores: bringing a local rank's recoverable step back to its (restarted) process.
+
+The rank asks; this sidecar asks the coordinator for the plan (every rank of the job gets the same step G), then
+finds ``(job, rank, G)``, in this order: a valid slot of the rank's own arena (the process crashed, the node
+lived: nothing moves), a copy this node holds for the rank as a buddy (a replica: copied into the arena), or the
+live holders the plan names (a pull striped across all of them, every chunk's checksum verified). Where the
+restoring process named its live tensors, pulled or replica bytes go straight into them (:mod:`.placement`);
+the rest goes through the arena. The reply says which and where.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from snapshotd import proto
+from snapshotd.logs import fields
+from snapshotd.progress import Progress
+from snapshotd.proto import Error, PlanRequest, ProtocolError, RestoreReply, RestoreRequest, StreamBegin
+from snapshotd.shm import create_arena
+
+from .config import SidecarConfig
+from .control import CoordinatorClient, CoordinatorUnavailable
+from .local import LocalRank, SlotState
+from .node import NodeState
+from .outbox import Outbox
+from .peers import PeerError, PeerLinks
+from .placement import DirectSink, Lander, PlacementError, arena_sink
+from .store import UnknownSnapshot
+from .stream import RankNotify
+from .transfer import PullFailed, pull_snapshot
+
+__all__ = ["RestoreService"]
+
+log = logging.getLogger(__name__)
+
+
+class RestoreService:
+    """Runs the restore requests of local ranks (see the module docstring).
+
+    Args:
+        state, cfg: the node's state and configuration.
+        control: the coordinator client (plans).
+        links: connections to the other sidecars (pulls).
+        outbox: the ipc endpoint's replies.
+        notify: hands a rank its slots once its restore is decided.
+    """
+
+    def __init__(self, state: NodeState, cfg: SidecarConfig, control: CoordinatorClient, links: PeerLinks,
+                 outbox: Outbox, notify: RankNotify) -> None:  # fmt: skip
+        self.state = state
+        self.cfg = cfg
+        self.control = control
+        self.links = links
+        self.outbox = outbox
+        self.notify = notify
+
+    async def restore(self, ident: bytes, req: RestoreRequest) -> None:
+        """Answer ``req`` with a RestoreReply or an Error; the rank's slots are handed back either way."""
+        lr = self.state.rank(req.job, req.rank)
+        if lr is None:
+            self.outbox.reply(ident, Error(job=req.job, code="not_registered", rank=req.rank,
+                                           message="register the rank before restoring"))  # fmt: skip
+            return
+        lr.awaiting_restore = True
+        try:
+            await self._restore(ident, req, lr)
+        finally:
+            lr.awaiting_restore = False
+            if self.state.rank(lr.job, lr.rank) is lr:
+                self.notify(lr, "", -1)
+
+    async def _restore(self, ident: bytes, req: RestoreRequest, lr: LocalRank) -> None:
+        t0 = time.monotonic()
+        try:
+            plan = await self.control.plan(
+                PlanRequest(job=req.job, rank=req.rank, world_size=req.world_size, node=self.state.node),
+                t0 + req.timeout_s,
+            )
+        except (CoordinatorUnavailable, ProtocolError) as exc:
+            self.outbox.reply(ident, Error(job=req.job, code="plan_timeout", rank=req.rank, message=str(exc)))
+            return
+        if plan.status == "fresh":
+            self.outbox.reply(ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
+                                                  arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
+            return
+        if plan.status != "ready":
+            self.outbox.reply(ident, Error(job=req.job, code="not_recoverable", rank=req.rank, message=plan.reason))
+            return
+        step = plan.step
+        index = lr.find(step)
+        source, pulled, direct = "local", 0, False
+        if index is None:
+            try:
+                index, pulled, direct = await self._fetch(lr, step, plan.sources, req)
+            except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
+                self.outbox.reply(ident, Error(job=req.job, code="pull_failed", rank=req.rank, step=step,
+                                               message=str(exc)))  # fmt: skip
+                return
+            source = "pull" if pulled else "replica"
+        for i, other in enumerate(lr.slots):  # steps past the restored one never happened for the new process
+            if i != index and other.step > step and not other.streaming:
+                lr.set_slot(i, SlotState())
+        lr.seen_step = step
+        s = lr.slots[index]
+        seconds = time.monotonic() - t0
+        log.info("rank %d of job %s restores step %d (%s%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
+                 ", into its tensors" if direct else "", pulled, seconds,
+                 extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
+        self.outbox.reply(ident, RestoreReply(
+            job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
+            slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
+        ))  # fmt: skip
+
+    def _empty_slot(self, lr: LocalRank, data_bytes: int) -> int:
+        """Make slot 0 of ``lr`` ready to receive ``data_bytes`` (growing the arena if needed)."""
+        if data_bytes > lr.arena.slot_bytes:
+            old = lr.arena
+            lr.arena = create_arena(lr.job, lr.rank, -(-data_bytes // 4096) * 4096, old.slots, node=self.state.node)
+            old.close(unlink=True)
+        lr.clear_slots()
+        return 0
+
+    async def _fetch(
+        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest
+    ) -> tuple[int, int, bool]:
+        """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled;
+        into a slot, or, where ``req`` names live tensors, straight into them (:mod:`.placement`).
+
+        Returns the slot, the bytes pulled, and whether tensors were written directly (the slot then lacks their
+        bytes, so it is not a valid copy of the step: it is never served or kept as the local fast path).
+
+        Raises:
+            PullFailed, PeerError, ProtocolError, PlacementError: the state could not be brought here.
+        """
+        try:
+            snap = self.state.store.get(lr.job, lr.rank, step)
+        except UnknownSnapshot:
+            snap = None
+        if snap is not None:
+            index = self._empty_slot(lr, snap.data_bytes)
+            slot = lr.arena.slot(index)[: snap.data_bytes]
+            sink = self._direct_sink(lr, req, snap.table, slot)
+            land = sink.land if sink is not None else arena_sink(slot)
+            for start, part in snap.data.parts():
+                land(start, part)
+            lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
+                                         data_bytes=snap.data_bytes))  # fmt: skip
+            return index, 0, sink is not None
+        links = [self.links.get(a) for a in sources if a != self.state.data_addr]
+        index = 0
+        direct = False
+        with Progress(None, desc=f"restore {lr.job} rank {lr.rank} step {step}", unit="bytes") as bar:
+
+            def allocate(m: StreamBegin) -> Lander:
+                nonlocal direct
+                bar.total = m.data_bytes
+                self._empty_slot(lr, m.data_bytes)
+                lr.slots[index].pins += 1
+                slot = lr.arena.slot(index)[: m.data_bytes]
+                sink = self._direct_sink(lr, req, m.table, slot)
+                direct = sink is not None
+                return sink.land if sink is not None else arena_sink(slot)
+
+            try:
+                manifest, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step, allocate=allocate,
+                                                       on_progress=bar.update)  # fmt: skip
+            except BaseException:
+                lr.set_slot(index, SlotState())
+                raise
+        proto.decode_table(manifest.table, manifest.data_bytes)
+        lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
+                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes))  # fmt: skip
+        self.state.counters.bytes_in += pulled
+        return index, pulled, direct
+
+    def _direct_sink(
+        self, lr: LocalRank, req: RestoreRequest, table: bytes | memoryview, slot: memoryview
+    ) -> DirectSink | None:
+        """A sink into the restoring process's tensors, if it named any that match and the kernel lets us."""
+        if not memoryview(req.targets).nbytes:
+            return None
+        live = proto.decode_table(req.table)
+        sink = DirectSink(lr.pid, proto.decode_table(table, slot.nbytes), live, req.targets, slot)
+        return sink if sink.direct_bytes and sink.probe() else None

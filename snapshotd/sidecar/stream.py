@@ -1,0 +1,136 @@
+"""Outgoing streams: each announced slot of a local rank goes to every buddy of the rank.
+
+One stream per rank at a time: a newer announced step supersedes the stream in flight (which stops, its step
+counted as skipped, not failed). Within a stream each buddy has its own task, so that a buddy the coordinator
+stops assigning (it died) is cut off alone while the others finish. When the stream ends the rank's process gets
+its free slots back, with a note when the step did not reach every buddy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from snapshotd.logs import fields
+
+from .config import SidecarConfig
+from .local import LocalRank
+from .node import NodeState
+from .pacer import Pacer
+from .peers import PeerError, PeerLinks
+from .tasks import TaskTree
+from .transfer import CodecPolicy, send_snapshot
+
+__all__ = ["RankNotify", "StreamService"]
+
+log = logging.getLogger(__name__)
+
+RankNotify = Callable[[LocalRank, str, int], None]
+"""Hands a rank its free slots: ``notify(lr, note, failed_step)`` (see :meth:`.ingest.RankNotices.slots`)."""
+
+
+class StreamService:
+    """Streams announced slots to buddies (see the module docstring).
+
+    Args:
+        state, cfg: the node's state and configuration (chunk size, window, codec, heartbeat interval).
+        links: connections to the other sidecars.
+        pacer: keeps every stream of the node inside its bandwidth budget.
+        tasks: the sidecar's task tree.
+        notify: hands a rank its free slots (``notify(lr, note, failed_step)``).
+    """
+
+    def __init__(self, state: NodeState, cfg: SidecarConfig, links: PeerLinks, pacer: Pacer, tasks: TaskTree,
+                 notify: RankNotify) -> None:  # fmt: skip
+        self.state = state
+        self.cfg = cfg
+        self.links = links
+        self.pacer = pacer
+        self.tasks = tasks
+        self.notify = notify
+        self.policies: dict[str, CodecPolicy] = {}
+
+    def start(self, lr: LocalRank, index: int) -> None:
+        """Stream slot ``index`` of ``lr`` (just announced), superseding the rank's stream in flight."""
+        if lr.stream_task is not None:
+            lr.stream_task.cancel()
+        lr.stream_task = self.tasks.spawn(self._stream(lr, index), f"stream of {lr.job} rank {lr.rank}")
+
+    def cut_off(self, lr: LocalRank, assigned: tuple[str, ...]) -> None:
+        """Stop the part of ``lr``'s stream in flight that goes to a sidecar no longer among its buddies."""
+        for addr, task in lr.buddy_streams.items():
+            if addr not in assigned and not task.done():
+                log.info("%s is no longer a buddy of %s rank %d: its stream stops", addr, lr.job, lr.rank,
+                         extra=fields(lr.job, lr.rank, event="buddy_removed"))  # fmt: skip
+                task.cancel()
+
+    async def _stream(self, lr: LocalRank, index: int) -> None:
+        s = lr.slots[index]
+        s.streaming = True
+        buddies: tuple[str, ...] = ()
+        errors: list[str] = []
+        ok = 0
+        me = asyncio.current_task()
+        try:
+            # a rank that just registered gets its buddies with the next heartbeat reply
+            buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
+            data = lr.arena.slot(index)[: s.data_bytes]
+            prev = lr.previous(index)
+            base = None
+            if prev is not None and lr.slots[prev].table == s.table:
+                base = (lr.slots[prev].step, lr.arena.slot(prev)[: s.data_bytes])
+            checksums: dict[int, int] = {}  # shared by the buddies: the slot does not change while it streams
+            took: set[str] = set()
+
+            async def one(addr: str) -> None:
+                try:
+                    res = await send_snapshot(
+                        self.links.get(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.state.node,
+                        data=data, table=s.table, meta=s.meta, chunk_bytes=self.cfg.chunk_bytes,
+                        window=self.cfg.window, pacer=self.pacer,
+                        policy=self.policies.setdefault(addr, CodecPolicy(self.cfg.codec)), base=base, elem=s.elem,
+                        checksums=checksums,
+                    )  # fmt: skip
+                except PeerError as exc:
+                    log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc,
+                                extra=fields(lr.job, lr.rank, s.step, "stream_failed"))  # fmt: skip
+                    errors.append(f"{addr}: {exc}"[:300])
+                    return
+                except Exception as exc:  # a bug in this stream: this buddy failed, the others go on
+                    self.state.counters.errors += 1
+                    log.exception("stream of %s rank %d step %d to %s failed", lr.job, lr.rank, s.step, addr,
+                                  extra=fields(lr.job, lr.rank, s.step, "stream_failed"))  # fmt: skip
+                    errors.append(f"{addr}: {type(exc).__name__}: {exc}"[:300])
+                    return
+                took.add(addr)
+                self.state.counters.bytes_out += res.wire_bytes
+                log.debug("step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s", s.step, lr.job,
+                          lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
+
+            async with asyncio.TaskGroup() as group:  # one task per buddy: a reassigned one is cut off alone
+                lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
+            ok = len(took)
+            if len(errors) < len(buddies) - ok:
+                errors.append("a buddy was reassigned by the coordinator (it died)")
+        finally:
+            lr.buddy_streams = {}
+            s.streaming = False
+            if buddies and ok == len(buddies):
+                lr.durable_step = max(lr.durable_step, s.step)
+            superseded = lr.stream_task is not None and lr.stream_task is not me
+            if lr.stream_task is me:
+                lr.stream_task = None
+            if self.state.ranks.get((lr.job, lr.rank)) is lr and lr.alive:
+                if superseded:  # a newer step took over: this one is skipped, not failed
+                    self.notify(lr, "", -1)
+                elif not buddies:
+                    self.notify(lr, "no buddy assigned yet", s.step)
+                elif ok < len(buddies):
+                    note = f"{len(buddies) - ok} of {len(buddies)} buddies did not take step {s.step}"
+                    if errors:
+                        note += ": " + "; ".join(errors)
+                    self.notify(lr, note[:4000], s.step)
+                else:
+                    self.notify(lr, "", -1)
+

@@ -1,0 +1,56 @@
+"""The sidecar's task tree: every task it runs is a child of one ``asyncio.TaskGroup``.
+
+Long-running services (the socket loops, the heartbeat) and per-request work (a stream, a restore, a served pull,
+a re-replication, a peer link's reader) all run here, so that stopping the sidecar stops every one of them. A
+task started with :meth:`TaskTree.spawn` is an error boundary: its failure is logged with its name and counted,
+and never ends the sidecar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from .node import Counters
+
+__all__ = ["TaskTree"]
+
+log = logging.getLogger(__name__)
+
+
+class TaskTree:
+    """Spawns tasks into the sidecar's TaskGroup once :meth:`attach` gave it one."""
+
+    def __init__(self, counters: Counters) -> None:
+        self._counters = counters
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def attach(self, group: asyncio.TaskGroup) -> None:
+        self._group = group
+
+    def spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        """Run ``coro`` in the tree; an exception it raises is logged as ``what`` failed and counted."""
+        if self._group is None:
+            coro.close()
+            raise RuntimeError(f"{what}: the sidecar is not running")
+        task = self._group.create_task(self._guarded(coro, what))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _guarded(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._counters.errors += 1
+            log.exception("%s failed", what)
+
+    def cancel_all(self) -> None:
+        """Cancel every task spawned so far (the sidecar is stopping)."""
+        for task in list(self._tasks):
+            task.cancel()

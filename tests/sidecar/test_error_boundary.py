@@ -1,0 +1,89 @@
+"""Every request handler of the sidecar is an error boundary: one failing request is answered, the rest served.
+
+The sidecar is a real one, run in this process (so that a handler's dependency can be made to fail), with a real
+coordinator process and real ZeroMQ sockets: a raw DEALER on its ipc endpoint plays a training rank.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from snapshotd.local_cluster import LocalCluster
+from snapshotd.proto import Error, Message, PullManifest, RankRegistered, RegisterRank, decode, encode
+from snapshotd.shm import SHM_DIR
+from snapshotd.sidecar import ingest
+from snapshotd.sidecar.config import SidecarConfig
+
+from .in_process import in_process_sidecar
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Peer:
+    """A raw DEALER on one endpoint; every receive has a deadline."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(endpoint)
+
+    def __enter__(self) -> _Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close(linger=0)
+
+    def request(self, msg: Message, timeout: float = 10.0) -> Message:
+        self.sock.send_multipart(encode(msg))
+        assert self.sock.poll(int(timeout * 1000)), f"no answer to {msg.TYPE}"
+        return decode(self.sock.recv_multipart())
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_a_failing_request_is_answered_and_the_sidecar_keeps_serving(
+    tmp_path, ctx: zmq.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    job = f"boundary-{tag}"
+    real_create = ingest.create_arena
+    calls: list[int] = []
+
+    def create_arena(*args, **kwargs):  # the first arena cannot be made: /dev/shm full, say
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "injected: no space left on device")
+        return real_create(*args, **kwargs)
+
+    monkeypatch.setattr(ingest, "create_arena", create_arena)
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        cfg = SidecarConfig(coordinator=cluster.coordinator_addr, node=f"a-{tag}", ipc=str(tmp_path / "a.ipc"), nice=0)
+        with (
+            in_process_sidecar(cfg) as side,
+            _Peer(ctx, f"ipc://{side.ipc}") as rank,
+            _Peer(ctx, side.data_addr) as peer,
+        ):
+            register = RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096, slots=2)
+            refused = rank.request(register)
+            assert isinstance(refused, Error), refused
+            assert refused.code == "internal" and "OSError" in refused.message and "injected" in refused.message
+            assert (refused.job, refused.rank) == (job, 0)
+            assert side.sidecar.state.counters.errors == 1
+
+            accepted = rank.request(register)  # the same request again: served
+            assert isinstance(accepted, RankRegistered), accepted
+            missing = peer.request(PullManifest(job=job, rank=0, step=3))  # the data plane answers as ever
+            assert isinstance(missing, Error) and missing.code == "not_found", missing
+    assert not [n for n in os.listdir(SHM_DIR) if tag in n], "the sidecar's arena outlived it"
