@@ -26,7 +26,7 @@ import xxhash
 
 from . import limits as L
 from .errors import ChecksumMismatch, CodecError
-from .messages import CODECS, Buffer
+from .fields import CODECS, Buffer
 
 __all__ = ["breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
 
@@ -63,7 +63,7 @@ def compress_chunk(
     """Encode one chunk with ``codec``, falling back to ``raw`` when that does not make it smaller.
 
     Args:
-        codec: one of :data:`~snapshotd.proto.messages.CODECS`.
+        codec: one of :data:`~snapshotd.proto.fields.CODECS`.
         data: the chunk's bytes (C-contiguous). Read only; it must not change until this returns.
         base: ``delta-lz4`` only: the same chunk of the base snapshot, exactly as long as ``data``.
         elem: element size in bytes for the byte-shuffle (4 for fp32, 2 for bf16); ignored by ``raw``/``lz4``.

@@ -20,20 +20,19 @@ A status document (``snapshotd status``) lists every node and rank: at 10,000 no
 more to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
 in parts (see :meth:`~.state.CoordinatorState.status_parts`), for up to ``_STATUS_SLICE_S`` per pass of the loop,
 and sent once complete; at most ``_STATUS_BUILDS`` are built at once, and a request beyond gets
-``Error(code="busy")``.
+an ``Error`` with code ``busy``.
 
 Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
 waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
 exactly when the coordinator is busiest, and their re-registrations would make it busier still.
 
-Nothing a peer sends can crash or wedge the loop: undecodable frames get ``Error(code="bad_message")``, a
-well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
-not serve ``Error(code="unexpected")``, an ``Error`` sent to us is counted and dropped, and a bug while handling
-one request answers ``Error(code="internal")`` and the loop goes on; an error answering a plan request names the
-request's rank outside its world size (else its first rank), so that a sidecar asking for several ranks at once
-knows which one was refused. Each problem is
-logged at most once per peer per minute.
+Nothing a peer sends can crash or wedge the loop: undecodable frames get an ``Error`` with code ``bad_message``,
+a well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
+not serve ``unexpected``, an ``Error`` sent to us is counted and dropped, and a bug while handling one request
+answers ``internal`` and the loop goes on (see :class:`~snapshotd.proto.ErrorCode`); an error answering a plan
+request names the request's rank outside its world size (else its first rank), so that a sidecar asking for
+several ranks at once knows which one was refused. Each problem is logged at most once per peer per minute.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ import zmq.asyncio
 from snapshotd import security
 from snapshotd.proto import (
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     MemberQuery,
@@ -262,7 +262,7 @@ class _Server:
             answer = self.state.plan_rows(held.msg, now, held=True)
         except Exception as exc:  # it was answerable when it came: a bug
             self.complain("held", "failed to answer a held plan request", exc_info=True)
-            self.send(held.envelope, Error(job=held.msg.job, code="internal", rank=held.msg.rank,
+            self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
                                            message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
             return
         if isinstance(answer, PlanReply):  # wait
@@ -284,7 +284,7 @@ class _Server:
         except ProtocolError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "bad message from peer %s: %s", peer.hex(), exc)
-            self.send(envelope, Error(code="bad_message", message=_clip(str(exc))))
+            self.send(envelope, Error(code=ErrorCode.BAD_MESSAGE, message=_clip(str(exc))))
             return
         rank = -1
         if isinstance(msg, PlanRequest):
@@ -294,10 +294,10 @@ class _Server:
         except ValueError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "refused %s from peer %s: %s", msg.TYPE, peer.hex(), exc)
-            reply = Error(job=msg.job, code="bad_message", rank=rank, message=_clip(str(exc)))
+            reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, rank=rank, message=_clip(str(exc)))
         except Exception as exc:
             self.complain(peer, "failed to handle %s from peer %s", msg.TYPE, peer.hex(), exc_info=True)
-            reply = Error(job=msg.job, code="internal", rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
+            reply = Error(job=msg.job, code=ErrorCode.INTERNAL, rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
         if reply is not None:
             self.send(envelope, reply, msg.node if isinstance(msg, Heartbeat) else None)
 
@@ -322,14 +322,14 @@ class _Server:
             return self.state.member(msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
-                return Error(code="busy", message=f"{len(self.statuses)} status documents are being built; ask again "
-                                                  "in a second")  # fmt: skip
+                return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "
+                                                          "ask again in a second")  # fmt: skip
             self.statuses.append(_StatusBuild(envelope, self.state.status_parts(now)))
             return None
         self.state.bad_messages += 1
         if isinstance(msg, Error):  # never answer an error with an error
             return None
-        return Error(job=msg.job, code="unexpected", message=f"the coordinator does not serve {msg.TYPE!r}")
+        return Error(job=msg.job, code=ErrorCode.UNEXPECTED, message=f"the coordinator does not serve {msg.TYPE!r}")
 
     def draft_some(self) -> None:
         """Draft and encode (up to ``_BATCH``) answers that held requests get when their round freezes, if the
@@ -355,7 +355,7 @@ class _Server:
             except Exception as exc:  # a bug must not stop the loop
                 self.statuses.popleft()
                 self.complain("status", "failed to build a status document", exc_info=True)
-                self.send(build.envelope, Error(code="internal", message=_clip(f"{type(exc).__name__}: {exc}")))
+                self.send(build.envelope, Error(code=ErrorCode.INTERNAL, message=_clip(f"{type(exc).__name__}: {exc}")))
                 continue
             if part is None:
                 self.statuses.popleft()
@@ -372,7 +372,7 @@ class _Server:
             frames = encode(reply) if head is None else [head]
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
-            frames = encode(Error(code="internal", message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
+            frames = encode(Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
         self.send_frames(envelope, frames)
 
     def send_plan(self, envelope: list[bytes], msg: PlanRequest, rows: list[PlanRow]) -> None:
@@ -381,7 +381,7 @@ class _Server:
             frame = plan_frame(msg.job, rows)
         except ProtocolError as exc:
             self.complain("encode", "cannot encode a plan reply: %s", exc)
-            self.send(envelope, Error(job=msg.job, code="internal", rank=msg.rank,
+            self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank,
                                       message=_clip(f"the plan reply broke a limit: {exc}")))  # fmt: skip
             return
         self.send_frames(envelope, [frame])

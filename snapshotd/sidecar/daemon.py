@@ -37,6 +37,7 @@ from snapshotd.proto import (
     Chunk,
     ChunkAck,
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     InventoryItem,
@@ -275,7 +276,7 @@ class Sidecar:
             except ProtocolError as exc:
                 self.errors += 1
                 log.warning("ipc: %s", exc)
-                self._reply(self._ipc_out, ident, Error(code="bad_message", message=str(exc)))
+                self._reply(self._ipc_out, ident, Error(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
 
     def _register_rank(self, ident: bytes, msg: RegisterRank) -> None:
         key = (msg.job, msg.rank)
@@ -429,7 +430,7 @@ class Sidecar:
     async def _restore(self, ident: bytes, req: RestoreRequest) -> None:
         lr = self.ranks.get((req.job, req.rank))
         if lr is None:
-            self._reply(self._ipc_out, ident, Error(job=req.job, code="not_registered", rank=req.rank,
+            self._reply(self._ipc_out, ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                                     message="register the rank before restoring"))  # fmt: skip
             return
         lr.awaiting_restore = True
@@ -448,14 +449,14 @@ class Sidecar:
                 t0 + req.timeout_s,
             )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            self._reply(self._ipc_out, ident, Error(job=req.job, code="plan_timeout", rank=req.rank, message=str(exc)))
+            self._reply(self._ipc_out, ident, Error(job=req.job, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
             return
         if plan.status == "fresh":
             self._reply(self._ipc_out, ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
                                                            arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
             return
         if plan.status != "ready":
-            self._reply(self._ipc_out, ident, Error(job=req.job, code="not_recoverable", rank=req.rank,
+            self._reply(self._ipc_out, ident, Error(job=req.job, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank,
                                                     message=plan.reason))  # fmt: skip
             return
         step = plan.step
@@ -465,7 +466,7 @@ class Sidecar:
             try:
                 index, pulled, direct = await self._fetch_into_arena(lr, step, plan.sources, req)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
-                self._reply(self._ipc_out, ident, Error(job=req.job, code="pull_failed", rank=req.rank, step=step,
+                self._reply(self._ipc_out, ident, Error(job=req.job, code=ErrorCode.PULL_FAILED, rank=req.rank, step=step,
                                                         message=str(exc)))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
@@ -566,12 +567,13 @@ class Sidecar:
             except ProtocolError as exc:
                 self.errors += 1
                 log.warning("data plane: %s", exc)
-                self._reply(self._data_out, ident, Error(code="bad_message", message=str(exc)))
+                self._reply(self._data_out, ident, Error(code=ErrorCode.BAD_MESSAGE, message=str(exc)))
                 continue
             try:
                 self._handle_data(ident, msg)
             except (ProtocolError, UnknownSnapshot, MemoryLimitReached) as exc:
-                code = {MemoryLimitReached: "memory_limit", UnknownSnapshot: "not_found"}.get(type(exc), "bad_chunk")
+                code = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND}.get(
+                    type(exc), ErrorCode.BAD_CHUNK)
                 self.errors += 1
                 rank, step = getattr(msg, "rank", -1), getattr(msg, "step", -1)
                 self._reply(self._data_out, ident, Error(job=msg.job, code=code, message=str(exc), rank=rank, step=step))
@@ -650,7 +652,7 @@ class Sidecar:
             _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
         except UnknownSnapshot as exc:  # never held, or dropped since the request came (D moved)
             self.errors += 1
-            self._reply(self._data_out, ident, Error(job=req.job, code="not_found", message=str(exc), rank=req.rank,
+            self._reply(self._data_out, ident, Error(job=req.job, code=ErrorCode.NOT_FOUND, message=str(exc), rank=req.rank,
                                                      step=req.step))  # fmt: skip
             return
         holder.pins += 1

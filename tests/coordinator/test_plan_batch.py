@@ -163,7 +163,7 @@ def test_plan_frame_refuses_what_encode_would() -> None:
         plan_frame("j", many)
     with pytest.raises(LimitExceeded):
         encode(PlanReply(job="j", rank=0, status="ready", step=1, sources=many[0][4]))
-    with pytest.raises(LimitExceeded, match="ranks"):
+    with pytest.raises(LimitExceeded, match="plans"):
         plan_frame("j", [(r, "ready", 1, True, (), "") for r in range(L.MAX_PLAN_RANKS + 1)])
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from snapshotd.proto import limits as L
 from snapshotd.proto.errors import LimitExceeded, MalformedMessage, ProtocolError
-from snapshotd.proto.messages import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
+from snapshotd.proto.records import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
 from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
 
 PROPS = settings(max_examples=300, deadline=timedelta(milliseconds=500), derandomize=True, database=None,
