@@ -1,5 +1,5 @@
-"""Frame 0 of the coordinator's hot replies: heartbeat replies joined from pieces packed once, plan replies packed
-straight from their rows. Both go through :mod:`snapshotd.proto`'s fast paths (:class:`~snapshotd.proto.FramePacker`,
+"""Frame 0 of the coordinator's hot replies: heartbeat replies joined from pieces packed once, plan answers packed
+without building messages. Both go through :mod:`snapshotd.proto`'s fast paths (:class:`~snapshotd.proto.FramePacker`,
 :class:`~snapshotd.proto.PlanReplyPacker`), so each is byte for byte what :func:`snapshotd.proto.encode` makes of
 the same reply, after the same checks.
 
@@ -18,13 +18,11 @@ from typing import Any
 
 from snapshotd.proto import Assignment, FramePacker, HeartbeatReply, PlanReplyPacker, Watermark
 
-from .jobs import PlanRow
+from .plans import PlanAnswer
 
-__all__ = ["HeartbeatReplies", "plan_frame"]
+__all__ = ["HeartbeatReplies", "PlanReplies"]
 
 _SCALARS_KEPT = 64  # packed scalar values kept (job names, intervals): a handful in practice
-
-_PLAN_REPLIES = PlanReplyPacker()
 
 
 class HeartbeatReplies:
@@ -97,11 +95,22 @@ def _same(last: HeartbeatReply, reply: HeartbeatReply) -> bool:
             and all(map(operator.is_, last.watermarks, reply.watermarks)))  # fmt: skip
 
 
-def plan_frame(job: str, rows: list[PlanRow]) -> bytes:
-    """``encode(reply)[0]`` of the :class:`~snapshotd.proto.PlanReply` of ``job`` that carries ``rows``: the
-    first as its own fields, the others as ``plans``.
+class PlanReplies:
+    """Frame 0 of plan replies, from the state's answers (see :class:`~snapshotd.proto.PlanReplyPacker`).
 
-    Raises:
-        ProtocolError: too many rows or sources, or a header over its limit (as :func:`encode` would).
+    Not thread-safe: one instance per server loop.
     """
-    return _PLAN_REPLIES.pack(job, rows)
+
+    def __init__(self) -> None:
+        self._packer = PlanReplyPacker()
+
+    def frame(self, answer: PlanAnswer) -> bytes:
+        """``encode(answer.reply())[0]``, packed from the answer's plans without building the reply.
+
+        Raises:
+            ProtocolError: the reply breaks a limit (too many ranks or sources, a header over its limit), as
+                :func:`encode` would say.
+        """
+        if answer.waiting:
+            return self._packer.wait(answer.job, answer.rank, answer.reason)
+        return self._packer.pack(answer.job, answer.plans)

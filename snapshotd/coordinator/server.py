@@ -10,17 +10,16 @@ Plan requests that must wait are held, not answered (long-polling, see :mod:`.he
 moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. A sidecar asks for all its
 restoring ranks in one request. Whenever the loop has caught up (nothing queued), the answer each held request
 will get if nothing changes before the round freezes is drafted and encoded (see
-:meth:`~.state.CoordinatorState.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
+:meth:`~.plans.Plans.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
 drafting never delays a request. When the round freezes, each held request whose draft still holds is answered
-by sending those bytes; the others are asked again of the state. Held requests woken by a
-decision are answered for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that 10,000
-sidecars getting their plans at once do not stop heartbeats for the time that takes.
+by sending those bytes; the others are asked again of the state. Held requests woken by a decision are answered
+for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that a whole fleet getting its plans at
+once does not stop heartbeats for the time that takes.
 
-A status document (``snapshotd status``) lists every node and rank: at 10,000 nodes of 8 ranks it takes 0.2 s or
-more to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
-in parts (see :meth:`~.state.CoordinatorState.status_parts`), for up to ``_STATUS_SLICE_S`` per pass of the loop,
-and sent once complete; at most ``_STATUS_BUILDS`` are built at once, and a request beyond gets
-an ``Error`` with code ``busy``.
+A status document (``snapshotd status``) lists every node and rank; at thousands of nodes it takes long enough to
+build that it would hold up every heartbeat and plan answer queued behind it. So it is built in parts (see
+:mod:`.status`), for up to ``_STATUS_SLICE_S`` per pass of the loop, and sent once complete; at most
+``_STATUS_BUILDS`` are built at once, and a request beyond gets an ``Error`` with code ``busy``.
 
 Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
@@ -59,7 +58,6 @@ from snapshotd.proto import (
     HeartbeatReply,
     MemberQuery,
     Message,
-    PlanReply,
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
@@ -73,8 +71,8 @@ from snapshotd.proto.limits import MAX_TEXT_LEN
 from .config import CoordinatorConfig
 from .gc_policy import GcPolicy
 from .held import MAX_HELD, Held, HeldPlans
-from .jobs import PlanRow
-from .replies import HeartbeatReplies, plan_frame
+from .plans import PlanAnswer
+from .replies import HeartbeatReplies, PlanReplies
 from .state import CoordinatorState
 
 __all__ = ["run_coordinator"]
@@ -166,6 +164,7 @@ class _Server:
         self.held = held
         self._complaints: dict[Any, float] = {}
         self.replies = HeartbeatReplies()
+        self.plan_replies = PlanReplies()
         self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
         self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
@@ -231,13 +230,15 @@ class _Server:
     def answer_held(self, now: float, *, caught_up: bool = True) -> None:
         """Ask the state again for held requests that something woke (for up to ``_HELD_SLICE_S``), and once
         the loop has ``caught_up`` (nothing queued), answer those held too long."""
-        if self._rebuilding and not self.state.rebuilding(now):
+        plans = self.state.plans
+        if self._rebuilding and not plans.rebuilding(now):
             self._rebuilding = False
             self.held.wake_all()  # requests held in the rebuild window were not recorded yet
-        while self.state.plan_changes:
-            self.held.wake(self.state.plan_changes.pop())
+        changes = self.state.jobs.plan_changes
+        while changes:
+            self.held.wake(changes.pop())
         due, end = self.held.due, now + _HELD_SLICE_S
-        confirm, send, clock = self.state.confirm, self.send_frames, time.monotonic
+        confirm, send, clock = plans.confirm, self.send_frames, time.monotonic
         t = now  # one clock read per answer: it ends the slice and times the next answer
         while due:
             held = due.popleft()
@@ -254,25 +255,24 @@ class _Server:
 
     def reanswer(self, held: Held, now: float, *, final: bool) -> None:
         """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
-        if held.token is not None and self.state.confirm(held.msg, held.token, now):  # its draft holds: send it
+        plans = self.state.plans
+        if held.token is not None and plans.confirm(held.msg, held.token, now):  # its draft holds: send it
             self.held.wake(held.msg.job)
             self.send_frames(held.envelope, [held.frame])
             return
         try:
-            answer = self.state.plan_rows(held.msg, now, held=True)
+            answer = plans.plan(held.msg, now, held=True)
         except Exception as exc:  # it was answerable when it came: a bug
             self.complain("held", "failed to answer a held plan request", exc_info=True)
             self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
                                            message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
             return
-        if isinstance(answer, PlanReply):  # wait
-            if final:
-                self.send(held.envelope, answer)
-            else:
-                self.held.keep(held)
-                self.undrafted.append(held)
+        if answer.waiting and not final:
+            self.held.keep(held)
+            self.undrafted.append(held)
             return
-        self.held.wake(held.msg.job)
+        if not answer.waiting:
+            self.held.wake(held.msg.job)
         self.send_plan(held.envelope, held.msg, answer)
 
     def handle(self, frames: list[bytes], now: float) -> None:
@@ -306,20 +306,20 @@ class _Server:
         if isinstance(msg, Heartbeat):
             return self.state.heartbeat(msg, now)
         if isinstance(msg, PlanRequest):
-            answer = self.state.plan_rows(msg, now)
-            if isinstance(answer, PlanReply):  # wait
+            answer = self.state.plans.plan(msg, now)
+            if answer.waiting:
                 held = self.held.hold(envelope, msg, now)
-                if held is None:
-                    return answer
-                self.undrafted.append(held)
-                return None
-            self.held.wake(msg.job)  # the round is decided: answer every rank held for it
+                if held is not None:
+                    self.undrafted.append(held)
+                    return None
+            else:
+                self.held.wake(msg.job)  # the round is decided: answer every rank held for it
             self.send_plan(envelope, msg, answer)
             return None
         if isinstance(msg, RegisterSidecar):
             return self.state.register(msg, now)
         if isinstance(msg, MemberQuery):
-            return self.state.member(msg)
+            return self.state.membership.member(msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "
@@ -337,9 +337,9 @@ class _Server:
         for _ in range(min(_BATCH, len(self.undrafted))):
             held = self.undrafted.popleft()
             try:
-                drafted = self.state.draft(held.msg)
+                drafted = self.state.plans.draft(held.msg)
                 if drafted is not None:
-                    held.frame = plan_frame(held.msg.job, drafted[1])
+                    held.frame = self.plan_replies.frame(drafted[1])
                 held.token = drafted[0] if drafted is not None else None
             except ProtocolError as exc:  # too big for one reply: answered the slow way, which says so
                 held.token = None
@@ -375,10 +375,10 @@ class _Server:
             frames = encode(Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
         self.send_frames(envelope, frames)
 
-    def send_plan(self, envelope: list[bytes], msg: PlanRequest, rows: list[PlanRow]) -> None:
-        """Send the plan reply to ``msg`` that carries ``rows`` (see :meth:`~.state.CoordinatorState.plan_rows`)."""
+    def send_plan(self, envelope: list[bytes], msg: PlanRequest, answer: PlanAnswer) -> None:
+        """Send ``answer`` to ``msg`` (see :meth:`~.plans.Plans.plan`)."""
         try:
-            frame = plan_frame(msg.job, rows)
+            frame = self.plan_replies.frame(answer)
         except ProtocolError as exc:
             self.complain("encode", "cannot encode a plan reply: %s", exc)
             self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank,

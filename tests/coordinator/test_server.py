@@ -188,7 +188,7 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
 
 def test_a_status_document_is_built_between_other_requests(start, dealer, monkeypatch) -> None:
     """Built one part per loop pass, a large document never holds up the heartbeats queued behind it."""
-    monkeypatch.setattr("snapshotd.coordinator.state.STATUS_PART_ENTRIES", 1)
+    monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
     monkeypatch.setattr("snapshotd.coordinator.server._STATUS_SLICE_S", 0.0)
     coord = start()
     sock = dealer(coord.endpoint)

@@ -8,7 +8,7 @@ import random
 import msgpack
 import pytest
 
-import snapshotd.coordinator.state as state_module
+import snapshotd.coordinator.replication as replication_module
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     Heartbeat,
@@ -64,7 +64,7 @@ def watermark(reply: HeartbeatReply, job: str = "j") -> tuple[int, int]:
 
 
 def plan(st: CoordinatorState, rank: int, node: str, now: float = LATER, world: int = 2, job: str = "j") -> PlanReply:
-    return st.plan(PlanRequest(job=job, rank=rank, world_size=world, node=node), now)
+    return st.plans.plan(PlanRequest(job=job, rank=rank, world_size=world, node=node), now).reply()
 
 
 def two_node_job(st: CoordinatorState) -> None:
@@ -177,7 +177,7 @@ def test_dead_node_expiry_drops_its_inventory_and_homes() -> None:
 
 
 def test_status_parts_join_to_the_document_while_the_state_changes_between_them(monkeypatch) -> None:
-    monkeypatch.setattr("snapshotd.coordinator.state.STATUS_PART_ENTRIES", 1)
+    monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
     st = make()
     two_node_job(st)
     parts = st.status_parts(T0 + 1.0)
@@ -215,20 +215,20 @@ def test_members_are_the_hosts_of_live_data_addresses() -> None:
     st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.5:7071", incarnation="i1"), T0)
     st.register(RegisterSidecar(node="b", data_addr="tcp://10.0.0.6:7071", incarnation="i1"), T0)
     st.register(RegisterSidecar(node="c", data_addr="tcp://10.0.0.6:7072", incarnation="i1"), T0)  # same host
-    assert st.member(MemberQuery(host="10.0.0.5")).node == "a"
-    assert st.member(MemberQuery(host="10.0.0.6")).member
-    assert not st.member(MemberQuery(host="10.0.0.7")).member
+    assert st.membership.member(MemberQuery(host="10.0.0.5")).node == "a"
+    assert st.membership.member(MemberQuery(host="10.0.0.6")).member
+    assert not st.membership.member(MemberQuery(host="10.0.0.7")).member
     st.register(RegisterSidecar(node="d", data_addr="tcp://trainer-7:7071", incarnation="i1"), T0)  # a name
-    assert not st.member(MemberQuery(host="trainer-7")).member and not st.member(MemberQuery(host="")).member
+    assert not st.membership.member(MemberQuery(host="trainer-7")).member and not st.membership.member(MemberQuery(host="")).member
     st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)  # moved
-    assert not st.member(MemberQuery(host="10.0.0.5")).member
-    assert st.member(MemberQuery(host="10.0.0.8")).member
+    assert not st.membership.member(MemberQuery(host="10.0.0.5")).member
+    assert st.membership.member(MemberQuery(host="10.0.0.8")).member
     keep_alive(st, T0 + 2.0, "a", "c")
     keep_alive(st, T0 + 3.5, "a", "c")  # b last seen at T0: dead; c still on its host
-    assert st.member(MemberQuery(host="10.0.0.6")).node == "c"
+    assert st.membership.member(MemberQuery(host="10.0.0.6")).node == "c"
     keep_alive(st, T0 + 5.0, "a")
     keep_alive(st, T0 + 6.6, "a")  # c dead too
-    reply = st.member(MemberQuery(host="10.0.0.6"))
+    reply = st.membership.member(MemberQuery(host="10.0.0.6"))
     assert not reply.member and reply.node == "" and reply.host == "10.0.0.6"
 
 
@@ -409,7 +409,7 @@ def test_steps_held_when_a_round_froze_stay_out_of_every_watermark_until_durable
     reply = beat(st, "b", LATER + 2, ranks("j", 2, 1), inv("j", 1, 6, 7, 8, local=True) + inv("j", 0, 6, 7, 8))
     (wm,) = reply.watermarks  # every rank has its answer and G is past 6: the round closes, D moves on
     assert (wm.recoverable, wm.durable, wm.unusable) == (8, 8, ())
-    assert st._jobs["j"].stale == (-1, -1)
+    assert st.jobs["j"].stale == (-1, -1)
 
 
 def test_a_fork_inside_stale_steps_keeps_the_newer_ones_stale() -> None:
@@ -418,7 +418,7 @@ def test_a_fork_inside_stale_steps_keeps_the_newer_ones_stale() -> None:
     st = make()
     register(st, "a")
     beat(st, "a", LATER, ranks("j", 1, 0), inv("j", 0, 5, 6, 7, local=True))
-    job = st._jobs["j"]
+    job = st.jobs["j"]
     job.stale = (5, 9)
     job.fork(6)
     assert job.stale == (6, 9)
@@ -486,7 +486,7 @@ def test_replication_prefers_assigned_buddies_then_racks_without_a_copy() -> Non
 
 
 def test_sweep_runs_in_slices_one_per_expiry_tick(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_module, "SWEEP_SLICE_RANKS", 2)
+    monkeypatch.setattr(replication_module, "SWEEP_SLICE_RANKS", 2)
     st = make()
     for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3")):
         register(st, n, rack=rack)
@@ -545,15 +545,15 @@ def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later
     assert told == [0.5, 0.5, 0.75]  # two nodes at 0.5 s make 4/s; three at 0.5 s would make 6/s
     assert beat(st, "a", T0).heartbeat_interval == 0.75  # told at once, in every reply while stretched
     register_any(st, "d")
-    assert st.heartbeat_interval() == 1.0 and st.death_timeout(T0) == 6.0
+    assert st.membership.heartbeat_interval() == 1.0 and st.membership.death_timeout(T0) == 6.0
     keep_alive(st, T0 + 5.5, "a", "b", "c", "d")  # silent for 5.5 s: alive under the stretched timeout
     assert st.status(T0 + 5.5)["coordinator"]["live_nodes"] == 4
     keep_alive(st, T0 + 9.0, "a", "b")
     replies = keep_alive(st, T0 + 12.0, "a", "b")  # c and d silent for 6.5 s: dead
-    assert st.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5  # told the base once ...
+    assert st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5  # told the base once ...
     assert beat(st, "a", T0 + 12.1, changed=False).heartbeat_interval == 0.0  # ... then "keep yours"
-    assert st.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
-    assert st.death_timeout(T0 + 18.5) == 3.0
+    assert st.membership.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
+    assert st.membership.death_timeout(T0 + 18.5) == 3.0
     assert st.status(T0 + 18.6)["coordinator"]["heartbeat_timeout"] == 3.0
 
 
@@ -562,12 +562,12 @@ def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
                                             target_heartbeats_per_s=2.0), now=T0)  # fmt: skip
     for n in "ab":
         register_any(st, n)
-    assert st.heartbeat_interval() == 1.0 and st.rebuilding(T0 + 5.0)  # window 6 s with 2 nodes
+    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(T0 + 5.0)  # window 6 s with 2 nodes
     assert plan(st, 0, "a", now=T0 + 5.0).status == "wait"
-    assert not st.rebuilding(T0 + 6.1)
+    assert not st.plans.rebuilding(T0 + 6.1)
     for n in "cdefgh":
         register_any(st, n, T0 + 6.2)
-    assert st.death_timeout(T0 + 6.2) == 24.0 and not st.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s
+    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s
 
 
 def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answered() -> None:
@@ -576,16 +576,16 @@ def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answer
     assert plan(st, 0, "a").status == "wait"
     step = plan(st, 1, "b").step
     assert plan(st, 0, "a").status == "ready"  # rank 0 answered (say, a duplicate of its request) ...
-    again = st.plan(PlanRequest(job="j", rank=0, world_size=2, node="a"), LATER, held=True)
+    again = st.plans.plan(PlanRequest(job="j", rank=0, world_size=2, node="a"), LATER, held=True).reply()
     assert (again.status, again.step) == ("ready", step)  # ... its held request: the same answer, no new round
 
 
 def test_world_size_change_is_a_plan_change() -> None:
     st = make()
     two_node_job(st)
-    st.plan_changes.clear()
+    st.jobs.plan_changes.clear()
     assert plan(st, 0, "a", world=3).status == "wait"
-    assert st.plan_changes == {"j"}
+    assert st.jobs.plan_changes == {"j"}
 
 
 def register_any(st: CoordinatorState, node: str, now: float = T0) -> None:
@@ -599,11 +599,12 @@ def _index_from_scratch(st: CoordinatorState) -> dict[str, tuple[dict, dict, dic
     """Every job's holders, per-step counts, durable pairs and newest steps, recounted from the live nodes'
     inventories."""
     holders: dict[str, dict[int, dict[int, dict[str, bool]]]] = {}
-    for node in st._nodes.values():
+    for node in st.membership.nodes.values():
         for j, r, s, loc in node.inventory if node.alive else ():
             holders.setdefault(j, {}).setdefault(r, {}).setdefault(s, {})[node.name] = loc
     out = {}
-    for name, job in st._jobs.items():
+    for name in st.jobs:
+        job = st.jobs[name]
         covered: dict[int, int] = {}
         durable: dict[int, int] = {}
         pairs = set()
@@ -643,6 +644,6 @@ def test_incremental_index_equals_a_recount_after_any_sequence_of_reports(seed: 
         if rnd.random() < 0.1:
             st.expire(now + rnd.choice([0.0, 5.0]))
         for name, (holders, covered, durable, pairs, newest) in _index_from_scratch(st).items():
-            job = st._jobs[name]
+            job = st.jobs[name]
             assert (job.holders, job.covered, job.durable, job.durable_pairs) == (holders, covered, durable, pairs)
             assert job.newest == newest
