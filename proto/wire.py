@@ -17,6 +17,7 @@ list of records, may also be given in its wire form (a list of its field values,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -175,10 +176,11 @@ class PlanReplyPacker:
     """Frame 0 of :class:`~.messages.PlanReply` messages from their ranks' plans: the reply a recovery round sends
     by the thousand.
 
-    :meth:`pack` is ``encode(PlanReply.of(job, [RankPlan(*p) for p in plans]))[0]`` after the same checks, without
+    A frame is ``encode(PlanReply.of(job, [RankPlan(*p) for p in plans]))[0]`` after the same checks, without
     building the reply or its records: every plan, the first too, is checked as a record of the reply's ``plans``
     (one pass per field over all of them), which covers the first plan's top-level fields as well, since each
     :class:`~.records.RankPlan` field's spec admits no more than the top-level field of the same name.
+    :meth:`pack_many` checks the plans of many replies in those same passes, which is what makes a reply cheap.
     """
 
     def __init__(self) -> None:
@@ -198,16 +200,33 @@ class PlanReplyPacker:
         Raises:
             ProtocolError: the reply breaks a limit or a field its spec, as :func:`encode` would say.
         """
-        if 1 <= len(plans) <= L.MAX_PLAN_RANKS and self._record.valid_column(plans):
-            self._job.verify(job, "plan_reply.job")
-            rank, status, step, local, sources, reason = plans[0]
-            frame: bytes = msgpack.packb({
-                "v": L.PROTOCOL_VERSION, "type": PlanReply.TYPE, "job": job, "rank": rank, "status": status,
-                "step": step, "local": local, "sources": sources, "reason": reason, "plans": plans[1:],
-            }, use_bin_type=True)  # fmt: skip
-            if len(frame) <= L.MAX_HEADER_BYTES:
-                return frame
-        return self._generic.pack(self._values(job, plans))  # raises the precise error, or packs a ``wait``
+        (frame,) = self.pack_many([(job, plans)])
+        if isinstance(frame, ProtocolError):
+            raise frame
+        return frame
+
+    def pack_many(self, replies: Sequence[tuple[str, Sequence[RankPlanFields]]]) -> list[bytes | ProtocolError]:
+        """:meth:`pack` of each ``(job, plans)`` of ``replies``, in order; a reply that breaks a limit or a spec
+        gets the error :meth:`pack` raises for it, and does not keep the others from being packed."""
+        checked = (all([1 <= len(plans) <= L.MAX_PLAN_RANKS for _, plans in replies])
+                   and self._job.valid_column([job for job, _ in replies])
+                   and self._record.valid_column(list(itertools.chain.from_iterable(plans for _, plans in replies))))  # fmt: skip
+        out: list[bytes | ProtocolError] = []
+        for job, plans in replies:
+            if checked:
+                rank, status, step, local, sources, reason = plans[0]
+                frame: bytes = msgpack.packb({
+                    "v": L.PROTOCOL_VERSION, "type": PlanReply.TYPE, "job": job, "rank": rank, "status": status,
+                    "step": step, "local": local, "sources": sources, "reason": reason, "plans": plans[1:],
+                }, use_bin_type=True)  # fmt: skip
+                if len(frame) <= L.MAX_HEADER_BYTES:
+                    out.append(frame)
+                    continue
+            try:  # raises the precise error, or packs what the checks above could not vouch for (a ``wait``)
+                out.append(self._generic.pack(self._values(job, plans)))
+            except ProtocolError as exc:
+                out.append(exc)
+        return out
 
     def wait(self, job: str, rank: int, reason: str) -> bytes:
         """Frame 0 of the reply telling the request whose first rank is ``rank`` to wait, and why."""

@@ -333,17 +333,20 @@ class _Server:
 
     def draft_some(self) -> None:
         """Draft and encode (up to ``_BATCH``) answers that held requests get when their round freezes, if the
-        state sees one (see the module docstring)."""
+        state sees one (see the module docstring); encoded together, which costs less than one by one."""
+        drafted: list[tuple[Held, object, PlanAnswer]] = []
         for _ in range(min(_BATCH, len(self.undrafted))):
             held = self.undrafted.popleft()
-            try:
-                drafted = self.state.plans.draft(held.msg)
-                if drafted is not None:
-                    held.frame = self.plan_replies.frame(drafted[1])
-                held.token = drafted[0] if drafted is not None else None
-            except ProtocolError as exc:  # too big for one reply: answered the slow way, which says so
-                held.token = None
-                self.complain("draft", "cannot encode a plan reply: %s", exc)
+            held.token = None
+            draft = self.state.plans.draft(held.msg)
+            if draft is not None:
+                drafted.append((held, *draft))
+        frames = self.plan_replies.frames([answer for _, _, answer in drafted])
+        for (held, token, _), frame in zip(drafted, frames, strict=True):
+            if isinstance(frame, ProtocolError):  # too big for one reply: answered the slow way, which says so
+                self.complain("draft", "cannot encode a plan reply: %s", frame)
+            else:
+                held.frame, held.token = frame, token
 
     def build_statuses(self, until: float) -> None:
         """Build the oldest status documents part by part until the clock reads ``until`` (at least one part),
