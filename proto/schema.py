@@ -78,6 +78,13 @@ class Spec:
         return value
 
 
+def _as_lists(value: Any) -> Any:
+    """``value`` with every tuple in it a list, as a peer's msgpack would give it (for the checks that read it)."""
+    if type(value) in _SEQ:
+        return [_as_lists(v) for v in value]
+    return value
+
+
 def _bad(name: str, what: str, value: Any) -> MalformedMessage:
     return MalformedMessage(f"field {name!r}: expected {what}, got {type(value).__name__}")
 
@@ -254,7 +261,7 @@ class ListOf(Spec):
 
     def verify(self, value: Any, name: str) -> None:
         if not self.valid_column((value,)):
-            self.check(value, name)  # raises, naming the item
+            self.check(_as_lists(value), name)  # raises, naming the item
 
     def dump(self, value: Any) -> Any:
         item = self.item
@@ -349,7 +356,7 @@ class Record(Spec):
 
     def verify(self, value: Any, name: str) -> None:
         if not self.valid_column((value,)):
-            self.check(value, name)  # raises, naming the field
+            self.check(_as_lists(value), name)  # raises, naming the field
 
     def dump(self, value: Any) -> Any:
         """The record's field values as a list; a list or tuple is taken as the record in that form already."""

@@ -24,6 +24,7 @@ from snapshotd.proto import (
     MalformedMessage,
     Message,
     PlanReply,
+    PlanReplyPacker,
     ProtocolError,
     RankPlan,
     Watermark,
@@ -156,3 +157,37 @@ def test_pieces_name_the_field_and_items_keep_the_limit() -> None:
         plans.pack({"rank": 0, "status": "ready", "plans": [[1, "wait", 5, True, [], ""]]})
     assert plans.pack({"job": "j", "rank": 0, "status": "ready", "plans": [row]}) == bytes(encode(PlanReply(
         job="j", rank=0, status="ready", plans=(RankPlan(1, "ready", 5, True, ("tcp://a:1",), ""),)))[0])
+
+
+_RANK_PLAN = Record(RankPlan)
+
+
+def _fields(plan: RankPlan) -> tuple[Any, ...]:
+    return tuple(getattr(plan, name) for name, _ in _RANK_PLAN.fields)
+
+
+@PROPS
+@given(st.lists(st.tuples(values(Str(L.MAX_NAME_LEN)), st.lists(values(_RANK_PLAN), max_size=4)), max_size=5))
+def test_plan_replies_packed_together_are_each_the_encoded_header(replies: list[tuple[str, list[RankPlan]]]) -> None:
+    packer = PlanReplyPacker()
+    frames = packer.pack_many([(job, [_fields(p) for p in plans]) for job, plans in replies])
+    assert len(frames) == len(replies)
+    for (job, plans), frame in zip(replies, frames, strict=True):
+        got = ("error", type(frame)) if isinstance(frame, ProtocolError) else ("ok", frame)
+        if not plans:
+            assert got == ("error", LimitExceeded)
+            continue
+        expected = outcome(lambda job=job, plans=plans: bytes(encode(PlanReply.of(job, plans))[0]))
+        assert got == expected
+        assert outcome(lambda job=job, plans=plans: packer.pack(job, [_fields(p) for p in plans])) == expected
+
+
+def test_a_reply_that_breaks_a_limit_does_not_keep_the_others_from_being_packed() -> None:
+    good = [(1, "ready", 5, True, ("tcp://a:1",), ""), (2, "none", -1, False, (), "gone")]
+    crowded = [(3, "ready", 5, False, tuple(f"tcp://n{i}:1" for i in range(65)), "")]
+    first, bad, last = PlanReplyPacker().pack_many([("j", good), ("j", crowded), ("k", good[:1])])
+    assert first == bytes(encode(PlanReply.of("j", [RankPlan(*p) for p in good]))[0])
+    assert isinstance(bad, LimitExceeded) and "sources" in str(bad)
+    assert last == bytes(encode(PlanReply.of("k", [RankPlan(*good[0])]))[0])
+    wait = PlanReplyPacker().wait("j", 4, "3 of 8 ranks accounted for")
+    assert wait == bytes(encode(PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"))[0])
