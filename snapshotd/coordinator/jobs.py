@@ -78,7 +78,7 @@ class Job:
         g, d = self._newest_complete()
         if self.round is not None and self.round.caps(g, self.world_size):
             d = min(d, self.round.step)
-        lo, hi = self.stale
+        hi = self.stale[1]
         if hi >= 0 and d >= hi:
             self.stale = (-1, -1)
         wm = Watermark(job=self.name, recoverable=g, durable=d, unusable=self.unusable(d, MAX_UNUSABLE_STEPS))
