@@ -23,10 +23,10 @@ from snapshotd.proto import (
 )
 from snapshotd.proto import limits as L
 
+from .scenario import LATER, T0, addr, beat, inv, make, ranks, register
 from .test_server import TIMEOUT, dealer, start  # noqa: F401 (fixtures)
 from .test_server import ask as server_ask
 from .test_server import register as server_register
-from .test_state import LATER, T0, addr, beat, inv, make, ranks, register
 
 
 def four_rank_job(st: CoordinatorState) -> None:
