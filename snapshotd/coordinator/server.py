@@ -12,9 +12,10 @@ restoring ranks in one request. Whenever the loop has caught up (nothing queued)
 will get if nothing changes before the round freezes is drafted and encoded (see
 :meth:`~.plans.Plans.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
 drafting never delays a request. When the round freezes, each held request whose draft still holds is answered
-by sending those bytes; the others are asked again of the state. Held requests woken by a decision are answered
-for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that a whole fleet getting its plans at
-once does not stop heartbeats for the time that takes.
+by sending those bytes; the others are asked again of the state, up to ``_REANSWER_BATCH`` at a time with their
+replies encoded together. Held requests woken by a decision are answered for up to ``_HELD_SLICE_S`` at a time
+between batches of new requests, so that a whole fleet getting its plans at once does not stop heartbeats for the
+time that takes.
 
 A status document (``snapshotd status``) lists every node and rank; at thousands of nodes it takes long enough to
 build that it would hold up every heartbeat and plan answer queued behind it. So it is built in parts (see
@@ -83,6 +84,8 @@ _BATCH = 256
 """Requests handled per wake-up before the loop gets a turn (a plan request waits behind at most this many)."""
 _HELD_SLICE_S = 0.02
 """Seconds spent answering woken held plan requests before new requests get a turn."""
+_REANSWER_BATCH = 64
+"""Woken held requests without a draft that holds, asked again of the state and encoded together."""
 _STATUS_SLICE_S = 0.005
 """Seconds spent building status documents per pass of the loop."""
 _STATUS_BUILDS = 4
@@ -199,8 +202,7 @@ class _Server:
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
-        for held in self.held.take_all():  # let their sidecars ask again (the next coordinator) at once
-            self.reanswer(held, now, final=True)
+        self.reanswer(self.held.take_all(), now, final=True)  # their sidecars ask the next coordinator at once
 
     def expire(self, now: float) -> None:
         try:
@@ -240,40 +242,52 @@ class _Server:
         due, end = self.held.due, now + _HELD_SLICE_S
         confirm, send, clock = plans.confirm, self.send_frames, time.monotonic
         t = now  # one clock read per answer: it ends the slice and times the next answer
+        undrafted: list[Held] = []  # asked again of the state, up to _REANSWER_BATCH at a time
         while due:
             held = due.popleft()
             if held.token is not None and confirm(held.msg, held.token, t):  # its draft holds: send it
                 send(held.envelope, [held.frame])
             else:
-                self.reanswer(held, t, final=False)
+                undrafted.append(held)
+                if len(undrafted) == _REANSWER_BATCH:
+                    self.reanswer(undrafted, t, final=False)
+                    undrafted = []
             t = clock()
             if t >= end:
                 break
+        if undrafted:
+            self.reanswer(undrafted, t, final=False)
         if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
-            for held in self.held.take_expired(now, _BATCH):
-                self.reanswer(held, now, final=True)
+            self.reanswer(self.held.take_expired(now, _BATCH), now, final=True)
 
-    def reanswer(self, held: Held, now: float, *, final: bool) -> None:
-        """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
+    def reanswer(self, batch: list[Held], now: float, *, final: bool) -> None:
+        """Answer held requests now, their replies encoded together; unless ``final``, hold on to those whose
+        answer is still ``wait``."""
         plans = self.state.plans
-        if held.token is not None and plans.confirm(held.msg, held.token, now):  # its draft holds: send it
-            self.held.wake(held.msg.job)
-            self.send_frames(held.envelope, [held.frame])
-            return
-        try:
-            answer = plans.plan(held.msg, now, held=True)
-        except Exception as exc:  # it was answerable when it came: a bug
-            self.complain("held", "failed to answer a held plan request", exc_info=True)
-            self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
-                                           message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
-            return
-        if answer.waiting and not final:
-            self.held.keep(held)
-            self.undrafted.append(held)
-            return
-        if not answer.waiting:
-            self.held.wake(held.msg.job)
-        self.send_plan(held.envelope, held.msg, answer)
+        decided: list[tuple[Held, PlanAnswer]] = []
+        for held in batch:
+            if held.token is not None and plans.confirm(held.msg, held.token, now):  # its draft holds: send it
+                self.held.wake(held.msg.job)
+                self.send_frames(held.envelope, [held.frame])
+                continue
+            try:
+                answer = plans.plan(held.msg, now, held=True)
+            except Exception as exc:  # it was answerable when it came: a bug
+                self.complain("held", "failed to answer a held plan request", exc_info=True)
+                self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
+                                               message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
+                continue
+            if not answer.waiting:
+                self.held.wake(held.msg.job)
+                decided.append((held, answer))
+            elif final:
+                self.send_plan(held.envelope, held.msg, answer)
+            else:
+                self.held.keep(held)
+                self.undrafted.append(held)
+        frames = self.plan_replies.frames([answer for _, answer in decided])
+        for (held, _), frame in zip(decided, frames, strict=True):
+            self._send_plan_frame(held.envelope, held.msg, frame)
 
     def handle(self, frames: list[bytes], now: float) -> None:
         peer = frames[0]
@@ -381,11 +395,17 @@ class _Server:
     def send_plan(self, envelope: list[bytes], msg: PlanRequest, answer: PlanAnswer) -> None:
         """Send ``answer`` to ``msg`` (see :meth:`~.plans.Plans.plan`)."""
         try:
-            frame = self.plan_replies.frame(answer)
+            frame: bytes | ProtocolError = self.plan_replies.frame(answer)
         except ProtocolError as exc:
-            self.complain("encode", "cannot encode a plan reply: %s", exc)
+            frame = exc
+        self._send_plan_frame(envelope, msg, frame)
+
+    def _send_plan_frame(self, envelope: list[bytes], msg: PlanRequest, frame: bytes | ProtocolError) -> None:
+        """Send the encoded reply to ``msg``, or the error saying why it could not be encoded."""
+        if isinstance(frame, ProtocolError):
+            self.complain("encode", "cannot encode a plan reply: %s", frame)
             self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank,
-                                      message=_clip(f"the plan reply broke a limit: {exc}")))  # fmt: skip
+                                      message=_clip(f"the plan reply broke a limit: {frame}")))  # fmt: skip
             return
         self.send_frames(envelope, [frame])
 
