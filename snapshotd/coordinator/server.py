@@ -258,7 +258,9 @@ class _Server:
         if undrafted:
             self.reanswer(undrafted, t, final=False)
         if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
-            self.reanswer(self.held.take_expired(now, _BATCH), now, final=True)
+            expired = self.held.take_expired(now, _BATCH)
+            if expired:
+                self.reanswer(expired, now, final=True)
 
     def reanswer(self, batch: list[Held], now: float, *, final: bool) -> None:
         """Answer held requests now, their replies encoded together; unless ``final``, hold on to those whose
