@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "recovery": ("snapshotd.bench.recovery", "time from a failure to a restored rank (local and pull path)"),
     "goodput": ("snapshotd.bench.goodput", "useful training time under failures, against disk checkpoints"),
     "scale": ("snapshotd.bench.scale", "one coordinator against thousands of simulated sidecars"),
+    "torchrun": ("snapshotd.bench.torchrun_trial", "a real torchrun job losing a node: the recovery time, phase by phase"),
 }
 """Subcommand name -> (module, one-line help)."""
 

@@ -1,7 +1,9 @@
 """A real data-parallel training job for the demo, the integration tests and the benchmarks.
 
 Each rank is a process (``python -m snapshotd.bench.trainer ...``) in a gloo process group, training the GPT of
-:mod:`.workloads` with AdamW and a cosine LR schedule; gradients are averaged with one all-reduce per step. The
+:mod:`.workloads` wrapped in ``DistributedDataParallel`` (or, with ``--parallel fsdp2``, sharded with FSDP2's
+``fully_shard``) with AdamW and a cosine LR schedule. Under DDP the Snapshotter is given the unwrapped model
+(``ddp.module``), as many training scripts keep it, and finds the DDP wrapper itself. The
 batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``, so the data-loader position is the step
 itself and a restored run sees exactly the batches a failure-free run sees. With ``--job`` the rank snapshots
 every step through :class:`~snapshotd.client.Snapshotter` and restores on start, as a user's loop would.
@@ -23,7 +25,7 @@ the training thread spent in the snapshot or checkpoint machinery: ``capture()``
 
 The rank writes a JSON result (losses per step, step times, a SHA-256 over its whole final state, the
 snapshotter's stats, one record per block with its counters) and keeps a progress file holding the last completed
-step.
+step and its snapshot stride (:func:`read_progress`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from snapshotd.local_cluster import held_interrupts
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
-__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "plan_interval", "run_ranks", "state_digest"]
+__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "PARALLEL", "plan_interval", "read_progress", "run_ranks", "state_digest"]
 
 VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
 """What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
@@ -63,21 +65,40 @@ def batch_for(cfg: Any, batch: int, seed: int, rank: int, step: int) -> tuple[to
     return make_batch(cfg, batch, gen)
 
 
-def build_state(params: int, steps: int, seed: int, device: str = "cpu") -> tuple[Any, dict[str, Any]]:
-    """The model, optimizer, scheduler and RNG of one rank, as the Snapshotter's state mapping.
+PARALLEL = ("ddp", "fsdp2")
+"""How the model is wrapped: ``DistributedDataParallel``, or FSDP2's ``fully_shard`` per block and on the whole."""
 
-    The model is initialised on the CPU (the same weights on every device) and then moved to ``device``.
+
+def build_state(params: int, steps: int, seed: int, device: str = "cpu", *, parallel: str | None = None,
+                bucket_mb: float = 1.0) -> tuple[Any, dict[str, Any], torch.nn.Module]:  # fmt: skip
+    """The model, optimizer, scheduler and RNG of one rank, as the Snapshotter's state mapping, and the module
+    that trains (the model itself, or its DDP wrapper).
+
+    The model is initialised on the CPU (the same weights on every device) and then moved to ``device``. With
+    ``parallel`` (a process group must be initialised) it is wrapped before its optimizer is made, so that under
+    FSDP2 the optimizer holds the sharded parameters; under DDP the state holds the unwrapped model.
     """
     from snapshotd.client import RNGState
 
+    if parallel not in (None, *PARALLEL):
+        raise ValueError(f"parallel must be one of {PARALLEL} or None, got {parallel!r}")
     cfg = config_for_params(params)
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
     model = GPT(cfg, seed=seed).to(device)
+    trained: torch.nn.Module = model
+    if parallel == "ddp":
+        trained = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    elif parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     opt = make_optimizer(model)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(steps, 1))
-    return cfg, {"model": model, "optim": opt, "sched": sched, "rng": RNGState()}
+    return cfg, {"model": model, "optim": opt, "sched": sched, "rng": RNGState()}, trained
 
 
 def state_digest(state: dict[str, Any]) -> str:
@@ -105,10 +126,13 @@ def _tail(path: str, lines: int = 20) -> str:
     return ""
 
 
-def _read_step(path: str) -> int:
+def read_progress(path: str) -> dict[str, int]:
+    """A rank's progress file: ``step`` (the last step completed), and with snapshots the Snapshotter's
+    ``stride`` and ``skipped`` at that step; zeros before the first step."""
     with contextlib.suppress(OSError, ValueError), open(path) as f:
-        return int(f.read() or 0)
-    return 0
+        record = json.load(f)
+        return {k: int(record.get(k, 0)) for k in ("step", "stride", "skipped")}
+    return {"step": 0, "stride": 0, "skipped": 0}
 
 
 def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
@@ -144,7 +168,7 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
             if failed:
                 raise RuntimeError(f"rank {failed[0]} exited with {codes[failed[0]]}:\n{_tail(logs[failed[0]])}")
             if on_progress is not None:
-                on_progress(_read_step(progress))
+                on_progress(read_progress(progress)["step"])
             if all(code == 0 for code in codes.values()):
                 break
             if time.monotonic() > deadline:
@@ -192,18 +216,12 @@ def _parse_plan(text: str) -> list[tuple[str, int, int]]:
     return blocks
 
 
-def _train_step(model: Any, opt: Any, sched: Any, params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-                world: int) -> torch.Tensor:  # fmt: skip
-    """Forward, backward, gradient all-reduce (mean), optimizer and scheduler step; returns the loss."""
-    logits = model(x)
+def _train_step(trained: Any, opt: Any, sched: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward (DDP or FSDP2 reduces the gradients), optimizer and scheduler step; returns the loss."""
+    logits = trained(x)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    flat = torch._utils._flatten_dense_tensors([q.grad for q in params])
-    dist.all_reduce(flat)
-    flat /= world
-    for q, g in zip(params, torch._utils._unflatten_dense_tensors(flat, [q.grad for q in params]), strict=True):
-        q.grad.copy_(g)  # type: ignore[union-attr]  # backward() gave every parameter a gradient
     opt.step()
     sched.step()
     return loss
@@ -231,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--parallel", choices=PARALLEL, default="ddp", help="DDP, or FSDP2 (fully_shard)")
+    p.add_argument("--bucket-mb", type=float, default=1.0,
+                   help="DDP's bucket_cap_mb (small: several gradient buckets even for the small models here)")  # fmt: skip
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pace the demo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--plan", type=_parse_plan, default=None,
@@ -254,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(args.rank % torch.cuda.device_count())
     dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
                             timeout=__import__("datetime").timedelta(seconds=60))  # fmt: skip
-    cfg, state = build_state(args.params, args.steps, args.seed, args.device)
+    cfg, state, trained = build_state(args.params, args.steps, args.seed, args.device, parallel=args.parallel,
+                                      bucket_mb=args.bucket_mb)  # fmt: skip
     model, opt, sched = state["model"], state["optim"], state["sched"]
     snap = None
     start = 0
@@ -279,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     blocked_times: list[float] = []
     cpu_times: list[float] = []
     blocks: list[dict[str, Any]] = []
-    params = [p for p in model.parameters()]
     step = start
     for variant, interval, nsteps in plan:
         ckpt = None
@@ -300,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu0 = time.process_time()
             before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
             x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
-            loss = _train_step(model, opt, sched, params, x, y, args.world)
+            loss = _train_step(trained, opt, sched, x, y)
             blocked = 0.0
             if capturing is not None:
                 capturing.capture(step + 1)
@@ -316,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
             cpu_times.append(time.process_time() - cpu0)
             step += 1
             if args.progress:
-                _write_atomic(args.progress, str(step))
+                record = {"step": step}
+                if snap is not None:
+                    record.update(stride=snap.stats.stride, skipped=snap.stats.skipped)
+                _write_atomic(args.progress, json.dumps(record))
             if args.step_delay:
                 time.sleep(args.step_delay)
         if args.plan is not None:  # drain, untimed, so that no block's work spills into the next one

@@ -52,6 +52,7 @@ from .replicas import ReplicaShard, agree, fail_remaining
 from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
 from .state import FlatState, flatten, restore_into
+from .view import SnapshotView, restore_targets, snapshot_view
 
 __all__ = ["NotRecoverable", "SnapshotStats", "Snapshotter"]
 
@@ -83,36 +84,13 @@ class SnapshotStats:
     """Training-thread time the optimizer pre-hook waited for a staging copy."""
     auto_interval: int = 0
     """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
+    stride: int = 0
+    """With ``every=N`` and ``when_busy="skip"``: the steps between the snapshots now due, ``N`` times a power of
+    two that doubles when a due step finds no free slot and halves as slots free again (0 otherwise). A node
+    lost now costs at most ``2 * stride - 1`` steps: up to ``stride - 1`` since the last due step, and one more
+    stride if that step's snapshot had not reached its buddies."""
     errors: int = 0
     last_error: str = ""
-
-
-def _shard_replicas(state: Mapping[str, Any], replicated: Sequence[str], group: Any) -> tuple[Mapping[str, Any], Any]:
-    """``state`` as snapshots see it, each value named in ``replicated`` wrapped in a :class:`ReplicaShard`, and
-    the replica group (None without ``replicated``).
-
-    Raises:
-        ValueError: a key not in ``state``, a value that is not Stateful, no process group, or not a gloo one.
-    """
-    if isinstance(replicated, str):
-        raise ValueError(f"replicated must be a sequence of state keys, got the string {replicated!r}")
-    if not replicated:
-        return state, None
-    missing = [k for k in replicated if k not in state]
-    if missing:
-        raise ValueError(f"replicated keys {missing} are not in the state (its keys: {list(state)})")
-    if group is None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise ValueError("replicated= needs torch.distributed initialised, or a replica_group")
-        group = torch.distributed.group.WORLD
-    out: dict[str, Any] = {}
-    shards: list[ReplicaShard] = []
-    for key, value in state.items():
-        if key in replicated:
-            value = ReplicaShard(value, group, key, before=shards)
-            shards.append(value)
-        out[key] = value
-    return out, group
 
 
 def _env_int(name: str) -> int | None:
@@ -189,14 +167,14 @@ class Snapshotter:
 
         self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
-        self._snapshotted, self._replica_group = _shard_replicas(state, replicated, replica_group)
+        self._snapshotted, self._replica_group, self._ddp = snapshot_view(state, replicated, replica_group)
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self._aligned = AlignedStride(every) if isinstance(every, int) and when_busy == "skip" else None
         self.when_busy = when_busy
         self.timeout = timeout
         self.slots = slots
-        self.stats = SnapshotStats()
+        self.stats = SnapshotStats(stride=every if isinstance(every, int) and when_busy == "skip" else 0)
         self._lock = threading.Condition()
         self._free: set[int] = set()
         self._updates = 0  # SlotUpdates received
@@ -275,8 +253,8 @@ class Snapshotter:
 
     def _ask_restore(self, timeout: float) -> tuple[FlatState, RestoreReply]:
         """Register, ask the sidecar for the recoverable step and wait for its reply (the data is in place, or
-        in the arena slot, when this returns); the live state flattened for it."""
-        flat = flatten(self._snapshotted)
+        in the arena slot, when this returns); the live state's restore targets flattened for it."""
+        flat = flatten(restore_targets(self._snapshotted))
         self._register(flat.data_bytes, self.timeout)
         with self._lock:  # the restore rearranges the slots; the sidecar sends them afresh after its reply
             self._free.clear()
@@ -358,6 +336,7 @@ class Snapshotter:
                     slot_free = bool(self._free) or self._arena is None
                 aligned = self._aligned.due(step)
                 self._aligned.record(step, slot_free=slot_free)
+                self.stats.stride = self._aligned.stride
                 if not aligned:  # passed over so that this rank skips the steps the others skip
                     self.stats.skipped += 1
                     return False
@@ -385,7 +364,12 @@ class Snapshotter:
             return self.stats.last_durable_step >= target
 
     def close(self, *, unregister: bool = True) -> None:
-        """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread."""
+        """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread.
+
+        Afterwards the Snapshotter holds no reference to the state, so its objects are freed when the training
+        code drops them (a data loader's iterator and its worker processes among them), not whenever the garbage
+        collector gets to this object.
+        """
         if self._closed:
             return
         self._closed = True
@@ -397,6 +381,10 @@ class Snapshotter:
         if self._arena is not None:
             self._slot_tensors = []
             self._arena.close()
+        self.state = {}
+        self._snapshotted = SnapshotView({}, {}, {})
+        self._ddp = None
+        self._stager = Stager({}, self.stats)
 
     def __enter__(self) -> Snapshotter:
         return self

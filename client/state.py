@@ -387,7 +387,7 @@ def _np_dtype(s: Any) -> np.dtype:
 class _Restorer:
     """Rebuilds values from decoded meta, copying tensor bytes into the live tensors where they fit."""
 
-    __slots__ = ("data", "dtensor", "entries", "placed")
+    __slots__ = ("data", "dtensor", "entries", "like", "placed")
 
     def __init__(
         self, entries: Sequence[TensorEntry], data: torch.Tensor, placed: Mapping[int, torch.Tensor]
@@ -396,6 +396,24 @@ class _Restorer:
         self.data = data
         self.placed = placed
         self.dtensor = dtensor_type()
+        self.like: dict[Path, Any] = {}
+        """Path of a container -> the DTensor whose layout a DTensor shard in it that the live state lacks
+        takes (an optimizer's per-parameter state: its parameter; see :func:`_optimizer_templates`)."""
+
+    def new_dtensor(self, src: torch.Tensor, keys: Path) -> Any:
+        """A DTensor with the local shard ``src`` (copied), laid out as the parameter it belongs to.
+
+        Raises:
+            ValueError: no parameter is known for ``keys``, or its local shard has another shape.
+        """
+        like = self.like.get(keys[:-1])
+        if like is None or tuple(like.to_local().shape) != tuple(src.shape):
+            raise ValueError(
+                f"{_where(keys)}: the snapshot holds a DTensor shard but the live state has no DTensor here "
+                "(only an optimizer's state shaped like its parameter can be rebuilt from the parameter's layout)"
+            )
+        return self.dtensor.from_local(src.clone(), like.device_mesh, like.placements, run_check=False,  # type: ignore[union-attr]
+                                       shape=like.shape, stride=like.stride())  # fmt: skip
 
     def tensor(self, ref: _Ref, cur: Any, keys: Path, strict: bool) -> Any:
         e = self.entries[ref.index]
@@ -403,19 +421,17 @@ class _Restorer:
             raise ValueError(f"{_where(keys)}: the table names {e.path!r} here; table and meta do not match")
         dtype = _TORCH_DTYPES[e.dtype]
         target = cur
-        if self.dtensor is not None and isinstance(cur, self.dtensor):
+        live_dtensor = self.dtensor is not None and isinstance(cur, self.dtensor)
+        if live_dtensor:
             target, strict = cur.to_local(), True
-        elif ref.dtensor:
-            raise ValueError(
-                f"{_where(keys)}: the snapshot holds a DTensor shard but the live state has no DTensor here "
-                "(an optimizer must have its state, e.g. after one step, before restoring a sharded snapshot)"
-            )
         src = self.placed.get(ref.index)
         if src is None:
             if e.nbytes:
                 src = self.data[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
             else:
                 src = torch.empty(e.shape, dtype=dtype)
+        if ref.dtensor and not live_dtensor:
+            return self.new_dtensor(src, keys)
         if isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == e.shape:
             same = (
                 target.device == src.device and target.data_ptr() == src.data_ptr() and target.stride() == src.stride()
@@ -468,6 +484,20 @@ class _Restorer:
             np.copyto(cur, node)
             return cur
         return node
+
+
+def _optimizer_templates(key: str, optimizer: torch.optim.Optimizer, dtensor: type) -> dict[Path, Any]:
+    """``(key, "state", i)`` -> parameter ``i`` of ``optimizer`` (its state dict's numbering), for the DTensor
+    parameters: an optimizer that has not stepped yet has no state to restore DTensor moments into, so each is
+    rebuilt with its parameter's mesh and placements."""
+    out: dict[Path, Any] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, dtensor):
+                out[(key, "state", index)] = param
+            index += 1
+    return out
 
 
 def restore_into(
@@ -535,6 +565,10 @@ def restore_into(
             raise ValueError(f"{_where((key,))} was snapshotted with replicated=, each rank keeping part of it: "
                              "restore it with the same replicated= keys and group size")  # fmt: skip
     restorer = _Restorer(entries, data, placed or {})
+    if restorer.dtensor is not None:
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                restorer.like.update(_optimizer_templates(key, value, restorer.dtensor))
     with torch.no_grad():
         for key, value in state.items():
             kind, tree = top[key]

@@ -7,23 +7,16 @@ and exit code 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
+from snapshotd.logs import LOG_FORMATS, setup_logging
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.units import parse_bytes, parse_duration, parse_rate
 
 __all__ = ["main"]
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7070"
-
-
-def _setup_logging(verbose: int) -> None:
-    level = logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    if verbose == 0:  # the daemons' own lifecycle lines are worth seeing by default
-        logging.getLogger("snapshotd").setLevel(logging.INFO)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)")
     c.add_argument("--heartbeat-interval", default="0.5s", help="sidecar heartbeat period (default %(default)s)")
     c.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+    c.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
 
     s = sub.add_parser("serve", help="run this node's sidecar")
     s.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
@@ -55,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
                         "the hosts of the job's members (default %(default)s)")  # fmt: skip
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+    s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
     st.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
@@ -70,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose, getattr(args, "log_format", "text"))
     secret = os.environ.get("SNAPSHOTD_SECRET") or None
     try:
         if args.command == "coordinator":
@@ -140,6 +137,8 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         insecure=args.insecure,
         **extra,
     )
+
+    setup_logging(args.verbose, args.log_format, cfg.node)
 
     def ready(data_addr: str, ipc: str) -> None:
         print(f"snapshotd serve ready node={cfg.node} data={data_addr} ipc={ipc}", flush=True)

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from snapshotd.bench.trainer import read_progress
 from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
 
@@ -38,7 +39,8 @@ class TrainingJob:
     """The rank processes of one attempt of a training job."""
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
-                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False) -> None:  # fmt: skip
+                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False,
+                 parallel: str = "ddp") -> None:  # fmt: skip
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -47,7 +49,7 @@ class TrainingJob:
                 sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(rank), "--world", str(world),
                 "--init", f"tcp://127.0.0.1:{port}", "--steps", str(steps), "--params", str(params),
                 "--out", self.result_path(rank), "--progress", self.progress_path(rank),
-                "--step-delay", str(step_delay),
+                "--step-delay", str(step_delay), "--parallel", parallel,
             ]  # fmt: skip
             if job is not None:
                 argv += ["--job", job, "--sidecar", sidecars[rank], *(["--replicated"] if replicated else [])]
@@ -61,9 +63,12 @@ class TrainingJob:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.progress")
 
     def progress(self, rank: int) -> int:
-        with contextlib.suppress(OSError, ValueError), open(self.progress_path(rank)) as f:
-            return int(f.read() or 0)
-        return 0
+        """The last step ``rank`` completed."""
+        return read_progress(self.progress_path(rank))["step"]
+
+    def stride(self, ranks: list[int]) -> int:
+        """The widest snapshot stride among ``ranks`` at their last completed step (see ``SnapshotStats.stride``)."""
+        return max(read_progress(self.progress_path(r))["stride"] for r in ranks)
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -101,14 +106,16 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 def run_scenario(
     workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
-    data_security: str | None = None, replicated: bool = False, say: Callable[[str], None] = print,
+    data_security: str | None = None, replicated: bool = False, parallel: str = "ddp",
+    say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
 
     With ``data_security`` (``curve`` or ``members``) every process shares a fresh secret, the sidecars run that
     ``--data-security`` mode, and the replacement node C binds its data plane on 127.0.0.3, a host of its own.
     With ``replicated`` the ranks snapshot their model, optimizer and scheduler once across the four of them
-    (``Snapshotter(replicated=...)``).
+    (``Snapshotter(replicated=...)``). ``parallel`` is how every run wraps the model: ``ddp``, or ``fsdp2``
+    (``fully_shard``; each rank then snapshots its own shards).
     """
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
@@ -132,19 +139,20 @@ def run_scenario(
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
         say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={}))
+        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={},
+                                parallel=parallel))
         reference = jobs[-1].wait(600)
 
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
         first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
-                            step_delay=step_delay, replicated=replicated)  # fmt: skip
+                            step_delay=step_delay, replicated=replicated, parallel=parallel)  # fmt: skip
         jobs.append(first)
         _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
-        cluster.kill(node_b)
-        first.kill([2, 3])
+        cluster.lose_node(node_b, [first.procs[2], first.procs[3]])
         t_dead = time.monotonic()
         reached = max(first.progress(r) for r in range(world))
+        stride = first.stride(list(range(world)))
         first.kill([0, 1])  # the launcher stops the job's surviving workers (they would block in all-reduce)
         say(f"      node B killed at step {reached} (its sidecar and ranks 2-3); ranks 0-1 stopped by the launcher")
 
@@ -159,7 +167,7 @@ def run_scenario(
         on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
         t_restart = time.monotonic()
         second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c,
-                             replicated=replicated)  # fmt: skip
+                             replicated=replicated, parallel=parallel)  # fmt: skip
         jobs.append(second)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
@@ -174,6 +182,7 @@ def run_scenario(
         "step_restored": min(restored),
         "ranks_agree": len(restored) == 1,
         "steps_lost": reached - min(restored),
+        "stride_at_loss": stride,
         "detection_seconds": detection,
         "restore_seconds": max(r["restore_seconds"] for r in results),
         "restore_sources": {r["rank"]: r["restored"]["source"] for r in results},
@@ -210,6 +219,9 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     print(f"  step reached          {s['step_reached']}")
     print(f"  step restored         {s['step_restored']} (all 4 ranks agree: {'yes' if s['ranks_agree'] else 'NO'})")
     print(f"  steps lost            {s['steps_lost']}")
+    if s["stride_at_loss"] > 1:
+        print(f"                        (the sidecars had fallen behind: the ranks were snapshotting every "
+              f"{s['stride_at_loss']}th step, so up to {2 * s['stride_at_loss'] - 1} steps could be lost)")
     print(f"  detection time        {s['detection_seconds']:.2f} s (heartbeat timeout 1.5 s)")
     print(f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)")
     print(f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}")

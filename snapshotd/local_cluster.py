@@ -196,6 +196,16 @@ class LocalCluster:
         if node is not None:
             sweep_stale_arenas(node)
 
+    def lose_node(self, sidecar: ManagedProcess, others: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+        """The loss of a whole node: its sidecar and ``others`` (its training processes) SIGKILLed at the same
+        moment (every signal is sent before any wait), then its shared memory removed, as in :meth:`kill`."""
+        for proc in (sidecar.proc, *others):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+        for proc in others:
+            proc.wait(10)
+        self.kill(sidecar)
+
     def stop(self, p: ManagedProcess, timeout: float = 10.0) -> int:
         """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code."""
         if p.proc.poll() is None:

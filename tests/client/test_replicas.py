@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import datetime
 import os
-import traceback
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from snapshotd.client import Snapshotter
 from snapshotd.client.replicas import ELIDED, ReplicaShard, assign_keepers, fail_remaining
 from snapshotd.client.state import copy_into, flatten, restore_into
+
+from ..gloo_ranks import run_gloo_ranks
 
 WORLD = 3
 
@@ -51,109 +51,78 @@ def _train(state: dict[str, Any], steps: int, rank: int) -> list[float]:
     return losses
 
 
-def _rank_main(rank: int, store_path: str, out_dir: str) -> None:
+def _rank_body(rank: int) -> dict[str, Any]:
+    state = _build(0)
+    _train(state, 3, rank)
+    state["model"][1].running_mean.add_(rank)  # as under DDP: buffers are each rank's own
+    shards = [ReplicaShard(state["model"], dist.group.WORLD, "model")]
+    shards.append(ReplicaShard(state["optim"], dist.group.WORLD, "optim", before=shards))
+    taken = flatten({"model": shards[0], "optim": shards[1], "step": state["step"]})
+    data = torch.empty(taken.data_bytes, dtype=torch.uint8)
+    copy_into(taken, data)
+    whole = flatten(state).data_bytes
+    state_before_mean = state["model"][1].running_mean.clone()
+    reference = _train(state, 5, rank)
+
+    fresh = _build(1)  # other weights, and an optimizer without moments: all of it comes from the snapshot
+    shards = [ReplicaShard(fresh["model"], dist.group.WORLD, "model")]
+    shards.append(ReplicaShard(fresh["optim"], dist.group.WORLD, "optim", before=shards))
+    view = {"model": shards[0], "optim": shards[1], "step": 0}
+    restore_into(view, taken.entries, taken.meta, data)
+    fresh["step"] = view["step"]
+    own_buffer = bool(torch.equal(fresh["model"][1].running_mean, state_before_mean))
+    again = _train(fresh, 5, rank)
+
+    # a snapshot taken with replicated= is refused without it, and one taken without it is refused with it
     try:
-        store = dist.FileStore(store_path, WORLD)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
-        torch.set_num_threads(1)
-        state = _build(0)
-        _train(state, 3, rank)
-        state["model"][1].running_mean.add_(rank)  # as under DDP: buffers are each rank's own
-        shards = [ReplicaShard(state["model"], dist.group.WORLD, "model")]
-        shards.append(ReplicaShard(state["optim"], dist.group.WORLD, "optim", before=shards))
-        taken = flatten({"model": shards[0], "optim": shards[1], "step": state["step"]})
-        data = torch.empty(taken.data_bytes, dtype=torch.uint8)
-        copy_into(taken, data)
-        whole = flatten(state).data_bytes
-        state_before_mean = state["model"][1].running_mean.clone()
-        reference = _train(state, 5, rank)
-
-        fresh = _build(1)  # other weights, and an optimizer without moments: all of it comes from the snapshot
-        shards = [ReplicaShard(fresh["model"], dist.group.WORLD, "model")]
-        shards.append(ReplicaShard(fresh["optim"], dist.group.WORLD, "optim", before=shards))
-        view = {"model": shards[0], "optim": shards[1], "step": 0}
+        restore_into(_build(2), taken.entries, taken.meta, data)
+        unsharded_restore = "restored"
+    except ValueError as exc:
+        unsharded_restore = str(exc)
+    plain = flatten(_build(3))
+    plain_data = torch.empty(plain.data_bytes, dtype=torch.uint8)
+    copy_into(plain, plain_data)
+    other = _build(4)
+    shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
+    shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
+    try:
+        restore_into({"model": shards[0], "optim": shards[1], "step": 0}, plain.entries, plain.meta, plain_data)
+        sharded_restore = "restored"
+    except ValueError as exc:
+        sharded_restore = str(exc)
+    # a rank whose restore fails before its shards are loaded takes part in their agreement as failed, so the
+    # others raise there instead of waiting in a broadcast
+    other = _build(5)
+    shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
+    shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
+    view = {"model": shards[0], "optim": shards[1], "step": 0}
+    if rank == 1:
+        view = {"model": shards[0], "optim": shards[1], "steps": 0}  # not the snapshot's keys: refused first
+    try:
         restore_into(view, taken.entries, taken.meta, data)
-        fresh["step"] = view["step"]
-        own_buffer = bool(torch.equal(fresh["model"][1].running_mean, state_before_mean))
-        again = _train(fresh, 5, rank)
+        partial = "restored"
+    except ValueError as exc:
+        fail_remaining(shards)
+        partial = str(exc)
 
-        # a snapshot taken with replicated= is refused without it, and one taken without it is refused with it
-        try:
-            restore_into(_build(2), taken.entries, taken.meta, data)
-            unsharded_restore = "restored"
-        except ValueError as exc:
-            unsharded_restore = str(exc)
-        plain = flatten(_build(3))
-        plain_data = torch.empty(plain.data_bytes, dtype=torch.uint8)
-        copy_into(plain, plain_data)
-        other = _build(4)
-        shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
-        shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
-        try:
-            restore_into({"model": shards[0], "optim": shards[1], "step": 0}, plain.entries, plain.meta, plain_data)
-            sharded_restore = "restored"
-        except ValueError as exc:
-            sharded_restore = str(exc)
-        # a rank whose restore fails before its shards are loaded takes part in their agreement as failed, so the
-        # others raise there instead of waiting in a broadcast
-        other = _build(5)
-        shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
-        shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
-        view = {"model": shards[0], "optim": shards[1], "step": 0}
-        if rank == 1:
-            view = {"model": shards[0], "optim": shards[1], "steps": 0}  # not the snapshot's keys: refused first
-        try:
-            restore_into(view, taken.entries, taken.meta, data)
-            partial = "restored"
-        except ValueError as exc:
-            fail_remaining(shards)
-            partial = str(exc)
-
-        # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
-        snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(out_dir, "none.ipc"),
-                           timeout=1, replicated=("model", "optim"))  # fmt: skip
-        try:
-            snap._replicas_agree(ok=rank != 1, timeout=30)
-            agreed = "ok"
-        except RuntimeError as exc:
-            agreed = str(exc)
-        finally:
-            snap.close(unregister=False)
-        result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
-                  "same": again == reference, "agreed": agreed, "own_buffer": own_buffer, "partial": partial,
-                  "unsharded_restore": unsharded_restore, "sharded_restore": sharded_restore}  # fmt: skip
-        Path(out_dir, f"rank{rank}.txt").write_text(repr(result))
-        dist.destroy_process_group()
-    except BaseException:
-        Path(out_dir, f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
+    snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(tempfile.gettempdir(), "snapshotd-none.ipc"),
+                       timeout=1, replicated=("model", "optim"))  # fmt: skip
+    try:
+        snap._replicas_agree(ok=rank != 1, timeout=30)
+        agreed = "ok"
+    except RuntimeError as exc:
+        agreed = str(exc)
+    finally:
+        snap.close(unregister=False)
+    result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
+              "same": again == reference, "agreed": agreed, "own_buffer": own_buffer, "partial": partial,
+              "unsharded_restore": unsharded_restore, "sharded_restore": sharded_restore}  # fmt: skip
+    return result
 
 
 def test_each_rank_keeps_a_third_and_restore_shares_it_out(tmp_path: Path) -> None:
-    ctx = mp.start_processes(_rank_main, args=(os.fspath(tmp_path / "store"), os.fspath(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")  # fmt: skip
-    exited: Exception | None = None
-    try:
-        for _ in range(240):
-            try:
-                if ctx.join(timeout=0.5):
-                    break
-            except mp.ProcessExitedException as exc:  # died by a signal; torch's teardown after the results?
-                exited = exc
-                break
-        else:
-            pytest.fail("the ranks did not finish within 120 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-    errors = sorted(tmp_path.glob("rank*.err"))
-    assert not errors, errors[0].read_text()
-    missing = [r for r in range(WORLD) if not (tmp_path / f"rank{r}.txt").exists()]
-    assert not missing, f"ranks {missing} wrote no results ({exited})"
-    results = [eval((tmp_path / f"rank{r}.txt").read_text()) for r in range(WORLD)]  # noqa: S307 - our own repr
+    results = run_gloo_ranks(_rank_body, WORLD, tmp_path)
     for res in results:
         assert res["same"], res  # the next 5 losses equal an uninterrupted run's exactly
         assert 0.25 < res["kept"] / res["whole"] < 0.45, results

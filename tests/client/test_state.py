@@ -558,7 +558,17 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     restore_into({"model": other, "optim": other_opt}, flat.entries, flat.meta, data)
     assert train(other, other_opt, 3) == reference
 
-    # A never-stepped optimizer has no DTensor moments: a clear error instead of plain tensors in their place.
+    # A never-stepped optimizer has no moments yet: they are rebuilt as DTensors laid out like their parameters.
     fresh, fresh_opt = build(2)
-    with pytest.raises(ValueError, match="holds a DTensor shard"):
-        restore_into({"model": fresh, "optim": fresh_opt}, flat.entries, flat.meta, data)
+    assert not fresh_opt.state
+    restore_into({"model": fresh, "optim": fresh_opt}, flat.entries, flat.meta, data)
+    moments = [t for s in fresh_opt.state.values() for t in s.values() if isinstance(t, DTensor)]
+    assert len(moments) == 8 and all(m.placements == p.placements for m, p in zip(
+        moments, [p for p in fresh.parameters() for _ in range(2)], strict=True))  # fmt: skip
+    assert train(fresh, fresh_opt, 3) == reference
+
+    # A DTensor shard anywhere else needs a live DTensor to go into: a clear error, not a plain tensor.
+    shard = {"w": next(model.parameters())}
+    taken, taken_data = snapshot(shard)
+    with pytest.raises(ValueError, match=r"state\['w'\]: the snapshot holds a DTensor shard"):
+        restore_into({"w": torch.zeros(4)}, taken.entries, taken.meta, taken_data)
