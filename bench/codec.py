@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from snapshotd.proto import Chunk, decode, encode
 from snapshotd.proto.codec import breakeven_rate, checksum, compress_chunk, decompress_chunk
-from snapshotd.proto.messages import Chunk, decode, encode
 from snapshotd.units import format_bytes, parse_bytes
 
 from .report import Report

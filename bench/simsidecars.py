@@ -32,8 +32,10 @@ read as requests are unanswered: the bench's progress polls (``plans``) must not
 the replies they time are still being read.
 
 No coroutine per sidecar: each socket's ZMQ_FD is an event-loop reader and every wait is a loop timer, so one
-core drives thousands. Heartbeat headers are packed straight with msgpack (:func:`heartbeat_header`, the exact
-bytes :func:`snapshotd.proto.encode` would produce, at a fraction of its cost).
+core drives thousands. Heartbeats are packed by :class:`snapshotd.proto.FramePacker` (see :class:`HeartbeatFrames`):
+what stays the same for a sidecar (its name, its ranks) is packed once, its inventory at each heartbeat straight
+from its wire form, without building a message or its records. Replies are read with msgpack for the few fields
+a simulated sidecar acts on.
 """
 
 from __future__ import annotations
@@ -53,10 +55,10 @@ import uvloop
 import zmq
 
 from snapshotd import security
-from snapshotd.proto import PROTOCOL_VERSION, PlanReply, PlanRequest, RegisterSidecar, decode, encode
+from snapshotd.proto import FramePacker, Heartbeat, PlanReply, PlanRequest, RegisterSidecar, decode, encode
 
 __all__ = [
-    "FleetConfig", "data_addr", "fds_needed", "heartbeat_header", "main", "node_name", "plan_sockets", "raise_nofile",
+    "FleetConfig", "HeartbeatFrames", "data_addr", "fds_needed", "main", "node_name", "plan_sockets", "raise_nofile",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -105,21 +107,45 @@ def data_addr(index: int) -> str:
     return f"tcp://10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}:7071"
 
 
-def heartbeat_header(
-    node: str, incarnation: str, changed: bool, ranks: list[list[Any]], inventory: list[list[Any]],
-    bytes_out: int, bytes_in: int, stored_bytes: int,
-) -> bytes:  # fmt: skip
-    """Frame 0 of a :class:`~snapshotd.proto.Heartbeat`, packed directly.
+class HeartbeatFrames:
+    """Frame 0 of simulated sidecars' heartbeats, from pieces packed by :class:`~snapshotd.proto.FramePacker`.
 
-    Args:
-        ranks: ``[job, rank, world_size, pid, alive]`` per rank (the wire form of ``RankInfo``).
-        inventory: ``[job, rank, step, local]`` per snapshot (the wire form of ``InventoryItem``).
+    Each frame is ``encode(heartbeat)[0]`` of the :class:`~snapshotd.proto.Heartbeat` it stands for, after the same
+    checks.
     """
-    return msgpack.packb({
-        "v": PROTOCOL_VERSION, "type": "heartbeat", "job": "", "node": node, "incarnation": incarnation,
-        "changed": changed, "ranks": ranks, "inventory": inventory, "bytes_out": bytes_out, "bytes_in": bytes_in,
-        "stored_bytes": stored_bytes,
-    }, use_bin_type=True)  # fmt: skip
+
+    def __init__(self) -> None:
+        self._packer = FramePacker(Heartbeat)
+        self._no_ranks = self._packer.piece("ranks", [])
+        self._no_inventory = self._packer.piece("inventory", [])
+        self._changed = {flag: self._packer.piece("changed", flag) for flag in (False, True)}
+
+    def sidecar(self, node: str, incarnation: str, ranks: list[list[Any]]) -> dict[str, bytes]:
+        """The pieces that stay the same for one sidecar.
+
+        Args:
+            ranks: ``[job, rank, world_size, pid, alive]`` per rank (the wire form of ``RankInfo``).
+        """
+        piece = self._packer.piece
+        return {"node": piece("node", node), "incarnation": piece("incarnation", incarnation),
+                "ranks": piece("ranks", ranks)}  # fmt: skip
+
+    def frame(self, fixed: dict[str, bytes], changed: bool, inventory: list[list[Any]], bytes_out: int,
+              bytes_in: int, stored_bytes: int) -> bytes:  # fmt: skip
+        """A heartbeat of the sidecar of ``fixed`` (see :meth:`sidecar`): its ranks and ``inventory`` with
+        ``changed``, neither without.
+
+        Args:
+            inventory: ``[job, rank, step, local]`` per snapshot (the wire form of ``InventoryItem``).
+        """
+        piece = self._packer.piece
+        return self._packer.frame({
+            "node": fixed["node"], "incarnation": fixed["incarnation"], "changed": self._changed[changed],
+            "ranks": fixed["ranks"] if changed else self._no_ranks,
+            "inventory": piece("inventory", inventory) if changed else self._no_inventory,
+            "bytes_out": piece("bytes_out", bytes_out), "bytes_in": piece("bytes_in", bytes_in),
+            "stored_bytes": piece("stored_bytes", stored_bytes),
+        })  # fmt: skip
 
 
 def raise_nofile(need: int) -> None:
@@ -151,6 +177,7 @@ class _Sim:
     state: tuple[int, bool] = (-1, False)  # (step, frozen) of the last heartbeat sent
     acked: tuple[int, bool] | None = None  # ... of the last one a known reply acknowledged
     last_reply: bytes = b""
+    pieces: dict[str, bytes] = dataclasses.field(default_factory=dict)  # see HeartbeatFrames.sidecar
 
 
 class Fleet:
@@ -168,6 +195,7 @@ class Fleet:
         self.counts = dict.fromkeys(("hb_sent", "hb_replies", "changed_sent", "timeouts", "stale", "reregistered",
                                      "tasks", "errors", "up", "plan_waits"), 0)  # fmt: skip
         self.rtts: list[float] = []
+        self.frames = HeartbeatFrames()
         self.plan_socks: dict[int, zmq.Socket[bytes]] = {}  # sidecar index // _PLAN_SHARE -> its plan socket
         self.asked: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # (job, first rank) -> (node, ranks)
         self.first: list[float] = []  # when each rank of the round was first asked for
@@ -200,6 +228,9 @@ class Fleet:
         return sock
 
     def _add(self, sim: _Sim) -> None:
+        cfg = self.cfg
+        ranks = [[cfg.job, r, self.world, 100_000 + r, True] for r in sim.own]
+        sim.pieces = self.frames.sidecar(node_name(sim.index, cfg.total), "1", ranks)
         self.sims[sim.index] = sim
         self.loop.add_reader(sim.sock.fileno(), self._drain, sim.sock, sim)
         if sim.index // _PLAN_SHARE not in self.plan_socks:
@@ -246,11 +277,9 @@ class Fleet:
         step = 1 + max(0, int((min(now, self.freeze_at) - cfg.t0) / cfg.step_seconds))
         frozen = now >= self.freeze_at
         changed = (step, frozen) != sim.acked
-        ranks: list[list[Any]] = []
         inventory: list[list[Any]] = []
         if changed:
-            job, world = cfg.job, self.world
-            ranks = [[job, r, world, 100_000 + r, True] for r in sim.own]
+            job = cfg.job
             if sim.holds:
                 mine = [s for s in (step, step - 1) if s >= 1]
                 theirs = mine if frozen else [s for s in (step - 1, step - 2) if s >= 1]
@@ -258,8 +287,8 @@ class Fleet:
                 inventory += [[job, r, s, False] for r in sim.backed for s in theirs]
             self.counts["changed_sent"] += 1
         nbytes = cfg.snapshot_bytes * step
-        header = heartbeat_header(node_name(sim.index, cfg.total), "1", changed, ranks, inventory,
-                                  nbytes * len(sim.own), nbytes * len(sim.backed), 2 * cfg.snapshot_bytes * len(sim.backed))  # fmt: skip
+        header = self.frames.frame(sim.pieces, changed, inventory, nbytes * len(sim.own), nbytes * len(sim.backed),
+                                   2 * cfg.snapshot_bytes * len(sim.backed))  # fmt: skip
         sim.state, sim.hb_sent = (step, frozen), now
         self.counts["hb_sent"] += 1
         self._arm(sim, _reply_timeout(sim), self._timed_out)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .state import ELIDED, _dtensor_type, check_tensor
+from .state import ELIDED, check_tensor, dtensor_type
 
 __all__ = ["ELIDED", "ReplicaShard", "agree", "assign_keepers", "fail_remaining"]
 
@@ -254,7 +254,7 @@ def _rebuild(obj: Any, leaf: Callable[[Any, tuple[Any, ...]], Any], own: frozens
     """A copy of the containers of ``obj`` with ``leaf(value, keys)`` applied to every shardable tensor and every
     marker, in walk order (dicts in insertion order). Other values are kept as they are: DTensors, and the
     top-level entries named in ``own`` (every rank keeps those)."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
 
     def walk(x: Any, keys: tuple[Any, ...]) -> Any:
         if isinstance(x, torch.Tensor):

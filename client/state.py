@@ -33,7 +33,7 @@ import torch
 from ..proto import limits as L
 from ..proto.manifest import DTYPE_SIZES, TensorEntry
 
-__all__ = ["ALIGN", "ELIDED", "FlatState", "check_tensor", "copy_into", "flatten", "restore_into"]
+__all__ = ["ALIGN", "ELIDED", "FlatState", "check_tensor", "copy_into", "dtensor_type", "flatten", "restore_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _unsupported(keys: Path, what: str) -> TypeError:
     )
 
 
-def _dtensor_type() -> Any:
+def dtensor_type() -> Any:
     """DTensor's class if ``torch.distributed.tensor`` is loaded (no DTensor can exist before), else None."""
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
@@ -110,7 +110,7 @@ class _Flattener:
     __slots__ = ("dtensor", "specs", "tensors")
 
     def __init__(self) -> None:
-        self.dtensor = _dtensor_type()
+        self.dtensor = dtensor_type()
         self.tensors: list[torch.Tensor] = []
         self.specs: list[tuple[str, str, tuple[int, ...]]] = []
 
@@ -395,7 +395,7 @@ class _Restorer:
         self.entries = entries
         self.data = data
         self.placed = placed
-        self.dtensor = _dtensor_type()
+        self.dtensor = dtensor_type()
         self.like: dict[Path, Any] = {}
         """Path of a container -> the DTensor whose layout a DTensor shard in it that the live state lacks
         takes (an optimizer's per-parameter state: its parameter; see :func:`_optimizer_templates`)."""

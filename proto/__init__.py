@@ -1,7 +1,8 @@
 """snapshotd's wire protocol: typed messages, their limits and errors, the tensor table, and chunk codecs.
 
-Pure: no asyncio, no sockets, no torch. See :mod:`.messages` for the message catalogue and :mod:`.errors` for
-the exception tree.
+Pure: no asyncio, no sockets, no torch. See :mod:`.messages` for the message catalogue, :mod:`.wire` for their
+encoding (and the fast path of replies sent over and over), and :mod:`.errors` for the exception
+tree and the error codes.
 """
 
 from __future__ import annotations
@@ -10,31 +11,50 @@ from .codec import breakeven_rate, checksum, compress_chunk, decompress_chunk, v
 from .errors import (
     ChecksumMismatch,
     CodecError,
+    ErrorCode,
     LimitExceeded,
     MalformedMessage,
     ProtocolError,
     UnknownMessageType,
     UnsupportedVersion,
 )
+from .fields import CODECS
+from .limits import PROTOCOL_VERSION
 from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, match_entries, table_data_bytes
 from .messages import *  # noqa: F403
 from .messages import __all__ as _messages_all
+from .records import Assignment, InventoryItem, RankInfo, RankPlan, RankPlanFields, ReplicateTask, Watermark
+from .wire import FramePacker, PlanReplyPacker, decode, encode
 
 __all__ = [
+    "CODECS",
     "DTYPE_SIZES",
+    "PROTOCOL_VERSION",
+    "Assignment",
     "ChecksumMismatch",
     "CodecError",
+    "ErrorCode",
+    "FramePacker",
+    "InventoryItem",
     "LimitExceeded",
     "MalformedMessage",
+    "PlanReplyPacker",
     "ProtocolError",
+    "RankInfo",
+    "RankPlan",
+    "RankPlanFields",
+    "ReplicateTask",
     "TensorEntry",
     "UnknownMessageType",
     "UnsupportedVersion",
+    "Watermark",
     "breakeven_rate",
     "checksum",
     "compress_chunk",
+    "decode",
     "decode_table",
     "decompress_chunk",
+    "encode",
     "encode_table",
     "match_entries",
     "table_data_bytes",

@@ -26,14 +26,14 @@ import xxhash
 
 from . import limits as L
 from .errors import ChecksumMismatch, CodecError
-from .messages import CODECS, Buffer
+from .fields import CODECS, Buffer
 
 __all__ = ["breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
 
 _LZ4_MODE = "default"
-"""Measured on 1 MiB of shuffled fp32 / bf16 step deltas (lz4 4.4): ``fast`` with acceleration 8-32 compresses
-only 5-20% faster for a 1-6 point worse ratio, and the break-even link rate comes out the same within noise;
-``high_compression`` gains 1-2 points at 1/20 of the speed. The default (acceleration 1) keeps the best ratio."""
+"""lz4's default mode (acceleration 1). On shuffled step deltas the faster modes lose about as much in ratio as
+they gain in speed, so the link rate at which compression pays does not move, and ``high_compression`` gains a
+point or two of ratio for many times the time."""
 
 
 _PLANE_LOOP_MAX_ELEM = 16
@@ -63,7 +63,7 @@ def compress_chunk(
     """Encode one chunk with ``codec``, falling back to ``raw`` when that does not make it smaller.
 
     Args:
-        codec: one of :data:`~snapshotd.proto.messages.CODECS`.
+        codec: one of :data:`~snapshotd.proto.fields.CODECS`.
         data: the chunk's bytes (C-contiguous). Read only; it must not change until this returns.
         base: ``delta-lz4`` only: the same chunk of the base snapshot, exactly as long as ``data``.
         elem: element size in bytes for the byte-shuffle (4 for fp32, 2 for bf16); ignored by ``raw``/``lz4``.
@@ -187,7 +187,7 @@ def _unshuffle(src: np.ndarray, elem: int, out: np.ndarray) -> np.ndarray:
     dst = out[:body].reshape(m, elem)
     planes = src[:body].reshape(elem, m)
     if elem <= _PLANE_LOOP_MAX_ELEM:
-        # One strided copy per byte plane: measured ~3x faster than the single transposed np.copyto below,
+        # One strided copy per byte plane: several times faster than the single transposed np.copyto below,
         # for which numpy picks a poor loop order.
         for k in range(elem):
             dst[:, k] = planes[k]

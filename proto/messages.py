@@ -1,22 +1,21 @@
-"""Typed messages and their wire form.
+"""The message catalogue: every message type and its header fields.
 
 Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map with ``v`` (the protocol version),
 ``type`` and ``job`` plus the message's header fields; each further frame is a raw payload (a chunk of tensor
-bytes, an encoded tensor table, a msgpack blob of non-tensor state). :func:`encode` and :func:`decode` never copy a
-payload frame: memoryviews go in and memoryviews come out, so a 4 MiB chunk costs the same to encode as a 16-byte
-one.
+bytes, an encoded tensor table, a msgpack blob of non-tensor state). :mod:`.wire` encodes and decodes them.
 
 Three conversations use these messages:
 
 - ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
-  :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreReply`.
+  :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreReply`.
 - data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
   :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
   :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`.
 
-Any side may answer with :class:`Error`.
+Any side may answer with :class:`Error`. A header field with a default may be left out of a header; every other
+field must be there.
 """
 
 from __future__ import annotations
@@ -25,113 +24,46 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import msgpack
-
 from . import limits as L
-from .errors import LimitExceeded, MalformedMessage, ProtocolError, UnknownMessageType, UnsupportedVersion
-from .schema import Bool, Enum, Float, Int, ListOf, Record, Spec, Str, spec_field
+from .errors import ErrorCode
+from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
+from .records import Assignment, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
+from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, spec_field
 
-PROTOCOL_VERSION = L.PROTOCOL_VERSION
-
-Buffer = bytes | bytearray | memoryview
-
-CODECS = ("raw", "lz4", "shuffle-lz4", "delta-lz4")
-
-_JOB = Str(L.MAX_NAME_LEN)
-_NAME = Str(L.MAX_NAME_LEN)
-_ADDR = Str(L.MAX_ADDRESS_LEN)
-_TEXT = Str(L.MAX_TEXT_LEN)
-_RANK = Int(0, L.MAX_RANKS - 1)
-_WORLD = Int(1, L.MAX_RANKS)
-_STEP = Int(0, L.MAX_STEP)
-_STEP_OR_NONE = Int(-1, L.MAX_STEP)  # -1: no such step
-_SLOT = Int(0, L.MAX_SLOTS - 1)
-_NBYTES = Int(0, L.MAX_SNAPSHOT_BYTES)
-_COUNT = Int(0, L.MAX_LIST_ITEMS)
-_SECONDS = Float(0.0, 1e9)
-
-
-class Frame(Spec):
-    """A payload frame (not part of the header): any buffer up to ``max_len`` bytes."""
-
-    def __init__(self, max_len: int) -> None:
-        self.max_len = max_len
-
-    def check(self, value: Any, name: str) -> memoryview:
-        view = value if isinstance(value, memoryview) else memoryview(value)
-        if view.nbytes > self.max_len:
-            raise LimitExceeded(f"frame {name!r}: {view.nbytes} bytes, at most {self.max_len}")
-        return view
+__all__ = [
+    "MESSAGE_TYPES",
+    "Announce",
+    "Chunk",
+    "ChunkAck",
+    "Error",
+    "Heartbeat",
+    "HeartbeatReply",
+    "MemberQuery",
+    "MemberReply",
+    "Message",
+    "PlanReply",
+    "PlanRequest",
+    "PullManifest",
+    "PullRequest",
+    "RankRegistered",
+    "RegisterRank",
+    "RegisterSidecar",
+    "RestoreReply",
+    "RestoreRequest",
+    "SidecarRegistered",
+    "SlotUpdate",
+    "StatusReply",
+    "StatusRequest",
+    "StreamAbort",
+    "StreamAccept",
+    "StreamBegin",
+    "UnregisterRank",
+]
 
 
-def _frame(max_len: int) -> Any:
+def _payload(max_len: int) -> Any:
+    """A payload frame field (not part of the header) of at most ``max_len`` bytes, empty by default."""
     return dataclasses.field(default=b"", metadata={"spec": Frame(max_len)})
-
-
-# --------------------------------------------------------------------------------------------- nested records
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankInfo:
-    """A training rank that registered with a sidecar."""
-
-    job: str = spec_field(_JOB)
-    rank: int = spec_field(_RANK)
-    world_size: int = spec_field(_WORLD)
-    pid: int = spec_field(Int(0, 1 << 31))
-    alive: bool = spec_field(Bool())
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InventoryItem:
-    """A snapshot ``(job, rank, step)`` that a sidecar holds complete.
-
-    ``local`` is true for the rank's own shared-memory slot on its own node (a cache that durability does not
-    count), false for a buddy copy.
-    """
-
-    job: str = spec_field(_JOB)
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    local: bool = spec_field(Bool())
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Assignment:
-    """Where the sidecar of ``rank``'s node streams that rank's snapshots: the buddies' data addresses."""
-
-    job: str = spec_field(_JOB)
-    rank: int = spec_field(_RANK)
-    buddies: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Watermark:
-    """A job's recoverable step G and its newest durable step D (-1: none yet).
-
-    ``unusable``: steps above D that some rank holds but that no restore can use, the oldest first: another rank
-    holds a newer step without this one, or the step is *stale*, held when a plan round froze at an older step, so
-    a copy of it may come from the run that failed (see :meth:`snapshotd.coordinator.jobs.Job.unusable`). A
-    sidecar frees its copies of them at once, local and buddy; a buddy copy still arriving once it is complete.
-    """
-
-    job: str = spec_field(_JOB)
-    recoverable: int = spec_field(_STEP_OR_NONE)
-    durable: int = spec_field(_STEP_OR_NONE)
-    unusable: tuple[int, ...] = spec_field(ListOf(_STEP, L.MAX_UNUSABLE_STEPS), default=(), added=True)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReplicateTask:
-    """Ask a sidecar to pull ``(job, rank, step)`` from ``sources`` and keep it as a buddy copy."""
-
-    job: str = spec_field(_JOB)
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
-
-
-# ------------------------------------------------------------------------------------------------- messages
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,7 +71,7 @@ class Message:
     """Base of every message. ``job`` is empty for messages that concern no single job."""
 
     TYPE: ClassVar[str] = ""
-    job: str = spec_field(_JOB, default="")
+    job: str = spec_field(JOB, default="")
 
 
 # ipc: training rank <-> its sidecar
@@ -150,10 +82,10 @@ class RegisterRank(Message):
     """A training process joins: the sidecar (re)creates the rank's arena of ``slots`` x ``data_bytes``."""
 
     TYPE: ClassVar[str] = "register_rank"
-    rank: int = spec_field(_RANK)
-    world_size: int = spec_field(_WORLD)
-    pid: int = spec_field(Int(0, 1 << 31))
-    data_bytes: int = spec_field(_NBYTES)
+    rank: int = spec_field(RANK)
+    world_size: int = spec_field(WORLD)
+    pid: int = spec_field(PID)
+    data_bytes: int = spec_field(NBYTES)
     slots: int = spec_field(Int(1, L.MAX_SLOTS), default=2)
 
 
@@ -162,11 +94,11 @@ class RankRegistered(Message):
     """The arena file to map (owner-only, under /dev/shm) and its geometry; ``pid`` is the sidecar's."""
 
     TYPE: ClassVar[str] = "rank_registered"
-    rank: int = spec_field(_RANK)
-    arena: str = spec_field(_ADDR)
-    slot_bytes: int = spec_field(_NBYTES)
+    rank: int = spec_field(RANK)
+    arena: str = spec_field(ADDR)
+    slot_bytes: int = spec_field(NBYTES)
     slots: int = spec_field(Int(1, L.MAX_SLOTS))
-    pid: int = spec_field(Int(0, 1 << 31), default=0, added=True)
+    pid: int = spec_field(PID)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -174,7 +106,7 @@ class UnregisterRank(Message):
     """The training process closed its Snapshotter: the sidecar stops streaming for it and frees its arena."""
 
     TYPE: ClassVar[str] = "unregister_rank"
-    rank: int = spec_field(_RANK)
+    rank: int = spec_field(RANK)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,13 +120,13 @@ class Announce(Message):
 
     TYPE: ClassVar[str] = "announce"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    slot: int = spec_field(_SLOT)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    slot: int = spec_field(SLOT)
     table_id: int = spec_field(Int(0, L.MAX_STEP))
-    step_seconds: float = spec_field(_SECONDS, default=0.0)
-    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
-    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+    step_seconds: float = spec_field(SECONDS, default=0.0)
+    table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,12 +139,12 @@ class SlotUpdate(Message):
     """
 
     TYPE: ClassVar[str] = "slot_update"
-    rank: int = spec_field(_RANK)
-    free_slots: tuple[int, ...] = spec_field(ListOf(_SLOT, L.MAX_SLOTS))
-    seen_step: int = spec_field(_STEP_OR_NONE, default=-1)
-    durable_step: int = spec_field(_STEP_OR_NONE)
-    failed_step: int = spec_field(_STEP_OR_NONE, default=-1)
-    note: str = spec_field(_TEXT, default="")
+    rank: int = spec_field(RANK)
+    free_slots: tuple[int, ...] = spec_field(ListOf(SLOT, L.MAX_SLOTS))
+    seen_step: int = spec_field(STEP_OR_NONE, default=-1)
+    durable_step: int = spec_field(STEP_OR_NONE)
+    failed_step: int = spec_field(STEP_OR_NONE, default=-1)
+    note: str = spec_field(TEXT, default="")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -227,11 +159,11 @@ class RestoreRequest(Message):
 
     TYPE: ClassVar[str] = "restore_request"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "targets")
-    rank: int = spec_field(_RANK)
-    world_size: int = spec_field(_WORLD)
-    timeout_s: float = spec_field(_SECONDS)
-    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
-    targets: memoryview | bytes = _frame(8 * L.MAX_TENSORS)
+    rank: int = spec_field(RANK)
+    world_size: int = spec_field(WORLD)
+    timeout_s: float = spec_field(SECONDS)
+    table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
+    targets: memoryview | bytes = _payload(8 * L.MAX_TENSORS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,17 +179,17 @@ class RestoreReply(Message):
 
     TYPE: ClassVar[str] = "restore_reply"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
     source: str = spec_field(Enum(("fresh", "local", "replica", "pull")))
-    arena: str = spec_field(_ADDR, default="")
-    slot_bytes: int = spec_field(_NBYTES, default=0)
-    slot: int = spec_field(_SLOT, default=0)
-    bytes_pulled: int = spec_field(_NBYTES, default=0)
-    seconds: float = spec_field(_SECONDS, default=0.0)
-    direct: bool = spec_field(Bool(), default=False, added=True)
-    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
-    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+    arena: str = spec_field(ADDR, default="")
+    slot_bytes: int = spec_field(NBYTES, default=0)
+    slot: int = spec_field(SLOT, default=0)
+    bytes_pulled: int = spec_field(NBYTES, default=0)
+    seconds: float = spec_field(SECONDS, default=0.0)
+    direct: bool = spec_field(Bool(), default=False)
+    table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
 
 # data plane: sidecar <-> sidecar
@@ -272,14 +204,14 @@ class StreamBegin(Message):
 
     TYPE: ClassVar[str] = "stream_begin"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    src_node: str = spec_field(_NAME)
-    data_bytes: int = spec_field(_NBYTES)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    src_node: str = spec_field(NAME)
+    data_bytes: int = spec_field(NBYTES)
     chunk_bytes: int = spec_field(Int(1, L.MAX_CHUNK_BYTES))
-    window: int = spec_field(Int(0, 1024), default=0, added=True)
-    table: memoryview | bytes = _frame(L.MAX_TABLE_BYTES)
-    meta: memoryview | bytes = _frame(L.MAX_META_BYTES)
+    window: int = spec_field(Int(0, 1024), default=0)
+    table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
+    meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
     @property
     def nchunks(self) -> int:
@@ -291,9 +223,9 @@ class StreamAccept(Message):
     """The receiver took the stream; ``bases`` are the steps of this rank it holds complete (delta bases)."""
 
     TYPE: ClassVar[str] = "stream_accept"
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    bases: tuple[int, ...] = spec_field(ListOf(_STEP, 64))
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    bases: tuple[int, ...] = spec_field(ListOf(STEP, 64))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -305,15 +237,15 @@ class Chunk(Message):
 
     TYPE: ClassVar[str] = "chunk"
     FRAMES: ClassVar[tuple[str, ...]] = ("payload",)
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
     index: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
     codec: str = spec_field(Enum(CODECS), default="raw")
     raw_len: int = spec_field(Int(0, L.MAX_CHUNK_BYTES))
     checksum: int = spec_field(Int(0, (1 << 64) - 1))
-    base_step: int = spec_field(_STEP_OR_NONE, default=-1)
+    base_step: int = spec_field(STEP_OR_NONE, default=-1)
     elem: int = spec_field(Int(1, 16), default=1)
-    payload: memoryview | bytes = _frame(L.MAX_CHUNK_BYTES)
+    payload: memoryview | bytes = _payload(L.MAX_CHUNK_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,11 +257,11 @@ class ChunkAck(Message):
     """
 
     TYPE: ClassVar[str] = "chunk_ack"
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
     index: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
     complete: bool = spec_field(Bool(), default=False)
-    count: int = spec_field(Int(1, 1024), default=1, added=True)
+    count: int = spec_field(Int(1, 1024), default=1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,9 +269,9 @@ class StreamAbort(Message):
     """The sender gives up on ``(job, rank, step)``; the receiver frees what it had of it."""
 
     TYPE: ClassVar[str] = "stream_abort"
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
-    reason: str = spec_field(_TEXT, default="")
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    reason: str = spec_field(TEXT, default="")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -347,8 +279,8 @@ class PullManifest(Message):
     """Ask a holder to describe its complete copy of ``(job, rank, step)``; it answers with a StreamBegin."""
 
     TYPE: ClassVar[str] = "pull_manifest"
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -356,8 +288,8 @@ class PullRequest(Message):
     """Ask a holder for chunks ``first .. first + count - 1`` of its complete ``(job, rank, step)``."""
 
     TYPE: ClassVar[str] = "pull_request"
-    rank: int = spec_field(_RANK)
-    step: int = spec_field(_STEP)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
     first: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
     count: int = spec_field(Int(1, 4096))
 
@@ -370,10 +302,10 @@ class RegisterSidecar(Message):
     """A sidecar joins. A new ``incarnation`` under a known ``node`` name means that node's old data is gone."""
 
     TYPE: ClassVar[str] = "register_sidecar"
-    node: str = spec_field(_NAME)
-    rack: str = spec_field(_NAME, default="")
-    data_addr: str = spec_field(_ADDR)
-    incarnation: str = spec_field(_NAME)
+    node: str = spec_field(NAME)
+    rack: str = spec_field(NAME, default="")
+    data_addr: str = spec_field(ADDR)
+    incarnation: str = spec_field(NAME)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -392,8 +324,8 @@ class Heartbeat(Message):
     """
 
     TYPE: ClassVar[str] = "heartbeat"
-    node: str = spec_field(_NAME)
-    incarnation: str = spec_field(_NAME)
+    node: str = spec_field(NAME)
+    incarnation: str = spec_field(NAME)
     changed: bool = spec_field(Bool(), default=True)
     ranks: tuple[RankInfo, ...] = spec_field(ListOf(Record(RankInfo), L.MAX_LIST_ITEMS), factory=tuple)
     inventory: tuple[InventoryItem, ...] = spec_field(
@@ -409,8 +341,7 @@ class HeartbeatReply(Message):
     """Placement, watermarks and re-replication work for the sidecar. ``known`` false: register again.
 
     ``heartbeat_interval``, when not 0, is the interval the sidecar heartbeats at from now on (the coordinator
-    stretches it as the fleet grows); 0 keeps the one it has. Added after the first release: left out of the
-    header while 0.
+    stretches it as the fleet grows); 0 (the default) keeps the one it has.
     """
 
     TYPE: ClassVar[str] = "heartbeat_reply"
@@ -418,35 +349,23 @@ class HeartbeatReply(Message):
     assignments: tuple[Assignment, ...] = spec_field(ListOf(Record(Assignment), L.MAX_LIST_ITEMS), factory=tuple)
     watermarks: tuple[Watermark, ...] = spec_field(ListOf(Record(Watermark), L.MAX_LIST_ITEMS), factory=tuple)
     tasks: tuple[ReplicateTask, ...] = spec_field(ListOf(Record(ReplicateTask), 4096), factory=tuple)
-    heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0, added=True)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RankPlan:
-    """One rank's recovery plan inside a :class:`PlanReply` (see its ``status`` for the meanings)."""
-
-    rank: int = spec_field(_RANK)
-    status: str = spec_field(Enum(("ready", "fresh", "none")))
-    step: int = spec_field(_STEP_OR_NONE)
-    local: bool = spec_field(Bool())
-    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64))
-    reason: str = spec_field(_TEXT)
+    heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class PlanRequest(Message):
     """Ranks of ``job`` (on sidecar ``node``) are restoring and need the job-wide recovery step.
 
-    ``rank`` and ``ranks`` (added after the first release: left out of the header while empty) are every rank
-    of the node asking at once, each at most once: a sidecar asks for all its restoring ranks in one request
-    and gets one reply, so that the coordinator's load grows with the number of sidecars, not ranks.
+    ``rank`` and ``ranks`` (none by default) are every rank of the node asking at once, each at most once: a
+    sidecar asks for all its restoring ranks in one request and gets one reply, so that the coordinator's load
+    grows with the number of sidecars, not ranks.
     """
 
     TYPE: ClassVar[str] = "plan_request"
-    rank: int = spec_field(_RANK)
-    world_size: int = spec_field(_WORLD)
-    node: str = spec_field(_NAME)
-    ranks: tuple[int, ...] = spec_field(ListOf(_RANK, L.MAX_PLAN_RANKS - 1), default=(), added=True)
+    rank: int = spec_field(RANK)
+    world_size: int = spec_field(WORLD)
+    node: str = spec_field(NAME)
+    ranks: tuple[int, ...] = spec_field(ListOf(RANK, L.MAX_PLAN_RANKS - 1), default=())
 
     @property
     def all_ranks(self) -> tuple[int, ...]:
@@ -462,18 +381,25 @@ class PlanReply(Message):
     ``wait`` (not every rank is accounted for yet; ask again), ``fresh`` (the job has no snapshot: start at 0),
     ``none`` (snapshots exist but no step is complete for every rank: ``reason`` says why). ``wait`` always
     covers the whole request (a round decides every rank at once) and then ``plans`` is empty; otherwise
-    ``plans`` holds one entry per rank of the request's ``ranks``, in its order (added after the first release:
-    left out of the header while empty).
+    ``plans`` holds one entry per rank of the request's ``ranks``, in its order.
     """
 
     TYPE: ClassVar[str] = "plan_reply"
-    rank: int = spec_field(_RANK)
+    rank: int = spec_field(RANK)
     status: str = spec_field(Enum(("ready", "wait", "fresh", "none")))
-    step: int = spec_field(_STEP_OR_NONE, default=-1)
+    step: int = spec_field(STEP_OR_NONE, default=-1)
     local: bool = spec_field(Bool(), default=False)
-    sources: tuple[str, ...] = spec_field(ListOf(_ADDR, 64), factory=tuple)
-    reason: str = spec_field(_TEXT, default="")
-    plans: tuple[RankPlan, ...] = spec_field(ListOf(Record(RankPlan), L.MAX_PLAN_RANKS - 1), default=(), added=True)
+    sources: tuple[str, ...] = spec_field(ListOf(ADDR, 64), factory=tuple)
+    reason: str = spec_field(TEXT, default="")
+    plans: tuple[RankPlan, ...] = spec_field(ListOf(Record(RankPlan), L.MAX_PLAN_RANKS - 1), default=())
+
+    @classmethod
+    def of(cls, job: str, plans: Sequence[RankPlan]) -> PlanReply:
+        """The reply carrying ``plans`` (at least one): the first in the top-level fields, the others in ``plans``;
+        the inverse of :meth:`answers`."""
+        first = plans[0]
+        return cls(job=job, rank=first.rank, status=first.status, step=first.step, local=first.local,
+                   sources=first.sources, reason=first.reason, plans=tuple(plans[1:]))  # fmt: skip
 
     def answers(self) -> tuple[RankPlan, ...]:
         """Every rank's plan: ``rank``'s from the top-level fields, then ``plans`` (not for ``wait``)."""
@@ -492,7 +418,7 @@ class StatusReply(Message):
 
     TYPE: ClassVar[str] = "status_reply"
     FRAMES: ClassVar[tuple[str, ...]] = ("body",)
-    body: memoryview | bytes = _frame(L.MAX_META_BYTES)
+    body: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -502,7 +428,7 @@ class MemberQuery(Message):
     sidecars in ``members`` mode."""
 
     TYPE: ClassVar[str] = "member_query"
-    host: str = spec_field(_ADDR)
+    host: str = spec_field(ADDR)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -510,20 +436,23 @@ class MemberReply(Message):
     """The answer to a :class:`MemberQuery`: ``node`` is a live member on ``host`` (empty when ``member`` is false)."""
 
     TYPE: ClassVar[str] = "member_reply"
-    host: str = spec_field(_ADDR)
+    host: str = spec_field(ADDR)
     member: bool = spec_field(Bool())
-    node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
+    node: str = spec_field(NAME, default="")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
-    """A refusal. ``code`` is machine-readable (e.g. ``memory_limit``, ``not_found``, ``bad_message``)."""
+    """A refusal: ``code`` says why for programs (see :class:`ErrorCode`), ``message`` for people.
+
+    ``rank`` and ``step`` name the rank and step refused (-1: none in particular).
+    """
 
     TYPE: ClassVar[str] = "error"
-    code: str = spec_field(_NAME)
-    message: str = spec_field(_TEXT, default="")
+    code: ErrorCode = spec_field(Enum.of(ErrorCode))
+    message: str = spec_field(TEXT, default="")
     rank: int = spec_field(Int(-1, L.MAX_RANKS), default=-1)
-    step: int = spec_field(_STEP_OR_NONE, default=-1)
+    step: int = spec_field(STEP_OR_NONE, default=-1)
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -535,185 +464,3 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StatusRequest, StatusReply, MemberQuery, MemberReply, Error,
     )
 }  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Layout:
-    """How one message type sits on the wire, computed once per type."""
-
-    header: tuple[tuple[str, Spec], ...]  # header fields in field order
-    frames: tuple[tuple[str, Frame], ...]  # payload frames in order
-    allowed: frozenset[str]  # keys a header may carry
-    required: frozenset[str]  # header fields without a default
-    added: dict[str, Any]  # fields added later -> the default that leaves them out of the header
-
-
-def _layout(cls: type[Message]) -> _Layout:
-    header: list[tuple[str, Spec]] = []
-    frames: list[tuple[str, Frame]] = []
-    required: set[str] = set()
-    added: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        spec = f.metadata["spec"]
-        (frames if isinstance(spec, Frame) else header).append((f.name, spec))
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            required.add(f.name)
-        if f.metadata.get("added"):
-            added[f.name] = f.default
-    names = {name for name, _ in header}
-    return _Layout(tuple(header), tuple(frames), frozenset(names | {"v", "type"}), frozenset(required & names), added)
-
-
-def omitted(cls: type[Message], name: str, value: Any) -> bool:
-    """Whether :func:`encode` leaves field ``name`` holding ``value`` out of a ``cls`` header (see ``spec_field``)."""
-    added = _LAYOUTS[cls.TYPE].added
-    return name in added and type(value) is type(added[name]) and value == added[name]
-
-
-_LAYOUTS = {name: _layout(cls) for name, cls in MESSAGE_TYPES.items()}
-_ABSENT: Any = object()
-
-
-def encode(msg: Message) -> list[Buffer]:
-    """The frames of ``msg``: a msgpack header, then each payload frame as given (never copied).
-
-    Raises:
-        ProtocolError: a field violates its spec (we never send what we would refuse to receive).
-    """
-    layout = _LAYOUTS[msg.TYPE]
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
-    for name, spec in layout.header:
-        value = getattr(msg, name)
-        if name in layout.added and omitted(type(msg), name, value):
-            continue
-        dumped = spec.dump(value)
-        spec.check(dumped, f"{msg.TYPE}.{name}")
-        header[name] = dumped
-    out: list[Buffer] = [msgpack.packb(header, use_bin_type=True)]
-    for name, fspec in layout.frames:
-        value = getattr(msg, name)
-        fspec.check(value, name)
-        out.append(value)
-    if len(out[0]) > L.MAX_HEADER_BYTES:
-        raise LimitExceeded(f"{msg.TYPE} header is {len(out[0])} bytes, at most {L.MAX_HEADER_BYTES}")
-    return out
-
-
-def _as_view(frame: Any) -> memoryview:
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
-    if buf is None:
-        buf = frame
-    try:
-        view = buf if isinstance(buf, memoryview) else memoryview(buf)
-    except TypeError as exc:
-        raise MalformedMessage(f"frame of type {type(frame).__name__} is not a buffer") from exc
-    if not view.c_contiguous:
-        raise MalformedMessage("frame is not a contiguous buffer")
-    if view.ndim != 1 or view.itemsize != 1:
-        try:
-            view = view.cast("B")
-        except TypeError as exc:
-            raise MalformedMessage(f"frame cannot be read as bytes: {exc}") from exc
-    return view
-
-
-def decode(frames: Sequence[Any]) -> Message:
-    """Parse and validate one multipart message.
-
-    Args:
-        frames: bytes, memoryviews or ``zmq.Frame`` objects; payload frames come back as memoryviews of them.
-
-    Raises:
-        ProtocolError: and nothing else, for any input.
-    """
-    if not isinstance(frames, Sequence) or len(frames) == 0:
-        raise MalformedMessage("a message needs at least a header frame")
-    head = _as_view(frames[0])
-    if head.nbytes > L.MAX_HEADER_BYTES:
-        raise LimitExceeded(f"header frame is {head.nbytes} bytes, at most {L.MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(
-            head,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=L.MAX_TEXT_LEN * 4,
-            max_bin_len=L.MAX_HEADER_BYTES,
-            max_array_len=L.MAX_LIST_ITEMS,
-            max_map_len=1024,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many types (ValueError, ExtraData, StackError, TypeError ...)
-        raise MalformedMessage(f"header is not a valid msgpack map: {exc}") from exc
-    if type(header) is not dict:
-        raise MalformedMessage(f"header is a msgpack {type(header).__name__}, not a map")
-    version = header.get("v")
-    if version != PROTOCOL_VERSION or type(version) is not int:
-        raise UnsupportedVersion(f"protocol version {version!r}; this build speaks {PROTOCOL_VERSION}")
-    mtype = header.get("type")
-    if type(mtype) is not str or mtype not in MESSAGE_TYPES:
-        raise UnknownMessageType(f"unknown message type {mtype!r}")
-    cls = MESSAGE_TYPES[mtype]
-    layout = _LAYOUTS[mtype]
-    if len(frames) != 1 + len(layout.frames):
-        raise MalformedMessage(f"{mtype} has {len(layout.frames)} payload frames, got {len(frames) - 1}")
-    if not header.keys() <= layout.allowed:
-        unknown = header.keys() - layout.allowed
-        raise MalformedMessage(f"{mtype}: unknown header fields {sorted(map(str, unknown))[:5]}")
-    kwargs: dict[str, Any] = {}
-    for name, spec in layout.header:
-        value = header.get(name, _ABSENT)
-        if value is not _ABSENT:
-            kwargs[name] = spec.check(value, name)
-        elif name in layout.required:
-            raise MalformedMessage(f"{mtype}: missing field {name!r}")
-    for (name, fspec), frame in zip(layout.frames, frames[1:], strict=True):
-        kwargs[name] = fspec.check(_as_view(frame), name)
-    try:
-        return cls(**kwargs)
-    except ProtocolError:
-        raise
-    except Exception as exc:  # defensive: a dataclass should never refuse validated values
-        raise MalformedMessage(f"{mtype}: {exc}") from exc
-
-
-__all__ = [
-    "CODECS",
-    "PROTOCOL_VERSION",
-    "Announce",
-    "Assignment",
-    "Chunk",
-    "ChunkAck",
-    "Error",
-    "Heartbeat",
-    "HeartbeatReply",
-    "InventoryItem",
-    "MESSAGE_TYPES",
-    "MemberQuery",
-    "MemberReply",
-    "Message",
-    "PlanReply",
-    "PlanRequest",
-    "PullManifest",
-    "PullRequest",
-    "RankInfo",
-    "RankPlan",
-    "RankRegistered",
-    "RegisterRank",
-    "RegisterSidecar",
-    "ReplicateTask",
-    "RestoreReply",
-    "RestoreRequest",
-    "SidecarRegistered",
-    "SlotUpdate",
-    "StatusReply",
-    "StatusRequest",
-    "StreamAbort",
-    "StreamAccept",
-    "StreamBegin",
-    "UnregisterRank",
-    "Watermark",
-    "decode",
-    "encode",
-    "omitted",
-]

@@ -2,7 +2,8 @@
 the recoverable and durable steps, recovery plans and re-replication.
 
 It holds only soft state: after a restart it rebuilds everything from the sidecars' next reports, and no snapshot
-data ever passes through it. :class:`CoordinatorState` is the pure logic, :func:`run_coordinator` the process.
+data ever passes through it. :class:`CoordinatorState` is the pure logic (made of the parts :mod:`.state`
+names), :func:`run_coordinator` the process.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ class CoordinatorConfig:
     """The heartbeat rate the coordinator keeps its fleet under. While more than ``target_heartbeats_per_s *
     heartbeat_interval`` nodes are live (2,000 by default), the interval given to every sidecar is
     ``live nodes / target_heartbeats_per_s`` (rounded up to a quarter of ``heartbeat_interval``: 2.5 s for
-    10,000 nodes), and the death timeout and rebuild window grow by the same factor. 4,000/s leaves one core
-    room for plan rounds and bursts: a heartbeat that carries a changed inventory costs on the order of
-    100 us of coordinator CPU (``snapshotd-bench scale`` reports ``cpu_per_hb_us``)."""
+    10,000 nodes), and the death timeout and rebuild window grow by the same factor. The default keeps the
+    coordinator's one core short of busy with heartbeats that carry a changed inventory, with room left for plan
+    rounds and bursts (``snapshotd-bench scale`` reports what a heartbeat costs: ``cpu_per_hb_us``)."""
 
     plan_hold: float = 3.0
     """Longest time a plan request that must wait is held unanswered (long-polling); it is answered the moment

@@ -1,11 +1,11 @@
 """The coordinator's garbage-collection policy: keep CPython's cyclic collector off its long-lived index.
 
-The collector examines every tracked container it holds at each full collection. At 10,000 sidecars the
-coordinator's index (nodes, inventories, holders) is a few hundred thousand containers, and a full collection
-takes about 0.2 s on a 2-core machine; CPython runs one whenever the objects that survived since the last reach a
-quarter of the heap, which is every few seconds while inventories change with every training step. Each one
-stalls heartbeats and plan answers alike, for nothing: the index holds no reference cycles (records hold dicts,
-sets and tuples of names, never their owners).
+The collector examines every tracked container it holds at each full collection. With thousands of sidecars the
+coordinator's index (nodes, inventories, holders) is hundreds of thousands of containers, and a full collection a
+pause that shows in heartbeat round trips; CPython runs one whenever the objects that survived since the last
+reach a quarter of the heap, which is every few seconds while inventories change with every training step. Each
+one stalls heartbeats and plan answers alike, for nothing: the index holds no reference cycles (records hold
+dicts, sets and tuples of names, never their owners).
 
 So every object that survived one tick of the loop is frozen (``gc.freeze``, O(1)) and the collector only looks
 at newer ones. Reference counting still frees everything that is not in a cycle, frozen or not; cycles that were

@@ -1,11 +1,12 @@
 """Plan requests held unanswered (long-polling) until their job's round is decided or a hold time passes.
 
-A rank whose plan must wait for the other ranks used to be told ``wait`` at once and asked again every 0.2 s:
-80,000 ranks restoring together sent the coordinator 400,000 requests a second, and a rank learnt its plan up
-to a poll interval late. Held instead, a request costs nothing until something can change its answer: the
-server asks the state again for every held request of a job whose round was just decided (the last rank
-asked), whose world size changed, or for all of them when the rebuild window closes; a request still waiting
-after ``hold`` seconds is answered ``wait`` so that the sidecar knows the coordinator is there and asks again.
+A request that must wait for the other ranks is held rather than answered ``wait`` at once: answered, every
+waiting sidecar would poll, so that the coordinator's load would grow with the fleet times the poll rate, and a
+rank would learn its plan up to a poll interval late. A held request costs nothing until something can change
+its answer: the server asks the state again for every held request of a job whose round was just decided (the
+last rank asked), whose world size changed, or for all of them when the rebuild window closes; a request still
+waiting after ``hold`` seconds is answered ``wait`` so that the sidecar knows the coordinator is there and asks
+again.
 
 A request covers all the ranks its sidecar asks for at once. One from the same peer (ROUTER envelope) and job
 whose ranks include all of a held request's ranks replaces it: the sidecar asked again (its earlier request
@@ -13,7 +14,7 @@ timed out) or more of its ranks joined; the earlier one is dropped unanswered. A
 ``MAX_PLAN_RANKS`` requests of a job held (a node never has more ranks asking); beyond, its oldest is dropped.
 
 Each held request may carry a draft of its answer, encoded once while the requests arrive (see
-:meth:`~.state.CoordinatorState.draft`), so that answering every held request of a round when it freezes costs
+:meth:`~.plans.Plans.draft`), so that answering every held request of a round when it freezes costs
 little more than sending them. This module only keeps the requests; asking the state and sending answers is the
 server's part.
 """

@@ -1,70 +1,34 @@
-"""Per job: the inventory index that G and D are read from, and the plan round.
+"""Per job: the inventory index that G and D are read from, and the watermark published from it.
 
 Pure data structures with no clock and no sockets, used by :class:`~.state.CoordinatorState`.
 
 Cost model: a heartbeat that changes its node's inventory costs O(snapshots added or removed), done in one loop
 per job (:meth:`Job.add` / :meth:`Job.remove`) with no call per snapshot. A local copy (a rank's own slot) and a
 copy on the rank's home node never count towards durability, so adding or removing one touches two counts and
-nothing else; only a buddy copy on another node recounts the (two or three) holders of its snapshot.
+nothing else; only a buddy copy on another node recounts the (two or three) holders of its snapshot. Each job
+keeps, per step, how many of its ranks hold it (for G) and how many hold it durably (for D), so that G and D are a
+max over the job's few distinct steps, computed when first asked for after a change (:meth:`Job.publish`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from snapshotd.proto import Watermark
+from snapshotd.proto.limits import MAX_UNUSABLE_STEPS
 
-__all__ = ["MAX_LISTED", "Item", "Job", "PlanRow", "Round"]
+if TYPE_CHECKING:
+    from .plans import Round
 
-Item = tuple[str, int, int, bool]  # (job, rank, step, local)
-PlanRow = tuple[int, str, int, bool, tuple[str, ...], str]  # a RankPlan's fields: rank, status, step, local, sources, reason
+__all__ = ["Item", "Job", "Jobs", "check_rank"]
 
-MAX_LISTED = 8
-"""Ranks named in one wait or none reason."""
+log = logging.getLogger(__name__)
 
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Round:
-    """One plan round of a job.
-
-    Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
-    ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
-    after its answer restarted again and opens a new round. Once frozen, the round stays open (durable capped
-    at ``step``, so buddies keep what the plan needs) until every rank was answered and G moved past ``step``:
-    training resumed. Before the freeze there is no plan step yet and no cap is needed (D <= G always).
-    """
-
-    asked: set[int] = dataclasses.field(default_factory=set)
-    answered: set[int] = dataclasses.field(default_factory=set)
-    frozen: bool = False
-    closed: bool = False
-    outcome: str = ""
-    step: int = -1
-    reason: str = ""
-    waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
-    frozen_at: float = 0.0  # when the last rank asked (the coordinator's clock); set once frozen
-    answered_at: float | None = None  # when the last rank was answered
-
-    def status(self, now: float) -> dict:
-        """The round for the status document: outcome and step (once frozen), ranks asked and answered,
-        ``age_s`` since it froze and ``answer_s``, from the freeze to the last rank's answer (None until then)."""
-        return {
-            "outcome": self.outcome or "asking", "step": self.step, "asked": len(self.asked),
-            "answered": len(self.answered), "age_s": round(now - self.frozen_at, 3) if self.frozen else None,
-            "answer_s": None if self.answered_at is None else round(self.answered_at - self.frozen_at, 6),
-        }  # fmt: skip
-
-    def wait_reason(self, world_size: int) -> str:
-        if self.waiting_note[0] != len(self.asked):
-            missing = world_size - len(self.asked)
-            if missing <= MAX_LISTED:
-                who = "rank(s) " + ", ".join(str(r) for r in range(world_size) if r not in self.asked)
-            else:
-                who = f"{missing} more ranks"
-            text = f"{len(self.asked)} of {world_size} ranks accounted for; waiting for {who}"
-            self.waiting_note = (len(self.asked), text)
-        return self.waiting_note[1]
+Item = tuple[str, int, int, bool]
+"""A snapshot a node holds: (job, rank, step, local)."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -93,12 +57,37 @@ class Job:
     durable: dict[int, int] = dataclasses.field(default_factory=dict)
     newest: dict[int, int] = dataclasses.field(default_factory=dict)
     durable_pairs: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (rank, step) in durable
-    watermark: Watermark | None = None  # cache; None when stale
+    watermark: Watermark | None = None  # what publish() returns until something changes; None: recompute
     published: Watermark | None = None  # the last one handed out
-    round: Round | None = None
-    swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the sweep first saw it)
+    round: Round | None = None  # the latest plan round (see plans.py)
+    swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0
     stale: tuple[int, int] = (-1, -1)
+
+    def publish(self) -> Watermark:
+        """The job's watermark as of now: G, D and the unusable steps (see DESIGN "Watermark").
+
+        While a plan round is frozen at a step, D is capped at that step, so that buddies keep what the plan
+        needs, until every rank has its answer and G has moved past the step (training resumed). A D at or past
+        the stale steps ends them (see :meth:`fork`). Recomputed only after the index, the world size or the
+        round changed; the same object while its values stay the same, so that replies holding it stay
+        cacheable.
+        """
+        if self.watermark is not None:
+            return self.watermark
+        g, d = self._newest_complete()
+        if self.round is not None and self.round.caps(g, self.world_size):
+            d = min(d, self.round.step)
+        hi = self.stale[1]
+        if hi >= 0 and d >= hi:
+            self.stale = (-1, -1)
+        wm = Watermark(job=self.name, recoverable=g, durable=d, unusable=self.unusable(d, MAX_UNUSABLE_STEPS))
+        if wm == self.published:
+            wm = self.published
+        elif log.isEnabledFor(logging.DEBUG):
+            log.debug("job %s: G %d, D %d, unusable %s", self.name, g, d, list(wm.unusable))
+        self.watermark = self.published = wm
+        return wm
 
     def fork(self, step: int) -> None:
         """A plan round froze at ``step``: training resumes from it, so the copies of later steps held now (the
@@ -111,20 +100,15 @@ class Job:
         self.stale = (step, held) if held > step else (-1, -1)
         self.watermark = None
 
-    def watermarks(self, cap: int | None) -> tuple[int, int]:
-        """G and D: the newest step complete for every rank on live nodes, and the newest held as ``replicas``
-        buddy copies for every rank (-1: none), stale steps left out; D at most ``cap``. A D at or past the
-        stale steps ends them."""
+    def _newest_complete(self) -> tuple[int, int]:
+        """The newest step complete for every rank on live nodes, and the newest held as ``replicas`` buddy copies
+        for every rank (-1: none), stale steps left out."""
         ws = self.world_size
         if not ws:
             return -1, -1
         lo, hi = self.stale
         g = max((s for s, n in self.covered.items() if n == ws and not lo < s <= hi), default=-1)
         d = max((s for s, n in self.durable.items() if n == ws and not lo < s <= hi), default=-1)
-        if cap is not None:
-            d = min(d, cap)
-        if hi >= 0 and d >= hi:
-            self.stale = (-1, -1)
         return g, d
 
     def add(self, node: str, items: Iterable[Item]) -> None:
@@ -174,6 +158,7 @@ class Job:
         self.version += 1
 
     def set_home(self, rank: int, node: str | None) -> None:
+        """``node`` (None: no live node) reports ``rank`` now."""
         if node is None:
             del self.homes[rank]
         else:
@@ -183,7 +168,10 @@ class Job:
         self.watermark = None
 
     def resize(self, world_size: int) -> None:
+        """Latest report wins. A frozen plan round is abandoned; an open one forgets ranks now outside."""
         self.world_size = world_size
+        if self.round is not None:
+            self.round = self.round.resized(world_size)
         self.covered, self.durable, self.durable_pairs, self.newest = {}, {}, set(), {}
         for rank, by_step in self.holders.items():
             for step, h in by_step.items() if rank < world_size else ():
@@ -251,3 +239,51 @@ class Job:
                 else:
                     del self.durable[step]
         self.watermark = None
+
+
+class Jobs:
+    """Every job the coordinator knows of, by name.
+
+    ``plan_changes`` names the jobs whose waiting plan requests may have an answer now for a reason other than
+    another rank asking (their world size changed); whoever holds such requests takes the names and asks again.
+    """
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+        self._jobs: dict[str, Job] = {}
+        self.plan_changes: set[str] = set()
+
+    def __getitem__(self, name: str) -> Job:
+        return self._jobs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def get(self, name: str) -> Job | None:
+        return self._jobs.get(name)
+
+    def job(self, name: str) -> Job:
+        """The job named ``name``, added (knowing nothing yet) if new."""
+        job = self._jobs.get(name)
+        if job is None:
+            job = self._jobs[name] = Job(name, self.replicas)
+        return job
+
+    def resize(self, job: Job, world_size: int) -> None:
+        """``job`` has ``world_size`` ranks from now on (see :meth:`Job.resize`)."""
+        log.info("job %s: world size %d -> %d", job.name, job.world_size, world_size)
+        job.resize(world_size)
+        self.plan_changes.add(job.name)
+
+
+def check_rank(job: str, rank: int, world_size: int) -> None:
+    """Refuse a rank outside its job's world size.
+
+    Raises:
+        ValueError: naming the rank, the job and the world size.
+    """
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} of job {job} is outside its world size {world_size}")

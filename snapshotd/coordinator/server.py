@@ -10,30 +10,29 @@ Plan requests that must wait are held, not answered (long-polling, see :mod:`.he
 moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. A sidecar asks for all its
 restoring ranks in one request. Whenever the loop has caught up (nothing queued), the answer each held request
 will get if nothing changes before the round freezes is drafted and encoded (see
-:meth:`~.state.CoordinatorState.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
+:meth:`~.plans.Plans.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
 drafting never delays a request. When the round freezes, each held request whose draft still holds is answered
-by sending those bytes; the others are asked again of the state. Held requests woken by a
-decision are answered for up to ``_HELD_SLICE_S`` at a time between batches of new requests, so that 10,000
-sidecars getting their plans at once do not stop heartbeats for the time that takes.
+by sending those bytes; the others are asked again of the state, up to ``_REANSWER_BATCH`` at a time with their
+replies encoded together. Held requests woken by a decision are answered for up to ``_HELD_SLICE_S`` at a time
+between batches of new requests, so that a whole fleet getting its plans at once does not stop heartbeats for the
+time that takes.
 
-A status document (``snapshotd status``) lists every node and rank: at 10,000 nodes of 8 ranks it takes 0.2 s or
-more to build, which would hold up every heartbeat and plan answer queued behind it. So it is built
-in parts (see :meth:`~.state.CoordinatorState.status_parts`), for up to ``_STATUS_SLICE_S`` per pass of the loop,
-and sent once complete; at most ``_STATUS_BUILDS`` are built at once, and a request beyond gets
-``Error(code="busy")``.
+A status document (``snapshotd status``) lists every node and rank; at thousands of nodes it takes long enough to
+build that it would hold up every heartbeat and plan answer queued behind it. So it is built in parts (see
+:mod:`.status`), for up to ``_STATUS_SLICE_S`` per pass of the loop, and sent once complete; at most
+``_STATUS_BUILDS`` are built at once, and a request beyond gets an ``Error`` with code ``busy``.
 
 Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
 waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
 exactly when the coordinator is busiest, and their re-registrations would make it busier still.
 
-Nothing a peer sends can crash or wedge the loop: undecodable frames get ``Error(code="bad_message")``, a
-well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
-not serve ``Error(code="unexpected")``, an ``Error`` sent to us is counted and dropped, and a bug while handling
-one request answers ``Error(code="internal")`` and the loop goes on; an error answering a plan request names the
-request's rank outside its world size (else its first rank), so that a sidecar asking for several ranks at once
-knows which one was refused. Each problem is
-logged at most once per peer per minute.
+Nothing a peer sends can crash or wedge the loop: undecodable frames get an ``Error`` with code ``bad_message``,
+a well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
+not serve ``unexpected``, an ``Error`` sent to us is counted and dropped, and a bug while handling one request
+answers ``internal`` and the loop goes on (see :class:`~snapshotd.proto.ErrorCode`); an error answering a plan
+request names the request's rank outside its world size (else its first rank), so that a sidecar asking for
+several ranks at once knows which one was refused. Each problem is logged at most once per peer per minute.
 """
 
 from __future__ import annotations
@@ -55,11 +54,11 @@ import zmq.asyncio
 from snapshotd import security
 from snapshotd.proto import (
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     MemberQuery,
     Message,
-    PlanReply,
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
@@ -73,8 +72,8 @@ from snapshotd.proto.limits import MAX_TEXT_LEN
 from .config import CoordinatorConfig
 from .gc_policy import GcPolicy
 from .held import MAX_HELD, Held, HeldPlans
-from .jobs import PlanRow
-from .replies import HeartbeatReplies, plan_frame
+from .plans import PlanAnswer
+from .replies import HeartbeatReplies, PlanReplies
 from .state import CoordinatorState
 
 __all__ = ["run_coordinator"]
@@ -85,6 +84,8 @@ _BATCH = 256
 """Requests handled per wake-up before the loop gets a turn (a plan request waits behind at most this many)."""
 _HELD_SLICE_S = 0.02
 """Seconds spent answering woken held plan requests before new requests get a turn."""
+_REANSWER_BATCH = 64
+"""Woken held requests without a draft that holds, asked again of the state and encoded together."""
 _STATUS_SLICE_S = 0.005
 """Seconds spent building status documents per pass of the loop."""
 _STATUS_BUILDS = 4
@@ -166,6 +167,7 @@ class _Server:
         self.held = held
         self._complaints: dict[Any, float] = {}
         self.replies = HeartbeatReplies()
+        self.plan_replies = PlanReplies()
         self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
         self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
@@ -200,8 +202,7 @@ class _Server:
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
-        for held in self.held.take_all():  # let their sidecars ask again (the next coordinator) at once
-            self.reanswer(held, now, final=True)
+        self.reanswer(self.held.take_all(), now, final=True)  # their sidecars ask the next coordinator at once
 
     def expire(self, now: float) -> None:
         try:
@@ -231,49 +232,64 @@ class _Server:
     def answer_held(self, now: float, *, caught_up: bool = True) -> None:
         """Ask the state again for held requests that something woke (for up to ``_HELD_SLICE_S``), and once
         the loop has ``caught_up`` (nothing queued), answer those held too long."""
-        if self._rebuilding and not self.state.rebuilding(now):
+        plans = self.state.plans
+        if self._rebuilding and not plans.rebuilding(now):
             self._rebuilding = False
             self.held.wake_all()  # requests held in the rebuild window were not recorded yet
-        while self.state.plan_changes:
-            self.held.wake(self.state.plan_changes.pop())
+        changes = self.state.jobs.plan_changes
+        while changes:
+            self.held.wake(changes.pop())
         due, end = self.held.due, now + _HELD_SLICE_S
-        confirm, send, clock = self.state.confirm, self.send_frames, time.monotonic
+        confirm, send, clock = plans.confirm, self.send_frames, time.monotonic
         t = now  # one clock read per answer: it ends the slice and times the next answer
+        undrafted: list[Held] = []  # asked again of the state, up to _REANSWER_BATCH at a time
         while due:
             held = due.popleft()
             if held.token is not None and confirm(held.msg, held.token, t):  # its draft holds: send it
                 send(held.envelope, [held.frame])
             else:
-                self.reanswer(held, t, final=False)
+                undrafted.append(held)
+                if len(undrafted) == _REANSWER_BATCH:
+                    self.reanswer(undrafted, t, final=False)
+                    undrafted = []
             t = clock()
             if t >= end:
                 break
+        if undrafted:
+            self.reanswer(undrafted, t, final=False)
         if caught_up:  # else a request still queued may decide the round: no ``wait`` for its ranks yet
-            for held in self.held.take_expired(now, _BATCH):
-                self.reanswer(held, now, final=True)
+            expired = self.held.take_expired(now, _BATCH)
+            if expired:
+                self.reanswer(expired, now, final=True)
 
-    def reanswer(self, held: Held, now: float, *, final: bool) -> None:
-        """Answer a held request now, or (unless ``final``) hold it on while its answer is still ``wait``."""
-        if held.token is not None and self.state.confirm(held.msg, held.token, now):  # its draft holds: send it
-            self.held.wake(held.msg.job)
-            self.send_frames(held.envelope, [held.frame])
-            return
-        try:
-            answer = self.state.plan_rows(held.msg, now, held=True)
-        except Exception as exc:  # it was answerable when it came: a bug
-            self.complain("held", "failed to answer a held plan request", exc_info=True)
-            self.send(held.envelope, Error(job=held.msg.job, code="internal", rank=held.msg.rank,
-                                           message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
-            return
-        if isinstance(answer, PlanReply):  # wait
-            if final:
-                self.send(held.envelope, answer)
+    def reanswer(self, batch: list[Held], now: float, *, final: bool) -> None:
+        """Answer held requests now, their replies encoded together; unless ``final``, hold on to those whose
+        answer is still ``wait``."""
+        plans = self.state.plans
+        decided: list[tuple[Held, PlanAnswer]] = []
+        for held in batch:
+            if held.token is not None and plans.confirm(held.msg, held.token, now):  # its draft holds: send it
+                self.held.wake(held.msg.job)
+                self.send_frames(held.envelope, [held.frame])
+                continue
+            try:
+                answer = plans.plan(held.msg, now, held=True)
+            except Exception as exc:  # it was answerable when it came: a bug
+                self.complain("held", "failed to answer a held plan request", exc_info=True)
+                self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
+                                               message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
+                continue
+            if not answer.waiting:
+                self.held.wake(held.msg.job)
+                decided.append((held, answer))
+            elif final:
+                self.send_plan(held.envelope, held.msg, answer)
             else:
                 self.held.keep(held)
                 self.undrafted.append(held)
-            return
-        self.held.wake(held.msg.job)
-        self.send_plan(held.envelope, held.msg, answer)
+        frames = self.plan_replies.frames([answer for _, answer in decided])
+        for (held, _), frame in zip(decided, frames, strict=True):
+            self._send_plan_frame(held.envelope, held.msg, frame)
 
     def handle(self, frames: list[bytes], now: float) -> None:
         peer = frames[0]
@@ -284,7 +300,7 @@ class _Server:
         except ProtocolError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "bad message from peer %s: %s", peer.hex(), exc)
-            self.send(envelope, Error(code="bad_message", message=_clip(str(exc))))
+            self.send(envelope, Error(code=ErrorCode.BAD_MESSAGE, message=_clip(str(exc))))
             return
         rank = -1
         if isinstance(msg, PlanRequest):
@@ -294,10 +310,10 @@ class _Server:
         except ValueError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "refused %s from peer %s: %s", msg.TYPE, peer.hex(), exc)
-            reply = Error(job=msg.job, code="bad_message", rank=rank, message=_clip(str(exc)))
+            reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, rank=rank, message=_clip(str(exc)))
         except Exception as exc:
             self.complain(peer, "failed to handle %s from peer %s", msg.TYPE, peer.hex(), exc_info=True)
-            reply = Error(job=msg.job, code="internal", rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
+            reply = Error(job=msg.job, code=ErrorCode.INTERNAL, rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
         if reply is not None:
             self.send(envelope, reply, msg.node if isinstance(msg, Heartbeat) else None)
 
@@ -306,44 +322,47 @@ class _Server:
         if isinstance(msg, Heartbeat):
             return self.state.heartbeat(msg, now)
         if isinstance(msg, PlanRequest):
-            answer = self.state.plan_rows(msg, now)
-            if isinstance(answer, PlanReply):  # wait
+            answer = self.state.plans.plan(msg, now)
+            if answer.waiting:
                 held = self.held.hold(envelope, msg, now)
-                if held is None:
-                    return answer
-                self.undrafted.append(held)
-                return None
-            self.held.wake(msg.job)  # the round is decided: answer every rank held for it
+                if held is not None:
+                    self.undrafted.append(held)
+                    return None
+            else:
+                self.held.wake(msg.job)  # the round is decided: answer every rank held for it
             self.send_plan(envelope, msg, answer)
             return None
         if isinstance(msg, RegisterSidecar):
             return self.state.register(msg, now)
         if isinstance(msg, MemberQuery):
-            return self.state.member(msg)
+            return self.state.membership.member(msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
-                return Error(code="busy", message=f"{len(self.statuses)} status documents are being built; ask again "
-                                                  "in a second")  # fmt: skip
+                return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "
+                                                          "ask again in a second")  # fmt: skip
             self.statuses.append(_StatusBuild(envelope, self.state.status_parts(now)))
             return None
         self.state.bad_messages += 1
         if isinstance(msg, Error):  # never answer an error with an error
             return None
-        return Error(job=msg.job, code="unexpected", message=f"the coordinator does not serve {msg.TYPE!r}")
+        return Error(job=msg.job, code=ErrorCode.UNEXPECTED, message=f"the coordinator does not serve {msg.TYPE!r}")
 
     def draft_some(self) -> None:
         """Draft and encode (up to ``_BATCH``) answers that held requests get when their round freezes, if the
-        state sees one (see the module docstring)."""
+        state sees one (see the module docstring); encoded together, which costs less than one by one."""
+        drafted: list[tuple[Held, object, PlanAnswer]] = []
         for _ in range(min(_BATCH, len(self.undrafted))):
             held = self.undrafted.popleft()
-            try:
-                drafted = self.state.draft(held.msg)
-                if drafted is not None:
-                    held.frame = plan_frame(held.msg.job, drafted[1])
-                held.token = drafted[0] if drafted is not None else None
-            except ProtocolError as exc:  # too big for one reply: answered the slow way, which says so
-                held.token = None
-                self.complain("draft", "cannot encode a plan reply: %s", exc)
+            held.token = None
+            draft = self.state.plans.draft(held.msg)
+            if draft is not None:
+                drafted.append((held, *draft))
+        frames = self.plan_replies.frames([answer for _, _, answer in drafted])
+        for (held, token, _), frame in zip(drafted, frames, strict=True):
+            if isinstance(frame, ProtocolError):  # too big for one reply: answered the slow way, which says so
+                self.complain("draft", "cannot encode a plan reply: %s", frame)
+            else:
+                held.frame, held.token = frame, token
 
     def build_statuses(self, until: float) -> None:
         """Build the oldest status documents part by part until the clock reads ``until`` (at least one part),
@@ -355,7 +374,7 @@ class _Server:
             except Exception as exc:  # a bug must not stop the loop
                 self.statuses.popleft()
                 self.complain("status", "failed to build a status document", exc_info=True)
-                self.send(build.envelope, Error(code="internal", message=_clip(f"{type(exc).__name__}: {exc}")))
+                self.send(build.envelope, Error(code=ErrorCode.INTERNAL, message=_clip(f"{type(exc).__name__}: {exc}")))
                 continue
             if part is None:
                 self.statuses.popleft()
@@ -372,17 +391,23 @@ class _Server:
             frames = encode(reply) if head is None else [head]
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
-            frames = encode(Error(code="internal", message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
+            frames = encode(Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
         self.send_frames(envelope, frames)
 
-    def send_plan(self, envelope: list[bytes], msg: PlanRequest, rows: list[PlanRow]) -> None:
-        """Send the plan reply to ``msg`` that carries ``rows`` (see :meth:`~.state.CoordinatorState.plan_rows`)."""
+    def send_plan(self, envelope: list[bytes], msg: PlanRequest, answer: PlanAnswer) -> None:
+        """Send ``answer`` to ``msg`` (see :meth:`~.plans.Plans.plan`)."""
         try:
-            frame = plan_frame(msg.job, rows)
+            frame: bytes | ProtocolError = self.plan_replies.frame(answer)
         except ProtocolError as exc:
-            self.complain("encode", "cannot encode a plan reply: %s", exc)
-            self.send(envelope, Error(job=msg.job, code="internal", rank=msg.rank,
-                                      message=_clip(f"the plan reply broke a limit: {exc}")))  # fmt: skip
+            frame = exc
+        self._send_plan_frame(envelope, msg, frame)
+
+    def _send_plan_frame(self, envelope: list[bytes], msg: PlanRequest, frame: bytes | ProtocolError) -> None:
+        """Send the encoded reply to ``msg``, or the error saying why it could not be encoded."""
+        if isinstance(frame, ProtocolError):
+            self.complain("encode", "cannot encode a plan reply: %s", frame)
+            self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank,
+                                      message=_clip(f"the plan reply broke a limit: {frame}")))  # fmt: skip
             return
         self.send_frames(envelope, [frame])
 

@@ -21,7 +21,6 @@ from snapshotd.proto import (
     PlanReply,
     PlanRequest,
     ProtocolError,
-    RankPlan,
     RegisterSidecar,
     SidecarRegistered,
     decode,
@@ -291,7 +290,7 @@ class CoordinatorClient:
                 return
             for plan in reply.answers():
                 for group in groups:
-                    self._settle(group, plan.rank, _single(reply.job, plan))
+                    self._settle(group, plan.rank, PlanReply.of(reply.job, (plan,)))
         elif isinstance(reply, Error):
             refused = ProtocolError(f"coordinator refused plan_request: {reply.message}")
             for group in groups:
@@ -322,9 +321,3 @@ class CoordinatorClient:
         self.handshakes.close()
         self._hb.close(linger=0)
         self._plan.close(linger=0)
-
-
-def _single(job: str, plan: RankPlan) -> PlanReply:
-    """One rank's plan as the reply to a request for it alone."""
-    return PlanReply(job=job, rank=plan.rank, status=plan.status, step=plan.step, local=plan.local,
-                     sources=plan.sources, reason=plan.reason)  # fmt: skip

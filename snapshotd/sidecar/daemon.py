@@ -30,7 +30,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from snapshotd import proto
-from snapshotd.proto import Error, Message, ProtocolError
+from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
 from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.security import (
     DATA_DOMAIN,
@@ -61,7 +61,7 @@ __all__ = ["Sidecar", "run_sidecar"]
 
 log = logging.getLogger(__name__)
 
-_DATA_ERRORS = {MemoryLimitReached: "memory_limit", UnknownSnapshot: "not_found"}
+_DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND}
 """Wire error codes of the data plane's expected refusals; any other ProtocolError is a bad chunk."""
 
 
@@ -201,16 +201,16 @@ class Sidecar:
             except (ProtocolError, MemoryLimitReached, UnknownSnapshot) as exc:
                 self.state.counters.errors += 1
                 log.warning("%s: %s", what, exc)
-                code = _DATA_ERRORS.get(type(exc), "bad_chunk" if msg is not None and what == "data plane" else
-                                        "bad_message")  # fmt: skip
+                code = _DATA_ERRORS.get(type(exc), ErrorCode.BAD_CHUNK if msg is not None and what == "data plane"
+                                        else ErrorCode.BAD_MESSAGE)  # fmt: skip
                 outbox.reply(ident, _error(msg, code, str(exc)))
             except Exception as exc:
                 self.state.counters.errors += 1
                 log.exception("%s: a %s request failed", what, msg.TYPE if msg is not None else "malformed")
-                outbox.reply(ident, _error(msg, "internal", f"{type(exc).__name__}: {exc}"))
+                outbox.reply(ident, _error(msg, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
 
 
-def _error(about: Message | None, code: str, text: str) -> Error:
+def _error(about: Message | None, code: ErrorCode, text: str) -> Error:
     """An Error reply about ``about`` (naming its job, rank and step where it has them)."""
     if len(text) > MAX_TEXT_LEN:
         text = text[: MAX_TEXT_LEN - 3] + "..."

@@ -16,7 +16,15 @@ import time
 from snapshotd import proto
 from snapshotd.logs import fields
 from snapshotd.progress import Progress
-from snapshotd.proto import Error, PlanRequest, ProtocolError, RestoreReply, RestoreRequest, StreamBegin
+from snapshotd.proto import (
+    Error,
+    ErrorCode,
+    PlanRequest,
+    ProtocolError,
+    RestoreReply,
+    RestoreRequest,
+    StreamBegin,
+)
 from snapshotd.shm import create_arena
 
 from .config import SidecarConfig
@@ -59,7 +67,7 @@ class RestoreService:
         """Answer ``req`` with a RestoreReply or an Error; the rank's slots are handed back either way."""
         lr = self.state.rank(req.job, req.rank)
         if lr is None:
-            self.outbox.reply(ident, Error(job=req.job, code="not_registered", rank=req.rank,
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                            message="register the rank before restoring"))  # fmt: skip
             return
         lr.awaiting_restore = True
@@ -78,14 +86,14 @@ class RestoreService:
                 t0 + req.timeout_s,
             )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            self.outbox.reply(ident, Error(job=req.job, code="plan_timeout", rank=req.rank, message=str(exc)))
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
             return
         if plan.status == "fresh":
             self.outbox.reply(ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
                                                   arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
             return
         if plan.status != "ready":
-            self.outbox.reply(ident, Error(job=req.job, code="not_recoverable", rank=req.rank, message=plan.reason))
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank, message=plan.reason))
             return
         step = plan.step
         index = lr.find(step)
@@ -94,7 +102,7 @@ class RestoreService:
             try:
                 index, pulled, direct = await self._fetch(lr, step, plan.sources, req)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
-                self.outbox.reply(ident, Error(job=req.job, code="pull_failed", rank=req.rank, step=step,
+                self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PULL_FAILED, rank=req.rank, step=step,
                                                message=str(exc)))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"

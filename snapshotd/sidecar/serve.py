@@ -19,6 +19,7 @@ from snapshotd.proto import (
     Chunk,
     ChunkAck,
     Error,
+    ErrorCode,
     Message,
     ProtocolError,
     PullManifest,
@@ -151,7 +152,7 @@ class ServeService:
             _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
         except UnknownSnapshot as exc:  # never held, or dropped since the request came (D moved)
             self.state.counters.errors += 1
-            self.outbox.reply(ident, Error(job=req.job, code="not_found", message=str(exc), rank=req.rank,
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_FOUND, message=str(exc), rank=req.rank,
                                            step=req.step))  # fmt: skip
             return
         holder.pins += 1

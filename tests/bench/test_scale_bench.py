@@ -11,21 +11,27 @@ import pytest
 
 from snapshotd.bench import cli, scale
 from snapshotd.bench.report import Report
-from snapshotd.bench.simsidecars import heartbeat_header, raise_nofile
-from snapshotd.proto import Heartbeat, InventoryItem, RankInfo, decode, encode
+from snapshotd.bench.simsidecars import HeartbeatFrames, raise_nofile
+from snapshotd.proto import Heartbeat, InventoryItem, ProtocolError, RankInfo, decode, encode
 
 _FAST = ["--window", "1", "--settle", "0.2", "--heartbeat-timeout", "1.0", "--timeout", "10"]
 
 
-def test_heartbeat_header_is_what_proto_encodes() -> None:
+def test_heartbeat_frames_are_what_proto_encodes() -> None:
     ranks = (RankInfo("j", 8, 16, 100_008, True), RankInfo("j", 9, 16, 100_009, False))
     inventory = (InventoryItem("j", 8, 5, True), InventoryItem("j", 1, 4, False))
     hb = Heartbeat(node="sim-1", incarnation="1", changed=True, ranks=ranks, inventory=inventory,
                    bytes_out=3, bytes_in=2, stored_bytes=1)  # fmt: skip
-    head = heartbeat_header("sim-1", "1", True, [list(dataclass_values(r)) for r in ranks],
-                            [list(dataclass_values(i)) for i in inventory], 3, 2, 1)  # fmt: skip
+    frames = HeartbeatFrames()
+    fixed = frames.sidecar("sim-1", "1", [list(dataclass_values(r)) for r in ranks])
+    head = frames.frame(fixed, True, [list(dataclass_values(i)) for i in inventory], 3, 2, 1)
     assert head == bytes(encode(hb)[0])
     assert decode([head]) == hb
+    quiet = frames.frame(fixed, False, [], 4, 3, 2)
+    assert quiet == bytes(encode(Heartbeat(node="sim-1", incarnation="1", changed=False, bytes_out=4, bytes_in=3,
+                                           stored_bytes=2))[0])  # fmt: skip
+    with pytest.raises(ProtocolError):  # the checks encode runs
+        frames.frame(fixed, True, [["j", -1, 5, True]], 3, 2, 1)
 
 
 def dataclass_values(record: RankInfo | InventoryItem) -> tuple[object, ...]:

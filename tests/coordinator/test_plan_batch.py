@@ -9,7 +9,8 @@ import pytest
 
 from snapshotd.coordinator import CoordinatorState
 from snapshotd.coordinator.held import HeldPlans
-from snapshotd.coordinator.replies import plan_frame
+from snapshotd.coordinator.plans import PlanAnswer
+from snapshotd.coordinator.replies import PlanReplies
 from snapshotd.proto import (
     Heartbeat,
     HeartbeatReply,
@@ -22,10 +23,10 @@ from snapshotd.proto import (
 )
 from snapshotd.proto import limits as L
 
+from .scenario import LATER, T0, addr, beat, inv, make, ranks, register
 from .test_server import TIMEOUT, dealer, start  # noqa: F401 (fixtures)
 from .test_server import ask as server_ask
 from .test_server import register as server_register
-from .test_state import LATER, T0, addr, beat, inv, make, ranks, register
 
 
 def four_rank_job(st: CoordinatorState) -> None:
@@ -36,6 +37,11 @@ def four_rank_job(st: CoordinatorState) -> None:
          + inv("j", 2, 5) + inv("j", 3, 5))  # fmt: skip
     beat(st, "b", T0, ranks("j", 4, 2, 3), inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True)
          + inv("j", 0, 5) + inv("j", 1, 5))  # fmt: skip
+
+
+def answer(st: CoordinatorState, req: PlanRequest, now: float, *, held: bool = False) -> PlanReply:
+    """The state's answer to ``req``, as the reply it is sent as."""
+    return st.plans.plan(req, now, held=held).reply()
 
 
 def ask(node: str, *rs: int, world: int = 4) -> PlanRequest:
@@ -50,11 +56,11 @@ def test_a_request_for_several_ranks_waits_as_one_and_is_answered_per_rank() -> 
     st = make()
     four_rank_job(st)
     register(st, "c")  # a replacement for b's ranks
-    first = st.plan(ask("a", 0, 1), LATER)
+    first = answer(st, ask("a", 0, 1), LATER)
     assert first.status == "wait" and first.plans == () and "2 of 4 ranks" in first.reason
-    last = st.plan(ask("c", 3, 2), LATER)  # in the request's order
+    last = answer(st, ask("c", 3, 2), LATER)  # in the request's order
     assert summary(last) == [(3, "ready", 5, False, (addr("a"), addr("b"))), (2, "ready", 5, False, (addr("a"), addr("b")))]
-    again = st.plan(ask("a", 0, 1), LATER, held=True)
+    again = answer(st, ask("a", 0, 1), LATER, held=True)
     assert summary(again) == [(0, "ready", 5, True, (addr("b"),)), (1, "ready", 5, True, (addr("b"),))]
 
 
@@ -62,65 +68,65 @@ def test_a_request_with_a_rank_outside_the_world_or_twice_is_refused_and_records
     st = make()
     four_rank_job(st)
     with pytest.raises(ValueError, match="rank 7 of job j is outside its world size 4"):
-        st.plan(ask("a", 0, 7), LATER)
+        answer(st, ask("a", 0, 7), LATER)
     with pytest.raises(ValueError, match=r"rank\(s\) 1 asked for twice"):
-        st.plan(ask("a", 1, 0, 1), LATER)
-    assert st.plan(ask("a", 0, 1), LATER).reason.startswith("2 of 4 ranks")  # neither was recorded
+        answer(st, ask("a", 1, 0, 1), LATER)
+    assert answer(st, ask("a", 0, 1), LATER).reason.startswith("2 of 4 ranks")  # neither was recorded
 
 
 def test_a_rank_of_the_batch_answered_before_opens_a_new_round_for_all() -> None:
     st = make()
     four_rank_job(st)
-    st.plan(ask("a", 0, 1), LATER)
-    assert st.plan(ask("b", 2, 3), LATER).status == "ready"
-    assert st.plan(ask("a", 1, 0), LATER).status == "ready"  # not held: but every one of them not answered yet
-    assert st.plan(ask("b", 3), LATER).status == "wait"  # rank 3 restarted: a new round
+    answer(st, ask("a", 0, 1), LATER)
+    assert answer(st, ask("b", 2, 3), LATER).status == "ready"
+    assert answer(st, ask("a", 1, 0), LATER).status == "ready"  # not held: but every one of them not answered yet
+    assert answer(st, ask("b", 3), LATER).status == "wait"  # rank 3 restarted: a new round
 
 
 def test_a_draft_is_the_held_requests_answer_while_nothing_changes() -> None:
     st = make()
     four_rank_job(st)
     req = ask("a", 0, 1)
-    assert st.plan(req, LATER).status == "wait"
-    drafted = st.draft(req)
+    assert answer(st, req, LATER).status == "wait"
+    drafted = st.plans.draft(req)
     assert drafted is not None
-    token, rows = drafted
-    assert not st.confirm(req, token, LATER)  # the round is not frozen yet
-    st.plan(ask("b", 2, 3), LATER)  # the last ranks: frozen at step 5
+    token, drafted_answer = drafted
+    assert not st.plans.confirm(req, token, LATER)  # the round is not frozen yet
+    answer(st, ask("b", 2, 3), LATER)  # the last ranks: frozen at step 5
     assert st.status(LATER + 1)["jobs"][0]["round"] == {
         "outcome": "ready", "step": 5, "asked": 4, "answered": 2, "age_s": 1.0, "answer_s": None}
-    assert st.confirm(req, token, LATER + 0.25)
+    assert st.plans.confirm(req, token, LATER + 0.25)
     assert st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25  # every rank answered, 0.25 s after the freeze
-    reply = st.plan(req, LATER, held=True)  # what the slow path answers, for comparison
-    assert rows == [(p.rank, p.status, p.step, p.local, p.sources, p.reason) for p in reply.answers()]
+    reply = answer(st, req, LATER, held=True)  # what the slow path answers, for comparison
+    assert rows_of(drafted_answer.reply()) == rows_of(reply)
 
 
 def test_a_draft_is_refused_once_holders_or_the_round_changed() -> None:
     st = make()
     four_rank_job(st)
     req = ask("a", 0, 1)
-    st.plan(req, LATER)
-    drafted = st.draft(req)
+    answer(st, req, LATER)
+    drafted = st.plans.draft(req)
     assert drafted is not None
     beat(st, "b", LATER, ranks("j", 4, 2, 3), inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True)
          + inv("j", 0, 5))  # fmt: skip  # b dropped its copy of rank 1: rank 1's sources change
-    st.plan(ask("b", 2, 3), LATER)
-    assert not st.confirm(req, drafted[0], LATER)
-    assert summary(st.plan(req, LATER, held=True))[1] == (1, "ready", 5, True, ())
+    answer(st, ask("b", 2, 3), LATER)
+    assert not st.plans.confirm(req, drafted[0], LATER)
+    assert summary(answer(st, req, LATER, held=True))[1] == (1, "ready", 5, True, ())
     # a new round: the old draft names the old round
-    st.plan(ask("a", 0), LATER)
-    redrafted = st.draft(ask("a", 0))
+    answer(st, ask("a", 0), LATER)
+    redrafted = st.plans.draft(ask("a", 0))
     assert redrafted is not None and redrafted[0] != drafted[0]
 
 
 def test_no_draft_without_a_recoverable_step_or_in_the_rebuild_window() -> None:
     st = make()
     four_rank_job(st)
-    assert st.plan(ask("a", 0, 1), T0 + 1.0).status == "wait"  # rebuild window
-    assert st.draft(ask("a", 0, 1)) is None
+    assert answer(st, ask("a", 0, 1), T0 + 1.0).status == "wait"  # rebuild window
+    assert st.plans.draft(ask("a", 0, 1)) is None
     register(st, "c")
-    st.plan(ask("c", 9, world=10), LATER)  # another world size: nothing is complete for ranks 4..9
-    assert st.draft(ask("c", 9, world=10)) is None
+    answer(st, ask("c", 9, world=10), LATER)  # another world size: nothing is complete for ranks 4..9
+    assert st.plans.draft(ask("c", 9, world=10)) is None
 
 
 def test_a_held_request_is_replaced_by_one_of_the_same_peer_asking_for_all_its_ranks_and_more() -> None:
@@ -144,27 +150,38 @@ def rows_of(reply: PlanReply) -> list:
     return [(p.rank, p.status, p.step, p.local, p.sources, p.reason) for p in reply.answers()]
 
 
+def answer_of(reply: PlanReply) -> PlanAnswer:
+    """The state's form of ``reply``: each rank's plan as a RankPlan's fields."""
+    if reply.status == "wait":
+        return PlanAnswer(reply.job, reply.rank, reason=reply.reason)
+    return PlanAnswer(reply.job, reply.rank, plans=tuple(rows_of(reply)))
+
+
 @pytest.mark.parametrize("reply", [
     PlanReply(job="j", rank=3, status="ready", step=16, local=True, sources=()),
     PlanReply(job="j", rank=0, status="ready", step=16, local=False, sources=(addr("a"), addr("b")),
               plans=(RankPlan(1, "ready", 16, True, (addr("b"),), ""), RankPlan(2, "none", -1, False, (), "gone"))),
     PlanReply(job="j", rank=0, status="fresh", step=0, reason="no snapshot yet",
               plans=(RankPlan(1, "fresh", 0, False, (), "no snapshot yet"),)),
+    PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"),
 ])  # fmt: skip
-def test_plan_frame_is_what_encode_produces(reply: PlanReply) -> None:
-    frame = plan_frame("j", rows_of(reply))
+def test_plan_replies_are_what_encode_produces(reply: PlanReply) -> None:
+    answer = answer_of(reply)
+    assert answer.reply() == reply
+    frame = PlanReplies().frame(answer)
     assert frame == bytes(encode(reply)[0])
     assert decode([frame]) == reply
 
 
-def test_plan_frame_refuses_what_encode_would() -> None:
-    many = [(0, "ready", 1, False, tuple(f"tcp://n{i}:1" for i in range(65)), "")]
+def test_plan_replies_refuse_what_encode_would() -> None:
+    replies = PlanReplies()
+    sources = tuple(f"tcp://n{i}:1" for i in range(65))
     with pytest.raises(LimitExceeded, match="sources"):
-        plan_frame("j", many)
+        replies.frame(PlanAnswer("j", 0, plans=((0, "ready", 1, False, sources, ""),)))
     with pytest.raises(LimitExceeded):
-        encode(PlanReply(job="j", rank=0, status="ready", step=1, sources=many[0][4]))
-    with pytest.raises(LimitExceeded, match="ranks"):
-        plan_frame("j", [(r, "ready", 1, True, (), "") for r in range(L.MAX_PLAN_RANKS + 1)])
+        encode(PlanReply(job="j", rank=0, status="ready", step=1, sources=sources))
+    with pytest.raises(LimitExceeded, match="plans"):
+        replies.frame(PlanAnswer("j", 0, plans=tuple((r, "ready", 1, True, (), "") for r in range(L.MAX_PLAN_RANKS + 1))))
 
 
 def test_the_server_answers_held_batches_from_their_drafts_when_the_last_ranks_ask(start, dealer) -> None:  # noqa: F811

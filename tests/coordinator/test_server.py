@@ -22,6 +22,7 @@ from snapshotd.coordinator import CoordinatorConfig, run_coordinator
 from snapshotd.proto import (
     ChunkAck,
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     InventoryItem,
@@ -187,7 +188,7 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
 
 def test_a_status_document_is_built_between_other_requests(start, dealer, monkeypatch) -> None:
     """Built one part per loop pass, a large document never holds up the heartbeats queued behind it."""
-    monkeypatch.setattr("snapshotd.coordinator.state.STATUS_PART_ENTRIES", 1)
+    monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
     monkeypatch.setattr("snapshotd.coordinator.server._STATUS_SLICE_S", 0.0)
     coord = start()
     sock = dealer(coord.endpoint)
@@ -253,7 +254,7 @@ def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(
     assert isinstance(nonsense, Error) and nonsense.code == "bad_message" and "world size" in nonsense.message
     unexpected = ask(sock, ChunkAck(job="j", rank=0, step=1, index=0))
     assert isinstance(unexpected, Error) and unexpected.code == "unexpected"
-    sock.send_multipart(encode(Error(code="oops")))  # an error is counted, never answered
+    sock.send_multipart(encode(Error(code=ErrorCode.INTERNAL, message="oops")))  # counted, never answered
     assert not sock.poll(200)
     assert isinstance(ask(sock, Heartbeat(node="ghost", incarnation="x")), HeartbeatReply)
     assert fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["coordinator"]["bad_messages"] == 8

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import xxhash
 
+from snapshotd.proto import CODECS
 from snapshotd.proto import limits as L
 from snapshotd.proto.codec import breakeven_rate, checksum, compress_chunk, decompress_chunk, verify
 from snapshotd.proto.errors import ChecksumMismatch, CodecError, ProtocolError
-from snapshotd.proto.messages import CODECS
 
 N = 1 << 16  # elements per generated tensor
 

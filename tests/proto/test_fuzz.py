@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from snapshotd.proto import CODECS, MESSAGE_TYPES, Message, decode, encode
 from snapshotd.proto import limits as L
 from snapshotd.proto.codec import checksum, compress_chunk, decompress_chunk
 from snapshotd.proto.errors import CodecError, ProtocolError
 from snapshotd.proto.manifest import decode_table, encode_table
-from snapshotd.proto.messages import CODECS, MESSAGE_TYPES, Message, decode, encode
 
 from .test_messages import SAMPLES, TABLE
 
@@ -177,7 +177,7 @@ def test_non_contiguous_frames_are_refused() -> None:
             "inventory": [["j", 0, 0, False]] * 150_000,
         },
         {"v": 1, "type": "heartbeat_reply", "tasks": [["j", 0, 0, ["x" * 200] * 64]] * 60},
-        {"v": 1, "type": "error", "code": "x", "message": "m" * (L.MAX_HEADER_BYTES - 100)},
+        {"v": 1, "type": "error", "code": "internal", "message": "m" * (L.MAX_HEADER_BYTES - 100)},
     ],
     ids=["million-nils", "150k-records", "max-nested", "huge-text"],
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -11,22 +12,14 @@ import pytest
 import zmq
 
 import snapshotd.proto
-from snapshotd.proto import limits as L
-from snapshotd.proto.errors import (
-    LimitExceeded,
-    MalformedMessage,
-    ProtocolError,
-    UnknownMessageType,
-    UnsupportedVersion,
-)
-from snapshotd.proto.manifest import TensorEntry, decode_table, encode_table, table_data_bytes
-from snapshotd.proto.messages import (
+from snapshotd.proto import (
     MESSAGE_TYPES,
     Announce,
     Assignment,
     Chunk,
     ChunkAck,
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     InventoryItem,
@@ -57,6 +50,15 @@ from snapshotd.proto.messages import (
     decode,
     encode,
 )
+from snapshotd.proto import limits as L
+from snapshotd.proto.errors import (
+    LimitExceeded,
+    MalformedMessage,
+    ProtocolError,
+    UnknownMessageType,
+    UnsupportedVersion,
+)
+from snapshotd.proto.manifest import TensorEntry, decode_table, encode_table, table_data_bytes
 
 TABLE = [
     TensorEntry("model/embed.weight", "bfloat16", (1000, 64), 0, 128_000),
@@ -74,7 +76,7 @@ def sample_messages() -> list[Message]:
     return [
         RegisterRank(job="run-42", rank=3, world_size=8, pid=4242, data_bytes=1 << 30, slots=2),
         RankRegistered(
-            job="run-42", rank=3, arena="/dev/shm/snapshotd-run-42-3", slot_bytes=1 << 30, slots=2
+            job="run-42", rank=3, arena="/dev/shm/snapshotd-run-42-3", slot_bytes=1 << 30, slots=2, pid=4242
         ),
         UnregisterRank(job="run-42", rank=3),
         Announce(
@@ -241,7 +243,8 @@ def test_payload_frames_of_any_buffer_format_become_byte_views() -> None:
         (RestoreRequest(rank=0, world_size=1, timeout_s=float("nan")), MalformedMessage),
         (RestoreRequest(rank=0, world_size=1, timeout_s=-1.0), LimitExceeded),
         (PlanReply(rank=0, status="maybe"), MalformedMessage),
-        (Error(code="x", message="m" * (L.MAX_TEXT_LEN + 1)), LimitExceeded),
+        (Error(code=ErrorCode.INTERNAL, message="m" * (L.MAX_TEXT_LEN + 1)), LimitExceeded),
+        (Error(code="x"), MalformedMessage),  # type: ignore[arg-type]
         (RegisterSidecar(node="a", data_addr="t" * (L.MAX_ADDRESS_LEN + 1), incarnation="i"), LimitExceeded),
         (HeartbeatReply(watermarks=(Watermark("j", -2, 0),)), LimitExceeded),
         (Heartbeat(node="a", incarnation="i", ranks=(RankInfo("j", 0, 0, 1, True),)), LimitExceeded),
@@ -384,37 +387,99 @@ def test_public_names_exist() -> None:
         assert getattr(snapshotd.proto, cls.__name__) is cls and cls.__name__ in snapshotd.proto.__all__
 
 
-def test_a_field_added_later_is_left_out_while_it_holds_its_default() -> None:
+# Fields that peers of an earlier build might not know were folded into their messages before the first release:
+# each is an ordinary field, always in the header; a default lets a header leave it out.
+FOLDED = [
+    (Watermark, "unusable", ()),
+    (RankRegistered, "pid", None),
+    (RestoreReply, "direct", False),
+    (StreamBegin, "window", 0),
+    (ChunkAck, "count", 1),
+    (HeartbeatReply, "heartbeat_interval", 0.0),
+    (PlanRequest, "ranks", ()),
+    (PlanReply, "plans", ()),
+]
+
+
+@pytest.mark.parametrize(("cls", "name", "default"), FOLDED, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_folded_fields_are_ordinary_fields(cls: type, name: str, default: Any) -> None:
+    (field,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    assert set(field.metadata) == {"spec"}
+    if default is None:
+        assert field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    else:
+        assert field.default == default
+    sample = next(m for m in SAMPLES if isinstance(m, cls) or any(isinstance(w, cls) for w in _records(m)))
+    if isinstance(sample, cls):  # a message field: in the header even when it holds its default
+        assert name in _header(sample)
+
+
+def _records(msg: Message) -> list[Any]:
+    return [r for f in dataclasses.fields(msg) for r in (getattr(msg, f.name) if type(getattr(msg, f.name)) is tuple
+                                                         else ())]  # fmt: skip
+
+
+def test_a_field_with_a_default_is_sent_and_may_be_left_out() -> None:
     plain = HeartbeatReply(watermarks=(Watermark(job="j", recoverable=3, durable=2),))
     header = msgpack.unpackb(bytes(encode(plain)[0]))
-    assert "heartbeat_interval" not in header  # what a sidecar built before the field reads without complaint
+    assert header["heartbeat_interval"] == 0.0 and header["watermarks"] == [["j", 3, 2, []]]
     assert decode(encode(plain)) == plain
+    del header["heartbeat_interval"]
+    assert decode([msgpack.packb(header)]) == plain  # left out: the default
     stretched = dataclasses.replace(plain, heartbeat_interval=2.5)
     assert msgpack.unpackb(bytes(encode(stretched)[0]))["heartbeat_interval"] == 2.5
     assert decode(encode(stretched)) == stretched
-    assert snapshotd.proto.omitted(HeartbeatReply, "heartbeat_interval", 0.0)
-    assert not snapshotd.proto.omitted(HeartbeatReply, "heartbeat_interval", 0.5)
-    assert not snapshotd.proto.omitted(HeartbeatReply, "known", True)  # only fields marked as added
     with pytest.raises(LimitExceeded):
         encode(dataclasses.replace(plain, heartbeat_interval=7200.0))
 
 
-def test_a_field_added_later_needs_a_default() -> None:
-    from snapshotd.proto.schema import Int, spec_field
+def test_a_rank_registered_without_the_sidecars_pid_is_refused() -> None:
+    header = _header(SAMPLES[[m.TYPE for m in SAMPLES].index("rank_registered")])
+    del header["pid"]
+    with pytest.raises(MalformedMessage, match="pid"):
+        decode([msgpack.packb(header)])
 
-    with pytest.raises(TypeError, match="needs a default"):
-        spec_field(Int(), added=True)
 
-
-def test_a_plan_request_for_one_rank_and_its_reply_are_what_peers_before_batching_read() -> None:
+def test_a_plan_request_for_one_rank_and_its_reply() -> None:
     single = PlanRequest(job="j", rank=3, world_size=8, node="a")
-    assert "ranks" not in msgpack.unpackb(bytes(encode(single)[0]))
+    assert msgpack.unpackb(bytes(encode(single)[0]))["ranks"] == []
     assert single.all_ranks == (3,) and decode(encode(single)) == single
     reply = PlanReply(job="j", rank=3, status="ready", step=5, local=True)
-    assert "plans" not in msgpack.unpackb(bytes(encode(reply)[0]))
+    assert msgpack.unpackb(bytes(encode(reply)[0]))["plans"] == []
     assert reply.answers() == (RankPlan(3, "ready", 5, True, (), ""),)
+    assert PlanReply.of("j", reply.answers()) == reply
     batch = PlanRequest(job="j", rank=3, world_size=8, node="a", ranks=(0, 1))
     assert msgpack.unpackb(bytes(encode(batch)[0]))["ranks"] == [0, 1] and batch.all_ranks == (3, 0, 1)
+    many = PlanReply.of("j", [RankPlan(r, "ready", 5, r == 3, (ADDR,), "") for r in (3, 0, 1)])
+    assert many.rank == 3 and [p.rank for p in many.plans] == [0, 1] and many.answers()[0].local
+
+
+# ------------------------------------------------------------------------------------------- error codes
+
+
+def test_every_error_code_round_trips_as_its_member() -> None:
+    for code in ErrorCode:
+        got = decode(encode(Error(code=code, message="m")))
+        assert isinstance(got, Error) and got.code is code
+        assert msgpack.unpackb(bytes(encode(got)[0]))["code"] == code.value  # a plain string on the wire
+    assert decode(encode(Error(code="busy"))) == Error(code=ErrorCode.BUSY)  # type: ignore[arg-type]
+
+
+def test_an_unknown_error_code_is_a_malformed_message() -> None:
+    header = _header(Error(code=ErrorCode.NOT_FOUND))
+    for bad in ("no_such_code", "", "BUSY", 3, None):
+        with pytest.raises(MalformedMessage, match="code"):
+            decode([msgpack.packb(header | {"code": bad})])
+
+
+def test_error_codes_are_documented_and_cover_every_code_the_repository_sends() -> None:
+    assert {c.value for c in ErrorCode} == {
+        "bad_message", "unexpected", "internal", "busy", "not_registered", "plan_timeout", "not_recoverable",
+        "pull_failed", "not_found", "memory_limit", "bad_chunk",
+    }  # fmt: skip
+    source = (Path(snapshotd.proto.__file__).parent / "errors.py").read_text()
+    for code in ErrorCode:
+        assert f'{code.name} = "{code.value}"\n    """' in source, f"{code.name} has no docstring"
 
 
 def test_plan_batches_are_bounded() -> None:

@@ -1,4 +1,5 @@
-"""Field specs: the whole-column fast path gives exactly the answers (and errors) of the per-value path.
+"""Field specs: the whole-column fast path, and the sending side's check, give exactly the answers (and errors) of
+the per-value path.
 
 The oracle below is the per-value validation as it stood before the fast path: every list item and record
 field checked on its own, naming its path. Every spec, on valid rows, rows with one field broken and arbitrary
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 from snapshotd.proto import limits as L
 from snapshotd.proto.errors import LimitExceeded, MalformedMessage, ProtocolError
-from snapshotd.proto.messages import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
+from snapshotd.proto.records import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
 from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
 
 PROPS = settings(max_examples=300, deadline=timedelta(milliseconds=500), derandomize=True, database=None,
@@ -80,6 +81,7 @@ def same(spec: Spec, value: Any) -> None:
     assert outcome(lambda: spec.check(value, "f")) == expected
     column = spec.check_column([value])
     assert (column is None) == (expected[0] == "error")
+    assert spec.valid_column([value]) == (expected[0] == "ok")  # the sending side's check agrees
     if column is not None:
         assert tuple(column) == (expected[1],)
 

@@ -1,0 +1,108 @@
+"""Buddy placement: which live nodes back up a node's ranks, and where a missing copy goes.
+
+A node's buddies are the first ``replicas`` live nodes after it in ring order (sorted names) outside its failure
+domain, computed once per node until membership changes (:attr:`Membership.epoch`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+from snapshotd.proto import Assignment
+
+from .jobs import Job
+from .membership import Membership, Node
+
+__all__ = ["Placement"]
+
+log = logging.getLogger(__name__)
+
+
+class Placement:
+    """Buddies and re-replication targets over the live nodes of ``membership``.
+
+    Args:
+        membership: the live nodes.
+        replicas: buddy copies wanted of every rank's snapshot.
+    """
+
+    def __init__(self, membership: Membership, replicas: int) -> None:
+        self._membership = membership
+        self._replicas = replicas
+        self._buddies: dict[str, tuple[str, ...]] = {}  # node -> buddy node names, for epoch _epoch
+        self._epoch = -1
+        self._warned_short = False
+
+    def buddies(self, name: str) -> tuple[str, ...]:
+        """The first ``replicas`` live nodes after ``name`` in ring order whose failure domain differs."""
+        members = self._membership
+        if self._epoch != members.epoch:
+            self._buddies.clear()
+            self._epoch = members.epoch
+        cached = self._buddies.get(name)
+        if cached is not None:
+            return cached
+        nodes, ring = members.nodes, members.ring
+        domain = nodes[name].domain
+        want = min(self._replicas, len(ring) - members.domains[domain])
+        if want < self._replicas and not self._warned_short:
+            self._warned_short = True
+            log.warning("only %d live node(s) outside %s's rack for %d replica(s): placing fewer buddies "
+                        "(warned once)", want, name, self._replicas)  # fmt: skip
+        out: list[str] = []
+        start = bisect.bisect_right(ring, name)
+        for i in range(len(ring)):
+            if len(out) >= want:
+                break
+            cand = ring[(start + i) % len(ring)]
+            if nodes[cand].domain != domain:
+                out.append(cand)
+        result = self._buddies[name] = tuple(out)
+        return result
+
+    def assignments(self, node: Node) -> tuple[Assignment, ...]:
+        """Where ``node`` streams the ranks it is home to: its buddies' data addresses, per rank, by job and rank.
+
+        The same tuple while neither its ranks nor membership changed, so that replies holding it stay cacheable.
+        """
+        epoch = self._membership.epoch
+        if node.assignments is None or node.assign_epoch != epoch:
+            nodes = self._membership.nodes
+            addrs = tuple(nodes[b].data_addr for b in self.buddies(node.name))
+            node.assignments = tuple(Assignment(job=j, rank=r, buddies=addrs) for j, r in sorted(node.homed))
+            node.assign_epoch = epoch
+        return node.assignments
+
+    def targets(self, job: Job, rank: int, exclude: set[str], count: int) -> list[str]:
+        """Up to ``count`` live nodes for a new copy: the rank's assigned buddies, then ring order from its home.
+
+        Never the home (or the last home, when the rank has none now) nor its failure domain, nor a node in
+        ``exclude`` (live holders and pending targets). Beyond the buddies, domains holding no copy yet come
+        first. The ring is walked only when the domain counts say a candidate exists, so a deficit that cannot
+        be helped costs O(copies), not O(nodes).
+        """
+        nodes, ring, domains = self._membership.nodes, self._membership.ring, self._membership.domains
+        home = job.homes.get(rank)
+        anchor = home or job.last_home.get(rank)
+        anchor_domain = nodes[anchor].domain if anchor is not None else None
+        picked = [b for b in self.buddies(home) if b not in exclude][:count] if home is not None else []
+        taken = {nodes[n].domain for n in (*exclude, *picked)} - {anchor_domain}
+        outside = len(ring) - (domains[anchor_domain] if anchor_domain is not None else 0)
+        fresh = outside - sum(domains[d] for d in taken)  # live nodes in domains without a copy
+        spare = outside - sum(1 for n in (*exclude, *picked) if nodes[n].domain != anchor_domain)
+        count = min(count, len(picked) + spare)
+        start = bisect.bisect_right(ring, anchor) if anchor is not None else 0
+        for spread, available in ((True, fresh), (False, spare)):
+            if available <= 0:
+                continue
+            for i in range(len(ring)):
+                if len(picked) >= count:
+                    return picked
+                name = ring[(start + i) % len(ring)]
+                domain = nodes[name].domain
+                if name in exclude or name in picked or domain == anchor_domain or (spread and domain in taken):
+                    continue
+                picked.append(name)
+                taken.add(domain)
+        return picked

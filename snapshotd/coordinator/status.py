@@ -1,0 +1,76 @@
+"""The status document behind ``snapshotd status``, packed in parts.
+
+The document lists every node and every rank: with thousands of nodes, long enough to pack that it would hold
+up every request queued behind it. It is made in parts of at most :data:`STATUS_PART_ENTRIES` entries, so that
+the server can answer other requests between parts (see :mod:`.server`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+
+from .config import CoordinatorConfig
+from .jobs import Jobs
+from .membership import Membership
+
+__all__ = ["STATUS_PART_ENTRIES", "status_parts"]
+
+STATUS_PART_ENTRIES = 256
+"""Node or rank entries per part of a status document: a part is short next to a heartbeat's round trip."""
+
+
+def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, counters: dict[str, Any],
+                 started: float, now: float) -> Iterator[bytes]:  # fmt: skip
+    """The status document packed with msgpack, in parts; the parts joined are the document.
+
+    ``coordinator``: uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
+    heartbeat_interval (the one given out now, seconds), heartbeat_timeout (the death timeout now, seconds).
+    ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
+    stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank:
+    rank, node (its home, or None), newest_step (-1: none), lag_steps (newest - recoverable; None while no step is
+    recoverable), copies (live holders of the recoverable step); ``round``: its last plan round (None before the
+    first), see :meth:`~.plans.Round.status`.
+
+    The state may change between parts: the document lists the nodes and jobs there were when the first part
+    was made, and each job's ranks up to the world size it had when its own part began; each entry is read as it
+    is packed, and times are as of ``now``.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+    coordinator = {
+        "uptime_s": round(now - started, 3), "replicas": cfg.replicas, **counters,
+        "live_nodes": membership.live, "heartbeat_interval": membership.heartbeat_interval(),
+        "heartbeat_timeout": membership.death_timeout(now),
+    }  # fmt: skip
+    nodes = [membership.nodes[name] for name in sorted(membership.nodes)]
+    listed = [jobs[name] for name in sorted(jobs)]
+    yield (packer.pack_map_header(3) + pack("coordinator") + pack(coordinator) + pack("nodes")
+           + packer.pack_array_header(len(nodes)))  # fmt: skip
+    for i in range(0, len(nodes), STATUS_PART_ENTRIES):
+        yield b"".join([pack({
+            "node": n.name, "rack": n.rack, "data_addr": n.data_addr, "incarnation": n.incarnation,
+            "alive": n.alive, "last_seen_s": round(now - n.last_seen, 3),
+            "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
+            "stored_bytes": n.stored_bytes, "out_Bps": n.out_bps, "in_Bps": n.in_bps,
+        }) for n in nodes[i : i + STATUS_PART_ENTRIES]])  # fmt: skip
+    yield pack("jobs") + packer.pack_array_header(len(listed))
+    for job in listed:
+        wm = job.publish()
+        g, ws = wm.recoverable, job.world_size
+        yield (packer.pack_map_header(6) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
+               + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable) + pack("ranks")
+               + packer.pack_array_header(ws))  # fmt: skip
+        for lo in range(0, ws, STATUS_PART_ENTRIES):
+            entries = []
+            for r in range(lo, min(ws, lo + STATUS_PART_ENTRIES)):
+                steps = job.holders.get(r, {})
+                newest = max(steps, default=-1)
+                entries.append(pack({
+                    "rank": r, "node": job.homes.get(r), "newest_step": newest,
+                    "lag_steps": newest - g if g >= 0 else None, "copies": len(steps.get(g, ())),
+                }))  # fmt: skip
+            yield b"".join(entries)
+        yield pack("round") + pack(None if job.round is None else job.round.status(now))

@@ -1,0 +1,115 @@
+"""Membership: expiry, incarnations, members, and the heartbeat interval and death timeout as the fleet grows."""
+
+
+from __future__ import annotations
+
+from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
+from snapshotd.proto import (
+    MemberQuery,
+    RegisterSidecar,
+)
+
+from .scenario import (
+    T0,
+    addr,
+    beat,
+    keep_alive,
+    make,
+    plan,
+    register,
+    register_any,
+    two_node_job,
+    watermark,
+)
+
+
+def test_dead_node_expiry_drops_its_inventory_and_homes() -> None:
+    st = make()
+    two_node_job(st)
+    keep_alive(st, T0 + 2.0, "a")
+    keep_alive(st, T0 + 3.5, "a")  # b last seen at T0: dead
+    reply = beat(st, "a", T0 + 3.6, changed=False)
+    assert watermark(reply) == (5, -1)  # rank 1 only in a's buddy copy at 5; nothing off rank 0's home
+    doc = st.status(T0 + 3.6)
+    b = next(n for n in doc["nodes"] if n["node"] == "b")
+    assert b["alive"] is False and b["ranks"] == [["j", 1, False]]
+    job = doc["jobs"][0]
+    assert [r["node"] for r in job["ranks"]] == ["a", None]
+    assert beat(st, "b", T0 + 3.7, changed=False).known is False  # must register again
+
+
+def test_new_incarnation_drops_old_data() -> None:
+    st = make()
+    two_node_job(st)
+    register(st, "b", now=T0 + 1.0, inc="i2")
+    assert beat(st, "b", T0 + 1.1, changed=False, inc="i1").known is False  # the old process
+    reply = beat(st, "b", T0 + 1.2, changed=False, inc="i2")
+    assert reply.known and reply.assignments == () and reply.watermarks == ()
+    assert watermark(beat(st, "a", T0 + 1.3, changed=False)) == (5, -1)
+
+
+def test_same_incarnation_reregistering_keeps_data() -> None:
+    st = make()
+    two_node_job(st)
+    register(st, "b", now=T0 + 1.0)  # e.g. its first registration reply was lost
+    assert watermark(beat(st, "b", T0 + 1.1, changed=False)) == (6, 5)
+
+
+def test_members_are_the_hosts_of_live_data_addresses() -> None:
+    st = make()
+    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.5:7071", incarnation="i1"), T0)
+    st.register(RegisterSidecar(node="b", data_addr="tcp://10.0.0.6:7071", incarnation="i1"), T0)
+    st.register(RegisterSidecar(node="c", data_addr="tcp://10.0.0.6:7072", incarnation="i1"), T0)  # same host
+    assert st.membership.member(MemberQuery(host="10.0.0.5")).node == "a"
+    assert st.membership.member(MemberQuery(host="10.0.0.6")).member
+    assert not st.membership.member(MemberQuery(host="10.0.0.7")).member
+    st.register(RegisterSidecar(node="d", data_addr="tcp://trainer-7:7071", incarnation="i1"), T0)  # a name
+    assert not st.membership.member(MemberQuery(host="trainer-7")).member and not st.membership.member(MemberQuery(host="")).member
+    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)  # moved
+    assert not st.membership.member(MemberQuery(host="10.0.0.5")).member
+    assert st.membership.member(MemberQuery(host="10.0.0.8")).member
+    keep_alive(st, T0 + 2.0, "a", "c")
+    keep_alive(st, T0 + 3.5, "a", "c")  # b last seen at T0: dead; c still on its host
+    assert st.membership.member(MemberQuery(host="10.0.0.6")).node == "c"
+    keep_alive(st, T0 + 5.0, "a")
+    keep_alive(st, T0 + 6.6, "a")  # c dead too
+    reply = st.membership.member(MemberQuery(host="10.0.0.6"))
+    assert not reply.member and reply.node == "" and reply.host == "10.0.0.6"
+
+
+def test_unknown_node_gets_known_false() -> None:
+    st = make()
+    assert beat(st, "ghost", T0).known is False
+
+
+def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later() -> None:
+    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
+                                            target_heartbeats_per_s=4.0), now=T0)  # fmt: skip
+    told = [st.register(RegisterSidecar(node=n, data_addr=addr(n), incarnation="i1"), T0).heartbeat_interval
+            for n in "abc"]  # fmt: skip
+    assert told == [0.5, 0.5, 0.75]  # two nodes at 0.5 s make 4/s; three at 0.5 s would make 6/s
+    assert beat(st, "a", T0).heartbeat_interval == 0.75  # told at once, in every reply while stretched
+    register_any(st, "d")
+    assert st.membership.heartbeat_interval() == 1.0 and st.membership.death_timeout(T0) == 6.0
+    keep_alive(st, T0 + 5.5, "a", "b", "c", "d")  # silent for 5.5 s: alive under the stretched timeout
+    assert st.status(T0 + 5.5)["coordinator"]["live_nodes"] == 4
+    keep_alive(st, T0 + 9.0, "a", "b")
+    replies = keep_alive(st, T0 + 12.0, "a", "b")  # c and d silent for 6.5 s: dead
+    assert st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5  # told the base once ...
+    assert beat(st, "a", T0 + 12.1, changed=False).heartbeat_interval == 0.0  # ... then "keep yours"
+    assert st.membership.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
+    assert st.membership.death_timeout(T0 + 18.5) == 3.0
+    assert st.status(T0 + 18.6)["coordinator"]["heartbeat_timeout"] == 3.0
+
+
+def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
+    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
+                                            target_heartbeats_per_s=2.0), now=T0)  # fmt: skip
+    for n in "ab":
+        register_any(st, n)
+    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(T0 + 5.0)  # window 6 s with 2 nodes
+    assert plan(st, 0, "a", now=T0 + 5.0).status == "wait"
+    assert not st.plans.rebuilding(T0 + 6.1)
+    for n in "cdefgh":
+        register_any(st, n, T0 + 6.2)
+    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s

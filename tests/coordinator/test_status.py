@@ -1,0 +1,53 @@
+"""The status document, and its parts while the state changes between them."""
+
+
+from __future__ import annotations
+
+import msgpack
+
+from .scenario import (
+    T0,
+    beat,
+    inv,
+    make,
+    plan,
+    ranks,
+    register,
+    two_node_job,
+)
+
+
+def test_status_parts_join_to_the_document_while_the_state_changes_between_them(monkeypatch) -> None:
+    monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
+    st = make()
+    two_node_job(st)
+    parts = st.status_parts(T0 + 1.0)
+    made = [next(parts), next(parts)]  # the head and node a
+    register(st, "c", now=T0 + 1.0)  # neither listed nor breaking the rest
+    beat(st, "b", T0 + 1.0, ranks("j", 2, 1), inv("j", 1, 5, 6, 7, local=True) + inv("j", 0, 5))
+    made += list(parts)
+    assert len(made) == 8  # head, a, b, jobs, job j's head, rank 0, rank 1, its round
+    doc = msgpack.unpackb(b"".join(made))
+    assert [n["node"] for n in doc["nodes"]] == ["a", "b"]
+    assert [r["newest_step"] for r in doc["jobs"][0]["ranks"]] == [6, 7]  # each entry read as it is packed
+    assert doc["jobs"][0]["recoverable"] == 6 and doc["jobs"][0]["round"] is None
+    assert st.status(T0 + 1.0)["nodes"][2]["node"] == "c"
+
+
+def test_status_document() -> None:
+    st = make()
+    two_node_job(st)
+    beat(st, "a", T0 + 1.0, changed=False, bytes_out=1000, bytes_in=10, stored_bytes=77)
+    beat(st, "a", T0 + 3.0, changed=False, bytes_out=5000, bytes_in=20, stored_bytes=88)
+    doc = st.status(T0 + 3.0)
+    assert doc["coordinator"]["heartbeats"] == 4 and doc["coordinator"]["replicas"] == 1
+    a = doc["nodes"][0]
+    assert (a["node"], a["alive"], a["ranks"], a["stored_bytes"]) == ("a", True, [["j", 0, True]], 88)
+    assert (a["out_Bps"], a["in_Bps"]) == (2000.0, 5.0)
+    (job,) = doc["jobs"]
+    assert (job["job"], job["world_size"], job["recoverable"], job["durable"]) == ("j", 2, 6, 5)
+    assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "copies": 1}
+    assert job["round"] is None  # no rank asked for a plan yet
+    plan(st, 0, "a")
+    assert st.status(T0 + 3.0)["jobs"][0]["round"] == {
+        "outcome": "asking", "step": -1, "asked": 1, "answered": 0, "age_s": None, "answer_s": None}
