@@ -7,8 +7,28 @@
 
 from __future__ import annotations
 
-from .channel import SidecarUnavailable
+from .errors import (
+    ConfigMismatch,
+    NotRecoverable,
+    ReplicaGroupError,
+    RestoreFailed,
+    SidecarRefused,
+    SidecarUnavailable,
+    SnapshotdError,
+)
 from .rng import RNGState
-from .snapshotter import NotRecoverable, SnapshotStats, Snapshotter
+from .snapshotter import Snapshotter
+from .stats import SnapshotStats
 
-__all__ = ["NotRecoverable", "RNGState", "SidecarUnavailable", "SnapshotStats", "Snapshotter"]
+__all__ = [
+    "ConfigMismatch",
+    "NotRecoverable",
+    "RNGState",
+    "ReplicaGroupError",
+    "RestoreFailed",
+    "SidecarRefused",
+    "SidecarUnavailable",
+    "SnapshotStats",
+    "SnapshotdError",
+    "Snapshotter",
+]

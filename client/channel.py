@@ -16,15 +16,13 @@ from collections.abc import Callable
 
 import zmq
 
-from snapshotd.proto import Message, ProtocolError, decode, encode
+from snapshotd.proto import Error, Message, ProtocolError, decode, encode
 
-__all__ = ["Channel", "SidecarUnavailable"]
+from .errors import SidecarUnavailable, from_reply
+
+__all__ = ["Channel"]
 
 log = logging.getLogger(__name__)
-
-
-class SidecarUnavailable(TimeoutError):
-    """The node's sidecar did not answer within the deadline (is ``snapshotd serve`` running?)."""
 
 
 class Channel:
@@ -60,7 +58,7 @@ class Channel:
 
         Raises:
             SidecarUnavailable: no answer within ``timeout`` seconds.
-            ProtocolError: the sidecar answered with an error (its message is in the exception).
+            SnapshotdError: the sidecar answered with an error (:func:`~.errors.from_reply` says which).
         """
         fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
         with self._lock:
@@ -78,8 +76,8 @@ class Channel:
         finally:
             with self._lock:
                 self._waiting.pop(reply_type, None)
-        if reply.TYPE == "error":
-            raise ProtocolError(f"sidecar refused {msg.TYPE}: {getattr(reply, 'code', '')}: {getattr(reply, 'message', '')}")
+        if isinstance(reply, Error):
+            raise from_reply(reply, msg.TYPE)
         return reply
 
     def close(self, timeout: float = 5.0) -> None:

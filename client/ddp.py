@@ -20,11 +20,12 @@ once more, from the same gradient-ready order, into the same layout.
 A DDP module is found as a value of the state, as a submodule of one, or as the wrapper whose ``.module`` a value
 of the state is (searched once among live objects, when the Snapshotter is built and at each ``restore()``).
 If a snapshot names a DDP module that the live state does not have (the model is wrapped only after
-``restore()``), the restore fails with a ``ValueError`` saying so, rather than drifting silently.
+``restore()``), the restore fails with :class:`~snapshotd.client.ConfigMismatch` saying so, rather than
+drifting silently.
 
 This relies on DDP internals of torch 2.x (``reducer._rebuild_buckets``, ``reducer._get_zeros_like_grad_buckets``,
 ``_ddp_init_helper``, ``_comm_hooks``); what cannot be carried over to a new reducer (a built-in C++ comm hook,
-``delay_all_reduce_named_params``) is refused with a ``ValueError`` naming it.
+``delay_all_reduce_named_params``) is refused with :class:`~snapshotd.client.ConfigMismatch` naming it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .errors import ConfigMismatch
 
 __all__ = ["DDP_KEY", "DDPBuckets", "find_ddp_modules"]
 
@@ -125,10 +128,10 @@ def _bucket_assignment(params: list[torch.Tensor], layout: Layout) -> Iterator[N
 def _check_rebuildable(ddp: Any, where: str) -> None:
     hook_name = ddp._get_ddp_logging_data().get("comm_hook")
     if hook_name and not ddp._comm_hooks:
-        raise ValueError(f"{where}: DDP has the built-in comm hook {hook_name}, which snapshotd cannot carry over to "
+        raise ConfigMismatch(f"{where}: DDP has the built-in comm hook {hook_name}, which snapshotd cannot carry over to "
                          "the reducer it rebuilds to restore the gradient bucket layout; use register_comm_hook")  # fmt: skip
     if getattr(ddp, "_delay_all_reduce_all_params", False) or getattr(ddp, "_delay_all_reduce_params", None):
-        raise ValueError(f"{where}: DDP with delay_all_reduce_named_params cannot have its bucket layout restored")
+        raise ConfigMismatch(f"{where}: DDP with delay_all_reduce_named_params cannot have its bucket layout restored")
 
 
 def _rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
@@ -139,7 +142,7 @@ def _rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
     if layout is not None:
         flat = sorted(i for bucket in layout for i in bucket)
         if flat != list(range(len(params))):
-            raise ValueError(f"{where}: the snapshot's DDP bucket layout covers parameters {flat[:8]}... but the "
+            raise ConfigMismatch(f"{where}: the snapshot's DDP bucket layout covers parameters {flat[:8]}... but the "
                              f"live reducer has {len(params)} parameters: not the same model")  # fmt: skip
     names = ddp._build_debug_param_to_name_mapping(params)
     ddp.reducer._remove_autograd_hooks()
@@ -198,14 +201,15 @@ class DDPBuckets:
         """Give each live DDP module the layout the snapshot names for it.
 
         Raises:
-            ValueError: the snapshot names a DDP module the live state lacks, a layout that does not fit the
+            ConfigMismatch: the snapshot names a DDP module the live state lacks, a layout that does not fit the
                 live model, or a DDP setup whose reducer cannot be rebuilt.
+            ValueError: a malformed layout.
         """
         self.rediscover()
         for where, layout in state_dict.items():
             ddp = self._modules.get(where)
             if ddp is None:
-                raise ValueError(
+                raise ConfigMismatch(
                     f"state[{where!r}]: the snapshot was taken of a model wrapped in DistributedDataParallel, and "
                     "the live state has no DDP module there. Wrap the model in DDP before restore(): the snapshot "
                     "carries DDP's gradient bucket layout, without which the restored run would sum gradients in "

@@ -24,6 +24,7 @@ alone: their local shards differ between ranks already.
 from __future__ import annotations
 
 import collections
+import datetime
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,9 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .state import ELIDED, check_tensor, dtensor_type
+from .errors import ConfigMismatch, ReplicaGroupError
+from .meta import ELIDED, dtensor_type
+from .state import check_tensor
 
-__all__ = ["ELIDED", "ReplicaShard", "agree", "assign_keepers", "fail_remaining"]
+__all__ = ["ELIDED", "ReplicaShard", "agree", "agree_restored", "assign_keepers", "fail_remaining"]
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +137,10 @@ class ReplicaShard:
         rank calls this for the same step), then ``inner.load_state_dict`` the whole.
 
         Raises:
-            ValueError: the markers do not match this group's assignment (a snapshot taken with another group
-                size or structure), or a marker is malformed.
+            ConfigMismatch: the markers do not match this group's assignment (a snapshot taken with another group
+                size or structure).
+            ValueError: a marker is malformed.
+            ReplicaGroupError: another rank of the group could not load its part.
         """
         leaves = _leaves(sd, self.own)
         problem = ""
@@ -144,6 +149,7 @@ class ReplicaShard:
             keeper = self._keepers(leaves)
         except ValueError as exc:
             problem, marks, keeper = str(exc), [], []
+        mismatch = not problem
         for i, (mark, k) in enumerate(zip(marks, keeper, strict=True) if not problem else ()):
             if (mark is None) != (k == self.rank) or (mark is not None and mark[0] != k):
                 unsharded = all(m is None for m in marks)
@@ -155,10 +161,10 @@ class ReplicaShard:
         self.agreed = True
         failed = agree(self.group, ok=not problem)
         if problem:
-            raise ValueError(problem)
+            raise (ConfigMismatch if mismatch else ValueError)(problem)
         if failed:
-            raise ValueError(f"state[{self.name!r}]: rank(s) {failed} of the replica group could not load their part "
-                             "of it (see their errors)")  # fmt: skip
+            raise ReplicaGroupError(f"state[{self.name!r}]: rank(s) {failed} of the replica group could not load "
+                                    "their part of it (see their errors)")  # fmt: skip
         filled: list[Any] = list(leaves)
         for k in range(self.size):
             mine = [i for i in range(len(leaves)) if keeper[i] == k]
@@ -180,7 +186,7 @@ class ReplicaShard:
         self.inner.load_state_dict(_rebuild(sd, lambda _x, _keys: next(it), self.own))
 
     fills_markers = True
-    """Tells :func:`~snapshotd.client.state.restore_into` that markers in this value's snapshot are expected."""
+    """Tells :func:`~snapshotd.client.load.restore_into` that markers in this value's snapshot are expected."""
 
 
 def fail_remaining(shards: Sequence[ReplicaShard]) -> None:
@@ -193,6 +199,24 @@ def fail_remaining(shards: Sequence[ReplicaShard]) -> None:
             except Exception as exc:  # the group itself broke: the caller's error is the one that matters
                 log.warning("could not tell the replica group of %r that this rank failed: %s", shard.name, exc)
                 return
+
+
+def agree_restored(group: Any, *, ok: bool, job: str, wait: datetime.timedelta) -> None:
+    """Tell the replica group whether this rank's own part of a restore came, before any rank waits in a broadcast
+    for a part that will never come (collective over ``group``). The group's first rank waits for the others up
+    to ``wait`` (a rank pulling its part may take longer than the process group's own timeout); the others wait
+    for it up to the process group's timeout.
+
+    Raises:
+        ReplicaGroupError: this rank got its part but another rank of the group did not (that rank raises its own
+            error).
+        RuntimeError: a rank did not arrive in time (torch names it).
+    """
+    dist.monitored_barrier(group, timeout=wait, wait_all_ranks=True)
+    failed = agree(group, ok=ok)
+    if ok and failed:
+        raise ReplicaGroupError(f"job {job!r}: rank(s) {failed} of the replica group could not restore their part "
+                                "of the replicated state (see their errors), so no rank can load it whole")  # fmt: skip
 
 
 def agree(group: Any, *, ok: bool) -> list[int]:

@@ -19,7 +19,6 @@ in :attr:`Snapshotter.stats`.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import os
@@ -33,7 +32,6 @@ import torch
 from snapshotd.proto import (
     Announce,
     Message,
-    ProtocolError,
     RankRegistered,
     RegisterRank,
     RestoreReply,
@@ -46,56 +44,21 @@ from snapshotd.proto import (
 )
 from snapshotd.shm import Arena, attach_arena
 
-from .channel import Channel, SidecarUnavailable
+from .channel import Channel
 from .direct import direct_targets, writable_by
-from .replicas import ReplicaShard, agree, fail_remaining
+from .errors import NotRecoverable, RestoreFailed, SnapshotdError
+from .identity import Identity
+from .load import restore_into
+from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
-from .state import FlatState, flatten, restore_into
+from .state import FlatState, flatten
+from .stats import SnapshotStats
 from .view import SnapshotView, restore_targets, snapshot_view
 
-__all__ = ["NotRecoverable", "SnapshotStats", "Snapshotter"]
+__all__ = ["Snapshotter"]
 
 log = logging.getLogger(__name__)
-
-
-class NotRecoverable(RuntimeError):
-    """No step of this job is complete for every rank on a live node: fall back to your disk checkpoint."""
-
-
-@dataclasses.dataclass(slots=True)
-class SnapshotStats:
-    """Counters of one Snapshotter (read them any time; they are updated from two threads)."""
-
-    started: int = 0
-    """Snapshots staged and announced to the sidecar."""
-    skipped: int = 0
-    """capture() calls that found no free slot (the network is behind) or a sidecar problem."""
-    durable: int = 0
-    """Snapshots every buddy acknowledged."""
-    failed: int = 0
-    """Snapshots the sidecar refused or could not stream to every buddy."""
-    bytes: int = 0
-    """Tensor bytes staged."""
-    last_durable_step: int = -1
-    capture_seconds: float = 0.0
-    """Training-thread time spent inside capture()."""
-    fence_seconds: float = 0.0
-    """Training-thread time the optimizer pre-hook waited for a staging copy."""
-    auto_interval: int = 0
-    """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
-    stride: int = 0
-    """With ``every=N`` and ``when_busy="skip"``: the steps between the snapshots now due, ``N`` times a power of
-    two that doubles when a due step finds no free slot and halves as slots free again (0 otherwise). A node
-    lost now costs at most ``2 * stride - 1`` steps: up to ``stride - 1`` since the last due step, and one more
-    stride if that step's snapshot had not reached its buddies."""
-    errors: int = 0
-    last_error: str = ""
-
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
 
 
 class Snapshotter:
@@ -144,28 +107,14 @@ class Snapshotter:
         replicated: Sequence[str] = (),
         replica_group: Any = None,
     ) -> None:
-        dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
-        self.job = job or os.environ.get("SNAPSHOTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
-        self.rank = rank if rank is not None else (torch.distributed.get_rank() if dist_ready else _env_int("RANK"))  # type: ignore[assignment]
-        self.world_size = (
-            world_size if world_size is not None
-            else (torch.distributed.get_world_size() if dist_ready else _env_int("WORLD_SIZE"))
-        )  # type: ignore[assignment]  # fmt: skip
-        if not self.job:
-            raise ValueError("no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)")
-        if self.rank is None or self.world_size is None:
-            raise ValueError("rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        me = Identity.resolve(job, rank, world_size, sidecar)
+        self.job, self.rank, self.world_size, self.sidecar = me.job, me.rank, me.world_size, me.sidecar
         if every != "auto" and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be an int >= 1 or 'auto', got {every!r}")
         if when_busy not in ("skip", "block"):
             raise ValueError(f"when_busy must be 'skip' or 'block', got {when_busy!r}")
         if not 1 <= slots <= 16:
             raise ValueError(f"slots must be 1-16, got {slots}")
-        from snapshotd.sidecar.config import default_ipc_path
-
-        self.sidecar = sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
         self.state = state
         self._snapshotted, self._replica_group, self._ddp = snapshot_view(state, replicated, replica_group)
         self.every = every
@@ -215,8 +164,10 @@ class Snapshotter:
         Raises:
             NotRecoverable: snapshots exist but no step is complete for every rank (restore from disk instead).
             SidecarUnavailable: the sidecar or coordinator did not answer in time.
-            ValueError: the snapshot does not match this state (different keys, shapes or dtypes).
-            RuntimeError: with ``replicated``, another rank of the replica group failed.
+            RestoreFailed: the recoverable step could not be brought here or loaded (every rank asks again).
+            ConfigMismatch: the snapshot does not match this state (different keys, shapes or dtypes).
+            ReplicaGroupError: with ``replicated``, another rank of the replica group failed.
+            SidecarRefused: the sidecar refused the request (its ``code`` says why).
         """
         shards = [v for v in self._snapshotted.values() if isinstance(v, ReplicaShard)]
         for shard in shards:
@@ -225,11 +176,11 @@ class Snapshotter:
             flat, reply = self._ask_restore(timeout)
         except Exception:
             try:
-                self._replicas_agree(ok=False, timeout=timeout)
+                self._agree(ok=False, timeout=timeout)
             except Exception as exc:  # this rank's own error is the one to raise
                 log.warning("could not tell the replica group that this rank's restore failed: %s", exc)
             raise
-        self._replicas_agree(ok=True, timeout=timeout)
+        self._agree(ok=True, timeout=timeout)
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
                          "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
         if reply.source == "fresh":
@@ -240,6 +191,12 @@ class Snapshotter:
         placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
         try:
             restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+        except SnapshotdError:
+            fail_remaining(shards)
+            raise
+        except ValueError as exc:  # the snapshot's own table or meta is malformed
+            fail_remaining(shards)
+            raise RestoreFailed(f"job {self.job!r} rank {self.rank}: step {reply.step} could not be loaded: {exc}") from exc
         except Exception:
             fail_remaining(shards)
             raise
@@ -269,41 +226,22 @@ class Snapshotter:
                     "restore_reply",
                     timeout + 5,
                 )  # fmt: skip
-        except ProtocolError as exc:
-            text = str(exc)
-            if "not_recoverable" in text:
-                raise NotRecoverable(
-                    f"job {self.job!r}: no step is recoverable from memory ({text}). Restore from your last disk "
-                    "checkpoint, then call restore() again or start a fresh job name."
-                ) from exc
-            if "plan_timeout" in text:
-                raise SidecarUnavailable(text) from exc
-            raise
+        except NotRecoverable as exc:
+            raise NotRecoverable(
+                f"job {self.job!r}: no step is recoverable from memory ({exc}). Load your last disk checkpoint and "
+                "go on under a new job name: this job's snapshots belong to a run that cannot be resumed."
+            ) from exc
         assert isinstance(reply, RestoreReply)
         with self._lock:  # so that the first capture() finds its free slots
             self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
         return flat, reply
 
-    def _replicas_agree(self, *, ok: bool, timeout: float) -> None:
-        """With ``replicated``: tell the replica group whether this rank's own part was restored, before any
-        rank waits in a broadcast for a part that will never come. The group's first rank waits for the others
-        up to about ``timeout`` (a rank pulling its part may take longer than the process group's own timeout);
-        the others wait for it up to the process group's timeout.
-
-        Raises:
-            RuntimeError: this rank got its part but another rank of the group did not (that rank raises its
-                own error), or a rank did not arrive within ``timeout`` (torch names it).
-        """
-        group = self._replica_group
-        if group is None:
-            return
-        # a rank's own restore may take its request's timeout, plus the wait for its slots, after the others'
-        wait = datetime.timedelta(seconds=timeout + self.timeout + 10)
-        torch.distributed.monitored_barrier(group, timeout=wait, wait_all_ranks=True)
-        failed = agree(group, ok=ok)
-        if ok and failed:
-            raise RuntimeError(f"job {self.job!r}: rank(s) {failed} of the replica group could not restore their "
-                               "part of the replicated state (see their errors), so no rank can load it whole")  # fmt: skip
+    def _agree(self, *, ok: bool, timeout: float) -> None:
+        """With ``replicated``: :func:`~.replicas.agree_restored`; a rank's own restore may take its request's
+        timeout, plus the wait for its slots, after the others'."""
+        if self._replica_group is not None:
+            wait = datetime.timedelta(seconds=timeout + self.timeout + 10)
+            agree_restored(self._replica_group, ok=ok, job=self.job, wait=wait)
 
     def capture(self, step: int) -> bool:
         """Start a snapshot of the state as it is after ``step`` completed optimizer steps.
@@ -430,7 +368,7 @@ class Snapshotter:
             try:
                 self._register(data_bytes, min(self.timeout, 2.0))
                 return True
-            except (SidecarUnavailable, ProtocolError, OSError, ValueError) as exc:
+            except (SnapshotdError, OSError, ValueError) as exc:
                 self._sidecar_ok = False
                 self._problem(f"cannot register with the sidecar: {exc}")
                 return False

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import getpass
-import os
 import socket
 
 from snapshotd.security import DATA_SECURITY_MODES
-from snapshotd.shm import SHM_DIR
+from snapshotd.shm import default_ipc_path
 
-__all__ = ["SidecarConfig", "default_ipc_path"]
-
-
-def default_ipc_path() -> str:
-    """The per-user ipc socket path that both ``snapshotd serve`` and the client find without flags."""
-    return os.path.join(SHM_DIR if os.access(SHM_DIR, os.W_OK) else "/tmp", f"snapshotd-{getpass.getuser()}.ipc")
+__all__ = ["SidecarConfig"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from snapshotd.client import Snapshotter
+from snapshotd.client import ConfigMismatch, ReplicaGroupError, Snapshotter
+from snapshotd.client.load import restore_into
 from snapshotd.client.replicas import ELIDED, ReplicaShard, assign_keepers, fail_remaining
-from snapshotd.client.state import copy_into, flatten, restore_into
+from snapshotd.client.state import copy_into, flatten
 
 from ..gloo_ranks import run_gloo_ranks
 
@@ -101,7 +102,7 @@ def _rank_body(rank: int) -> dict[str, Any]:
     try:
         restore_into(view, taken.entries, taken.meta, data)
         partial = "restored"
-    except ValueError as exc:
+    except (ConfigMismatch, ReplicaGroupError) as exc:
         fail_remaining(shards)
         partial = str(exc)
 
@@ -109,7 +110,7 @@ def _rank_body(rank: int) -> dict[str, Any]:
     snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(tempfile.gettempdir(), "snapshotd-none.ipc"),
                        timeout=1, replicated=("model", "optim"))  # fmt: skip
     try:
-        snap._replicas_agree(ok=rank != 1, timeout=30)
+        snap._agree(ok=rank != 1, timeout=30)
         agreed = "ok"
     except RuntimeError as exc:
         agreed = str(exc)

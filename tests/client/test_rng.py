@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from snapshotd.client.load import restore_into
 from snapshotd.client.rng import RNGState
-from snapshotd.client.state import copy_into, flatten, restore_into
+from snapshotd.client.state import copy_into, flatten
 
 
 def draws() -> tuple[list[Any], ...]:

@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from snapshotd.client.load import restore_into
+from snapshotd.client.meta import ALIGN
 from snapshotd.client.rng import RNGState
-from snapshotd.client.state import ALIGN, FlatState, copy_into, flatten, restore_into
+from snapshotd.client.state import FlatState, copy_into, flatten
 
 
 def snapshot(state: dict[str, Any]) -> tuple[FlatState, torch.Tensor]:

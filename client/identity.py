@@ -1,0 +1,53 @@
+"""Who a Snapshotter is: its job, rank and world size, and where its node's sidecar listens.
+
+Each comes from the argument when given, else from the environment a launcher sets up: the job from
+``$SNAPSHOTD_JOB``, else torchrun's ``$TORCHELASTIC_RUN_ID``; rank and world size from ``torch.distributed``
+when it is initialised, else ``$RANK`` and ``$WORLD_SIZE``; the sidecar's ipc path from ``$SNAPSHOTD_SIDECAR``,
+else the node's per-user default, which ``snapshotd serve`` also binds by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from snapshotd.shm import default_ipc_path
+
+__all__ = ["Identity"]
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Identity:
+    job: str
+    rank: int
+    world_size: int
+    sidecar: str
+    """The sidecar's ipc path."""
+
+    @classmethod
+    def resolve(cls, job: str | None, rank: int | None, world_size: int | None, sidecar: str | None) -> Identity:
+        """The identity from the arguments given and the environment (see the module docstring).
+
+        Raises:
+            ValueError: no job name, no rank or world size, or a rank outside the world size.
+        """
+        dist_ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+        job = job or os.environ.get("SNAPSHOTD_JOB") or os.environ.get("TORCHELASTIC_RUN_ID") or ""
+        if rank is None:
+            rank = torch.distributed.get_rank() if dist_ready else _env_int("RANK")
+        if world_size is None:
+            world_size = torch.distributed.get_world_size() if dist_ready else _env_int("WORLD_SIZE")
+        if not job:
+            raise ValueError("no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)")
+        if rank is None or world_size is None:
+            raise ValueError("rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        return cls(job, rank, world_size, sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path())

@@ -1,0 +1,37 @@
+"""What a Snapshotter counts: :class:`SnapshotStats`, read any time from ``snap.stats``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["SnapshotStats"]
+
+
+@dataclasses.dataclass(slots=True)
+class SnapshotStats:
+    """Counters of one Snapshotter (read them any time; they are updated from two threads)."""
+
+    started: int = 0
+    """Snapshots staged and announced to the sidecar."""
+    skipped: int = 0
+    """capture() calls that found no free slot (the network is behind) or a sidecar problem."""
+    durable: int = 0
+    """Snapshots every buddy acknowledged."""
+    failed: int = 0
+    """Snapshots the sidecar refused or could not stream to every buddy."""
+    bytes: int = 0
+    """Tensor bytes staged."""
+    last_durable_step: int = -1
+    capture_seconds: float = 0.0
+    """Training-thread time spent inside capture()."""
+    fence_seconds: float = 0.0
+    """Training-thread time the optimizer pre-hook waited for a staging copy."""
+    auto_interval: int = 0
+    """With ``every="auto"``: the steps between snapshots now chosen (0 otherwise)."""
+    stride: int = 0
+    """With ``every=N`` and ``when_busy="skip"``: the steps between the snapshots now due, ``N`` times a power of
+    two that doubles when a due step finds no free slot and halves as slots free again (0 otherwise). A node
+    lost now costs at most ``2 * stride - 1`` steps: up to ``stride - 1`` since the last due step, and one more
+    stride if that step's snapshot had not reached its buddies."""
+    errors: int = 0
+    last_error: str = ""
