@@ -14,9 +14,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-import zmq
-
 from snapshotd.proto import Error, Message, ProtocolError, decode, encode
+from snapshotd.transport import Frames, connect_rank
 
 from .errors import SidecarUnavailable, from_reply
 
@@ -26,20 +25,23 @@ log = logging.getLogger(__name__)
 
 
 class Channel:
-    """A DEALER connection to the sidecar's ipc endpoint, serviced by one daemon thread."""
+    """A connection to the sidecar's ipc endpoint (a :class:`~snapshotd.transport.ThreadPipe`), serviced by one
+    daemon thread.
+
+    Args:
+        sidecar: the sidecar's ipc path (``mem://NAME`` for one in this process).
+        on_message: called on the channel thread with each message that answers no request.
+    """
 
     POLL_MS = 5
 
-    def __init__(self, endpoint: str, on_message: Callable[[Message], None]) -> None:
-        self.endpoint = endpoint
+    def __init__(self, sidecar: str, on_message: Callable[[Message], None]) -> None:
+        self._pipe = connect_rank(sidecar)
+        self.endpoint = self._pipe.address
         self._on_message = on_message
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._waiting: dict[str, concurrent.futures.Future[Message]] = {}
         self._lock = threading.Lock()
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
         self._thread = threading.Thread(target=self._run, name="snapshotd-client", daemon=True)
         self._thread.start()
 
@@ -86,21 +88,16 @@ class Channel:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("snapshotd client thread did not stop within %.0f s", timeout)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._pipe.close()
 
     # the channel thread
 
     def send_now(self, msg: Message) -> None:
         """Send on the channel thread itself (from within a job)."""
-        try:
-            self._sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        if not self._pipe.send_nowait(encode(msg)):
             log.warning("sidecar ipc queue full; dropped %s", msg.TYPE)
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         while True:
             try:
                 job = self._jobs.get(timeout=self.POLL_MS / 1000)
@@ -113,16 +110,14 @@ class Channel:
                     job()
                 except Exception:
                     log.exception("snapshotd background job failed")
-            while poller.poll(0):
-                self._receive()
+            while (frames := self._pipe.recv_nowait()) is not None:
+                self._receive(frames)
 
-    def _receive(self) -> None:
+    def _receive(self, frames: Frames) -> None:
         try:
-            msg = decode(self._sock.recv_multipart(copy=False))
+            msg = decode(frames)
         except ProtocolError as exc:
             log.warning("bad message from the sidecar: %s", exc)
-            return
-        except zmq.ZMQError:
             return
         with self._lock:
             fut = self._waiting.get(msg.TYPE)

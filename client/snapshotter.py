@@ -148,7 +148,7 @@ class Snapshotter:
         self._closed = False
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
-        self._channel = Channel(f"ipc://{self.sidecar}", self._on_message)
+        self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
 
     # ------------------------------------------------------------------------------------------ public

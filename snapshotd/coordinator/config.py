@@ -19,7 +19,7 @@ class CoordinatorConfig:
     """
 
     bind: str = "tcp://127.0.0.1:7070"
-    """ZeroMQ endpoint of the control-plane ROUTER socket (``tcp://HOST:PORT``; port 0 picks a free one)."""
+    """The control plane's endpoint (``tcp://HOST:PORT``, port 0 picks a free one; ``mem://NAME`` in-process)."""
 
     replicas: int = 1
     """Buddy copies of every rank's snapshot on nodes in other racks (1..64); durability counts these."""
@@ -53,8 +53,8 @@ class CoordinatorConfig:
     """Allow a routable bind without a secret (``--insecure``); loopback binds never need it."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"bind: {self.bind!r} is not a ZeroMQ endpoint (tcp://HOST:PORT)")
+        if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://", "mem://")):
+            raise ValueError(f"bind: {self.bind!r} is not an endpoint (tcp://HOST:PORT)")
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= _MAX_REPLICAS:
             raise ValueError(f"replicas: {self.replicas!r} is not an integer in [1, {_MAX_REPLICAS}]")
         if not _finite(self.heartbeat_interval) or not 0.01 <= self.heartbeat_interval <= 3600.0:

@@ -48,9 +48,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from snapshotd import security
 from snapshotd.proto import (
     Error,
@@ -68,6 +65,7 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto.limits import MAX_TEXT_LEN
+from snapshotd.transport import Pipe, Role, Security, TransportError, open_network
 
 from .config import CoordinatorConfig
 from .gc_policy import GcPolicy
@@ -90,14 +88,9 @@ _STATUS_SLICE_S = 0.005
 """Seconds spent building status documents per pass of the loop."""
 _STATUS_BUILDS = 4
 """Status documents built at once at most."""
-_BACKLOG = 4096
-"""Connections the listening socket queues before accepting them (the kernel caps it at ``somaxconn``): a fleet
-connects at once after a coordinator restart, and beyond ZeroMQ's default of 100 the kernel drops SYNs, which
-clients retry only after 1, 3, 7 ... seconds."""
-_IDLE_POLL_MS = 100
+_IDLE_POLL_S = 0.1
 """How long an idle socket wait lasts before ``stop`` is checked again."""
 _COMPLAIN_EVERY_S = 60.0
-_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 async def run_coordinator(
@@ -125,25 +118,20 @@ async def run_coordinator(
     security.check_bind(cfg.bind, cfg.secret, cfg.insecure)
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    auth = None
+    network = open_network(cfg.bind, Security(cfg.secret))
+    pipe: Pipe | None = None
     handled: list[signal.Signals] = []
     try:
-        sock.linger = 0
-        sock.setsockopt(zmq.BACKLOG, _BACKLOG)
-        auth = security.start_authenticator(ctx, cfg.secret)
-        security.secure_server(sock, cfg.secret)
         try:
-            sock.bind(cfg.bind)
-        except zmq.ZMQError as exc:
+            pipe = network.serve(cfg.bind, Role.CONTROL)
+        except OSError as exc:
             raise OSError(f"cannot bind the coordinator to {cfg.bind}: {exc}") from exc
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = pipe.address
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, stop.set)
                 handled.append(sig)
-        server = _Server(sock, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
+        server = _Server(pipe, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
         log.info("coordinator on %s: replicas %d, heartbeat timeout %g s, %s", endpoint, cfg.replicas,
                  cfg.heartbeat_timeout, "CURVE" if cfg.secret else "no secret")  # fmt: skip
         if ready is not None:
@@ -153,16 +141,14 @@ async def run_coordinator(
     finally:
         for sig in handled:
             loop.remove_signal_handler(sig)
-        sock.close(linger=0)
-        if auth is not None:
-            auth.stop()
-        ctx.destroy(linger=0)
+        if pipe is not None:
+            pipe.close()
+        network.close()
 
 
 class _Server:
-    def __init__(self, sock: zmq.asyncio.Socket, state: CoordinatorState, held: HeldPlans) -> None:
-        self.sock = sock
-        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, for non-blocking batch I/O
+    def __init__(self, pipe: Pipe, state: CoordinatorState, held: HeldPlans) -> None:
+        self.pipe = pipe
         self.state = state
         self.held = held
         self._complaints: dict[Any, float] = {}
@@ -184,7 +170,7 @@ class _Server:
             while not stop.is_set():
                 caught_up = True
                 busy = self.held.due or self.undrafted or self.statuses
-                if await self.sock.poll(timeout=0 if busy else _IDLE_POLL_MS):
+                if await self.pipe.poll(0 if busy else _IDLE_POLL_S):
                     caught_up = self.handle_batch()
                 now = time.monotonic()
                 self.answer_held(now, caught_up=caught_up)
@@ -217,12 +203,8 @@ class _Server:
         """
         woken = bool(self.held.due)
         for _ in range(_BATCH):
-            try:
-                frames = self.raw.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            except zmq.ZMQError as exc:
-                self.complain("recv", "receive failed: %s", exc)
+            frames = self.pipe.recv_nowait()
+            if frames is None:
                 return True
             self.handle(frames, time.monotonic())
             if not woken and self.held.due:
@@ -412,15 +394,12 @@ class _Server:
         self.send_frames(envelope, [frame])
 
     def send_frames(self, envelope: list[bytes], frames: list[Any]) -> None:
-        """Send a message already encoded, without blocking."""
-        raw = self.raw
+        """Send a message already encoded, without blocking (a reply finding no room is dropped, as a ROUTER
+        drops on a full pipe; its sidecar asks again)."""
         try:
-            for part in envelope:
-                raw.send(part, _MORE)
-            for part in frames[:-1]:
-                raw.send(part, _MORE)
-            raw.send(frames[-1], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # a ROUTER drops on a full pipe; anything else is worth a line
+            if not self.pipe.send_nowait([*envelope, *frames]):
+                self.complain("send", "send failed: the peer's queue is full")
+        except TransportError as exc:
             self.complain("send", "send failed: %s", exc)
 
     def complain(self, key: Any, fmt: str, *args: Any, exc_info: bool = False) -> None:

@@ -8,9 +8,6 @@ import logging
 import math
 import time
 
-import zmq
-import zmq.asyncio
-
 from snapshotd.proto import (
     Error,
     Heartbeat,
@@ -27,7 +24,7 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto.limits import MAX_PLAN_RANKS
-from snapshotd.security import HandshakeWatch, secure_client
+from snapshotd.transport import Network, Pipe, Role
 
 from .tasks import TaskTree
 
@@ -72,7 +69,7 @@ class _Group:
 
 
 class CoordinatorClient:
-    """Request/reply with the coordinator over DEALER sockets; each request has its own deadline.
+    """Request/reply with the coordinator over client pipes; each request has its own deadline.
 
     Heartbeats and plan requests use separate sockets so that a slow plan never delays liveness. The plans of
     this sidecar's ranks are asked for together: concurrent :meth:`plan` calls of one job share one request
@@ -91,48 +88,40 @@ class CoordinatorClient:
     heartbeats.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, *, secret: str | None, tasks: TaskTree) -> None:
-        self.ctx = ctx
+    def __init__(self, network: Network, endpoint: str, *, tasks: TaskTree) -> None:
+        self.network = network
         self.endpoint = endpoint
-        self.secret = secret
         self.tasks = tasks
-        self._hb = self._socket(connect=False)
-        self.handshakes = HandshakeWatch(self._hb, endpoint, f"coordinator {endpoint}")  # before its first handshake
-        self._hb.connect(endpoint)
+        self._hb = self._socket()
         self._plan = self._socket()  # replaced when the last plan call ends
         self._closed = False
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
         self._warned = False
 
-    def _socket(self, *, connect: bool = True) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        secure_client(sock, self.secret)
-        if connect:
-            sock.connect(self.endpoint)
-        return sock
+    def _socket(self) -> Pipe:
+        return self.network.connect(self.endpoint, Role.COORDINATOR)
 
     async def watch(self) -> None:
         """Follow the heartbeat connection's handshakes until cancelled, so that a timeout says why (run it as a
         task beside the heartbeats; see :class:`~snapshotd.security.HandshakeWatch`)."""
-        await self.handshakes.run()
+        await self._hb.watch()
 
     def _timed_out(self, timeout: float) -> CoordinatorUnavailable:
-        failure = self.handshakes.failure
+        failure = self._hb.failure
         why = f" ({failure})" if failure else ""
         if not self._warned:
             log.warning("coordinator %s did not answer within %.1f s%s", self.endpoint, timeout, why)
             self._warned = True
         return CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s{why}")
 
-    async def _request(self, sock: zmq.asyncio.Socket, msg: Message, timeout: float) -> Message:
-        while await sock.poll(0):  # drop replies to earlier requests that timed out
-            await sock.recv_multipart()
+    async def _request(self, sock: Pipe, msg: Message, timeout: float) -> Message:
+        while sock.recv_nowait() is not None:  # drop replies to earlier requests that timed out
+            pass
         try:
             async with asyncio.timeout(timeout):
-                await sock.send_multipart(encode(msg))
-                reply = decode(await sock.recv_multipart())
+                await sock.send(encode(msg))
+                reply = decode(await sock.recv(copy=True))
         except TimeoutError as exc:
             raise self._timed_out(timeout) from exc
         if isinstance(reply, Error):
@@ -166,12 +155,12 @@ class CoordinatorClient:
         sock = self._socket()
         try:
             async with asyncio.timeout(timeout):
-                await sock.send_multipart(encode(MemberQuery(host=host)))
-                reply = decode(await sock.recv_multipart())
+                await sock.send(encode(MemberQuery(host=host)))
+                reply = decode(await sock.recv(copy=True))
         except TimeoutError:
             raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
         finally:
-            sock.close(linger=0)
+            sock.close()
         if isinstance(reply, Error):
             raise ProtocolError(f"coordinator refused member_query: {reply.message}")
         if not isinstance(reply, MemberReply):
@@ -224,7 +213,7 @@ class CoordinatorClient:
         if not self._groups and self._pump is not None:
             self._pump.cancel()
             self._pump = None
-            self._plan.close(linger=0)
+            self._plan.close()
             if not self._closed:
                 self._plan = self._socket()
 
@@ -237,9 +226,9 @@ class CoordinatorClient:
         group.first, group.answered = requests[0].rank, False
         group.resend_at = time.monotonic() + PLAN_REQUEST_TIMEOUT
         for req in requests:
-            await self._plan.send_multipart(encode(req))
+            await self._plan.send(encode(req))
 
-    async def _read_plans(self, sock: zmq.asyncio.Socket) -> None:
+    async def _read_plans(self, sock: Pipe) -> None:
         """Route every reply on the plan socket; ask again for groups whose request timed out or must wait.
 
         Runs until cancelled (with the last plan call); a bug fails every waiting call instead of leaving it to
@@ -256,8 +245,8 @@ class CoordinatorClient:
                         await self._flush(group)
                 soonest = min((g.resend_at for g in self._groups.values()), default=math.inf)
                 wait_ms = math.ceil(max(0.0, min(1.0, soonest - time.monotonic())) * 1e3)
-                if await sock.poll(wait_ms):
-                    self._route(await sock.recv_multipart())
+                if await sock.poll(wait_ms / 1e3):
+                    self._route(await sock.recv(copy=True))
         except Exception as exc:
             log.exception("reading plan replies from coordinator %s failed", self.endpoint)
             for group in self._groups.values():
@@ -318,6 +307,5 @@ class CoordinatorClient:
         if self._pump is not None:
             self._pump.cancel()
             self._pump = None
-        self.handshakes.close()
-        self._hb.close(linger=0)
-        self._plan.close(linger=0)
+        self._hb.close()
+        self._plan.close()

@@ -1,6 +1,7 @@
 """``snapshotd serve``: the node's sidecar, wired from its services.
 
-Three sockets, one event loop (uvloop), one task tree (:mod:`.tasks`):
+Three kinds of connection (pipes of :mod:`snapshotd.transport`: ZeroMQ sockets, or in-memory ones for
+``mem://`` addresses), one event loop (uvloop), one task tree (:mod:`.tasks`):
 
 - **ipc** (ROUTER, owner-only): local training ranks register, announce staged slots, ask to restore
   (:mod:`.ingest`, :mod:`.stream`, :mod:`.restore`).
@@ -25,22 +26,12 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-import zmq
-import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
-
 from snapshotd import proto
 from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
 from snapshotd.proto.limits import MAX_TEXT_LEN
-from snapshotd.security import (
-    DATA_DOMAIN,
-    MembersGate,
-    check_bind,
-    members_source,
-    secure_server,
-    start_authenticator,
-)
+from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
+from snapshotd.transport import Pipe, Role, Security, is_memory, open_network
 
 from .config import SidecarConfig
 from .control import CoordinatorClient
@@ -86,23 +77,28 @@ class Sidecar:
         _keep_malloc_arenas()
         if cfg.nice:
             os.nice(cfg.nice)
-        ctx = zmq.asyncio.Context()
-        control = CoordinatorClient(ctx, cfg.coordinator, secret=cfg.secret, tasks=self.tasks)
-        members = cfg.data_security == "members"
-        auth: MembersGate | AsyncioAuthenticator | None = None
-        ipc = ctx.socket(zmq.ROUTER)
-        data = ctx.socket(zmq.ROUTER)
+        members = cfg.secret is not None and cfg.data_security == "members"
+        control: CoordinatorClient | None = None
+
+        async def is_member(host: str) -> bool:
+            assert control is not None
+            return await control.is_member(host, min(5.0, cfg.request_timeout))
+
+        network = open_network(cfg.data_bind, Security(cfg.secret, cfg.data_security), is_member if members else None)
+        control = CoordinatorClient(network, cfg.coordinator, tasks=self.tasks)
+        pipes: list[Pipe] = []
         links: PeerLinks | None = None
         installed: list[signal.Signals] = []
         try:
-            if members:
-                auth = MembersGate(ctx, lambda host: control.is_member(host, min(5.0, cfg.request_timeout)))
-            else:
-                auth = start_authenticator(ctx, cfg.secret)
-            self._bind(ipc, data, members)
+            ipc = network.serve(cfg.ipc if is_memory(cfg.ipc) else f"ipc://{cfg.ipc}", Role.IPC)
+            pipes.append(ipc)
+            data = network.serve(cfg.data_bind, Role.DATA)
+            pipes.append(data)
+            self.state.data_addr = data.address if is_memory(data.address) else self._advertised(data.address)
+            log.info("sidecar %s: ipc %s, data %s (bound %s), coordinator %s", cfg.node, ipc.address,
+                     self.state.data_addr, data.address, cfg.coordinator)  # fmt: skip
             source = members_source(self.state.data_addr) if members else None
-            links = PeerLinks(ctx, secret=None if members else cfg.secret, timeout=cfg.request_timeout,
-                              source=source, tasks=self.tasks)  # fmt: skip
+            links = PeerLinks(network, timeout=cfg.request_timeout, source=source, tasks=self.tasks)
             ipc_out = Outbox(self.state.counters, cfg.request_timeout)
             data_out = Outbox(self.state.counters, cfg.request_timeout)
             notices = RankNotices(ipc_out)
@@ -121,16 +117,13 @@ class Sidecar:
                     installed.append(sig)
             async with asyncio.TaskGroup() as group:
                 self.tasks.attach(group)
-                services = [
-                    self.tasks.spawn(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint"),
-                    self.tasks.spawn(ipc_out.run(ipc), "ipc replies"),
-                    self.tasks.spawn(self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint"),
-                    self.tasks.spawn(data_out.run(data), "data-plane replies"),
-                    self.tasks.spawn(heartbeat.run(), "the control loop"),
-                    self.tasks.spawn(control.watch(), "the coordinator connection's handshakes"),
-                ]
-                if isinstance(auth, MembersGate):
-                    services.append(self.tasks.spawn(auth.run(), "the data plane's member check"))
+                self.tasks.spawn(network.run(), "the network's security handlers")
+                self.tasks.spawn(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
+                self.tasks.spawn(ipc_out.run(ipc), "ipc replies")
+                self.tasks.spawn(self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint")
+                self.tasks.spawn(data_out.run(data), "data-plane replies")
+                self.tasks.spawn(heartbeat.run(), "the control loop")
+                self.tasks.spawn(control.watch(), "the coordinator connection's handshakes")
                 await stop.wait()
                 log.info("sidecar %s: stopping", cfg.node)
                 self.tasks.cancel_all()
@@ -140,41 +133,14 @@ class Sidecar:
             if links is not None:
                 links.close()
             control.close()
-            ipc.close(linger=0)
-            data.close(linger=0)
-            if isinstance(auth, AsyncioAuthenticator):
-                auth.stop()
-            ctx.destroy(linger=0)
+            for pipe in pipes:
+                pipe.close()
+            network.close()
             for lr in list(self.state.ranks.values()):
                 lr.arena.close(unlink=True)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.ipc)
-
-    def _bind(self, ipc: zmq.asyncio.Socket, data: zmq.asyncio.Socket, members: bool) -> None:
-        cfg = self.cfg
-        for sock in (ipc, data):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            sock.setsockopt(zmq.RCVHWM, 4096)
-            sock.setsockopt(zmq.SNDHWM, 4096)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cfg.ipc)
-        old_umask = os.umask(0o177)
-        try:
-            ipc.bind(f"ipc://{cfg.ipc}")
-        finally:
-            os.umask(old_umask)
-        os.chmod(cfg.ipc, 0o600)
-        if members:
-            data.zap_domain = DATA_DOMAIN
-            data.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit
-        else:
-            secure_server(data, cfg.secret)
-        data.bind(cfg.data_bind)
-        bound = data.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.state.data_addr = self._advertised(bound)
-        log.info("sidecar %s: ipc ipc://%s, data %s (bound %s), coordinator %s", cfg.node, cfg.ipc,
-                 self.state.data_addr, bound, cfg.coordinator)  # fmt: skip
+            if not is_memory(cfg.ipc):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(cfg.ipc)
 
     def _advertised(self, bound: str) -> str:
         parts = urlsplit(bound)
@@ -183,17 +149,17 @@ class Sidecar:
             host = socket.gethostname()
         return f"tcp://{host}:{parts.port}"
 
-    async def _serve(self, sock: zmq.asyncio.Socket, outbox: Outbox, handle: Callable[[bytes, Message], None],
+    async def _serve(self, pipe: Pipe, outbox: Outbox, handle: Callable[[bytes, Message], None],
                      what: str) -> None:  # fmt: skip
-        """Receive requests on ``sock`` and hand each to ``handle``: the error boundary of every request.
+        """Receive requests on ``pipe`` and hand each to ``handle``: the error boundary of every request.
 
         A request that cannot be decoded, or that ``handle`` refuses (ProtocolError, and the data plane's
         expected refusals), is answered with an Error naming why; any other failure is this sidecar's bug, logged
         with its traceback and answered ``internal``. Either way the loop goes on.
         """
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            ident = frames[0].bytes
+            frames = await pipe.recv()
+            ident = frames[0]
             msg: Message | None = None
             try:
                 msg = proto.decode(frames[1:])

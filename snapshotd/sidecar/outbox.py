@@ -1,15 +1,13 @@
-"""Replies on a ROUTER socket: queued by the handlers, sent in order by one writer task."""
+"""Replies on a server pipe: queued by the handlers, sent in order by one writer task."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
-import zmq
-import zmq.asyncio
-
 from snapshotd import proto
 from snapshotd.proto import Message
+from snapshotd.transport import Pipe, TransportError
 
 from .node import Counters
 
@@ -19,11 +17,11 @@ log = logging.getLogger(__name__)
 
 
 class Outbox:
-    """Messages for the peers of one ROUTER socket.
+    """Messages for the peers of one server pipe.
 
     :meth:`reply` never waits: a handler answers and goes on (a full queue drops the reply, logged and counted).
     :meth:`put` waits for room, for bulk senders that must not drop (a served pull). :meth:`run` is the one place
-    that sends on the socket; a peer that left is logged, not fatal.
+    that sends on the pipe; a peer that left is logged, not fatal.
 
     Args:
         counters: the sidecar's (dropped replies count as errors).
@@ -46,7 +44,7 @@ class Outbox:
     async def put(self, ident: bytes, msg: Message) -> None:
         await self._queue.put((ident, msg))
 
-    async def run(self, sock: zmq.asyncio.Socket) -> None:
+    async def run(self, pipe: Pipe) -> None:
         while True:
             ident, msg = await self._queue.get()
             try:
@@ -57,6 +55,6 @@ class Outbox:
                 continue
             try:
                 async with asyncio.timeout(self._timeout):
-                    await sock.send_multipart([ident, *frames], copy=False)
-            except (zmq.ZMQError, TimeoutError) as exc:
+                    await pipe.send([ident, *frames])
+            except (TransportError, TimeoutError) as exc:
                 log.debug("could not send %s to a peer that left: %s", msg.TYPE, exc)

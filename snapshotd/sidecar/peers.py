@@ -1,6 +1,6 @@
 """Connections from this sidecar to other sidecars' data planes.
 
-One :class:`PeerLink` (a DEALER socket) per remote data address, shared by every stream to that peer and every
+One :class:`PeerLink` (a client pipe) per remote data address, shared by every stream to that peer and every
 pull from it. Replies are routed by ``(job, rank, step)`` to whoever subscribed to that key, so several streams
 and pulls share one connection without reading each other's messages.
 """
@@ -11,13 +11,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-import zmq
-import zmq.asyncio
+from typing import TYPE_CHECKING
 
 from snapshotd.proto import Message, ProtocolError, decode, encode
-from snapshotd.security import HandshakeWatch, secure_client
+from snapshotd.transport import Network, Pipe, Role
 
 if TYPE_CHECKING:
     from .tasks import TaskTree
@@ -38,41 +35,26 @@ class PeerTimeout(PeerError, TimeoutError):
 
 
 class PeerLink:
-    """A DEALER connection to ``addr``; :meth:`run` is its reader task (start it in the owner's TaskGroup).
+    """A connection to the data plane at ``addr``; :meth:`run` is its reader task (start it in the owner's task
+    tree). ``timeout`` bounds every send and every wait for a reply."""
 
-    With ``source`` (an IP address of this host) the connection leaves from that address, the one a ``members``
-    mode peer admits this node by; with ``secret`` it is a CURVE client.
-    """
-
-    def __init__(
-        self, ctx: zmq.asyncio.Context, addr: str, *, secret: str | None, timeout: float, source: str | None = None
-    ) -> None:
+    def __init__(self, pipe: Pipe, addr: str, *, timeout: float) -> None:
+        self.pipe = pipe
         self.addr = addr
         self.timeout = timeout
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
-        self.sock.setsockopt(zmq.SNDHWM, 256)
-        self.sock.setsockopt(zmq.RCVHWM, 4096)
-        secure_client(self.sock, secret)
-        endpoint = addr if source is None else _from(source, addr)
-        self.handshakes = HandshakeWatch(self.sock, endpoint, f"peer {addr}")
-        self.sock.connect(endpoint)
         self._queues: dict[Key, asyncio.Queue[Message]] = {}
         self.dropped = 0
 
     async def run(self) -> None:
-        """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped.
-
-        Also follows the connection's handshakes (see :class:`~snapshotd.security.HandshakeWatch`).
-        """
+        """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped. Also
+        follows the connection's handshakes, so that a peer refusing us is named in a timeout's message."""
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(self.handshakes.run())
+            tg.create_task(self.pipe.watch())
             tg.create_task(self._read())
 
     async def _read(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart(copy=False)
+            frames = await self.pipe.recv()
             try:
                 msg = decode(frames)
             except ProtocolError as exc:
@@ -107,21 +89,14 @@ class PeerLink:
         """
         try:
             async with asyncio.timeout(self.timeout):
-                await self.sock.send_multipart(encode(msg), copy=False)
+                await self.pipe.send(encode(msg))
         except TimeoutError as exc:
             raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s"
                               + self._why()) from exc  # fmt: skip
 
     def send_nowait(self, msg: Message) -> bool:
-        """Send only if the socket takes it at once (a best-effort notice); False if it did not."""
-        try:
-            fut: Any = self.sock.send_multipart(encode(msg), flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError:
-            return False
-        if not fut.done():  # cannot happen with NOBLOCK; never wait for it
-            fut.cancel()
-            return False
-        return fut.exception() is None
+        """Send only if the connection takes it at once (a best-effort notice); False if it did not."""
+        return self.pipe.send_nowait(encode(msg))
 
     async def receive(self, queue: asyncio.Queue[Message], *expected: type[Message]) -> Message:
         """The next reply on ``queue``, which must be one of ``expected``.
@@ -142,12 +117,11 @@ class PeerLink:
         raise PeerError(f"{self.addr} answered {msg.TYPE}, expected {[t.TYPE for t in expected]}")
 
     def _why(self) -> str:
-        failure = self.handshakes.failure
+        failure = self.pipe.failure
         return f" ({failure})" if failure else ""
 
     def close(self) -> None:
-        self.handshakes.close()
-        self.sock.close(linger=0)
+        self.pipe.close()
 
 
 class PeerLinks:
@@ -155,17 +129,14 @@ class PeerLinks:
     first use, its reader running in the sidecar's task tree.
 
     Args:
-        ctx: the sidecar's ZeroMQ context.
-        secret: the job's secret (CURVE), or None (plaintext: no secret, or ``members`` mode).
+        network: makes the connections.
         timeout: seconds any one reply may take.
         source: the IP address outgoing connections leave from (``members`` mode), or None.
         tasks: the sidecar's task tree.
     """
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, secret: str | None, timeout: float, source: str | None,
-                 tasks: TaskTree) -> None:  # fmt: skip
-        self.ctx = ctx
-        self.secret = secret
+    def __init__(self, network: Network, *, timeout: float, source: str | None, tasks: TaskTree) -> None:
+        self.network = network
         self.timeout = timeout
         self.source = source
         self.tasks = tasks
@@ -174,8 +145,8 @@ class PeerLinks:
     def get(self, addr: str) -> PeerLink:
         link = self._links.get(addr)
         if link is None:
-            link = self._links[addr] = PeerLink(self.ctx, addr, secret=self.secret, timeout=self.timeout,
-                                                source=self.source)  # fmt: skip
+            pipe = self.network.connect(addr, Role.PEER, source=self.source)
+            link = self._links[addr] = PeerLink(pipe, addr, timeout=self.timeout)
             self.tasks.spawn(link.run(), f"peer link {addr}")
         return link
 
@@ -183,9 +154,3 @@ class PeerLinks:
         for link in self._links.values():
             link.close()
         self._links.clear()
-
-
-def _from(source: str, addr: str) -> str:
-    """ZeroMQ's ``tcp://SOURCE:0;HOST:PORT``: connect to ``addr`` from the address ``source``."""
-    host = f"[{source}]" if ":" in source else source
-    return f"tcp://{host}:0;{addr.removeprefix('tcp://')}"

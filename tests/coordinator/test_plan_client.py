@@ -25,6 +25,8 @@ from snapshotd.proto import (
 from snapshotd.sidecar.control import CoordinatorClient, CoordinatorUnavailable
 from snapshotd.sidecar.node import Counters
 from snapshotd.sidecar.tasks import TaskTree
+from snapshotd.transport import Security
+from snapshotd.transport.zeromq import ZmqNetwork
 
 from .test_server import TIMEOUT, Coordinator
 
@@ -53,9 +55,9 @@ async def _keep_beating(client: CoordinatorClient, stop: asyncio.Event) -> None:
 
 
 async def _with_node(endpoint: str, body: Callable[[CoordinatorClient], Awaitable[None]]) -> None:
-    ctx = zmq.asyncio.Context()
+    network = ZmqNetwork(Security())
     tasks = TaskTree(Counters())
-    client = CoordinatorClient(ctx, endpoint, secret=None, tasks=tasks)
+    client = CoordinatorClient(network, endpoint, tasks=tasks)
     stop = asyncio.Event()
     try:
         async with asyncio.timeout(3 * TIMEOUT), asyncio.TaskGroup() as tg:
@@ -68,7 +70,7 @@ async def _with_node(endpoint: str, body: Callable[[CoordinatorClient], Awaitabl
                 stop.set()
     finally:
         client.close()
-        ctx.destroy(linger=0)
+        network.close()
 
 
 def _ask(rank: int, world: int = WORLD) -> PlanRequest:
@@ -111,8 +113,9 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
     router.linger = 0
     monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
     port = router.bind_to_random_port("tcp://127.0.0.1")
+    network = ZmqNetwork(Security())
     tasks = TaskTree(Counters())
-    client = CoordinatorClient(ctx, f"tcp://127.0.0.1:{port}", secret=None, tasks=tasks)
+    client = CoordinatorClient(network, f"tcp://127.0.0.1:{port}", tasks=tasks)
 
     async def handshakes(count: int) -> None:
         async with asyncio.timeout(TIMEOUT):
@@ -169,6 +172,7 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
         asyncio.run(main())
     finally:
         client.close()
+        network.close()
         monitor.close(linger=0)
         router.close(linger=0)
         ctx.destroy(linger=0)
