@@ -8,10 +8,9 @@ import time
 from typing import Any
 
 import msgpack
-import zmq
 
-from snapshotd import security
 from snapshotd.proto import Error, StatusReply, StatusRequest, decode, encode
+from snapshotd.transport import connect_blocking
 from snapshotd.units import format_bytes, format_rate, format_seconds
 
 __all__ = ["fetch_status", "render_status", "status_main"]
@@ -22,7 +21,7 @@ _RANK_ROWS = 32  # a job with more ranks shows its worst ones (fewest copies, th
 def fetch_status(coordinator: str, *, secret: str | None, timeout: float = 5.0) -> dict:
     """Ask the coordinator at ``coordinator`` for its status document (see ``CoordinatorState.status``).
 
-    One DEALER socket (a CURVE client when ``secret`` is set), closed with linger 0 before returning.
+    One blocking client pipe (a CURVE client when ``secret`` is set), closed before returning.
 
     Raises:
         TimeoutError: no answer within ``timeout`` seconds: the coordinator is down or unreachable, or the
@@ -30,24 +29,18 @@ def fetch_status(coordinator: str, *, secret: str | None, timeout: float = 5.0) 
         ValueError: ``coordinator`` is not a valid endpoint, or the answer is not a status document.
         RuntimeError: the coordinator answered with an error.
     """
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     try:
-        sock.linger = 0
-        sock.sndtimeo = max(1, int(timeout * 1000))
-        security.secure_client(sock, secret)
-        try:
-            sock.connect(coordinator)
-            sock.send_multipart(encode(StatusRequest()))
-            ready = sock.poll(max(1, int(timeout * 1000)), zmq.POLLIN)
-        except zmq.Again:
-            ready = 0
-        except zmq.ZMQError as exc:
-            raise ValueError(f"cannot reach coordinator at {coordinator!r}: {exc}") from exc
-        if not ready:
+        pipe = connect_blocking(coordinator, secret=secret)
+    except ValueError as exc:
+        raise ValueError(f"cannot reach coordinator at {coordinator!r}: {exc}") from exc
+    try:
+        if not pipe.send_nowait(encode(StatusRequest())) or not pipe.wait(timeout):
             raise TimeoutError(f"no answer from coordinator at {coordinator} within {timeout:g} s")
-        frames = sock.recv_multipart(zmq.NOBLOCK)
+        frames = pipe.recv_nowait(copy=True)
     finally:
-        sock.close(linger=0)
+        pipe.close()
+    if frames is None:
+        raise TimeoutError(f"no answer from coordinator at {coordinator} within {timeout:g} s")
     msg = decode(frames)
     if isinstance(msg, Error):
         raise RuntimeError(f"coordinator at {coordinator} refused: {msg.code}: {msg.message}")

@@ -25,7 +25,7 @@ from snapshotd.proto import InventoryItem, RankInfo
 
 from .config import SidecarConfig
 from .local import LocalRank
-from .store import SnapshotStore
+from .store import BuddyStore, SnapshotStore
 
 __all__ = ["Counters", "NodeState", "RankKey", "Signal"]
 
@@ -96,7 +96,7 @@ class NodeState:
         """The data-plane address other sidecars reach this one at (set once bound)."""
         self.changed = Signal()
         self.assigned = Signal()
-        self.store = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire)
+        self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire)
         self.ranks: dict[RankKey, LocalRank] = {}
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.counters = Counters()

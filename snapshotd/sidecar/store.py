@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from snapshotd.proto import ProtocolError, codec
 
 from .chunks import SnapshotBuffer
 
-__all__ = ["MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
+__all__ = ["BuddyStore", "MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,39 @@ class StoredSnapshot:
     @property
     def nchunks(self) -> int:
         return self.data.nchunks
+
+
+class BuddyStore(Protocol):
+    """What the sidecar's services need of the copies a node keeps for other nodes' ranks (the store seam).
+
+    Copies are keyed by ``(job, rank, step)``. A copy is *complete* once every chunk arrived and verified; only
+    complete copies are served, reported or counted. The store never evicts a complete copy by itself: the
+    owner drops them (:meth:`drop_unneeded`), and a copy that would pass the memory limit is refused at
+    :meth:`begin`. :class:`SnapshotStore` keeps the copies in this process's memory.
+    """
+
+    used_bytes: int
+    """Bytes held by copies (complete or arriving)."""
+
+    def begin(self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int,
+              table: bytes, meta: bytes) -> StoredSnapshot: ...  # fmt: skip
+
+    def get(self, job: str, rank: int, step: int, *, complete: bool = True) -> StoredSnapshot: ...
+
+    def put_chunk(self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview,
+                  raw_len: int, checksum: int, base_step: int, elem: int) -> bool: ...  # fmt: skip
+
+    def mark_complete(self, job: str, rank: int, step: int) -> None: ...
+
+    def abort(self, job: str, rank: int, step: int) -> None: ...
+
+    def holds(self, job: str, rank: int, step: int) -> bool: ...
+
+    def steps(self, job: str, rank: int) -> list[int]: ...
+
+    def drop_unneeded(self, job: str, durable: int, unusable: frozenset[int] = frozenset()) -> int: ...
+
+    def complete_keys(self) -> list[Key]: ...
 
 
 class SnapshotStore:

@@ -2,7 +2,8 @@
 
 :func:`open_network` gives a daemon its :class:`Network`: ZeroMQ for ``tcp://`` and ``ipc://`` addresses, the
 process's in-memory network for ``mem://`` ones. :func:`connect_rank` gives a training process its
-:class:`ThreadPipe` to the node's sidecar.
+:class:`ThreadPipe` to the node's sidecar, :func:`connect_blocking` any code without an event loop its pipe to a
+server.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from .base import Frames, Network, Pipe, Role, Security, ThreadPipe, TransportEr
 from .memory import MemoryNetwork
 
 __all__ = [
-    "MEMORY", "Frames", "Network", "Pipe", "Role", "Security", "ThreadPipe", "TransportError", "connect_rank",
-    "is_memory", "open_network",
+    "MEMORY", "Frames", "Network", "Pipe", "Role", "Security", "ThreadPipe", "TransportError", "connect_blocking",
+    "connect_rank", "is_memory", "open_network",
 ]  # fmt: skip
 
 MEMORY = MemoryNetwork()
@@ -40,11 +41,21 @@ def open_network(address: str, security: Security, is_member: Callable[[str], Aw
     return ZmqNetwork(security, is_member)
 
 
+def connect_blocking(address: str, *, secret: str | None = None) -> ThreadPipe:
+    """A blocking client pipe to the server at ``address`` (a CURVE client of the job's servers with ``secret``),
+    for code with no event loop: a training process's channel, ``snapshotd status``.
+
+    Raises:
+        ValueError: ``address`` is not an endpoint.
+    """
+    if is_memory(address):
+        return MEMORY.connect(address, Role.RANK)
+    from .zeromq import ZmqThreadPipe
+
+    return ZmqThreadPipe(address, secret=secret)
+
+
 def connect_rank(sidecar: str) -> ThreadPipe:
     """A training process's pipe to its node's sidecar: ``sidecar`` is the sidecar's ipc path (its ``--ipc``), or
     a ``mem://`` name for one in this process."""
-    if is_memory(sidecar):
-        return MEMORY.connect(sidecar, Role.RANK)
-    from .zeromq import ZmqThreadPipe
-
-    return ZmqThreadPipe(f"ipc://{sidecar}")
+    return connect_blocking(sidecar if is_memory(sidecar) else f"ipc://{sidecar}")

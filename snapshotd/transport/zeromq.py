@@ -186,14 +186,23 @@ class ZmqNetwork(Network):
 
 
 class ZmqThreadPipe(ThreadPipe):
-    """A blocking DEALER to a sidecar's ipc endpoint, on a context of its own (one training process's channel)."""
+    """A blocking DEALER on a context of its own (a CURVE client with ``secret``).
 
-    def __init__(self, address: str) -> None:
+    Raises:
+        ValueError: ``address`` is not an endpoint.
+    """
+
+    def __init__(self, address: str, *, secret: str | None = None) -> None:
         self.address = address
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        secure_client(self._sock, secret)
+        try:
+            self._sock.connect(address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"cannot connect to {address!r}: {exc}") from exc
 
     def send_nowait(self, frames: Frames) -> bool:
         try:

@@ -205,8 +205,7 @@ def open_ranks(
         assert starts == [0] * world
         want = {r.rank: r.home for r in ranks}
         wait_for(lambda: rank_homes(cluster, job) == want, f"the coordinator to place job {job}")
-        time.sleep(0.3)  # the heartbeat reply that placed them carries the buddies; let the sidecars apply it
-        yield ranks
+        yield ranks  # a stream waits for its rank's buddies to be assigned (the sidecar's own signal)
     finally:
         for r in ranks:
             r.snap.close()
@@ -490,6 +489,14 @@ def stored_bytes(cluster: Cluster, node: str) -> int:
     return next(n["stored_bytes"] for n in doc["nodes"] if n["node"] == cluster.node(node))
 
 
+def heard_since(cluster: Cluster, node: str, since: float) -> bool:
+    """Whether the coordinator had a heartbeat of ``node`` after ``since`` (time.monotonic() of this process)."""
+    asked = time.monotonic()
+    doc = fetch_status(cluster.coordinator_addr, secret=None)
+    seen_ago = next(n["last_seen_s"] for n in doc["nodes"] if n["node"] == cluster.node(node))
+    return asked - seen_ago > since
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigkill"])
 def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how: str) -> None:
     cluster.start("A", "--max-rate", "16MB/s")  # 24 MB take 1.5 s: long enough to interrupt
@@ -506,7 +513,8 @@ def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how
         assert arenas_of(cluster, "B")  # B holds the arena of its own local rank
         assert r0.capture(1)
         wait_for(lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B")
-        time.sleep(0.2)
+        begun = time.monotonic()
+        wait_for(lambda: heard_since(cluster, "B", begun), "a heartbeat of B after the stream began")
         assert_not_held(cluster, "B", job, 0, 1)  # partly there: neither served nor reported
         if how == "sigterm":
             assert cluster.stop(b) == 0

@@ -20,7 +20,7 @@ from snapshotd.shm import SHM_DIR
 from snapshotd.sidecar import ingest
 from snapshotd.sidecar.config import SidecarConfig
 
-from .in_process import in_process_sidecar
+from ..deployments import in_process_sidecar
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,16 +71,16 @@ def test_a_failing_request_is_answered_and_the_sidecar_keeps_serving(
         cluster.start_coordinator()
         cfg = SidecarConfig(coordinator=cluster.coordinator_addr, node=f"a-{tag}", ipc=str(tmp_path / "a.ipc"), nice=0)
         with (
-            in_process_sidecar(cfg) as side,
-            _Peer(ctx, f"ipc://{side.ipc}") as rank,
-            _Peer(ctx, side.data_addr) as peer,
+            in_process_sidecar(cfg) as (sidecar, data_addr, ipc),
+            _Peer(ctx, f"ipc://{ipc}") as rank,
+            _Peer(ctx, data_addr) as peer,
         ):
             register = RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096, slots=2)
             refused = rank.request(register)
             assert isinstance(refused, Error), refused
             assert refused.code == "internal" and "OSError" in refused.message and "injected" in refused.message
             assert (refused.job, refused.rank) == (job, 0)
-            assert side.sidecar.state.counters.errors == 1
+            assert sidecar.state.counters.errors == 1
 
             accepted = rank.request(register)  # the same request again: served
             assert isinstance(accepted, RankRegistered), accepted

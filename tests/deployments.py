@@ -1,0 +1,176 @@
+"""Deployments of a coordinator and sidecars for tests: real processes, or in this process on ``mem://``.
+
+Both give a test the same few things (:class:`Deployment`): the coordinator's address, a sidecar started as a
+node (its ipc address for ``Snapshotter(sidecar=...)``), and the loss of a node (its sidecar dies with
+everything it held). :class:`InProcess` runs real :class:`~snapshotd.sidecar.daemon.Sidecar` and coordinator
+code, each on an event loop of its own thread, over the in-memory transport; :class:`Processes` runs
+``snapshotd`` processes over ZeroMQ (:class:`~snapshotd.local_cluster.LocalCluster`).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+from snapshotd.coordinator.config import CoordinatorConfig
+from snapshotd.coordinator.server import run_coordinator
+from snapshotd.local_cluster import LocalCluster
+from snapshotd.sidecar.config import SidecarConfig
+from snapshotd.sidecar.daemon import Sidecar
+from snapshotd.status import fetch_status
+
+__all__ = ["Deployment", "InProcess", "LoopThread", "Processes", "in_process_sidecar"]
+
+HEARTBEAT_INTERVAL = 0.2
+HEARTBEAT_TIMEOUT = 1.5
+
+
+class LoopThread:
+    """``main(stop)`` run on an event loop of its own thread until :meth:`stop`; it reports readiness by calling
+    the ``ready`` callback it is given.
+
+    Raises:
+        RuntimeError: it did not report ready within ``timeout`` seconds, failed, or did not stop in time.
+    """
+
+    def __init__(self, name: str, main: Callable[[asyncio.Event, Callable[..., None]], Coroutine[Any, Any, None]],
+                 timeout: float = 10.0) -> None:  # fmt: skip
+        self.timeout = timeout
+        self.fields: tuple[Any, ...] = ()
+        self._ready = threading.Event()
+        self._failure: list[BaseException] = []
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+
+        def ready(*fields: Any) -> None:
+            self.fields = fields
+            self._ready.set()
+
+        def run() -> None:
+            try:
+                self._loop.run_until_complete(main(self._stop, ready))
+            except BaseException as exc:  # noqa: BLE001 - reported to the test
+                self._failure.append(exc)
+            finally:
+                self._ready.set()
+                self._loop.close()
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._failure:
+            self.stop()
+            raise RuntimeError(f"{name} did not start: {self._failure or 'timeout'}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed already
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"{self._thread.name} did not stop within {self.timeout:.0f} s")
+        if self._failure:
+            raise RuntimeError(f"{self._thread.name} failed") from self._failure[0]
+
+
+@contextlib.contextmanager
+def in_process_sidecar(cfg: SidecarConfig) -> Iterator[tuple[Sidecar, str, str]]:
+    """A real Sidecar run in this process until the block ends: the object, its data address and ipc path."""
+    sidecar = Sidecar(cfg)
+    runner = LoopThread(f"sidecar-{cfg.node}", lambda stop, ready: sidecar.run(ready, stop))
+    try:
+        yield sidecar, runner.fields[0], runner.fields[1]
+    finally:
+        runner.stop()
+
+
+class Deployment(abc.ABC):
+    """A coordinator (started) and room for sidecars; closing it stops everything still running."""
+
+    coordinator: str
+    """The coordinator's address."""
+
+    @abc.abstractmethod
+    def start_sidecar(self, node: str) -> str:
+        """Start node ``node``'s sidecar; its ipc address, for ``Snapshotter(sidecar=...)``."""
+
+    @abc.abstractmethod
+    def lose_node(self, node: str) -> None:
+        """Node ``node`` dies: its sidecar stops with everything it held (its shared memory too)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def wait_dead(self, node: str, timeout: float = 15.0) -> None:
+        """Wait until the coordinator has declared ``node`` dead."""
+        deadline = time.monotonic() + timeout
+        while not any(n["node"] == node and not n["alive"] for n in fetch_status(self.coordinator, secret=None)["nodes"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the coordinator did not declare {node} dead within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InProcess(Deployment):
+    """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:8]
+        cfg = CoordinatorConfig(bind=f"mem://coordinator-{self.tag}", replicas=1,
+                                heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
+        self._coordinator = LoopThread("coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop))
+        self.coordinator = self._coordinator.fields[0]
+        self._sidecars: dict[str, contextlib.ExitStack] = {}
+
+    def start_sidecar(self, node: str) -> str:
+        cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=f"mem://{node}-{self.tag}-ipc",
+                            data_bind=f"mem://{node}-{self.tag}-data", nice=0)  # fmt: skip
+        stack = contextlib.ExitStack()
+        _, _, ipc = stack.enter_context(in_process_sidecar(cfg))
+        self._sidecars[node] = stack
+        return ipc
+
+    def lose_node(self, node: str) -> None:
+        self._sidecars.pop(node).close()
+
+    def wait_dead(self, node: str, timeout: float = 15.0) -> None:
+        super().wait_dead(f"{node}-{self.tag}", timeout)
+
+    def close(self) -> None:
+        for stack in self._sidecars.values():
+            stack.close()
+        self._sidecars.clear()
+        self._coordinator.stop()
+
+
+class Processes(Deployment):
+    """``snapshotd`` processes on loopback (see the module docstring)."""
+
+    def __init__(self, workdir: str) -> None:
+        self.tag = uuid.uuid4().hex[:8]
+        self.cluster = LocalCluster(workdir, replicas=1, heartbeat_interval=HEARTBEAT_INTERVAL,
+                                    heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
+        self.cluster.start_coordinator()
+        self.coordinator = self.cluster.coordinator_addr
+
+    def start_sidecar(self, node: str) -> str:
+        self.cluster.start_sidecar(f"{node}-{self.tag}")
+        return self.cluster.ipc_path(f"{node}-{self.tag}")
+
+    def lose_node(self, node: str) -> None:
+        self.cluster.kill(self.cluster.sidecars[f"{node}-{self.tag}"])
+
+    def wait_dead(self, node: str, timeout: float = 15.0) -> None:
+        super().wait_dead(f"{node}-{self.tag}", timeout)
+
+    def close(self) -> None:
+        self.cluster.close()

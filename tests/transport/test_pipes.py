@@ -1,0 +1,150 @@
+"""The pipe contract, held by both networks: ZeroMQ (``tcp://``) and in-memory (``mem://``).
+
+Whole multipart messages, in order; a server sees each client's identity and answers by it; a reply to a peer
+that left is refused with TransportError, never queued; a client may send before its server is bound; a
+training process's blocking pipe talks to a server on an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from snapshotd.transport import MEMORY, Network, Role, Security, TransportError, connect_rank
+from snapshotd.transport.zeromq import ZmqNetwork
+
+pytestmark = pytest.mark.timeout(30)
+
+KINDS = ("zeromq", "memory")
+
+
+@contextlib.asynccontextmanager
+async def network(kind: str) -> AsyncIterator[tuple[Network, str]]:
+    """A network of ``kind`` and a fresh address on it to bind (port 0 / a unique name)."""
+    if kind == "zeromq":
+        net = ZmqNetwork(Security())
+        try:
+            yield net, "tcp://127.0.0.1:0"
+        finally:
+            net.close()
+    else:
+        yield MEMORY, f"mem://test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_and_replies_keep_their_frames_and_order(kind: str) -> None:
+    async def scenario() -> None:
+        async with network(kind) as (net, address):
+            server = net.serve(address, Role.DATA)
+            a, b = net.connect(server.address, Role.PEER), net.connect(server.address, Role.PEER)
+            try:
+                async with asyncio.timeout(10):
+                    for i in range(3):
+                        await a.send([b"head-a", memoryview(bytes([i]) * 3)])
+                    await b.send([b"head-b"])
+                    got = [await server.recv(copy=True) for _ in range(4)]
+                    by_client: dict[bytes, list[list[bytes]]] = {}
+                    for ident, *frames in got:
+                        by_client.setdefault(bytes(ident), []).append([bytes(f) for f in frames])
+                    assert sorted(len(v) for v in by_client.values()) == [1, 3]
+                    ident_a = next(k for k, v in by_client.items() if len(v) == 3)
+                    assert by_client[ident_a] == [[b"head-a", bytes([i]) * 3] for i in range(3)]  # in order, whole
+                    await server.send([ident_a, b"reply", b"x" * 100_000])
+                    assert [bytes(f) for f in await a.recv()] == [b"reply", b"x" * 100_000]
+                    assert not await b.poll(0.05) and b.recv_nowait() is None  # nothing for b
+            finally:
+                for pipe in (a, b, server):
+                    pipe.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_reply_to_a_peer_that_left_is_refused(kind: str) -> None:
+    async def scenario() -> None:
+        async with network(kind) as (net, address):
+            server = net.serve(address, Role.DATA)
+            client = net.connect(server.address, Role.PEER)
+            try:
+                async with asyncio.timeout(10):
+                    await client.send([b"hello"])
+                    ident, _ = await server.recv(copy=True)
+                    client.close()
+                    with pytest.raises(TransportError):
+                        for _ in range(100):  # ZeroMQ learns of the disconnection a moment later
+                            await server.send([ident, b"late"])
+                            await asyncio.sleep(0.02)
+                    with pytest.raises(TransportError):
+                        server.send_nowait([b"\0nobody", b"x"])
+            finally:
+                server.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_client_may_send_before_its_server_is_bound(kind: str) -> None:
+    async def scenario() -> None:
+        async with network(kind) as (net, address):
+            if kind == "zeromq":  # a fixed port: bind to find a free one, and free it again
+                probe = net.serve(address, Role.CONTROL)
+                address = probe.address
+                probe.close()
+            client = net.connect(address, Role.COORDINATOR)
+            server = None
+            try:
+                async with asyncio.timeout(10):
+                    sent = asyncio.ensure_future(client.send([b"early"]))
+                    await asyncio.sleep(0.1)
+                    server = net.serve(address, Role.CONTROL)
+                    await sent
+                    _, frame = await server.recv(copy=True)
+                    assert bytes(frame) == b"early"
+            finally:
+                client.close()
+                if server is not None:
+                    server.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_process_pipe_talks_to_a_server_on_an_event_loop(kind: str, tmp_path) -> None:
+    """The rank's blocking pipe (its channel thread) against the sidecar's ipc server on a loop."""
+
+    async def scenario() -> None:
+        async with network(kind) as (net, _):
+            address = f"mem://ipc-{uuid.uuid4().hex[:8]}" if kind == "memory" else f"ipc://{tmp_path}/s.ipc"
+            server = net.serve(address, Role.IPC)
+            sidecar = address if kind == "memory" else address.removeprefix("ipc://")
+            replies: list[bytes] = []
+
+            def rank() -> None:
+                pipe = connect_rank(sidecar)
+                try:
+                    assert pipe.send_nowait([b"register"])
+                    assert pipe.wait(10)
+                    replies.extend(bytes(f) for f in pipe.recv_nowait() or [])
+                    assert not pipe.wait(0.05) and pipe.recv_nowait() is None
+                finally:
+                    pipe.close()
+
+            thread = threading.Thread(target=rank)
+            thread.start()
+            try:
+                async with asyncio.timeout(10):
+                    ident, frame = await server.recv(copy=True)
+                    assert bytes(frame) == b"register"
+                    await server.send([ident, b"registered"])
+                    await asyncio.to_thread(thread.join, 10)
+            finally:
+                thread.join(10)
+                server.close()
+            assert replies == [b"registered"]
+
+    asyncio.run(scenario())
