@@ -64,7 +64,7 @@ class LocalRank:
     awaiting_restore: bool = False
     """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
     stream_task: asyncio.Task[None] | None = None
-    buddy_streams: dict[str, asyncio.Future[None]] = dataclasses.field(default_factory=dict)
+    buddy_streams: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     stream_step: int = -1
     job_durable: int = -1
     """The job's durable watermark D, as the coordinator last said (-1: none yet)."""

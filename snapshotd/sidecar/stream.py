@@ -72,6 +72,7 @@ class StreamService:
         errors: list[str] = []
         ok = 0
         me = asyncio.current_task()
+        mine: dict[str, asyncio.Task[None]] = {}
         try:
             # a rank that just registered gets its buddies with the next heartbeat reply
             buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
@@ -109,12 +110,13 @@ class StreamService:
                           lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
 
             async with asyncio.TaskGroup() as group:  # one task per buddy: a reassigned one is cut off alone
-                lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
+                mine = lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
             ok = len(took)
             if len(errors) < len(buddies) - ok:
                 errors.append("a buddy was reassigned by the coordinator (it died)")
         finally:
-            lr.buddy_streams = {}
+            if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
+                lr.buddy_streams = {}
             s.streaming = False
             if buddies and ok == len(buddies):
                 lr.durable_step = max(lr.durable_step, s.step)

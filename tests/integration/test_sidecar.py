@@ -566,6 +566,8 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
         stats = r.snap.stats
         assert stats.last_durable_step == final and stats.failed == 1, stats
         assert "did not take step" in stats.last_error  # step 2, or a later one staged as step 2 failed
+        # the coordinator's reassignment cut the dead buddy's stream off; it did not wait for a send to time out
+        assert "reassigned by the coordinator" in stats.last_error, stats.last_error
         assert stats.skipped > 0 and stats.started + stats.skipped == step
         assert_holds(cluster, "C", r, job, final)
         wait_for(lambda: watch.watermark(job) == (final, final), f"G = D = {final}")
