@@ -84,16 +84,28 @@ def snapshot_view(
     return view, (group if replicated else None), ddp
 
 
-def _holds_big_tensors(value: Any) -> bool:
-    inner = value.inner if isinstance(value, ReplicaShard) else value
-    return isinstance(inner, torch.Tensor | torch.nn.Module | torch.optim.Optimizer)
-
-
 def restore_targets(view: SnapshotView) -> dict[str, Any]:
-    """The values of ``view`` whose tensors a restore may write in place before loading the rest: modules,
-    optimizers and plain tensors (their state dicts have no side effects and hold nearly all the bytes).
+    """The values of ``view`` whose tensors a restore may write in place before loading the rest: those whose
+    flattening runs no code that may act (tensors, modules, optimizers, and plain containers and values holding
+    only those), which hold nearly all the bytes.
 
-    Other Statefuls are left out: their ``state_dict()`` must not run before their ``load_state_dict()``, since it
-    may act (a ``StatefulDataLoader`` starts an iterator and its worker processes to answer it).
+    Other Statefuls are left out, with any container holding one: their ``state_dict()`` must not run before their
+    ``load_state_dict()``, since it may act (a ``StatefulDataLoader`` starts an iterator and its worker processes
+    to answer it).
     """
-    return {key: view[key] for key in view if _holds_big_tensors(view[key])}
+    return {key: view[key] for key in view if _inert(view[key])}
+
+
+def _inert(value: Any, depth: int = 0) -> bool:
+    """Whether flattening ``value`` runs no code of the user's but a module's or optimizer's ``state_dict()``."""
+    if isinstance(value, ReplicaShard):
+        value = value.inner
+    if isinstance(value, torch.Tensor | torch.nn.Module | torch.optim.Optimizer):
+        return True
+    if depth > 32:  # deeper than any state: left out rather than walked
+        return False
+    if isinstance(value, Mapping):
+        return all(_inert(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_inert(v, depth + 1) for v in value)
+    return not callable(getattr(value, "state_dict", None))
