@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .errors import (
     ConfigMismatch,
+    IntegrityError,
     NotRecoverable,
     ReplicaGroupError,
     RestoreFailed,
@@ -22,6 +23,7 @@ from .stats import SnapshotStats
 
 __all__ = [
     "ConfigMismatch",
+    "IntegrityError",
     "NotRecoverable",
     "RNGState",
     "ReplicaGroupError",

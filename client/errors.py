@@ -11,7 +11,9 @@ reaches it)::
           +-- NotRecoverable               no step of the job is complete for every rank on a live node: restore
           |                                from a disk checkpoint
           +-- RestoreFailed                the job's recoverable step could not be brought to this rank (every
-          |                                holder failed); every rank calls restore() again
+          |    |                           holder failed); every rank calls restore() again
+          |    +-- IntegrityError          every copy of some chunk of it failed its end-to-end checksum (the
+          |                                message names rank, step and chunk); no good copy is left
           +-- ConfigMismatch               the snapshot does not fit this state: other keys, shapes, dtypes,
           |                                replicated= keys or group size, or DDP wrapping (also a ValueError)
           +-- ReplicaGroupError            with replicated=: another rank of the replica group failed its part
@@ -31,6 +33,7 @@ from snapshotd.proto import Error, ErrorCode
 
 __all__ = [
     "ConfigMismatch",
+    "IntegrityError",
     "NotRecoverable",
     "ReplicaGroupError",
     "RestoreFailed",
@@ -62,6 +65,12 @@ class RestoreFailed(SnapshotdError):
     loaded); every rank of the job calls ``restore()`` again."""
 
 
+class IntegrityError(RestoreFailed):
+    """Every copy of some chunk of the recoverable step failed its end-to-end checksum (bytes changed at rest, in
+    flight or in shared memory since the rank announced them); each failing copy was dropped. Restore from a disk
+    checkpoint if asking again fails the same way."""
+
+
 class ConfigMismatch(SnapshotdError, ValueError):
     """The snapshot does not fit the live state: different keys, shapes or dtypes, ``replicated=`` keys or group
     size, or a model wrapped in DDP when the snapshot was taken but not now."""
@@ -81,6 +90,7 @@ _BY_CODE: dict[ErrorCode, type[SnapshotdError]] = {
     ErrorCode.PLAN_TIMEOUT: SidecarUnavailable,
     ErrorCode.NOT_RECOVERABLE: NotRecoverable,
     ErrorCode.PULL_FAILED: RestoreFailed,
+    ErrorCode.CORRUPT: IntegrityError,
 }
 
 

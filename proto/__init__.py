@@ -7,7 +7,7 @@ tree and the error codes.
 
 from __future__ import annotations
 
-from .codec import breakeven_rate, checksum, compress_chunk, decompress_chunk, verify
+from .codec import blob_digest, breakeven_rate, checksum, compress_chunk, decompress_chunk, verify
 from .errors import (
     ChecksumMismatch,
     CodecError,
@@ -48,6 +48,7 @@ __all__ = [
     "UnknownMessageType",
     "UnsupportedVersion",
     "Watermark",
+    "blob_digest",
     "breakeven_rate",
     "checksum",
     "compress_chunk",

@@ -28,7 +28,7 @@ from . import limits as L
 from .errors import ChecksumMismatch, CodecError
 from .fields import CODECS, Buffer
 
-__all__ = ["breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
+__all__ = ["blob_digest", "breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
 
 _LZ4_MODE = "default"
 """lz4's default mode (acceleration 1). On shuffled step deltas the faster modes lose about as much in ratio as
@@ -42,6 +42,17 @@ _PLANE_LOOP_MAX_ELEM = 16
 def checksum(buf: Buffer) -> int:
     """xxh3-64 of the bytes of ``buf`` (a C-contiguous buffer), as an unsigned int (~60 GB/s here)."""
     return xxhash.xxh3_64_intdigest(buf)
+
+
+def blob_digest(table: Buffer, meta: Buffer) -> int:
+    """xxh3-64 of a snapshot's tensor table and meta blob together (the table's length first, so that no byte
+    can move from one blob to the other unnoticed): what :class:`~snapshotd.proto.StreamBegin` carries as
+    ``digest``."""
+    h = xxhash.xxh3_64()
+    h.update(memoryview(table).nbytes.to_bytes(8, "little"))
+    h.update(table)
+    h.update(meta)
+    return h.intdigest()
 
 
 def verify(buf: Buffer, expected: int) -> None:

@@ -107,3 +107,9 @@ class ErrorCode(enum.StrEnum):
     BAD_CHUNK = "bad_chunk"
     """A data-plane message the receiver refused: a chunk failing its checksum or its codec, outside its
     snapshot, or a stream whose tensor table does not fit its data."""
+
+    CORRUPT = "corrupt"
+    """A copy failed its end-to-end check: on the data plane, the holder's own copy of the requested snapshot
+    (it drops it and never serves it again: take the bytes from another holder); on ipc, answering a restore
+    request, every copy of some chunk of the rank's recoverable step (the message names rank, step and
+    chunk)."""

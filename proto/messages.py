@@ -200,6 +200,9 @@ class StreamBegin(Message):
     """Offer (or, answering a :class:`PullManifest`, describe) the snapshot ``(job, rank, step)``.
 
     ``window``: the sender's credit (unacknowledged chunks it keeps in flight); 0 asks for an ack per chunk.
+    ``digest``: :func:`~snapshotd.proto.codec.blob_digest` of ``table`` and ``meta``, taken when the rank
+    announced the snapshot and carried unchanged by every holder since. ``chunk_bytes`` is the snapshot's block
+    size: each :class:`Chunk`'s ``checksum`` covers one block, in streams and pulls alike.
     """
 
     TYPE: ClassVar[str] = "stream_begin"
@@ -210,6 +213,7 @@ class StreamBegin(Message):
     data_bytes: int = spec_field(NBYTES)
     chunk_bytes: int = spec_field(Int(1, L.MAX_CHUNK_BYTES))
     window: int = spec_field(Int(0, 1024), default=0)
+    digest: int = spec_field(Int(0, (1 << 64) - 1))
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
@@ -232,7 +236,9 @@ class StreamAccept(Message):
 class Chunk(Message):
     """Chunk ``index`` of ``(job, rank, step)``: ``raw_len`` bytes at ``index * chunk_bytes`` once decoded.
 
-    ``checksum`` is xxh3-64 of the decoded bytes; ``base_step`` names the delta base (``delta-lz4`` only).
+    ``checksum`` is xxh3-64 of the decoded bytes, taken once where the bytes were first read (the sidecar of the
+    rank that announced them) and carried unchanged by every holder since: no relay computes it again.
+    ``base_step`` names the delta base (``delta-lz4`` only).
     """
 
     TYPE: ClassVar[str] = "chunk"

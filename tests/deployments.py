@@ -123,23 +123,27 @@ class Deployment(abc.ABC):
 class InProcess(Deployment):
     """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20) -> None:
         self.tag = uuid.uuid4().hex[:8]
-        cfg = CoordinatorConfig(bind=f"mem://coordinator-{self.tag}", replicas=1,
+        self.chunk_bytes = chunk_bytes
+        cfg = CoordinatorConfig(bind=f"mem://coordinator-{self.tag}", replicas=replicas,
                                 heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
         self._coordinator = LoopThread("coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop))
         self.coordinator = self._coordinator.fields[0]
         self._sidecars: dict[str, contextlib.ExitStack] = {}
+        self.sidecars: dict[str, Sidecar] = {}
+        """The running sidecars by node, for tests that look inside them (their loops run in other threads)."""
 
     def start_sidecar(self, node: str) -> str:
         cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=f"mem://{node}-{self.tag}-ipc",
-                            data_bind=f"mem://{node}-{self.tag}-data", nice=0)  # fmt: skip
+                            data_bind=f"mem://{node}-{self.tag}-data", nice=0, chunk_bytes=self.chunk_bytes)  # fmt: skip
         stack = contextlib.ExitStack()
-        _, _, ipc = stack.enter_context(in_process_sidecar(cfg))
+        self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack
         return ipc
 
     def lose_node(self, node: str) -> None:
+        self.sidecars.pop(node)
         self._sidecars.pop(node).close()
 
     def wait_dead(self, node: str, timeout: float = 15.0) -> None:
@@ -149,6 +153,7 @@ class InProcess(Deployment):
         for stack in self._sidecars.values():
             stack.close()
         self._sidecars.clear()
+        self.sidecars.clear()
         self._coordinator.stop()
 
 

@@ -24,6 +24,7 @@ from snapshotd.proto import (
 )
 from snapshotd.shm import create_arena
 
+from .integrity import Seal
 from .local import LocalRank, SlotState
 from .node import NodeState
 from .outbox import Outbox
@@ -66,10 +67,12 @@ class IngestService:
         restores: runs a restore request.
         tasks: the sidecar's task tree (a restore runs as its own task).
         pacer: the node's pacer, told each announced step's duration.
+        block_bytes: the block size of the seals of announced slots (the node's chunk size).
     """
 
     def __init__(self, state: NodeState, notices: RankNotices, streams: StreamService, restores: RestoreService,
-                 tasks: TaskTree, pacer: Pacer) -> None:  # fmt: skip
+                 tasks: TaskTree, pacer: Pacer, block_bytes: int) -> None:  # fmt: skip
+        self.block_bytes = block_bytes
         self.state = state
         self.notices = notices
         self.streams = streams
@@ -140,6 +143,7 @@ class IngestService:
         lr.identity = ident
         lr.seen_step = msg.step
         self.pacer.report_step(msg.step_seconds, streaming=lr.stream_task is not None)
-        lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=bytes(msg.meta),
-                                        data_bytes=lr.data_bytes, elem=lr.elem))  # fmt: skip
+        meta = bytes(msg.meta)
+        lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=meta, data_bytes=lr.data_bytes,
+                                        elem=lr.elem, seal=Seal.announced(self.block_bytes, lr.table, meta)))  # fmt: skip
         self.streams.start(lr, msg.slot)

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from snapshotd.proto import DTYPE_SIZES, TensorEntry, decode_table, table_data_bytes
 from snapshotd.shm import Arena
 
+from .integrity import Seal
+
 __all__ = ["LocalRank", "SlotState", "dominant_elem"]
 
 
@@ -41,6 +43,8 @@ class SlotState:
     meta: bytes = b""
     data_bytes: int = 0
     elem: int = 1
+    seal: Seal | None = None
+    """The copy's end-to-end checksums (:mod:`.integrity`); every valid slot has one."""
 
 
 @dataclasses.dataclass(slots=True)

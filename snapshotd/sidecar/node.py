@@ -79,6 +79,9 @@ class Counters:
     """Snapshot bytes received from other sidecars."""
     errors: int = 0
     """Requests refused or failed, and handler failures."""
+    corrupt: int = 0
+    """Copies held here (buddy copies and the ranks' own slots) that failed their end-to-end check and were
+    dropped."""
 
 
 class NodeState:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from snapshotd.proto import Message, ProtocolError, decode, encode
+from snapshotd.proto import Error, ErrorCode, Message, ProtocolError, decode, encode
 from snapshotd.transport import Network, Pipe, Role
 
 if TYPE_CHECKING:
@@ -28,6 +28,9 @@ Key = tuple[str, int, int]
 
 class PeerError(RuntimeError):
     """A peer refused or failed a transfer (its Error reply, or an unexpected message)."""
+
+    code: ErrorCode | None = None
+    """The code of the peer's Error reply, where it sent one."""
 
 
 class PeerTimeout(PeerError, TimeoutError):
@@ -112,8 +115,10 @@ class PeerLink:
             raise PeerTimeout(f"no answer from {self.addr} within {self.timeout:.1f} s" + self._why()) from exc
         if isinstance(msg, expected):
             return msg
-        if msg.TYPE == "error":
-            raise PeerError(f"{self.addr}: {getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}")
+        if isinstance(msg, Error):
+            error = PeerError(f"{self.addr}: {msg.code}: {msg.message}")
+            error.code = msg.code
+            raise error
         raise PeerError(f"{self.addr} answered {msg.TYPE}, expected {[t.TYPE for t in expected]}")
 
     def _why(self) -> str:

@@ -46,15 +46,16 @@ class ReplicateService:
 
             def allocate(m: StreamBegin) -> Lander:
                 snap = store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
-                                   chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta)  # fmt: skip
+                                   chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta, digest=m.digest)  # fmt: skip
                 return snap.data.land
 
             try:
-                _, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step, allocate=allocate)
+                _, seal, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step,
+                                                      allocate=allocate)  # fmt: skip
             except BaseException:
                 store.abort(*key)
                 raise
-            store.mark_complete(*key)
+            store.mark_complete(*key, seal)
             self.state.counters.bytes_in += pulled
             log.info("re-replicated %s rank %d step %d (%d B)", task.job, task.rank, task.step, pulled,
                      extra=fields(task.job, task.rank, task.step, "replicated"))  # fmt: skip

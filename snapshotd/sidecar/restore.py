@@ -3,13 +3,15 @@
 The rank asks; this sidecar asks the coordinator for the plan (every rank of the job gets the same step G), then
 finds ``(job, rank, G)``, in this order: a valid slot of the rank's own arena (the process crashed, the node
 lived: nothing moves), a copy this node holds for the rank as a buddy (a replica: copied into the arena), or the
-live holders the plan names (a pull striped across all of them, every chunk's checksum verified). Where the
-restoring process named its live tensors, pulled or replica bytes go straight into them (:mod:`.placement`);
-the rest goes through the arena. The reply says which and where.
+live holders the plan names (a pull striped across all of them). Every byte and both blobs are checked against
+the copy's seal (:mod:`.integrity`) before the reply lets the rank load them; a local copy that fails is dropped
+and the next source is tried. Where the restoring process named its live tensors, pulled or replica bytes go
+straight into them (:mod:`.placement`); the rest goes through the arena. The reply says which and where.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -29,6 +31,7 @@ from snapshotd.shm import create_arena
 
 from .config import SidecarConfig
 from .control import CoordinatorClient, CoordinatorUnavailable
+from .integrity import CorruptCopy, Seal
 from .local import LocalRank, SlotState
 from .node import NodeState
 from .outbox import Outbox
@@ -36,7 +39,7 @@ from .peers import PeerError, PeerLinks
 from .placement import DirectSink, Lander, PlacementError, arena_sink
 from .store import UnknownSnapshot
 from .stream import RankNotify
-from .transfer import PullFailed, pull_snapshot
+from .transfer import CorruptEverywhere, PullFailed, pull_snapshot
 
 __all__ = ["RestoreService"]
 
@@ -98,12 +101,15 @@ class RestoreService:
         step = plan.step
         index = lr.find(step)
         source, pulled, direct = "local", 0, False
+        if index is not None and not await self._intact(lr, index):
+            index = None
         if index is None:
             try:
                 index, pulled, direct = await self._fetch(lr, step, plan.sources, req)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
-                self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PULL_FAILED, rank=req.rank, step=step,
-                                               message=str(exc)))  # fmt: skip
+                code = ErrorCode.CORRUPT if isinstance(exc, CorruptEverywhere) else ErrorCode.PULL_FAILED
+                self.outbox.reply(ident, Error(job=req.job, code=code, rank=req.rank, step=step,
+                                               message=str(exc)[:4000]))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
         for i, other in enumerate(lr.slots):  # steps past the restored one never happened for the new process
@@ -119,6 +125,29 @@ class RestoreService:
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
             slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
         ))  # fmt: skip
+
+    def _dropped(self, exc: CorruptCopy, job: str, rank: int, step: int) -> None:
+        self.state.counters.corrupt += 1
+        log.error("%s; the copy is dropped and the step is taken from another holder", exc,
+                  extra=fields(job, rank, step, "copy_corrupt"))  # fmt: skip
+
+    async def _intact(self, lr: LocalRank, index: int) -> bool:
+        """Check the rank's own slot ``index`` against its seal (off the event loop); a slot that fails is
+        dropped (False)."""
+        s = lr.slots[index]
+        assert s.seal is not None  # every valid slot has one
+        what = f"the copy of job {lr.job!r} rank {lr.rank} step {s.step} in the rank's own shared memory"
+        s.pins += 1
+        try:
+            await asyncio.to_thread(s.seal.check, lr.arena.slot(index)[: s.data_bytes], s.table, s.meta, what)
+        except CorruptCopy as exc:
+            self._dropped(exc, lr.job, lr.rank, s.step)
+            if lr.slots[index] is s:
+                lr.set_slot(index, SlotState())
+            return False
+        finally:
+            s.pins -= 1
+        return True
 
     def _empty_slot(self, lr: LocalRank, data_bytes: int) -> int:
         """Make slot 0 of ``lr`` ready to receive ``data_bytes`` (growing the arena if needed)."""
@@ -141,8 +170,9 @@ class RestoreService:
         Raises:
             PullFailed, PeerError, ProtocolError, PlacementError: the state could not be brought here.
         """
+        store = self.state.store
         try:
-            snap = self.state.store.get(lr.job, lr.rank, step)
+            snap = store.get(lr.job, lr.rank, step)
         except UnknownSnapshot:
             snap = None
         if snap is not None:
@@ -150,11 +180,20 @@ class RestoreService:
             slot = lr.arena.slot(index)[: snap.data_bytes]
             sink = self._direct_sink(lr, req, snap.table, slot)
             land = sink.land if sink is not None else arena_sink(slot)
-            for start, part in snap.data.parts():
-                land(start, part)
-            lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
-                                         data_bytes=snap.data_bytes))  # fmt: skip
-            return index, 0, sink is not None
+            what = f"the replica of job {lr.job!r} rank {lr.rank} step {step} held on this node"
+            try:
+                snap.seal.check_blobs(snap.table, snap.meta, what)
+                for block, (start, part) in enumerate(snap.data.parts()):
+                    snap.seal.check_block(block, part, what)
+                    land(start, part)
+            except CorruptCopy as exc:  # what landed is overwritten by the pull below
+                self._dropped(exc, lr.job, lr.rank, step)
+                store.discard(lr.job, lr.rank, step)
+            else:
+                seal = Seal(snap.seal.block_bytes, snap.seal.digest, dict(snap.seal.sums))
+                lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
+                                             data_bytes=snap.data_bytes, seal=seal))  # fmt: skip
+                return index, 0, sink is not None
         links = [self.links.get(a) for a in sources if a != self.state.data_addr]
         index = 0
         direct = False
@@ -171,14 +210,14 @@ class RestoreService:
                 return sink.land if sink is not None else arena_sink(slot)
 
             try:
-                manifest, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step, allocate=allocate,
-                                                       on_progress=bar.update)  # fmt: skip
+                manifest, seal, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step,
+                                                             allocate=allocate, on_progress=bar.update)  # fmt: skip
             except BaseException:
                 lr.set_slot(index, SlotState())
                 raise
         proto.decode_table(manifest.table, manifest.data_bytes)
         lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
-                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes))  # fmt: skip
+                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
         self.state.counters.bytes_in += pulled
         return index, pulled, direct
 

@@ -5,7 +5,10 @@
   or gives it up (StreamAbort).
 - Pulls: a restoring or re-replicating peer asks for a complete copy held here (PullManifest, then PullRequests
   for ranges of chunks), from the buddy store or, failing that, a local rank's valid slot. A copy being read is
-  pinned: never dropped or overwritten meanwhile.
+  pinned: never dropped or overwritten meanwhile. Chunks are the copy's seal's blocks, each checked against the
+  checksum the seal carries before it goes out, and sent with that checksum, never one taken now of bytes that
+  may have changed at rest. A copy that fails its check is dropped at once and the request is answered
+  ``corrupt``: the puller takes those chunks from another holder.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 from collections.abc import Callable
 
 from snapshotd import proto
+from snapshotd.logs import fields
 from snapshotd.proto import (
     Chunk,
     ChunkAck,
@@ -27,9 +31,9 @@ from snapshotd.proto import (
     StreamAbort,
     StreamAccept,
     StreamBegin,
-    codec,
 )
 
+from .integrity import CorruptCopy, Seal
 from .local import SlotState
 from .node import NodeState
 from .outbox import Outbox
@@ -40,7 +44,21 @@ __all__ = ["ServeService"]
 
 log = logging.getLogger(__name__)
 
-_Read = Callable[[int, int], memoryview]  # read(start, end): bytes of a held copy
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A complete copy held here, as a pull reads it."""
+
+    table: bytes
+    meta: bytes
+    nbytes: int
+    seal: Seal
+    read: Callable[[int, int], memoryview]
+    """``read(start, end)``: those bytes (zero-copy where they are contiguous here)."""
+    holder: StoredSnapshot | SlotState
+    """What to pin while reading (a pinned copy is never dropped or overwritten)."""
+    drop: Callable[[], None]
+    """Forget the copy (found corrupt): it is never served or reported again."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,14 +77,12 @@ class ServeService:
         state: the node's state.
         outbox: the data endpoint's replies.
         tasks: the sidecar's task tree (a pull is served as its own task).
-        pull_chunk_bytes: the chunk size of served pulls (bulk reads: bigger messages cost less per byte).
     """
 
-    def __init__(self, state: NodeState, outbox: Outbox, tasks: TaskTree, pull_chunk_bytes: int) -> None:
+    def __init__(self, state: NodeState, outbox: Outbox, tasks: TaskTree) -> None:
         self.state = state
         self.outbox = outbox
         self.tasks = tasks
-        self.pull_chunk_bytes = pull_chunk_bytes
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
 
     def handle(self, ident: bytes, msg: Message) -> None:
@@ -99,7 +115,7 @@ class ServeService:
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
             store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
-                        chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta)  # fmt: skip
+                        chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest)  # fmt: skip
             if msg.window >= 4:  # acknowledge every quarter window: fewer messages, the sender never starved
                 self._acks[(msg.job, msg.rank, msg.step)] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
             self.outbox.reply(ident, StreamAccept(job=msg.job, rank=msg.rank, step=msg.step,
@@ -108,10 +124,15 @@ class ServeService:
             store.abort(msg.job, msg.rank, msg.step)
             self._acks.pop((msg.job, msg.rank, msg.step), None)
         elif isinstance(msg, PullManifest):
-            table, meta, nbytes, _, _ = self._source(msg.job, msg.rank, msg.step)
+            held = self._source(msg.job, msg.rank, msg.step)
+            try:
+                held.seal.check_blobs(held.table, held.meta, self._what(msg.job, msg.rank, msg.step))
+            except CorruptCopy as exc:
+                self._corrupt(ident, msg.job, msg.rank, msg.step, held, exc)
+                return
             self.outbox.reply(ident, StreamBegin(
-                job=msg.job, rank=msg.rank, step=msg.step, src_node=self.state.node, data_bytes=nbytes,
-                chunk_bytes=self.pull_chunk_bytes, table=table, meta=meta,
+                job=msg.job, rank=msg.rank, step=msg.step, src_node=self.state.node, data_bytes=held.nbytes,
+                chunk_bytes=held.seal.block_bytes, digest=held.seal.digest, table=held.table, meta=held.meta,
             ))  # fmt: skip
         elif isinstance(msg, PullRequest):
             self.tasks.spawn(self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}")
@@ -122,48 +143,72 @@ class ServeService:
         """Drop the acknowledgement state of incoming streams the store no longer holds (their sender vanished)."""
         self._acks = {k: v for k, v in self._acks.items() if self.state.store.holds(*k)}
 
-    def _source(self, job: str, rank: int, step: int) -> tuple[bytes, bytes, int, _Read, StoredSnapshot | SlotState]:
-        """A complete copy of ``(job, rank, step)`` held here, buddy store first, else a local slot: its table, meta,
-        length, ``read(start, end)``, which returns those bytes (zero-copy where they are contiguous here), and the
-        holder to pin while reading (a pinned copy is never dropped or overwritten).
+    def _source(self, job: str, rank: int, step: int) -> _Held:
+        """A complete copy of ``(job, rank, step)`` held here: the buddy store's, else a local rank's valid slot.
 
         Raises:
             UnknownSnapshot: neither holds it complete.
         """
+        store = self.state.store
         try:
-            snap = self.state.store.get(job, rank, step)
+            snap = store.get(job, rank, step)
 
             def read(start: int, end: int) -> memoryview:
                 snap.exported = True
                 return snap.data.view(start, end)
 
-            return snap.table, snap.meta, snap.data_bytes, read, snap
+            return _Held(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap,
+                         lambda: store.discard(job, rank, step))  # fmt: skip
         except UnknownSnapshot:
             lr = self.state.rank(job, rank)
             index = lr.find(step) if lr is not None else None
             if lr is None or index is None:
                 raise
             s = lr.slots[index]
+            assert s.seal is not None  # every valid slot has one
             slot = lr.arena.slot(index)[: s.data_bytes]
-            return s.table, s.meta, s.data_bytes, lambda start, end: slot[start:end], s
+
+            def drop() -> None:
+                if lr.slots[index] is s:
+                    lr.set_slot(index, SlotState())
+
+            return _Held(s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop)
+
+    @staticmethod
+    def _what(job: str, rank: int, step: int) -> str:
+        return f"the copy of job {job!r} rank {rank} step {step} held here"
+
+    def _corrupt(self, ident: bytes, job: str, rank: int, step: int, held: _Held, exc: CorruptCopy) -> None:
+        """``held`` failed its check: drop it, count it, and answer the request ``corrupt``."""
+        held.drop()
+        self.state.counters.corrupt += 1
+        log.error("%s; the copy is dropped", exc, extra=fields(job, rank, step, "copy_corrupt"))
+        self.outbox.reply(ident, Error(job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped"[:4000],
+                                       rank=rank, step=step))  # fmt: skip
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
         try:
-            _, _, nbytes, read, holder = self._source(req.job, req.rank, req.step)
+            held = self._source(req.job, req.rank, req.step)
         except UnknownSnapshot as exc:  # never held, or dropped since the request came (D moved)
             self.state.counters.errors += 1
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_FOUND, message=str(exc), rank=req.rank,
                                            step=req.step))  # fmt: skip
             return
-        holder.pins += 1
+        what = self._what(req.job, req.rank, req.step)
+        held.holder.pins += 1
         try:
-            chunk = self.pull_chunk_bytes
-            for index in range(req.first, min(req.first + req.count, -(-nbytes // chunk))):
-                part = read(index * chunk, min((index + 1) * chunk, nbytes))
+            block = held.seal.block_bytes
+            for index in range(req.first, min(req.first + req.count, -(-held.nbytes // block))):
+                part = held.read(index * block, min((index + 1) * block, held.nbytes))
+                try:
+                    checksum = held.seal.check_block(index, part, what)
+                except CorruptCopy as exc:
+                    self._corrupt(ident, req.job, req.rank, req.step, held, exc)
+                    return
                 await self.outbox.put(ident, Chunk(
-                    job=req.job, rank=req.rank, step=req.step, index=index, raw_len=part.nbytes,
-                    checksum=codec.checksum(part), payload=part,
+                    job=req.job, rank=req.rank, step=req.step, index=index, raw_len=part.nbytes, checksum=checksum,
+                    payload=part,
                 ))  # fmt: skip
                 self.state.counters.bytes_out += part.nbytes
         finally:
-            holder.pins -= 1
+            held.holder.pins -= 1

@@ -3,7 +3,9 @@
 A snapshot's memory is reserved from its manifest when its stream begins; its chunks are held as they arrive
 (:class:`~.chunks.SnapshotBuffer`: a raw chunk is kept in the buffer ZeroMQ received it into, a decoded one in a
 buffer from a pool). It becomes *complete* only when every chunk is in and its checksum verified; only complete
-snapshots are reported, served or used as delta bases. Memory is bounded by ``memory_limit``: a new snapshot that
+snapshots are reported, served or used as delta bases. Each copy keeps the seal it arrived with
+(:class:`~.integrity.Seal`: the announced blobs' digest and every chunk's carried checksum); a copy found corrupt
+is discarded (:meth:`SnapshotStore.discard`). Memory is bounded by ``memory_limit``: a new snapshot that
 does not fit is refused with :class:`MemoryLimitReached` (the sender then skips that step); nothing complete is
 ever evicted to make room.
 Retention follows the coordinator's watermark (:meth:`SnapshotStore.drop_unneeded`): steps below the durable step D
@@ -22,6 +24,7 @@ import numpy as np
 from snapshotd.proto import ProtocolError, codec
 
 from .chunks import SnapshotBuffer
+from .integrity import Seal
 
 __all__ = ["BuddyStore", "MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
 
@@ -52,6 +55,8 @@ class StoredSnapshot:
     table: bytes
     meta: bytes
     data: SnapshotBuffer
+    seal: Seal
+    """The copy's end-to-end checksums, one block per chunk (:mod:`.integrity`)."""
     received: np.ndarray  # bool per chunk
     missing: int
     complete: bool = False
@@ -80,16 +85,18 @@ class BuddyStore(Protocol):
     """Bytes held by copies (complete or arriving)."""
 
     def begin(self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int,
-              table: bytes, meta: bytes) -> StoredSnapshot: ...  # fmt: skip
+              table: bytes, meta: bytes, digest: int) -> StoredSnapshot: ...  # fmt: skip
 
     def get(self, job: str, rank: int, step: int, *, complete: bool = True) -> StoredSnapshot: ...
 
     def put_chunk(self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview,
                   raw_len: int, checksum: int, base_step: int, elem: int) -> bool: ...  # fmt: skip
 
-    def mark_complete(self, job: str, rank: int, step: int) -> None: ...
+    def mark_complete(self, job: str, rank: int, step: int, seal: Seal) -> None: ...
 
     def abort(self, job: str, rank: int, step: int) -> None: ...
+
+    def discard(self, job: str, rank: int, step: int) -> None: ...
 
     def holds(self, job: str, rank: int, step: int) -> bool: ...
 
@@ -126,14 +133,19 @@ class SnapshotStore:
         return iter(list(self._snaps.values()))
 
     def begin(
-        self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes, meta: bytes
+        self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes,
+        meta: bytes, digest: int,
     ) -> StoredSnapshot:
-        """Reserve memory for a snapshot about to arrive. A previous incomplete copy of the same key is replaced; a
-        complete one stays and is returned.
+        """Reserve memory for a snapshot about to arrive, whose blobs ``digest`` seals. A previous incomplete copy
+        of the same key is replaced; a complete one stays and is returned.
 
         Raises:
+            ProtocolError: ``table`` and ``meta`` fail ``digest``.
             MemoryLimitReached: the snapshot would not fit under the memory limit.
         """
+        seal = Seal(chunk_bytes, digest)
+        if codec.blob_digest(table, meta) != digest:
+            raise ProtocolError(f"the tensor table and meta of job {job!r} rank {rank} step {step} fail their digest")
         key = (job, rank, step)
         old = self._snaps.get(key)
         if old is not None:
@@ -148,7 +160,7 @@ class SnapshotStore:
                 f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
             )
         data = SnapshotBuffer(data_bytes, chunk_bytes, self._take_spare)
-        snap = StoredSnapshot(job, rank, step, src_node, bytes(table), bytes(meta), data,
+        snap = StoredSnapshot(job, rank, step, src_node, bytes(table), bytes(meta), data, seal,
                               np.zeros(data.nchunks, dtype=bool), data.nchunks)  # fmt: skip
         self._snaps[key] = snap
         self.used_bytes += need
@@ -203,6 +215,7 @@ class SnapshotStore:
             out = snap.data.writable(index)
             codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
             codec.verify(out, checksum)
+        snap.seal.sums[index] = checksum
         if not snap.received[index]:
             snap.received[index] = True
             snap.missing -= 1
@@ -211,10 +224,12 @@ class SnapshotStore:
             return True
         return False
 
-    def mark_complete(self, job: str, rank: int, step: int) -> None:
-        """Declare a snapshot whose every byte a pull (re-replication) landed and verified complete."""
+    def mark_complete(self, job: str, rank: int, step: int, seal: Seal) -> None:
+        """Declare a snapshot whose every byte a pull (re-replication) landed and checked against ``seal``
+        complete."""
         snap = self.get(job, rank, step, complete=False)
         if not snap.complete:
+            snap.seal = seal
             snap.received[:] = True
             snap.missing = 0
             self._complete(snap)
@@ -223,6 +238,14 @@ class SnapshotStore:
         """Drop an incomplete snapshot (a complete one stays)."""
         snap = self._snaps.get((job, rank, step))
         if snap is not None and not snap.complete:
+            self._remove((job, rank, step))
+
+    def discard(self, job: str, rank: int, step: int) -> None:
+        """Drop a copy found corrupt, complete or not, pinned or not: it is never served or reported again. Its
+        buffers are not reused (a pull being served may still be reading them)."""
+        snap = self._snaps.get((job, rank, step))
+        if snap is not None:
+            snap.exported = True
             self._remove((job, rank, step))
 
     def holds(self, job: str, rank: int, step: int) -> bool:

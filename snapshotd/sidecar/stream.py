@@ -81,17 +81,16 @@ class StreamService:
             base = None
             if prev is not None and lr.slots[prev].table == s.table:
                 base = (lr.slots[prev].step, lr.arena.slot(prev)[: s.data_bytes])
-            checksums: dict[int, int] = {}  # shared by the buddies: the slot does not change while it streams
+            seal = s.seal
+            assert seal is not None  # every announced slot has one
             took: set[str] = set()
 
             async def one(addr: str) -> None:
                 try:
                     res = await send_snapshot(
                         self.links.get(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.state.node,
-                        data=data, table=s.table, meta=s.meta, chunk_bytes=self.cfg.chunk_bytes,
-                        window=self.cfg.window, pacer=self.pacer,
+                        data=data, table=s.table, meta=s.meta, seal=seal, window=self.cfg.window, pacer=self.pacer,
                         policy=self.policies.setdefault(addr, CodecPolicy(self.cfg.codec)), base=base, elem=s.elem,
-                        checksums=checksums,
                     )  # fmt: skip
                 except PeerError as exc:
                     log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc,

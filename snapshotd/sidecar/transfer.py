@@ -2,10 +2,11 @@
 
 A stream (:func:`send_snapshot`) offers ``(job, rank, step)`` with a StreamBegin, then sends chunks under
 credit-based flow control (at most ``window`` unacknowledged) and the node's :class:`Pacer`, each chunk one
-multipart message whose payload frame is a zero-copy view of shared memory (or a compressed copy when a codec
-pays, see :class:`CodecPolicy`). It returns when the buddy acknowledged every chunk, i.e. holds the snapshot
-complete. A pull (:func:`pull_snapshot`) fetches a complete snapshot from several holders at once, chunks striped
-across them, and verifies every checksum.
+block of the slot's :class:`~.integrity.Seal` in one multipart message whose payload frame is a zero-copy view of
+shared memory (or a compressed copy when a codec pays, see :class:`CodecPolicy`). It returns when the buddy
+acknowledged every chunk, i.e. holds the snapshot complete. A pull (:func:`pull_snapshot`) fetches a complete
+snapshot from several holders at once, chunks striped across them, checks every chunk and the blobs against the
+seal the holders carry, and returns that seal for the new copy.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from snapshotd.proto import (
+    ChecksumMismatch,
     Chunk,
     ChunkAck,
+    ErrorCode,
     PullManifest,
     PullRequest,
     StreamAbort,
@@ -30,19 +33,24 @@ from snapshotd.proto import (
     codec,
 )
 
+from .integrity import Seal
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
 from .placement import Lander, PlacementError
 
-__all__ = ["CodecPolicy", "PullFailed", "SendResult", "pull_snapshot", "send_snapshot"]
+__all__ = ["CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "pull_snapshot", "send_snapshot"]
 
 log = logging.getLogger(__name__)
 
-PULL_RANGE = 16  # chunks per pull request
+PULL_RANGE = 64  # chunks (blocks) per pull request
 
 
 class PullFailed(RuntimeError):
     """No holder could deliver the snapshot."""
+
+
+class CorruptEverywhere(PullFailed):
+    """Some chunk of the snapshot failed its end-to-end check from every holder that sent it."""
 
 
 class CodecPolicy:
@@ -94,16 +102,6 @@ class SendResult:
     delta_chunks: int
 
 
-def _checksum(cache: dict[int, int] | None, index: int, view: memoryview) -> int:
-    """xxh3 of chunk ``index``, computed once per snapshot however many buddies it streams to."""
-    if cache is None:
-        return codec.checksum(view)
-    value = cache.get(index)
-    if value is None:
-        value = cache[index] = codec.checksum(view)
-    return value
-
-
 def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, Any, float]:
     t0 = time.perf_counter()
     used, payload = codec.compress_chunk("delta-lz4", data, base=base, elem=elem)
@@ -120,24 +118,26 @@ async def send_snapshot(
     data: memoryview,
     table: bytes,
     meta: bytes,
-    chunk_bytes: int,
+    seal: Seal,
     window: int,
     pacer: Pacer,
     policy: CodecPolicy,
     base: tuple[int, memoryview] | None = None,
     elem: int = 1,
-    checksums: dict[int, int] | None = None,
 ) -> SendResult:
     """Stream one snapshot to one buddy and return when the buddy holds it complete.
 
-    ``data`` must stay unmodified until this returns (the caller keeps the slot busy). ``base`` is the previous
-    snapshot of this rank in the caller's memory (step, bytes), usable for delta-lz4 if the buddy holds it too.
-    On any failure or cancellation the buddy is told to abort, and the error propagates.
+    ``data`` must stay unmodified until this returns (the caller keeps the slot busy). Each chunk is one block of
+    ``seal``, sent with the block's checksum (taken now if the seal lacks it, and kept: the streams of one slot to
+    several buddies share the seal). ``base`` is the previous snapshot of this rank in the caller's memory (step,
+    bytes), usable for delta-lz4 if the buddy holds it too. On any failure or cancellation the buddy is told to
+    abort, and the error propagates.
 
     Raises:
         PeerError: the buddy refused (memory limit, ...) or failed; PeerTimeout when it went silent.
     """
     nbytes = data.nbytes
+    chunk_bytes = seal.block_bytes
     nchunks = -(-nbytes // chunk_bytes) if nbytes else 0
     t0 = time.perf_counter()
     wire = 0
@@ -146,7 +146,7 @@ async def send_snapshot(
         try:
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
-                window=window, table=table, meta=meta,
+                window=window, digest=seal.digest, table=table, meta=meta,
             ))  # fmt: skip
             accept = await link.receive(replies, StreamAccept)
             assert isinstance(accept, StreamAccept)
@@ -170,7 +170,7 @@ async def send_snapshot(
                     await pacer.take(size)
                     await link.send(Chunk(
                         job=job, rank=rank, step=step, index=sent, codec=name, raw_len=view.nbytes,
-                        checksum=_checksum(checksums, sent, view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
+                        checksum=seal.block_sum(sent, view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
                     ))  # fmt: skip
                     wire += size
                     sent += 1
@@ -198,20 +198,24 @@ async def pull_snapshot(
     step: int,
     allocate: Callable[[StreamBegin], Lander],
     on_progress: Callable[[int], None] | None = None,
-) -> tuple[StreamBegin, int]:
+) -> tuple[StreamBegin, Seal, int]:
     """Fetch the complete snapshot ``(job, rank, step)`` from ``links`` (its holders), striped across all of them.
 
     ``allocate(manifest)`` returns where the chunks go (a :data:`~.placement.Lander`, e.g.
-    :func:`~.placement.arena_sink` of a buffer of at least ``manifest.data_bytes``); every chunk's checksum is
-    verified before it lands. A holder that fails or goes silent has its chunks reassigned to the others. Returns
-    the manifest and the number of payload bytes received.
+    :func:`~.placement.arena_sink` of a buffer of at least ``manifest.data_bytes``). The manifest's blobs are
+    checked against its digest, and every chunk against the checksum its holder carries, before it lands. A
+    holder that fails, goes silent, sends a chunk that fails its check or finds its own copy corrupt has its
+    chunks reassigned to the others. Returns the manifest, the copy's seal (the carried checksums, for the new
+    holder to keep) and the number of payload bytes received.
 
     Raises:
+        CorruptEverywhere: a chunk failed its check from every holder that sent it.
         PullFailed: no holder described the snapshot, or every holder failed before all chunks arrived.
         PlacementError: the lander could not write (the pull stops at once: no holder can help).
     """
     if not links:
         raise PullFailed(f"no live holder of job {job!r} rank {rank} step {step}")
+    what = f"job {job!r} rank {rank} step {step}"
     manifest: StreamBegin | None = None
     errors: list[str] = []
     for link in links:
@@ -220,17 +224,21 @@ async def pull_snapshot(
                 await link.send(PullManifest(job=job, rank=rank, step=step))
                 reply = await link.receive(replies, StreamBegin)
                 assert isinstance(reply, StreamBegin)
+                if codec.blob_digest(reply.table, reply.meta) != reply.digest:
+                    raise PeerError(f"{link.addr} described {what} with blobs that fail their digest")
                 manifest = reply
                 break
             except PeerError as exc:
                 errors.append(str(exc))
     if manifest is None:
-        raise PullFailed(f"no holder could describe job {job!r} rank {rank} step {step}: {'; '.join(errors)}")
+        raise PullFailed(f"no holder could describe {what}: {'; '.join(errors)}")
+    seal = Seal(manifest.chunk_bytes, manifest.digest)
     land = allocate(manifest)
     nchunks = manifest.nchunks
     pending = collections.deque(range(i, min(i + PULL_RANGE, nchunks)) for i in range(0, nchunks, PULL_RANGE))
     received = 0
     alive = list(links)
+    corrupt_from: dict[int, list[str]] = {}  # chunk -> the holders it failed its check from
 
     async def worker(link: PeerLink) -> None:
         nonlocal received
@@ -250,8 +258,13 @@ async def pull_snapshot(
                         if msg.raw_len != end - start:
                             raise PeerError(f"{link.addr} sent chunk {msg.index} of the wrong size")
                         chunk = codec.decompress_chunk(msg.codec, msg.payload, msg.raw_len, elem=msg.elem)
-                        codec.verify(chunk, msg.checksum)
+                        try:
+                            codec.verify(chunk, msg.checksum)
+                        except ChecksumMismatch:
+                            corrupt_from.setdefault(msg.index, []).append(link.addr)
+                            raise
                         land(start, chunk)
+                        seal.sums[msg.index] = msg.checksum
                         missing.discard(msg.index)
                         received += msg.payload.nbytes
                         if on_progress is not None:
@@ -259,10 +272,13 @@ async def pull_snapshot(
                 except PlacementError:
                     raise
                 except Exception as exc:
+                    if isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT:  # it dropped its own copy
+                        for i in missing:
+                            corrupt_from.setdefault(i, []).append(link.addr)
                     pending.extend(range(i, i + 1) for i in sorted(missing))
                     alive.remove(link)
                     errors.append(f"{link.addr}: {exc}")
-                    log.warning("pull of %s rank %d step %d from %s failed: %s", job, rank, step, link.addr, exc)
+                    log.warning("pull of %s from %s failed: %s", what, link.addr, exc)
                     return
 
     while pending and alive:  # a holder that failed late may have put chunks back after the others finished
@@ -273,5 +289,11 @@ async def pull_snapshot(
         except* PlacementError as group:
             raise group.exceptions[0] from None
     if pending:
-        raise PullFailed(f"pull of job {job!r} rank {rank} step {step} failed: {'; '.join(errors)}")
-    return manifest, received
+        bad = sorted(i for todo in pending for i in todo if i in corrupt_from)
+        if bad:
+            raise CorruptEverywhere(
+                f"chunk {bad[0]} of {what} failed its end-to-end checksum from every holder that sent it "
+                f"({', '.join(corrupt_from[bad[0]])}); no good copy is left: {'; '.join(errors)}"
+            )
+        raise PullFailed(f"pull of {what} failed: {'; '.join(errors)}")
+    return manifest, seal, received

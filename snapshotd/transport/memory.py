@@ -7,7 +7,8 @@ network would (a receiver never sees the sender's buffer change). Semantics foll
 transport uses: a client pipe's messages wait for a server bound later at its address (up to its mailbox's
 room); a reply to a client that closed, or that never existed, is refused (:class:`TransportError`); a mailbox
 holds at most :data:`ROOM` messages, and a sender finding it full waits (``send``) or is told (``send_nowait``).
-No security: every pipe is the process's own.
+No security: every pipe is the process's own. A test may set :attr:`MemoryNetwork.tamper` to change or drop
+messages in flight (a :data:`Tamper`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ import asyncio
 import collections
 import itertools
 import threading
+from collections.abc import Callable
 
 from .base import Frames, Network, Pipe, Role, ThreadPipe, TransportError
 
-__all__ = ["ROOM", "MemoryNetwork", "MemoryPipe"]
+__all__ = ["ROOM", "MemoryNetwork", "MemoryPipe", "Tamper"]
+
+Tamper = Callable[[str, bool, Frames], "Frames | None"]
+"""``tamper(address, to_server, frames)``: what a message in flight to or from the server at ``address`` becomes
+(its frames, without the routing identity): the same frames, others, or None to drop it."""
 
 ROOM = 4096
 """Messages a mailbox holds (a ZeroMQ high-water mark's part)."""
@@ -102,6 +108,8 @@ class MemoryNetwork(Network):
     """The process's ``mem://`` addresses: bound servers, and connected clients by identity."""
 
     def __init__(self) -> None:
+        self.tamper: Tamper | None = None
+        """Set by tests only: every message delivered goes through it (see :data:`Tamper`)."""
         self._lock = threading.Lock()
         self._servers: dict[str, MemoryPipe] = {}
         self._clients: dict[bytes, MemoryPipe] = {}
@@ -161,18 +169,25 @@ class MemoryPipe(Pipe, ThreadPipe):
 
     def _route(self, frames: Frames) -> tuple[_Mailbox | None, Frames]:
         """Where ``frames`` go, and as what."""
+        tamper = self.network.tamper
         if self.identity is None:  # a server: [identity, *frames] to that client
             client = self.network._client(bytes(frames[0])) if frames else None
             if client is None:
                 raise TransportError(f"{self.address}: no peer {bytes(frames[0])!r}" if frames else "empty message")
-            return client._inbox, _copy(frames[1:])
+            reply = _copy(frames[1:]) if tamper is None else tamper(self.address, False, _copy(frames[1:]))
+            return (client._inbox, reply) if reply is not None else (None, [])
         server = self.network._server(self.address)
-        return (server._inbox if server is not None else None), [self.identity, *_copy(frames)]
+        request = _copy(frames) if tamper is None else tamper(self.address, True, _copy(frames))
+        if request is None:
+            return None, []
+        return (server._inbox if server is not None else None), [self.identity, *request]
 
     def send_nowait(self, frames: Frames) -> bool:
         if self._inbox.closed:
             raise TransportError(f"{self.address}: the pipe is closed")
         box, message = self._route(frames)
+        if not message:  # dropped in flight (a test's tamper)
+            return True
         if box is None:  # the server is not bound yet: hold the message for it
             if len(self._held) >= ROOM:
                 return False

@@ -7,6 +7,7 @@ import torch
 
 from snapshotd.client import (
     ConfigMismatch,
+    IntegrityError,
     NotRecoverable,
     ReplicaGroupError,
     RestoreFailed,
@@ -26,12 +27,13 @@ def test_every_error_is_a_snapshotd_error_and_keeps_its_python_kind() -> None:
     assert issubclass(SidecarUnavailable, TimeoutError)
     assert issubclass(ConfigMismatch, ValueError)
     assert issubclass(ReplicaGroupError, RuntimeError)
+    assert issubclass(IntegrityError, RestoreFailed)
 
 
 @pytest.mark.parametrize("code", list(ErrorCode))
 def test_every_wire_code_maps_onto_the_tree_with_its_message(code: ErrorCode) -> None:
     expected = {ErrorCode.PLAN_TIMEOUT: SidecarUnavailable, ErrorCode.NOT_RECOVERABLE: NotRecoverable,
-                ErrorCode.PULL_FAILED: RestoreFailed}.get(code, SidecarRefused)  # fmt: skip
+                ErrorCode.PULL_FAILED: RestoreFailed, ErrorCode.CORRUPT: IntegrityError}.get(code, SidecarRefused)  # fmt: skip
     exc = from_reply(Error(job="j", code=code, message="rank 3 has no complete snapshot"), "restore_request")
     assert type(exc) is expected and exc.code is code
     assert str(exc) == f"sidecar answered restore_request with {code}: rank 3 has no complete snapshot"

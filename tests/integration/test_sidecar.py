@@ -40,6 +40,7 @@ from snapshotd.proto import (
     StreamBegin,
     TensorEntry,
     UnregisterRank,
+    blob_digest,
     checksum,
     encode_table,
 )
@@ -405,8 +406,9 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
         return Chunk(job=fake, rank=0, step=step, index=index, raw_len=part.nbytes,
                      checksum=checksum(part) if digest is None else digest, payload=part)  # fmt: skip
 
+    table, meta = encode_table(entries), msgpack.packb([1, {}])
     begin = StreamBegin(job=fake, rank=0, step=1, src_node="X", data_bytes=len(data), chunk_bytes=4096,
-                        table=encode_table(entries), meta=msgpack.packb([1, {}]))  # fmt: skip
+                        digest=blob_digest(table, meta), table=table, meta=meta)  # fmt: skip
     manifest = {"v": 1, "type": "pull_manifest", "job": fake, "rank": 0, "step": 0}
     with DataPeer(b.fields["data"]) as peer:
         garbage: list[tuple[Any, str]] = [
@@ -442,7 +444,7 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
         parts = [memoryview(five)[i : i + 4096] for i in range(0, len(five), 4096)]
         table = encode_table([TensorEntry("y", "uint8", (len(five),), 0, len(five))])
         windowed = StreamBegin(job=fake, rank=1, step=1, src_node="X", data_bytes=len(five), chunk_bytes=4096,
-                               window=8, table=table, meta=msgpack.packb([1, {}]))  # fmt: skip
+                               window=8, digest=blob_digest(table, meta), table=table, meta=meta)  # fmt: skip
         assert isinstance(peer.request(windowed), StreamAccept)
         for i, part in enumerate(parts):
             peer.send(Chunk(job=fake, rank=1, step=1, index=i, raw_len=part.nbytes, checksum=checksum(part),

@@ -104,6 +104,7 @@ def sample_messages() -> list[Message]:
             src_node="node-a",
             data_bytes=384_004,
             chunk_bytes=1 << 20,
+            digest=(1 << 64) - 1,
             table=table,
             meta=META,
         ),
@@ -192,7 +193,7 @@ def test_defaults_may_be_left_out_on_the_wire() -> None:
 
 
 def test_nchunks() -> None:
-    begin = StreamBegin(rank=0, step=1, src_node="a", data_bytes=10, chunk_bytes=4)
+    begin = StreamBegin(rank=0, step=1, src_node="a", data_bytes=10, chunk_bytes=4, digest=0)
     assert begin.nchunks == 3
     assert dataclasses.replace(begin, data_bytes=8).nchunks == 2
     assert dataclasses.replace(begin, data_bytes=0).nchunks == 0
@@ -248,7 +249,7 @@ def test_payload_frames_of_any_buffer_format_become_byte_views() -> None:
         (RegisterSidecar(node="a", data_addr="t" * (L.MAX_ADDRESS_LEN + 1), incarnation="i"), LimitExceeded),
         (HeartbeatReply(watermarks=(Watermark("j", -2, 0),)), LimitExceeded),
         (Heartbeat(node="a", incarnation="i", ranks=(RankInfo("j", 0, 0, 1, True),)), LimitExceeded),
-        (StreamBegin(rank=0, step=0, src_node="a", data_bytes=1, chunk_bytes=0), LimitExceeded),
+        (StreamBegin(rank=0, step=0, src_node="a", data_bytes=1, chunk_bytes=0, digest=0), LimitExceeded),
     ],
 )
 def test_encode_refuses_out_of_limit_values(msg: Message, error: type[ProtocolError]) -> None:
@@ -475,7 +476,7 @@ def test_an_unknown_error_code_is_a_malformed_message() -> None:
 def test_error_codes_are_documented_and_cover_every_code_the_repository_sends() -> None:
     assert {c.value for c in ErrorCode} == {
         "bad_message", "unexpected", "internal", "busy", "not_registered", "plan_timeout", "not_recoverable",
-        "pull_failed", "not_found", "memory_limit", "bad_chunk",
+        "pull_failed", "not_found", "memory_limit", "bad_chunk", "corrupt",
     }  # fmt: skip
     source = (Path(snapshotd.proto.__file__).parent / "errors.py").read_text()
     for code in ErrorCode:

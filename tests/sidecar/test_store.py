@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from snapshotd.proto import ChecksumMismatch, CodecError, ProtocolError, checksum, compress_chunk
+from snapshotd.proto import ChecksumMismatch, CodecError, ProtocolError, blob_digest, checksum, compress_chunk
 from snapshotd.sidecar.chunks import ADOPT_MIN_BYTES
+from snapshotd.sidecar.integrity import Seal
 from snapshotd.sidecar.store import MemoryLimitReached, SnapshotStore, UnknownSnapshot
 
 JOB = "job"
@@ -19,7 +20,7 @@ def payload(nbytes: int, seed: int) -> np.ndarray:
 
 def begin(store: SnapshotStore, step: int, data_bytes: int, *, rank: int = 0, job: str = JOB) -> None:
     store.begin(job, rank, step, src_node="A", data_bytes=data_bytes, chunk_bytes=CHUNK, table=b"t" * 10,
-                meta=b"m" * 6)  # fmt: skip
+                meta=b"m" * 6, digest=blob_digest(b"t" * 10, b"m" * 6))  # fmt: skip
 
 
 def put(store: SnapshotStore, step: int, data: np.ndarray, index: int, *, rank: int = 0) -> bool:
@@ -194,12 +195,14 @@ def test_mark_complete_after_a_pull_filled_the_buffer() -> None:
     data = payload(3 * CHUNK, 10)
     begin(store, 7, data.nbytes)
     store.get(JOB, 0, 7, complete=False).data.land(0, data.data)
-    store.mark_complete(JOB, 0, 7)
-    store.mark_complete(JOB, 0, 7)  # idempotent
+    sums = {i: checksum(data.data[i * CHUNK : (i + 1) * CHUNK]) for i in range(3)}
+    seal = Seal(CHUNK, blob_digest(b"t" * 10, b"m" * 6), sums)
+    store.mark_complete(JOB, 0, 7, seal)
+    store.mark_complete(JOB, 0, 7, seal)  # idempotent
     assert store.steps(JOB, 0) == [7] and changes == [1]
     assert store.get(JOB, 0, 7).data.tobytes() == data.tobytes()
     with pytest.raises(UnknownSnapshot):
-        store.mark_complete(JOB, 0, 8)
+        store.mark_complete(JOB, 0, 8, seal)
 
 
 def test_unknown_snapshot_message_names_the_key() -> None:
@@ -213,7 +216,8 @@ def test_large_raw_chunks_are_held_uncopied_and_only_once_verified() -> None:
     store = SnapshotStore(1 << 24)
     big = ADOPT_MIN_BYTES
     data = payload(2 * big, 9)
-    store.begin(JOB, 0, 1, src_node="A", data_bytes=data.nbytes, chunk_bytes=big, table=b"", meta=b"")
+    store.begin(JOB, 0, 1, src_node="A", data_bytes=data.nbytes, chunk_bytes=big, table=b"", meta=b"",
+                digest=blob_digest(b"", b""))  # fmt: skip
     first, second = data.data[:big], data.data[big:]
     with pytest.raises(ChecksumMismatch):
         store.put_chunk(JOB, 0, 1, 0, codec_name="raw", payload=first, raw_len=big, checksum=checksum(first) ^ 1,
