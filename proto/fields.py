@@ -31,5 +31,5 @@ STEP_OR_NONE = Int(-1, L.MAX_STEP)
 """A step, or -1 for none."""
 SLOT = Int(0, L.MAX_SLOTS - 1)
 NBYTES = Int(0, L.MAX_SNAPSHOT_BYTES)
-PID = Int(0, 1 << 31)
+PID = Int(0, L.MAX_PID)
 SECONDS = Float(0.0, 1e9)

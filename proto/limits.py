@@ -43,6 +43,9 @@ MAX_RANKS = 1 << 20
 
 MAX_STEP = (1 << 63) - 1
 
+MAX_PID = 1 << 22
+"""Process ids: Linux's ``PID_MAX_LIMIT`` on 64-bit kernels, so every pid a peer sends is one ``os.kill`` takes."""
+
 MAX_PLAN_RANKS = 1024
 """Ranks of one node asking for their recovery plans in one request (and answered in one reply)."""
 

@@ -98,6 +98,8 @@ class IngestService:
             raise ProtocolError(f"{msg.TYPE} is not an ipc request")
 
     def _register(self, ident: bytes, msg: RegisterRank) -> None:
+        if msg.rank >= msg.world_size:
+            raise ProtocolError(f"rank {msg.rank} of job {msg.job!r} is outside its world size {msg.world_size}")
         lr = self.state.rank(msg.job, msg.rank)
         need = max(4096, -(-msg.data_bytes // 4096) * 4096)
         if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
