@@ -219,7 +219,10 @@ class CoordinatorClient:
 
     async def _flush(self, group: _Group) -> None:
         """Send one request for all of ``group``'s waiting ranks if any joined since the last one."""
-        if not group.dirty or not group.waiters:
+        if not group.waiters:  # every call was answered: nothing to ask again (the group goes with its last call)
+            group.resend_at = math.inf
+            return
+        if not group.dirty:
             return
         group.dirty = False
         requests = group.request()

@@ -11,6 +11,8 @@ import zmq.asyncio
 
 from snapshotd.coordinator import CoordinatorConfig
 from snapshotd.proto import (
+    Error,
+    ErrorCode,
     Heartbeat,
     InventoryItem,
     PlanReply,
@@ -187,3 +189,42 @@ def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(
         assert 0.55 <= time.monotonic() - t0 < 3.0
 
     asyncio.run(_with_node(coordinator.endpoint, body))
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_naming_no_job_fails_the_call_and_the_plan_reader_goes_quiet() -> None:
+    """A coordinator that refuses a request without naming its job (it could not read it) fails every waiting
+    call. The plan reader then has no rank to ask for: it waits for replies instead of asking again in a loop
+    that never yields (which once spun at 100% CPU, starving the sidecar's other tasks and its SIGTERM)."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    network = ZmqNetwork(Security())
+    tasks = TaskTree(Counters())
+    client = CoordinatorClient(network, f"tcp://127.0.0.1:{port}", tasks=tasks)
+
+    async def refuse_and_watch() -> None:
+        call = asyncio.ensure_future(client.plan(_ask(2), time.monotonic() + TIMEOUT))
+        async with asyncio.timeout(TIMEOUT):
+            frames = await router.recv_multipart()
+        await router.send_multipart([frames[0], *encode(Error(code=ErrorCode.BAD_MESSAGE, message="unreadable"))])
+        with pytest.raises(ProtocolError, match="unreadable"):
+            async with asyncio.timeout(TIMEOUT):
+                await call
+        assert client._pump is None and not client._groups  # the reader stopped with the last call
+        assert not await router.poll(200)  # and nothing was asked again
+
+    async def main() -> None:
+        async with asyncio.TaskGroup() as group:
+            tasks.attach(group)
+            await refuse_and_watch()
+            tasks.cancel_all()
+
+    try:
+        asyncio.run(main())
+    finally:
+        client.close()
+        network.close()
+        router.close(linger=0)
+        ctx.destroy(linger=0)
