@@ -21,6 +21,10 @@ MAX_ADDRESS_LEN = 512
 MAX_TEXT_LEN = 4096
 """Free-text fields such as error messages."""
 
+MIN_CHUNK_BYTES = 4096
+"""The smallest chunk of a stream or pull: a receiver keeps a few bytes of bookkeeping per chunk, sized before
+any data arrives, so a tiny chunk would multiply a snapshot's memory."""
+
 MAX_CHUNK_BYTES = 64 << 20
 """One chunk payload, compressed or not."""
 

@@ -211,7 +211,7 @@ class StreamBegin(Message):
     step: int = spec_field(STEP)
     src_node: str = spec_field(NAME)
     data_bytes: int = spec_field(NBYTES)
-    chunk_bytes: int = spec_field(Int(1, L.MAX_CHUNK_BYTES))
+    chunk_bytes: int = spec_field(Int(L.MIN_CHUNK_BYTES, L.MAX_CHUNK_BYTES))
     window: int = spec_field(Int(0, 1024), default=0)
     digest: int = spec_field(Int(0, (1 << 64) - 1))
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)

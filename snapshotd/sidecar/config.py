@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from snapshotd.proto.limits import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.shm import default_ipc_path
 
@@ -73,7 +74,7 @@ class SidecarConfig:
             raise ValueError("--coordinator is required (e.g. tcp://HOST:7070)")
         if not self.node or len(self.node) > 256:
             raise ValueError(f"--node must be 1-256 characters, got {self.node!r}")
-        if not 4096 <= self.chunk_bytes <= 64 << 20:
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk size must be between 4 KiB and 64 MiB, got {self.chunk_bytes}")
         if self.memory_limit <= 0:
             raise ValueError(f"--memory-limit must be positive, got {self.memory_limit}")

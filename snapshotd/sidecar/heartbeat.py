@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from snapshotd.logs import fields
 from snapshotd.proto import Heartbeat, HeartbeatReply, ProtocolError, RegisterSidecar
@@ -74,6 +75,7 @@ class ControlService:
                         log.info("registered with coordinator %s as %s", self.cfg.coordinator, self.state.node,
                                  extra=fields(event="registered"))  # fmt: skip
                     self._check_ranks()
+                    self._abort_idle_streams()
                     changed.clear()  # a change from here on wakes the next heartbeat, even one made while this waits
                     report = self.state.report()
                     news = report != sent
@@ -107,6 +109,13 @@ class ControlService:
                 log.warning("rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
                             lr.rank, lr.job, lr.pid, extra=fields(lr.job, lr.rank, event="rank_died"))  # fmt: skip
 
+    def _abort_idle_streams(self) -> None:
+        """Give up incoming streams silent for twice the peer timeout: their senders gave up on them by then."""
+        for job, rank, step in self.state.store.abort_idle(time.monotonic() - 2 * self.cfg.request_timeout):
+            log.warning("the stream of %s rank %d step %d brought nothing for %.0f s: aborted", job, rank, step,
+                        2 * self.cfg.request_timeout, extra=fields(job, rank, step, "stream_idle"))  # fmt: skip
+        self.serve.forget_vanished_streams()
+
     def _apply(self, reply: HeartbeatReply) -> None:
         state = self.state
         state.set_assignments({(a.job, a.rank): a.buddies for a in reply.assignments})
@@ -121,7 +130,6 @@ class ControlService:
                     lr.job_durable, lr.job_unusable = w.durable, unusable
                     if lr.free_slots() != before:  # a held copy is no longer needed: the client may have its slot
                         self.notify(lr, "", -1)
-        self.serve.forget_vanished_streams()
         for task in reply.tasks:
             self.tasks.spawn(self.replicate.replicate(task),
                              f"re-replication of {task.job} rank {task.rank} step {task.step}")  # fmt: skip

@@ -15,6 +15,7 @@ from snapshotd.proto import ReplicateTask, StreamBegin
 from .node import NodeState
 from .peers import PeerLinks
 from .placement import Lander
+from .store import StoredSnapshot
 from .transfer import pull_snapshot
 
 __all__ = ["ReplicateService"]
@@ -41,12 +42,15 @@ class ReplicateService:
         if key in self._running or store.holds(*key):
             return  # held, or arriving by a stream right now: a pull would only fight it
         self._running.add(key)
+        pinned: list[StoredSnapshot] = []
         try:
             links = [self.links.get(a) for a in task.sources if a != self.state.data_addr]
 
             def allocate(m: StreamBegin) -> Lander:
                 snap = store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
                                    chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta, digest=m.digest)  # fmt: skip
+                snap.pins += 1  # arriving by a pull, not a stream: never aborted as an idle stream
+                pinned.append(snap)
                 return snap.data.land
 
             try:
@@ -60,4 +64,6 @@ class ReplicateService:
             log.info("re-replicated %s rank %d step %d (%d B)", task.job, task.rank, task.step, pulled,
                      extra=fields(task.job, task.rank, task.step, "replicated"))  # fmt: skip
         finally:
+            for snap in pinned:
+                snap.pins -= 1
             self._running.discard(key)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -61,6 +62,8 @@ class StoredSnapshot:
     missing: int
     complete: bool = False
     pins: int = 0  # pulls in progress; a pinned snapshot is not dropped
+    touched: float = dataclasses.field(default_factory=time.monotonic)
+    """When the stream last brought a chunk (time.monotonic()): an incomplete copy idle too long is aborted."""
     exported: bool = False  # zero-copy views went to zmq: never give its buffers back to the pool
 
     @property
@@ -95,6 +98,8 @@ class BuddyStore(Protocol):
     def mark_complete(self, job: str, rank: int, step: int, seal: Seal) -> None: ...
 
     def abort(self, job: str, rank: int, step: int) -> None: ...
+
+    def abort_idle(self, before: float) -> list[Key]: ...
 
     def discard(self, job: str, rank: int, step: int) -> None: ...
 
@@ -193,6 +198,7 @@ class SnapshotStore:
         snap = self.get(job, rank, step, complete=False)
         if snap.complete:
             return False
+        snap.touched = time.monotonic()
         if not 0 <= index < snap.nchunks:
             raise ProtocolError(f"chunk {index} is outside 0..{snap.nchunks - 1}")
         start, end = snap.data.chunk_range(index)
@@ -239,6 +245,15 @@ class SnapshotStore:
         snap = self._snaps.get((job, rank, step))
         if snap is not None and not snap.complete:
             self._remove((job, rank, step))
+
+    def abort_idle(self, before: float) -> list[Key]:
+        """Abort every incomplete, unpinned copy whose stream brought nothing since ``before``
+        (time.monotonic()): its sender gave up without a word, and its reservation would block real snapshots.
+        Returns their keys."""
+        idle = [k for k, s in self._snaps.items() if not s.complete and s.pins == 0 and s.touched < before]
+        for key in idle:
+            self._remove(key)
+        return idle
 
     def discard(self, job: str, rank: int, step: int) -> None:
         """Drop a copy found corrupt, complete or not, pinned or not: it is never served or reported again. Its

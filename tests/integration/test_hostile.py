@@ -12,7 +12,20 @@ from typing import Any
 
 import pytest
 
-from snapshotd.proto import Error, LimitExceeded, RankRegistered, RegisterRank, SlotUpdate, encode
+from snapshotd.proto import (
+    Error,
+    LimitExceeded,
+    Message,
+    RankRegistered,
+    RegisterRank,
+    SlotUpdate,
+    StreamAccept,
+    StreamBegin,
+    TensorEntry,
+    blob_digest,
+    encode,
+    encode_table,
+)
 from snapshotd.proto import limits as L
 from snapshotd.status import fetch_status
 
@@ -60,3 +73,24 @@ def test_hostile_registrations_leave_the_sidecar_and_its_node_alive(cluster: Clu
                  "the coordinator to hear that rank 0's process is gone")  # fmt: skip
     assert node["alive"]
     assert sidecar.alive(), cluster.tail(sidecar)
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_stream_gives_its_memory_back(cluster: Cluster) -> None:
+    """A peer that begins a stream as large as the memory limit and never sends a chunk held the reservation
+    forever, so every real snapshot was refused; now the stream is aborted after twice the peer timeout."""
+    cluster.start("B", "--memory-limit", "1536KiB", "--peer-timeout", "0.5s")
+    job = cluster.job("abandoned")
+    table = encode_table([TensorEntry("x", "uint8", (1 << 20,), 0, 1 << 20)])
+
+    def offer(step: int) -> Message:
+        return StreamBegin(job=job, rank=0, step=step, src_node="X", data_bytes=1 << 20, chunk_bytes=1 << 16,
+                           digest=blob_digest(table, b""), table=table, meta=b"")  # fmt: skip
+
+    with DataPeer(cluster.sidecars[cluster.node("B")].fields["data"]) as peer:
+        assert isinstance(peer.request(offer(1)), StreamAccept)  # and then silence
+        refused = peer.request(offer(2))
+        assert isinstance(refused, Error) and refused.code == "memory_limit", refused
+        accepted = _wait(lambda: isinstance(reply := peer.request(offer(2)), StreamAccept) and reply,
+                         "the abandoned stream's reservation to be given back")  # fmt: skip
+        assert accepted.step == 2

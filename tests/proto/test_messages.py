@@ -250,6 +250,7 @@ def test_payload_frames_of_any_buffer_format_become_byte_views() -> None:
         (HeartbeatReply(watermarks=(Watermark("j", -2, 0),)), LimitExceeded),
         (Heartbeat(node="a", incarnation="i", ranks=(RankInfo("j", 0, 0, 1, True),)), LimitExceeded),
         (StreamBegin(rank=0, step=0, src_node="a", data_bytes=1, chunk_bytes=0, digest=0), LimitExceeded),
+        (StreamBegin(rank=0, step=0, src_node="a", data_bytes=1, chunk_bytes=4095, digest=0), LimitExceeded),
     ],
 )
 def test_encode_refuses_out_of_limit_values(msg: Message, error: type[ProtocolError]) -> None:
