@@ -95,9 +95,10 @@ class ControlService:
                     self._apply(hb_reply)
                 except (CoordinatorUnavailable, ProtocolError) as exc:
                     log.debug("control plane: %s", exc)
-                except Exception:  # a bug in one round: the next round tries again
+                except Exception:  # a bug in one round: the next round tries again, an interval later
                     self.state.counters.errors += 1
                     log.exception("control loop round failed")
+                    changed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval):
                         await changed.wait()
