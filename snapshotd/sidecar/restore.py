@@ -46,6 +46,10 @@ __all__ = ["RestoreService"]
 log = logging.getLogger(__name__)
 
 
+class _RankGone(Exception):
+    """The restoring rank unregistered (or another registration replaced it) while its restore was pending."""
+
+
 class RestoreService:
     """Runs the restore requests of local ranks (see the module docstring).
 
@@ -67,7 +71,9 @@ class RestoreService:
         self.notify = notify
 
     async def restore(self, ident: bytes, req: RestoreRequest) -> None:
-        """Answer ``req`` with a RestoreReply or an Error; the rank's slots are handed back either way."""
+        """Answer ``req`` with a RestoreReply or an Error, whatever happens (an unexpected failure is answered
+        ``internal``); the rank's slots are handed back either way. A rank that unregisters while its restore is
+        pending is answered ``not_registered``, and nothing made for it is left behind."""
         lr = self.state.rank(req.job, req.rank)
         if lr is None:
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
@@ -76,10 +82,26 @@ class RestoreService:
         lr.awaiting_restore = True
         try:
             await self._restore(ident, req, lr)
+        except _RankGone:
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
+                                           message="the rank unregistered while its restore was pending"))  # fmt: skip
+        except Exception as exc:
+            self.state.counters.errors += 1
+            log.exception("restore of %s rank %d failed", req.job, req.rank,
+                          extra=fields(req.job, req.rank, event="restore_failed"))  # fmt: skip
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.INTERNAL, rank=req.rank,
+                                           message=f"{type(exc).__name__}: {exc}"[:4000]))  # fmt: skip
         finally:
             lr.awaiting_restore = False
             if self.state.rank(lr.job, lr.rank) is lr:
                 self.notify(lr, "", -1)
+            else:  # dropped meanwhile: an arena made for it since belongs to nobody
+                lr.arena.close(unlink=True)
+
+    def _check_registered(self, lr: LocalRank) -> None:
+        """Raises _RankGone: ``lr`` unregistered (or was replaced) since its restore began."""
+        if self.state.rank(lr.job, lr.rank) is not lr:
+            raise _RankGone
 
     async def _restore(self, ident: bytes, req: RestoreRequest, lr: LocalRank) -> None:
         t0 = time.monotonic()
@@ -91,6 +113,7 @@ class RestoreService:
         except (CoordinatorUnavailable, ProtocolError) as exc:
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
             return
+        self._check_registered(lr)
         if plan.status == "fresh":
             self.outbox.reply(ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
                                                   arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
@@ -112,6 +135,7 @@ class RestoreService:
                                                message=str(exc)[:4000]))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
+        self._check_registered(lr)
         for i, other in enumerate(lr.slots):  # steps past the restored one never happened for the new process
             if i != index and other.step > step and not other.streaming:
                 lr.set_slot(i, SlotState())
@@ -150,7 +174,12 @@ class RestoreService:
         return True
 
     def _empty_slot(self, lr: LocalRank, data_bytes: int) -> int:
-        """Make slot 0 of ``lr`` ready to receive ``data_bytes`` (growing the arena if needed)."""
+        """Make slot 0 of ``lr`` ready to receive ``data_bytes`` (growing the arena if needed).
+
+        Raises:
+            _RankGone: ``lr`` unregistered meanwhile.
+        """
+        self._check_registered(lr)
         if data_bytes > lr.arena.slot_bytes:
             old = lr.arena
             lr.arena = create_arena(lr.job, lr.rank, -(-data_bytes // 4096) * 4096, old.slots, node=self.state.node)

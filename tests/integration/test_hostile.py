@@ -6,29 +6,41 @@ local process would, then shows the sidecar alive and its node alive to the coor
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgpack
 import pytest
+import torch
 
+from snapshotd.client import Snapshotter
 from snapshotd.proto import (
     Error,
     LimitExceeded,
     Message,
     RankRegistered,
     RegisterRank,
+    RestoreRequest,
     SlotUpdate,
     StreamAccept,
     StreamBegin,
     TensorEntry,
+    UnregisterRank,
     blob_digest,
+    decode,
     encode,
     encode_table,
 )
 from snapshotd.proto import limits as L
+from snapshotd.shm import SHM_DIR
 from snapshotd.status import fetch_status
+from snapshotd.transport import MEMORY, ThreadPipe, connect_rank
 
+from ..deployments import InProcess
 from .conftest import Cluster, DataPeer
 
 pytestmark = pytest.mark.integration
@@ -94,3 +106,68 @@ def test_an_abandoned_stream_gives_its_memory_back(cluster: Cluster) -> None:
         accepted = _wait(lambda: isinstance(reply := peer.request(offer(2)), StreamAccept) and reply,
                          "the abandoned stream's reservation to be given back")  # fmt: skip
         assert accepted.step == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leaves_nothing(tamper: None) -> None:
+    """Node A died; rank 0 restarts on node C with a smaller state than its snapshot, and unregisters just as its
+    restore begins to pull from B. The restore went on into the removed arena's place: a new, larger arena that
+    nothing owned, left in /dev/shm."""
+    job = f"gone-{uuid.uuid4().hex[:6]}"
+    with InProcess() as dep:
+        ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
+        states = [{"w": torch.full((10_000,), float(r))} for r in (0, 1)]
+        snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(lambda s: s.restore(timeout=30), snaps)) == [0, 0]
+        for s in snaps:
+            assert s.capture(1) and s.wait(30)
+            s.close(unregister=False)
+        dep.lose_node("A")
+        dep.wait_dead("A")
+        pipe = connect_rank(dep.start_sidecar("C"))
+        c = dep.sidecars["C"].state
+
+        def unregister_at_the_manifest(address: str, to_server: bool, frames: list) -> list:
+            header = msgpack.unpackb(bytes(frames[0]))
+            if not to_server and header.get("type") == "stream_begin" and header.get("job") == job:
+                pipe.send_nowait(encode(UnregisterRank(job=job, rank=0)))
+                _wait(lambda: c.rank(job, 0) is None, "C to drop rank 0")
+            return frames
+
+        try:
+            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=16)))
+            assert isinstance(_next(pipe), RankRegistered)
+            MEMORY.tamper = unregister_at_the_manifest
+            pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
+            rank1 = Snapshotter({"w": torch.zeros(10_000)}, job=job, rank=1, world_size=2, sidecar=ipcs[1], timeout=10)
+            try:
+                assert rank1.restore(timeout=30) == 1
+            finally:
+                rank1.close()
+            reply = _next(pipe, skip=SlotUpdate)
+            assert isinstance(reply, Error) and reply.code == "not_registered", reply
+            assert "unregistered while its restore was pending" in reply.message
+            assert not [n for n in os.listdir(SHM_DIR) if job in n and "-r0-" in n]  # no arena of rank 0 left
+        finally:
+            pipe.close()
+
+
+@pytest.fixture
+def tamper() -> Iterator[None]:
+    """Whatever a test sets as the in-memory network's tamper is removed after it."""
+    yield
+    MEMORY.tamper = None
+
+
+def _next(pipe: ThreadPipe, skip: type[Message] | None = None, timeout: float = 30.0) -> Message:
+    """The next message on ``pipe`` (other than ``skip``'s type) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert pipe.wait(max(0.0, deadline - time.monotonic())), "no reply in time"
+        frames = pipe.recv_nowait()
+        if frames is None:
+            continue
+        msg = decode(frames)
+        if skip is None or not isinstance(msg, skip):
+            return msg
