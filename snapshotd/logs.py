@@ -9,6 +9,10 @@ from the record, where the code passes them with :func:`fields`::
 
 ``event`` is a short, stable name for what happened (``rank_registered``, ``restore``, ``node_dead``...), for
 machines to filter on; the message is for people.
+
+A peer can make a daemon log: every refused message is a warning. So the daemons' handler passes at most
+``burst`` records of one call site (logger and message template) per ``window`` seconds (:class:`RateLimit`);
+the first one after a quiet spell says how many were held back.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import datetime
 import json
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LOG_FORMATS", "JsonFormatter", "fields", "setup_logging"]
+__all__ = ["LOG_FORMATS", "JsonFormatter", "RateLimit", "fields", "setup_logging"]
 
 LOG_FORMATS = ("text", "json")
 
@@ -56,6 +62,41 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class RateLimit(logging.Filter):
+    """Passes at most ``burst`` records of each call site (logger, message template) per ``window`` seconds; the
+    first record passed after some were held back says how many (see the module docstring).
+
+    Args:
+        burst: records of one call site a window lets through.
+        window: seconds.
+        clock: the time (``time.monotonic``), for tests.
+    """
+
+    def __init__(self, burst: int = 20, window: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window = window
+        self.clock = clock
+        self._sites: dict[tuple[str, object], list[float | int]] = {}  # site -> [window start, passed, held]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        site = self._sites.get((record.name, record.msg))
+        if site is None or now - site[0] >= self.window:
+            held = int(site[2]) if site is not None else 0
+            if len(self._sites) > 10_000:  # bounded however many call sites a run shows
+                self._sites.clear()
+            self._sites[(record.name, record.msg)] = [now, 1, 0]
+            if held:
+                record.msg = f"{record.msg} ({held} more like this held back in the last {self.window:.0f} s)"
+            return True
+        if site[1] < self.burst:
+            site[1] += 1
+            return True
+        site[2] += 1
+        return False
+
+
 def setup_logging(verbose: int = 0, log_format: str = "text", node: str | None = None) -> None:
     """Log to stderr at WARNING (``verbose`` 1: INFO, 2: DEBUG); snapshotd's own loggers at INFO at least, so
     that the daemons' lifecycle lines show by default.
@@ -67,6 +108,7 @@ def setup_logging(verbose: int = 0, log_format: str = "text", node: str | None =
         raise ValueError(f"--log-format must be one of {LOG_FORMATS}, got {log_format!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(node) if log_format == "json" else logging.Formatter(_TEXT))
+    handler.addFilter(RateLimit())
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from snapshotd.local_cluster import LocalCluster
-from snapshotd.logs import JsonFormatter, fields, setup_logging
+from snapshotd.logs import JsonFormatter, RateLimit, fields, setup_logging
 
 KEYS = {"time", "level", "logger", "node", "job", "rank", "step", "event", "message"}
 
@@ -64,3 +64,22 @@ def test_daemons_log_json_lines(tmp_path) -> None:
         assert all(set(p) >= KEYS for p in parsed), parsed
     sidecar_lines = [json.loads(x) for x in logs[side.name] if not x.startswith("snapshotd ")]
     assert {p["node"] for p in sidecar_lines} == {node}
+
+
+def test_a_flood_of_one_warning_is_held_back_and_counted() -> None:
+    """A peer sending bad messages without end makes the same warning without end: the daemons' handler lets a
+    burst of each call site through per window and then says how many it held back."""
+    now = [0.0]
+    limit = RateLimit(burst=3, window=60.0, clock=lambda: now[0])
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logging.LogRecord("snapshotd.sidecar.daemon", logging.WARNING, __file__, 1, msg, args, None)
+
+    passed = [limit.filter(record("data plane: %s", f"bad message {i}")) for i in range(10)]
+    assert passed == [True] * 3 + [False] * 7
+    assert limit.filter(record("ipc: %s", "another call site"))  # counted apart
+    now[0] = 61.0
+    after = record("data plane: %s", "bad message 10")
+    assert limit.filter(after)
+    assert after.getMessage() == "data plane: bad message 10 (7 more like this held back in the last 60 s)"
+    assert limit.filter(record("data plane: %s", "bad message 11"))  # a new window, a new burst
