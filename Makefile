@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench fuzz clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ bench: setup
 	$(VENV)/bin/snapshotd-bench transport
 	$(VENV)/bin/snapshotd-bench overhead
 	$(VENV)/bin/snapshotd-bench recovery
+
+# a million random and mutated messages at each live socket (the coordinator's, a sidecar's data and ipc ones)
+fuzz: setup
+	$(VENV)/bin/snapshotd-bench fuzz --messages 1000000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

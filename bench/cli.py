@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "goodput": ("snapshotd.bench.goodput", "useful training time under failures, against disk checkpoints"),
     "scale": ("snapshotd.bench.scale", "one coordinator against thousands of simulated sidecars"),
     "torchrun": ("snapshotd.bench.torchrun_trial", "a real torchrun job losing a node: the recovery time, phase by phase"),
+    "fuzz": ("snapshotd.bench.fuzz", "random and mutated messages at every live socket; the daemons must live on"),
 }
 """Subcommand name -> (module, one-line help)."""
 
@@ -67,8 +68,9 @@ def _load(name: str) -> ModuleType | None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``snapshotd-bench`` with ``argv`` (``sys.argv[1:]`` when None) and return the exit status.
 
-    Returns 0 on success (and for ``--help``), 2 for a usage error or a subcommand that is not built yet,
-    130 when interrupted (Ctrl-C, or SIGTERM: the benchmark's processes are stopped either way).
+    Returns 0 on success (and for ``--help``), 1 when a run that checks found a check failed, 2 for a usage
+    error or a subcommand that is not built yet, 130 when interrupted (Ctrl-C, or SIGTERM: the benchmark's
+    processes are stopped either way).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(
@@ -112,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(report, Report):
         raise TypeError(f"{module.__name__}.run() returned {type(report).__name__}, not a Report")
     emit(report, json_path=args.json, plot_path=args.plot, plot_fn=getattr(module, "plot", None))
+    if report.passed is False:
+        print(f"snapshotd-bench {args.bench}: FAILED (see the summary)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -83,6 +83,8 @@ class Report:
         summary: headline numbers (``{"speedup": 1.9, "best_Bps": 1.1e9}``).
         columns: table column order; None means the union of the rows' keys in first-seen order.
         machine: where it ran; :func:`machine_info` by default.
+        passed: for a run that checks as well as measures (the live fuzz), whether every check held; False
+            makes ``snapshotd-bench`` exit 1. None for a run that only measures.
     """
 
     bench: str
@@ -91,6 +93,7 @@ class Report:
     summary: dict[str, Any]
     columns: list[str] | None = None
     machine: dict[str, Any] = dataclasses.field(default_factory=machine_info)
+    passed: bool | None = None
 
     def table_columns(self) -> list[str]:
         """``columns``, or every key of ``results`` in first-seen order."""

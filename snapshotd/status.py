@@ -118,6 +118,11 @@ def render_status(doc: dict[str, Any]) -> str:
         lines += ["  " + line for line in _table(["RANK", "NODE", "NEWEST", "LAG", "COPIES"], rows)]
         if len(shown) < len(ranks):
             lines.append(f"  ... {len(ranks) - len(shown)} more ranks (worst shown; --json lists all)")
+        missing = j.get("missing", [])
+        if missing:
+            spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missing[:8])
+            more = f" and {len(missing) - 8} more ranges" if len(missing) > 8 else ""
+            lines.append(f"  ranks no node reported (no home, no copy): {spans}{more}")
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from .config import CoordinatorConfig
 from .jobs import Jobs
 from .membership import Membership
 
-__all__ = ["STATUS_PART_ENTRIES", "status_parts"]
+__all__ = ["STATUS_PART_ENTRIES", "missing_ranges", "status_parts"]
 
 STATUS_PART_ENTRIES = 256
 """Node or rank entries per part of a status document: a part is short next to a heartbeat's round trip."""
@@ -29,10 +29,12 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     ``coordinator``: uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
     heartbeat_interval (the one given out now, seconds), heartbeat_timeout (the death timeout now, seconds).
     ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
-    stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank:
-    rank, node (its home, or None), newest_step (-1: none), lag_steps (newest - recoverable; None while no step is
-    recoverable), copies (live holders of the recoverable step); ``round``: its last plan round (None before the
-    first), see :meth:`~.plans.Round.status`.
+    stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank
+    that some node reported (its home, or a copy): rank, node (its home, or None), newest_step (-1: none),
+    lag_steps (newest - recoverable; None while no step is recoverable), copies (live holders of the recoverable
+    step); ``missing``: the other ranks below the world size, as ``[first, last]`` ranges (a peer's world size
+    alone never lengthens the document); ``round``: its last plan round (None before the first), see
+    :meth:`~.plans.Round.status`.
 
     The state may change between parts: the document lists the nodes and jobs there were when the first part
     was made, and each job's ranks up to the world size it had when its own part began; each entry is read as it
@@ -60,12 +62,14 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     for job in listed:
         wm = job.publish()
         g, ws = wm.recoverable, job.world_size
-        yield (packer.pack_map_header(6) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
-               + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable) + pack("ranks")
-               + packer.pack_array_header(ws))  # fmt: skip
-        for lo in range(0, ws, STATUS_PART_ENTRIES):
+        known = sorted(r for r in job.homes.keys() | job.holders.keys() if r < ws)
+        yield (packer.pack_map_header(7) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
+               + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable)
+               + pack("missing") + pack(missing_ranges(known, ws)) + pack("ranks")
+               + packer.pack_array_header(len(known)))  # fmt: skip
+        for lo in range(0, len(known), STATUS_PART_ENTRIES):
             entries = []
-            for r in range(lo, min(ws, lo + STATUS_PART_ENTRIES)):
+            for r in known[lo : lo + STATUS_PART_ENTRIES]:
                 steps = job.holders.get(r, {})
                 newest = max(steps, default=-1)
                 entries.append(pack({
@@ -74,3 +78,14 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
                 }))  # fmt: skip
             yield b"".join(entries)
         yield pack("round") + pack(None if job.round is None else job.round.status(now))
+
+
+def missing_ranges(known: list[int], world_size: int) -> list[list[int]]:
+    """The ranks below ``world_size`` not in ``known`` (sorted), as ``[first, last]`` ranges."""
+    out: list[list[int]] = []
+    start = 0
+    for r in [*known, world_size]:
+        if r > start:
+            out.append([start, r - 1])
+        start = r + 1
+    return out

@@ -155,9 +155,15 @@ class Sidecar:
 
         A request that cannot be decoded, or that ``handle`` refuses (ProtocolError, and the data plane's
         expected refusals), is answered with an Error naming why; any other failure is this sidecar's bug, logged
-        with its traceback and answered ``internal``. Either way the loop goes on.
+        with its traceback and answered ``internal``. Either way the loop goes on. Every
+        :data:`_FAIR_SHARE` requests it lets the other tasks run (a receive of a queued message does not), so
+        that a flood on one socket never starves the heartbeats, the replies or the other socket.
         """
+        handled = 0
         while True:
+            handled += 1
+            if handled % _FAIR_SHARE == 0:
+                await asyncio.sleep(0)
             frames = await pipe.recv()
             ident = frames[0]
             msg: Message | None = None
@@ -174,6 +180,10 @@ class Sidecar:
                 self.state.counters.errors += 1
                 log.exception("%s: a %s request failed", what, msg.TYPE if msg is not None else "malformed")
                 outbox.reply(ident, _error(msg, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+
+_FAIR_SHARE = 16
+"""Requests a socket's loop handles before it lets the sidecar's other tasks run."""
 
 
 def _error(about: Message | None, code: ErrorCode, text: str) -> Error:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgpack
 
+from snapshotd.coordinator.status import missing_ranges
+
 from .scenario import (
     T0,
     beat,
@@ -51,3 +53,23 @@ def test_status_document() -> None:
     plan(st, 0, "a")
     assert st.status(T0 + 3.0)["jobs"][0]["round"] == {
         "outcome": "asking", "step": -1, "asked": 1, "answered": 0, "age_s": None, "answer_s": None}
+
+
+def test_a_world_size_alone_never_lengthens_the_document() -> None:
+    """A plan request claiming a world size of a million for a new job listed a million ranks, and two of them
+    made the document too large to send at all: ranks no node reported are ranges now."""
+    st = make()
+    two_node_job(st)
+    plan(st, 0, "a", job="huge", world=1 << 20)
+    doc = st.status(T0 + 1.0)
+    huge = next(j for j in doc["jobs"] if j["job"] == "huge")
+    assert huge["world_size"] == 1 << 20 and huge["ranks"] == [] and huge["missing"] == [[0, (1 << 20) - 1]]
+    j = next(j for j in doc["jobs"] if j["job"] == "j")
+    assert [r["rank"] for r in j["ranks"]] == [0, 1] and j["missing"] == []
+    assert len(msgpack.packb(doc)) < 4096
+
+
+def test_missing_ranges() -> None:
+    assert missing_ranges([], 3) == [[0, 2]]
+    assert missing_ranges([0, 1, 2], 3) == []
+    assert missing_ranges([1, 4, 5], 8) == [[0, 0], [2, 3], [6, 7]]
