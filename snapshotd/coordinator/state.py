@@ -18,6 +18,7 @@ pass, runs in slices (see :mod:`.replication`); a plan request costs O(its ranks
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,7 +70,11 @@ class CoordinatorState:
         The same incarnation registering again (a lost reply, or a node declared dead that came back) keeps
         what the coordinator still has of it; a dead node's inventory was already dropped at expiry, and the
         sidecar reports everything in the heartbeat that follows its registration.
+
+        Raises:
+            ValueError: see :func:`check_registration` (nothing is recorded).
         """
+        check_registration(msg)
         known = self.membership.nodes.get(msg.node)
         if known is not None and known.incarnation != msg.incarnation:
             log.info("node %s restarted (incarnation %s -> %s): its old ranks and snapshots are gone",
@@ -134,3 +139,20 @@ class CoordinatorState:
         the first part is made."""
         counters = {"bad_messages": self.bad_messages, "heartbeats": self.heartbeats}
         yield from status_parts(self.cfg, self.membership, self.jobs, counters, self.started, now)
+
+
+_ENDPOINT = re.compile(r"^(tcp://[^\s/:]+:(?P<port>\d{1,5})|ipc://\S+|mem://\S+)$")
+
+
+def check_registration(msg: RegisterSidecar) -> None:
+    """Refuse a registration the coordinator could not use: an empty node name or incarnation, or a data
+    address other sidecars could not connect to (buddies are placed there).
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    if not msg.node or not msg.incarnation:
+        raise ValueError("a sidecar registers with a node name and an incarnation")
+    m = _ENDPOINT.match(msg.data_addr)
+    if m is None or (m.group("port") is not None and not 0 < int(m.group("port")) < 65536):
+        raise ValueError(f"node {msg.node}: data address {msg.data_addr!r} is not tcp://HOST:PORT, ipc:// or mem://")

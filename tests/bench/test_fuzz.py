@@ -1,6 +1,6 @@
 """The live fuzz, short: random and mutated messages at every live socket, and the daemons live on.
 
-``make fuzz`` sends a million messages to each socket; this sends a few thousand, with a fixed seed, and checks
+``make fuzz`` sends a million messages to each socket; this sends 15,000, with a fixed seed, and checks
 what the full run checks (see :mod:`snapshotd.bench.fuzz`).
 """
 
@@ -34,7 +34,7 @@ def test_the_mutator_draws_every_kind_of_message_and_the_same_from_the_same_seed
 @pytest.mark.timeout(240)
 def test_live_fuzz_of_every_socket_leaves_every_daemon_serving(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "fuzz.json"
-    status = main(["fuzz", "--messages", "4000", "--seed", "11", "--json", str(json_path), "--workdir",
+    status = main(["fuzz", "--messages", "15000", "--seed", "11", "--json", str(json_path), "--workdir",
                    str(tmp_path / "work")])  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0, out

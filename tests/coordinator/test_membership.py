@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     MemberQuery,
@@ -113,3 +115,18 @@ def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
     for n in "cdefgh":
         register_any(st, n, T0 + 6.2)
     assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s
+
+
+@pytest.mark.parametrize("node, data_addr, incarnation", [
+    ("", "tcp://a:1", "i1"), ("a", "tcp://a:1", ""), ("a", "fuzz-1", "i1"), ("a", "tcp://a", "i1"),
+    ("a", "tcp://a:99999", "i1"), ("a", "", "i1"), ("a", "udp://a:1", "i1"),
+])  # fmt: skip
+def test_a_registration_the_coordinator_could_not_use_is_refused(node: str, data_addr: str, incarnation: str) -> None:
+    """A node registered with an address no sidecar can connect to was placed as a buddy all the same, and
+    every snapshot streamed to it failed."""
+    st = make()
+    with pytest.raises(ValueError):
+        st.register(RegisterSidecar(node=node, data_addr=data_addr, incarnation=incarnation), T0)
+    assert not st.membership.nodes
+    for good in ("tcp://10.0.0.2:41000", "ipc:///tmp/x.data", "mem://b-data"):
+        st.register(RegisterSidecar(node="b", data_addr=good, incarnation="i1"), T0)
