@@ -28,7 +28,6 @@ from urllib.parse import urlsplit
 
 from snapshotd import proto
 from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
-from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
 from snapshotd.transport import Pipe, Role, Security, is_memory, open_network
@@ -188,8 +187,6 @@ _FAIR_SHARE = 16
 
 def _error(about: Message | None, code: ErrorCode, text: str) -> Error:
     """An Error reply about ``about`` (naming its job, rank and step where it has them)."""
-    if len(text) > MAX_TEXT_LEN:
-        text = text[: MAX_TEXT_LEN - 3] + "..."
     if about is None:
         return Error(code=code, message=text)
     return Error(job=about.job, code=code, message=text, rank=getattr(about, "rank", -1),

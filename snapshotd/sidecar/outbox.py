@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from snapshotd import proto
-from snapshotd.proto import Message
+from snapshotd.proto import Error, Message
+from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.transport import Pipe, TransportError
 
 from .node import Counters
@@ -35,6 +37,9 @@ class Outbox:
         self._queue: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue(maxsize=maxsize)
 
     def reply(self, ident: bytes, msg: Message) -> None:
+        """Queue ``msg`` for ``ident``; an Error's message is cut to what the protocol carries."""
+        if isinstance(msg, Error) and len(msg.message) > MAX_TEXT_LEN:
+            msg = dataclasses.replace(msg, message=msg.message[: MAX_TEXT_LEN - 3] + "...")
         try:
             self._queue.put_nowait((ident, msg))
         except asyncio.QueueFull:

@@ -90,7 +90,7 @@ class RestoreService:
             log.exception("restore of %s rank %d failed", req.job, req.rank,
                           extra=fields(req.job, req.rank, event="restore_failed"))  # fmt: skip
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.INTERNAL, rank=req.rank,
-                                           message=f"{type(exc).__name__}: {exc}"[:4000]))  # fmt: skip
+                                           message=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         finally:
             lr.awaiting_restore = False
             if self.state.rank(lr.job, lr.rank) is lr:
@@ -132,7 +132,7 @@ class RestoreService:
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 code = ErrorCode.CORRUPT if isinstance(exc, CorruptEverywhere) else ErrorCode.PULL_FAILED
                 self.outbox.reply(ident, Error(job=req.job, code=code, rank=req.rank, step=step,
-                                               message=str(exc)[:4000]))  # fmt: skip
+                                               message=str(exc)))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
         self._check_registered(lr)

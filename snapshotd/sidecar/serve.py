@@ -183,7 +183,7 @@ class ServeService:
         held.drop()
         self.state.counters.corrupt += 1
         log.error("%s; the copy is dropped", exc, extra=fields(job, rank, step, "copy_corrupt"))
-        self.outbox.reply(ident, Error(job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped"[:4000],
+        self.outbox.reply(ident, Error(job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped",
                                        rank=rank, step=step))  # fmt: skip
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:

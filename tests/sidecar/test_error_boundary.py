@@ -15,10 +15,22 @@ import pytest
 import zmq
 
 from snapshotd.local_cluster import LocalCluster
-from snapshotd.proto import Error, Message, PullManifest, RankRegistered, RegisterRank, decode, encode
+from snapshotd.proto import (
+    Error,
+    ErrorCode,
+    Message,
+    PullManifest,
+    RankRegistered,
+    RegisterRank,
+    decode,
+    encode,
+)
+from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.shm import SHM_DIR
 from snapshotd.sidecar import ingest
 from snapshotd.sidecar.config import SidecarConfig
+from snapshotd.sidecar.node import Counters
+from snapshotd.sidecar.outbox import Outbox
 
 from ..deployments import in_process_sidecar
 
@@ -87,3 +99,13 @@ def test_a_failing_request_is_answered_and_the_sidecar_keeps_serving(
             missing = peer.request(PullManifest(job=job, rank=0, step=3))  # the data plane answers as ever
             assert isinstance(missing, Error) and missing.code == "not_found", missing
     assert not [n for n in os.listdir(SHM_DIR) if tag in n], "the sidecar's arena outlived it"
+
+
+def test_an_error_reply_longer_than_the_protocol_carries_is_cut_not_dropped() -> None:
+    """An error text built from long parts (a peer's reason quoted in ours) broke the text limit at encoding,
+    and the reply was dropped: the asker waited for its timeout."""
+    outbox = Outbox(Counters(), timeout=1.0)
+    outbox.reply(b"peer", Error(job="j", code=ErrorCode.PLAN_TIMEOUT, message="no plan: " + "why " * 5000))
+    _, queued = outbox._queue.get_nowait()
+    assert isinstance(queued, Error) and len(queued.message) == MAX_TEXT_LEN and queued.message.endswith("...")
+    assert decode(encode(queued)) == queued
