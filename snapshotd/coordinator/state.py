@@ -141,7 +141,7 @@ class CoordinatorState:
         yield from status_parts(self.cfg, self.membership, self.jobs, counters, self.started, now)
 
 
-_ENDPOINT = re.compile(r"^(tcp://[^\s/:]+:(?P<port>\d{1,5})|ipc://\S+|mem://\S+)$")
+_ENDPOINT = re.compile(r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):(?P<port>\d{1,5})|ipc://\S+|mem://\S+)$")
 
 
 def check_registration(msg: RegisterSidecar) -> None:

@@ -119,7 +119,7 @@ def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
 
 @pytest.mark.parametrize("node, data_addr, incarnation", [
     ("", "tcp://a:1", "i1"), ("a", "tcp://a:1", ""), ("a", "fuzz-1", "i1"), ("a", "tcp://a", "i1"),
-    ("a", "tcp://a:99999", "i1"), ("a", "", "i1"), ("a", "udp://a:1", "i1"),
+    ("a", "tcp://a:99999", "i1"), ("a", "", "i1"), ("a", "udp://a:1", "i1"), ("a", "tcp://::1:7071", "i1"),
 ])  # fmt: skip
 def test_a_registration_the_coordinator_could_not_use_is_refused(node: str, data_addr: str, incarnation: str) -> None:
     """A node registered with an address no sidecar can connect to was placed as a buddy all the same, and
@@ -128,5 +128,6 @@ def test_a_registration_the_coordinator_could_not_use_is_refused(node: str, data
     with pytest.raises(ValueError):
         st.register(RegisterSidecar(node=node, data_addr=data_addr, incarnation=incarnation), T0)
     assert not st.membership.nodes
-    for good in ("tcp://10.0.0.2:41000", "ipc:///tmp/x.data", "mem://b-data"):
+    for good in ("tcp://10.0.0.2:41000", "tcp://node-7.cluster.local:7071", "tcp://[::1]:7071",
+                 "tcp://[fd00::2]:41000", "ipc:///tmp/x.data", "mem://b-data"):
         st.register(RegisterSidecar(node="b", data_addr=good, incarnation="i1"), T0)
