@@ -146,7 +146,7 @@ class Sidecar:
         host = self.cfg.advertise or parts.hostname or socket.gethostname()
         if host in ("0.0.0.0", "::", "*"):
             host = socket.gethostname()
-        return f"tcp://{host}:{parts.port}"
+        return f"tcp://[{host}]:{parts.port}" if ":" in host else f"tcp://{host}:{parts.port}"
 
     async def _serve(self, pipe: Pipe, outbox: Outbox, handle: Callable[[bytes, Message], None],
                      what: str) -> None:  # fmt: skip

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from snapshotd.logs import fields
 from snapshotd.proto import Heartbeat, HeartbeatReply, ProtocolError, RegisterSidecar
@@ -75,7 +74,7 @@ class ControlService:
                         log.info("registered with coordinator %s as %s", self.cfg.coordinator, self.state.node,
                                  extra=fields(event="registered"))  # fmt: skip
                     self._check_ranks()
-                    self._abort_idle_streams()
+                    self.serve.forget_vanished_streams()
                     changed.clear()  # a change from here on wakes the next heartbeat, even one made while this waits
                     report = self.state.report()
                     news = report != sent
@@ -93,8 +92,10 @@ class ControlService:
                     sent = report
                     interval = hb_reply.heartbeat_interval or interval  # stretched as the fleet grows
                     self._apply(hb_reply)
-                except (CoordinatorUnavailable, ProtocolError) as exc:
+                except CoordinatorUnavailable as exc:  # waited out: its next start is heard
                     log.debug("control plane: %s", exc)
+                except ProtocolError as exc:  # refused (a registration it cannot use): say so, ask again
+                    log.warning("the coordinator refused this sidecar: %s", exc)
                 except Exception:  # a bug in one round: the next round tries again, an interval later
                     self.state.counters.errors += 1
                     log.exception("control loop round failed")
@@ -109,13 +110,6 @@ class ControlService:
                 lr.mark_dead()
                 log.warning("rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
                             lr.rank, lr.job, lr.pid, extra=fields(lr.job, lr.rank, event="rank_died"))  # fmt: skip
-
-    def _abort_idle_streams(self) -> None:
-        """Give up incoming streams silent for twice the peer timeout: their senders gave up on them by then."""
-        for job, rank, step in self.state.store.abort_idle(time.monotonic() - 2 * self.cfg.request_timeout):
-            log.warning("the stream of %s rank %d step %d brought nothing for %.0f s: aborted", job, rank, step,
-                        2 * self.cfg.request_timeout, extra=fields(job, rank, step, "stream_idle"))  # fmt: skip
-        self.serve.forget_vanished_streams()
 
     def _apply(self, reply: HeartbeatReply) -> None:
         state = self.state

@@ -8,8 +8,9 @@ bytes (the checksum of each :class:`~snapshotd.proto.Chunk`, the ``digest`` of a
 :class:`~snapshotd.proto.StreamBegin`), checks the bytes against it on arrival, and keeps it unchanged: no
 holder ever computes a checksum of bytes it received. Before any byte leaves a holder (a pull it serves) or is
 loaded (a restore, from the rank's own slot, a replica on the node, or a pull), it is checked against the seal
-again, so bytes corrupted at rest, in flight or in shared memory are caught; a copy that fails is dropped and
-never served again.
+again, so bytes that change at rest, in flight or in shared memory after their checksum was taken are caught;
+a copy that fails is dropped and never served again. (A block of a slot that no stream has read yet gets its
+checksum when it is first served or restored: a change before that is sealed in.)
 """
 
 from __future__ import annotations

@@ -84,6 +84,14 @@ class LocalRank:
         if was_valid or state.valid:
             self.on_change()
 
+    def invalidate(self, index: int) -> None:
+        """Slot ``index`` no longer holds a copy (found corrupt). The same state object stays, with its
+        ``streaming`` and ``pins``, so the slot is not handed back to the client while something still reads it."""
+        s = self.slots[index]
+        if s.valid:
+            s.valid = False
+            self.on_change()
+
     def clear_slots(self) -> None:
         """Forget what every slot holds."""
         if any(s.valid for s in self.slots):

@@ -99,7 +99,8 @@ class NodeState:
         """The data-plane address other sidecars reach this one at (set once bound)."""
         self.changed = Signal()
         self.assigned = Signal()
-        self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire)
+        self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire,
+                                               idle_after=2 * cfg.request_timeout)  # fmt: skip
         self.ranks: dict[RankKey, LocalRank] = {}
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.counters = Counters()

@@ -167,7 +167,7 @@ class RestoreService:
         except CorruptCopy as exc:
             self._dropped(exc, lr.job, lr.rank, s.step)
             if lr.slots[index] is s:
-                lr.set_slot(index, SlotState())
+                lr.invalidate(index)
             return False
         finally:
             s.pins -= 1
@@ -217,7 +217,7 @@ class RestoreService:
                     land(start, part)
             except CorruptCopy as exc:  # what landed is overwritten by the pull below
                 self._dropped(exc, lr.job, lr.rank, step)
-                store.discard(lr.job, lr.rank, step)
+                store.discard(snap)
             else:
                 seal = Seal(snap.seal.block_bytes, snap.seal.digest, dict(snap.seal.sums))
                 lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,

@@ -157,8 +157,7 @@ class ServeService:
                 snap.exported = True
                 return snap.data.view(start, end)
 
-            return _Held(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap,
-                         lambda: store.discard(job, rank, step))  # fmt: skip
+            return _Held(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap, lambda: store.discard(snap))
         except UnknownSnapshot:
             lr = self.state.rank(job, rank)
             index = lr.find(step) if lr is not None else None
@@ -170,7 +169,7 @@ class ServeService:
 
             def drop() -> None:
                 if lr.slots[index] is s:
-                    lr.set_slot(index, SlotState())
+                    lr.invalidate(index)
 
             return _Held(s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop)
 

@@ -99,9 +99,8 @@ class BuddyStore(Protocol):
 
     def abort(self, job: str, rank: int, step: int) -> None: ...
 
-    def abort_idle(self, before: float) -> list[Key]: ...
 
-    def discard(self, job: str, rank: int, step: int) -> None: ...
+    def discard(self, snap: StoredSnapshot) -> None: ...
 
     def holds(self, job: str, rank: int, step: int) -> bool: ...
 
@@ -118,10 +117,14 @@ class SnapshotStore:
     Args:
         memory_limit: bytes the copies may take (spare buffers included).
         on_change: called whenever the set of complete copies changes (one completes, a complete one goes).
+        idle_after: seconds after which a stream that brings nothing gives its reservation up to a new one that
+            would not fit otherwise (its sender gave up on it by then).
     """
 
-    def __init__(self, memory_limit: int, on_change: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, memory_limit: int, on_change: Callable[[], None] = lambda: None,
+                 idle_after: float = 20.0) -> None:  # fmt: skip
         self.memory_limit = memory_limit
+        self.idle_after = idle_after
         self.on_change = on_change
         self._snaps: dict[Key, StoredSnapshot] = {}
         # Chunk buffers of dropped snapshots, by size, reused for decoded chunks: a fresh buffer costs the kernel
@@ -146,7 +149,8 @@ class SnapshotStore:
 
         Raises:
             ProtocolError: ``table`` and ``meta`` fail ``digest``.
-            MemoryLimitReached: the snapshot would not fit under the memory limit.
+            MemoryLimitReached: the snapshot would not fit under the memory limit, even after giving up the
+                reservations of streams idle for ``idle_after`` seconds.
         """
         seal = Seal(chunk_bytes, digest)
         if codec.blob_digest(table, meta) != digest:
@@ -159,6 +163,8 @@ class SnapshotStore:
             self._remove(key)
         need = data_bytes + len(table) + len(meta)
         self._shed_spares(self.used_bytes + self.spare_bytes + need - self.memory_limit)
+        if self.used_bytes + self.spare_bytes + need > self.memory_limit:
+            self.abort_idle(time.monotonic() - self.idle_after)
         if self.used_bytes + self.spare_bytes + need > self.memory_limit:
             raise MemoryLimitReached(
                 f"memory limit {self.memory_limit} B reached: holding {self.used_bytes} B, "
@@ -248,20 +254,23 @@ class SnapshotStore:
 
     def abort_idle(self, before: float) -> list[Key]:
         """Abort every incomplete, unpinned copy whose stream brought nothing since ``before``
-        (time.monotonic()): its sender gave up without a word, and its reservation would block real snapshots.
-        Returns their keys."""
+        (time.monotonic()): its sender gave up without a word, and its reservation would block real snapshots
+        (:meth:`begin` calls this when a new copy would not fit). Returns their keys."""
         idle = [k for k, s in self._snaps.items() if not s.complete and s.pins == 0 and s.touched < before]
         for key in idle:
+            log.warning("the stream of %s rank %d step %d brought nothing for %.0f s: its reservation goes to a "
+                        "new one", key[0], key[1], key[2], time.monotonic() - self._snaps[key].touched)  # fmt: skip
             self._remove(key)
         return idle
 
-    def discard(self, job: str, rank: int, step: int) -> None:
-        """Drop a copy found corrupt, complete or not, pinned or not: it is never served or reported again. Its
-        buffers are not reused (a pull being served may still be reading them)."""
-        snap = self._snaps.get((job, rank, step))
-        if snap is not None:
+    def discard(self, snap: StoredSnapshot) -> None:
+        """Drop ``snap``, a copy found corrupt, complete or not, pinned or not: it is never served or reported
+        again (a newer copy of the same key that took its place stays). Its buffers are not reused (a pull being
+        served may still be reading them)."""
+        key = (snap.job, snap.rank, snap.step)
+        if self._snaps.get(key) is snap:
             snap.exported = True
-            self._remove((job, rank, step))
+            self._remove(key)
 
     def holds(self, job: str, rank: int, step: int) -> bool:
         """Whether any copy, complete or still arriving, of ``(job, rank, step)`` is here."""

@@ -289,7 +289,8 @@ async def pull_snapshot(
         except* PlacementError as group:
             raise group.exceptions[0] from None
     if pending:
-        bad = sorted(i for todo in pending for i in todo if i in corrupt_from)
+        everywhere = {link.addr for link in links}
+        bad = sorted(i for todo in pending for i in todo if everywhere <= set(corrupt_from.get(i, ())))
         if bad:
             raise CorruptEverywhere(
                 f"chunk {bad[0]} of {what} failed its end-to-end checksum from every holder that sent it "

@@ -90,7 +90,8 @@ def test_hostile_registrations_leave_the_sidecar_and_its_node_alive(cluster: Clu
 @pytest.mark.timeout(60)
 def test_an_abandoned_stream_gives_its_memory_back(cluster: Cluster) -> None:
     """A peer that begins a stream as large as the memory limit and never sends a chunk held the reservation
-    forever, so every real snapshot was refused; now the stream is aborted after twice the peer timeout."""
+    forever, so every real snapshot was refused; after twice the peer timeout it gives the reservation up to a
+    new stream."""
     cluster.start("B", "--memory-limit", "1536KiB", "--peer-timeout", "0.5s")
     job = cluster.job("abandoned")
     table = encode_table([TensorEntry("x", "uint8", (1 << 20,), 0, 1 << 20)])

@@ -258,17 +258,18 @@ def test_decoded_chunks_of_a_dropped_snapshot_are_reused_and_shed_under_the_limi
     assert store.spare_bytes == 0 and store.used_bytes == 4 * CHUNK
 
 
-def test_idle_incomplete_copies_are_aborted_and_their_memory_freed() -> None:
-    """A stream begun and never continued would hold its reservation forever, refusing real snapshots."""
-    store = SnapshotStore(4 * CHUNK)
+def test_an_idle_stream_gives_its_reservation_up_to_one_that_would_not_fit() -> None:
+    """A stream begun and never continued held its reservation forever, refusing every real snapshot."""
+    store = SnapshotStore(4 * CHUNK, idle_after=30.0)
     begin(store, 1, 3 * CHUNK)  # never continued
     with pytest.raises(MemoryLimitReached):
-        begin(store, 2, 3 * CHUNK)
+        begin(store, 2, 3 * CHUNK)  # idle for less than idle_after: it may still come
     begin(store, 3, 0)  # complete at once: never idle
     store.get(JOB, 0, 1, complete=False).touched -= 60
-    assert store.abort_idle(time.monotonic() - 30) == [(JOB, 0, 1)]
+    begin(store, 2, 3 * CHUNK)  # fits now: step 1's stream gave its reservation up
     assert not store.holds(JOB, 0, 1) and store.holds(JOB, 0, 3)
-    begin(store, 2, 3 * CHUNK)  # fits again
-    put(store, 2, payload(3 * CHUNK, 12), 0)  # a chunk keeps the stream alive
+    put(store, 2, payload(3 * CHUNK, 12), 0)  # a chunk keeps a stream alive
+    assert store.abort_idle(time.monotonic() - 1) == []
+    store.get(JOB, 0, 2, complete=False).touched -= 60
     store.get(JOB, 0, 2, complete=False).pins += 1  # and so does a pull landing into it (re-replication)
-    assert store.abort_idle(time.monotonic() + 1) == []
+    assert store.abort_idle(time.monotonic() - 30) == []
