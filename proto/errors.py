@@ -102,7 +102,8 @@ class ErrorCode(enum.StrEnum):
     """The snapshot (or the stream of it) named by a data-plane request is not held here."""
 
     MEMORY_LIMIT = "memory_limit"
-    """The receiver refused a stream: keeping it would pass its ``--memory-limit``; the sender skips the step."""
+    """The receiver refused a stream: keeping it would pass its ``--memory-limit``; the sender skips the step.
+    On ipc, answering a registration: the node has no room for the rank's arena (the message says why)."""
 
     BAD_CHUNK = "bad_chunk"
     """A data-plane message the receiver refused: a chunk failing its checksum or its codec, outside its

@@ -35,7 +35,7 @@ from snapshotd.transport import Pipe, Role, Security, is_memory, open_network
 from .config import SidecarConfig
 from .control import CoordinatorClient
 from .heartbeat import ControlService
-from .ingest import IngestService, RankNotices
+from .ingest import ArenaRefused, IngestService, RankNotices
 from .node import NodeState
 from .outbox import Outbox
 from .pacer import Pacer
@@ -51,8 +51,10 @@ __all__ = ["Sidecar", "run_sidecar"]
 
 log = logging.getLogger(__name__)
 
-_DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND}
-"""Wire error codes of the data plane's expected refusals; any other ProtocolError is a bad chunk."""
+_DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND,
+                ArenaRefused: ErrorCode.MEMORY_LIMIT}  # fmt: skip
+"""Wire error codes of the expected refusals; any other ProtocolError is a bad chunk (data plane) or a bad
+message (ipc)."""
 
 
 class Sidecar:

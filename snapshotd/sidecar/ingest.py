@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 from snapshotd.logs import fields
 from snapshotd.proto import (
@@ -22,7 +23,7 @@ from snapshotd.proto import (
     SlotUpdate,
     UnregisterRank,
 )
-from snapshotd.shm import create_arena
+from snapshotd.shm import SHM_DIR, create_arena
 
 from .integrity import Seal
 from .local import LocalRank, SlotState
@@ -33,9 +34,16 @@ from .restore import RestoreService
 from .stream import StreamService
 from .tasks import TaskTree
 
-__all__ = ["IngestService", "RankNotices"]
+__all__ = ["MAX_LOCAL_RANKS", "ArenaRefused", "IngestService", "RankNotices"]
 
 log = logging.getLogger(__name__)
+
+MAX_LOCAL_RANKS = 4096
+"""Ranks one sidecar holds arenas for (a node runs a few; a peer registering without end is refused)."""
+
+
+class ArenaRefused(ProtocolError):
+    """A registration whose arena the node has no room for (answered ``memory_limit``)."""
 
 
 class RankNotices:
@@ -105,6 +113,7 @@ class IngestService:
         if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
             lr.revive(msg.pid, ident, msg.world_size)
         else:
+            self._check_room(msg, need * msg.slots, replacing=lr)
             if lr is not None:
                 self.state.drop_rank(lr)
             arena = create_arena(msg.job, msg.rank, need, msg.slots, node=self.state.node)
@@ -119,6 +128,25 @@ class IngestService:
             pid=os.getpid(),
         ))  # fmt: skip
         self.notices.slots(lr)
+
+    def _check_room(self, msg: RegisterRank, arena_bytes: int, replacing: LocalRank | None) -> None:
+        """Refuse an arena that would not fit: the node's arenas together may not pass the size of the shared
+        memory file system (its files are sparse, so creating one never fails; a process writing into a full
+        one is killed by SIGBUS), nor the node hold more than :data:`MAX_LOCAL_RANKS` ranks.
+
+        Raises:
+            ArenaRefused: naming the sizes, or the count.
+        """
+        others = [lr for lr in self.state.ranks.values() if lr is not replacing]
+        if len(others) >= MAX_LOCAL_RANKS:
+            raise ArenaRefused(f"this sidecar already holds {len(others)} ranks, its most (MAX_LOCAL_RANKS)")
+        held = sum(lr.arena.slot_bytes * lr.arena.slots for lr in others)
+        size = shutil.disk_usage(SHM_DIR).total
+        if held + arena_bytes > size:
+            raise ArenaRefused(
+                f"rank {msg.rank} of job {msg.job!r} needs an arena of {arena_bytes} B ({msg.slots} slots), and the "
+                f"node's arenas already take {held} B of the {size} B of {SHM_DIR}: enlarge {SHM_DIR} or snapshot less"
+            )
 
     def _unregister(self, job: str, rank: int) -> None:
         lr = self.state.rank(job, rank)

@@ -172,3 +172,23 @@ def _next(pipe: ThreadPipe, skip: type[Message] | None = None, timeout: float = 
         msg = decode(frames)
         if skip is None or not isinstance(msg, skip):
             return msg
+
+
+@pytest.mark.timeout(60)
+def test_an_arena_larger_than_shared_memory_is_refused_by_name() -> None:
+    """A registration for a terabyte per slot made a sparse arena the file system could never hold (the ipc
+    fuzz left the sidecar mapping 127 TB): a process writing into it would die of SIGBUS."""
+    job = f"room-{uuid.uuid4().hex[:6]}"
+    with InProcess() as dep:
+        pipe = connect_rank(dep.start_sidecar("A"))
+        try:
+            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=1 << 40)))
+            refused = _next(pipe)
+            assert isinstance(refused, Error) and refused.code == "memory_limit", refused
+            assert SHM_DIR in refused.message and "needs an arena of" in refused.message, refused.message
+            assert not [n for n in os.listdir(SHM_DIR) if job in n]
+            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096)))
+            assert isinstance(_next(pipe), RankRegistered)  # and a real one fits
+            pipe.send_nowait(encode(UnregisterRank(job=job, rank=0)))
+        finally:
+            pipe.close()
