@@ -1,16 +1,15 @@
 """End-to-end integrity of a copy: the seal every holder keeps beside a snapshot's bytes.
 
 A snapshot's bytes are cut into blocks of ``block_bytes`` (the announcing sidecar's chunk size). Each block's
-xxh3-64 is taken once, where the bytes are first read: by the rank's own sidecar, as it streams the slot the rank
-announced (or, for a block no stream reached, when the slot is first served or restored). The digest of the
+xxh3-64 is taken once, by the rank's own sidecar, right after the rank announced the slot (in a worker thread,
+or by the stream to a buddy for a block it reaches first). The digest of the
 tensor table and meta blob is taken when the rank announces them. Every other holder gets the seal with the
 bytes (the checksum of each :class:`~snapshotd.proto.Chunk`, the ``digest`` of a
 :class:`~snapshotd.proto.StreamBegin`), checks the bytes against it on arrival, and keeps it unchanged: no
 holder ever computes a checksum of bytes it received. Before any byte leaves a holder (a pull it serves) or is
 loaded (a restore, from the rank's own slot, a replica on the node, or a pull), it is checked against the seal
 again, so bytes that change at rest, in flight or in shared memory after their checksum was taken are caught;
-a copy that fails is dropped and never served again. (A block of a slot that no stream has read yet gets its
-checksum when it is first served or restored: a change before that is sealed in.)
+a copy that fails is dropped and never served again.
 """
 
 from __future__ import annotations
@@ -33,7 +32,8 @@ class CorruptCopy(Exception):
 
 @dataclasses.dataclass(slots=True)
 class Seal:
-    """The checksums of one copy: the blobs' digest and each block's xxh3-64 (filled as blocks are first read)."""
+    """The checksums of one copy: the blobs' digest and each block's xxh3-64 (filled in once, see the module
+    docstring)."""
 
     block_bytes: int
     digest: int
@@ -53,6 +53,14 @@ class Seal:
         if value is None:
             value = self.sums[index] = checksum(view)
         return value
+
+    def fill(self, data: memoryview) -> None:
+        """Take the checksum of every block of ``data`` that has none yet (from a worker thread: the event loop
+        may take some of the same at once, alike)."""
+        size = self.block_bytes
+        for index in self.blocks(data.nbytes):
+            if index not in self.sums:
+                self.sums[index] = checksum(data[index * size : (index + 1) * size])
 
     def check_blobs(self, table: bytes | memoryview, meta: bytes | memoryview, what: str) -> None:
         """Raises CorruptCopy: ``table`` and ``meta`` are not the blobs this seal was made for."""

@@ -124,15 +124,17 @@ class RestoreService:
         step = plan.step
         index = lr.find(step)
         source, pulled, direct = "local", 0, False
-        if index is not None and not await self._intact(lr, index):
+        local_corrupt = index is not None and not await self._intact(lr, index)
+        if local_corrupt:
             index = None
         if index is None:
             try:
                 index, pulled, direct = await self._fetch(lr, step, plan.sources, req)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
-                code = ErrorCode.CORRUPT if isinstance(exc, CorruptEverywhere) else ErrorCode.PULL_FAILED
-                self.outbox.reply(ident, Error(job=req.job, code=code, rank=req.rank, step=step,
-                                               message=str(exc)))  # fmt: skip
+                corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
+                why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
+                self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
+                                               rank=req.rank, step=step, message=why))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
         self._check_registered(lr)

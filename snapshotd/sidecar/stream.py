@@ -74,15 +74,18 @@ class StreamService:
         me = asyncio.current_task()
         mine: dict[str, asyncio.Task[None]] = {}
         try:
+            data = lr.arena.slot(index)[: s.data_bytes]
+            seal = s.seal
+            assert seal is not None  # every announced slot has one
+            # the slot's checksums, taken now in a worker thread whether or not a buddy ever takes it (the sends
+            # below take any block's that is not in yet themselves, alike)
+            self.tasks.spawn(asyncio.to_thread(seal.fill, data), f"checksums of {lr.job} rank {lr.rank} step {s.step}")
             # a rank that just registered gets its buddies with the next heartbeat reply
             buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
-            data = lr.arena.slot(index)[: s.data_bytes]
             prev = lr.previous(index)
             base = None
             if prev is not None and lr.slots[prev].table == s.table:
                 base = (lr.slots[prev].step, lr.arena.slot(prev)[: s.data_bytes])
-            seal = s.seal
-            assert seal is not None  # every announced slot has one
             took: set[str] = set()
 
             async def one(addr: str) -> None:

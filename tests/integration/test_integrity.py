@@ -269,3 +269,25 @@ def test_a_stream_whose_blobs_fail_their_digest_is_refused() -> None:
             store.begin("j", 0, 1, src_node="X", data_bytes=10, chunk_bytes=4096, table=b"t", meta=b"m",
                         digest=blob_digest(b"t", b"m") ^ 1)  # fmt: skip
         assert not store.holds("j", 0, 1)
+
+
+def test_a_ranks_only_copy_found_corrupt_in_its_shared_memory_is_an_integrity_error() -> None:
+    """A one-node job: the rank's own slot is its only copy; a flipped bit there is IntegrityError, not a
+    failed pull, and nothing is loaded."""
+    job = f"only-{uuid.uuid4().hex[:6]}"
+    with InProcess(chunk_bytes=4096) as dep:
+        ipc = dep.start_sidecar("A")
+        state = _state(0, 1)
+        snap = Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block")
+        assert snap.restore(timeout=30) == 0
+        assert snap.capture(1)
+        snap.wait(30)  # no buddy on a one-node job: the step stays in the rank's own slot only
+        snap.close(unregister=False)
+        lr = dep.sidecars["A"].state.rank(job, 0)
+        assert lr is not None and (index := lr.find(1)) is not None
+        lr.arena.slot(index)[4096 * 3 + 5] ^= 0x02
+        restored = {"w": torch.zeros(FLOATS), "loop": {}}
+        with (Snapshotter(restored, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10) as again,
+              pytest.raises(IntegrityError, match="own copy failed its end-to-end checksum")):  # fmt: skip
+            again.restore(timeout=30)
+        assert torch.equal(restored["w"], torch.zeros(FLOATS))
