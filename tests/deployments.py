@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from typing import Any
 
+from snapshotd.client import Snapshotter
 from snapshotd.coordinator.config import CoordinatorConfig
 from snapshotd.coordinator.server import run_coordinator
 from snapshotd.local_cluster import LocalCluster
@@ -25,7 +27,8 @@ from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.daemon import Sidecar
 from snapshotd.status import fetch_status
 
-__all__ = ["Deployment", "InProcess", "LoopThread", "Processes", "in_process_sidecar"]
+__all__ = ["Deployment", "InProcess", "LoopThread", "Processes", "in_process_sidecar", "restore_all",
+           "snapshot_then_crash"]
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.5
@@ -179,3 +182,36 @@ class Processes(Deployment):
 
     def close(self) -> None:
         self.cluster.close()
+
+
+def restore_all(snaps: list[Snapshotter], timeout: float = 60.0) -> list[int | BaseException]:
+    """Every rank restores at once, as a restarted job's ranks do (the plan answers when all have asked): each
+    rank's step, or what its ``restore()`` raised."""
+
+    def one(snap: Snapshotter) -> int | BaseException:
+        try:
+            return snap.restore(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(snaps)) as pool:
+        return list(pool.map(one, snaps))
+
+
+def snapshot_then_crash(ipcs: Mapping[int, str], job: str, steps: int, state: Callable[[int, int], dict]) -> None:
+    """Ranks 0 and 1 of ``job`` (on the sidecars at ``ipcs[rank]``) start fresh and snapshot steps 1..``steps``,
+    each complete on its buddies, then crash: their sidecars keep everything. ``state(rank, step)`` is the
+    rank's state after ``step``: a tensor ``w`` and a dict ``loop``."""
+    states = [state(r, 0) for r in (0, 1)]
+    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10, when_busy="block")
+             for r in (0, 1)]  # fmt: skip
+    assert restore_all(snaps) == [0, 0]  # a fresh job
+    for step in range(1, steps + 1):
+        for r in (0, 1):
+            now = state(r, step)
+            states[r]["w"].copy_(now["w"])
+            states[r]["loop"].update(now["loop"])
+            assert snaps[r].capture(step)
+        assert all(s.wait(30) for s in snaps), [s.stats for s in snaps]
+    for s in snaps:
+        s.close(unregister=False)

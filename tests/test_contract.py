@@ -10,7 +10,6 @@ in-memory transport: fast, and deterministic where it waits) and on :class:`~tes
 
 from __future__ import annotations
 
-import concurrent.futures
 import uuid
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from snapshotd.client import Snapshotter
 
-from .deployments import Deployment, InProcess, Processes
+from .deployments import Deployment, InProcess, Processes, restore_all, snapshot_then_crash
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -30,27 +29,10 @@ def _state(rank: int, step: int) -> dict:
     return {"w": torch.randn(50_000, generator=gen), "loop": {"step": step, "note": f"rank {rank}"}}
 
 
-def _restore_all(snaps: list[Snapshotter]) -> list[int]:
-    """Every rank restores at once, as a restarted job's ranks do (the plan answers when all have asked)."""
-    with concurrent.futures.ThreadPoolExecutor(len(snaps)) as pool:
-        return list(pool.map(lambda s: s.restore(timeout=60), snaps))
-
-
 def recovery_story(dep: Deployment) -> None:
     job = f"contract-{uuid.uuid4().hex[:6]}"
     nodes = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
-    states = [_state(r, 0) for r in (0, 1)]
-    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=nodes[r], timeout=10,
-                         when_busy="block") for r in (0, 1)]  # fmt: skip
-    assert _restore_all(snaps) == [0, 0]  # a fresh job
-    for step in range(1, STEPS + 1):
-        for r in (0, 1):
-            states[r]["w"].copy_(_state(r, step)["w"])
-            states[r]["loop"]["step"] = step
-            assert snaps[r].capture(step)
-        assert all(s.wait(30) for s in snaps), [s.stats for s in snaps]
-    for s in snaps:  # the ranks crash: their snapshots stay with their sidecars
-        s.close(unregister=False)
+    snapshot_then_crash(nodes, job, STEPS, _state)
 
     dep.lose_node("B")
     dep.wait_dead("B")
@@ -59,7 +41,7 @@ def recovery_story(dep: Deployment) -> None:
     snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=nodes[r], timeout=10)
              for r in (0, 1)]  # fmt: skip
     try:
-        assert _restore_all(snaps) == [STEPS, STEPS]
+        assert restore_all(snaps) == [STEPS, STEPS]
         assert snaps[0].restored["source"] == "local"
         assert snaps[1].restored["source"] in ("replica", "pull")
         for r in (0, 1):

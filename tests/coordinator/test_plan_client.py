@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -79,6 +80,48 @@ def _ask(rank: int, world: int = WORLD) -> PlanRequest:
     return PlanRequest(job="j", rank=rank, world_size=world, node="a")
 
 
+@dataclasses.dataclass(slots=True)
+class _Scripted:
+    """A scripted coordinator (a real ROUTER the test drives) and a CoordinatorClient connected to it."""
+
+    router: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    client: CoordinatorClient
+    tasks: TaskTree
+
+    def run(self, body: Callable[[], Awaitable[None]]) -> None:
+        """Run ``body`` with the client's plan pump in a task tree, as in the sidecar."""
+
+        async def main() -> None:
+            async with asyncio.TaskGroup() as group:
+                self.tasks.attach(group)
+                await body()
+                self.tasks.cancel_all()
+
+        asyncio.run(main())
+
+
+@pytest.fixture
+def scripted() -> Iterator[_Scripted]:
+    """A :class:`_Scripted`, with a monitor of the ROUTER's handshakes; everything is closed after the test."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    network = ZmqNetwork(Security())
+    tasks = TaskTree(Counters())
+    client = CoordinatorClient(network, f"tcp://127.0.0.1:{port}", tasks=tasks)
+    try:
+        yield _Scripted(router, monitor, client, tasks)
+    finally:
+        client.close()
+        network.close()
+        monitor.close(linger=0)
+        router.close(linger=0)
+        ctx.destroy(linger=0)
+
+
 def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(coordinator: Coordinator) -> None:
     times: dict[int, float] = {}
 
@@ -105,19 +148,12 @@ def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(
     asyncio.run(_with_node(coordinator.endpoint, body))
 
 
-def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
+def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _Scripted) -> None:
     """A scripted coordinator (a real ROUTER) sees the requests: one for the ranks asking at once, then one
     for every rank still waiting when another joins; one reply answers each rank's own call. The plan socket is
     connected before the first call and replaced after the last: a reply to the replaced request, sent late,
     never reaches the next call."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    monitor = router.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    network = ZmqNetwork(Security())
-    tasks = TaskTree(Counters())
-    client = CoordinatorClient(network, f"tcp://127.0.0.1:{port}", tasks=tasks)
+    router, monitor, client = scripted.router, scripted.monitor, scripted.client
 
     async def handshakes(count: int) -> None:
         async with asyncio.timeout(TIMEOUT):
@@ -131,12 +167,6 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
         msg = decode(frames[1:])
         assert isinstance(msg, PlanRequest)
         return frames[:1], msg
-
-    async def main() -> None:
-        async with asyncio.TaskGroup() as group:  # the client's plan pump runs in it, as in the sidecar's tree
-            tasks.attach(group)
-            await calls_and_replies()
-            tasks.cancel_all()
 
     async def calls_and_replies() -> None:
         await handshakes(2)  # the heartbeat and plan sockets, before any plan is asked for
@@ -170,14 +200,7 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply() -> None:
         async with asyncio.timeout(TIMEOUT):
             assert (await call).step == 9
 
-    try:
-        asyncio.run(main())
-    finally:
-        client.close()
-        network.close()
-        monitor.close(linger=0)
-        router.close(linger=0)
-        ctx.destroy(linger=0)
+    scripted.run(calls_and_replies)
 
 
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)
@@ -192,17 +215,11 @@ def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(
 
 
 @pytest.mark.timeout(30)
-def test_a_refusal_naming_no_job_fails_the_call_and_the_plan_reader_goes_quiet() -> None:
+def test_a_refusal_naming_no_job_fails_the_call_and_the_plan_reader_goes_quiet(scripted: _Scripted) -> None:
     """A coordinator that refuses a request without naming its job (it could not read it) fails every waiting
     call. The plan reader then has no rank to ask for: it waits for replies instead of asking again in a loop
     that never yields (which once spun at 100% CPU, starving the sidecar's other tasks and its SIGTERM)."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    network = ZmqNetwork(Security())
-    tasks = TaskTree(Counters())
-    client = CoordinatorClient(network, f"tcp://127.0.0.1:{port}", tasks=tasks)
+    router, client = scripted.router, scripted.client
 
     async def refuse_and_watch() -> None:
         call = asyncio.ensure_future(client.plan(_ask(2), time.monotonic() + TIMEOUT))
@@ -215,16 +232,4 @@ def test_a_refusal_naming_no_job_fails_the_call_and_the_plan_reader_goes_quiet()
         assert client._pump is None and not client._groups  # the reader stopped with the last call
         assert not await router.poll(200)  # and nothing was asked again
 
-    async def main() -> None:
-        async with asyncio.TaskGroup() as group:
-            tasks.attach(group)
-            await refuse_and_watch()
-            tasks.cancel_all()
-
-    try:
-        asyncio.run(main())
-    finally:
-        client.close()
-        network.close()
-        router.close(linger=0)
-        ctx.destroy(linger=0)
+    scripted.run(refuse_and_watch)

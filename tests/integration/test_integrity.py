@@ -10,8 +10,8 @@ blocks and a pull stripes several ranges of them across its holders.
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -24,7 +24,7 @@ from snapshotd.proto import blob_digest, checksum
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.transport import MEMORY
 
-from ..deployments import InProcess
+from ..deployments import InProcess, restore_all, snapshot_then_crash
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -35,36 +35,6 @@ FLOATS = 300_000  # 1.2 MB: 293 blocks of 4 KiB, five pull ranges
 def _state(rank: int, step: int) -> dict:
     gen = torch.Generator().manual_seed(rank * 1000 + step)
     return {"w": torch.randn(FLOATS, generator=gen), "loop": {"step": step}}
-
-
-def _restore_all(snaps: list[Snapshotter]) -> list[int | BaseException]:
-    """Every rank restores at once, as a restarted job's ranks do; each rank's step, or what it raised."""
-
-    def one(s: Snapshotter) -> int | BaseException:
-        try:
-            return s.restore(timeout=30)
-        except Exception as exc:  # noqa: BLE001 - returned to the test
-            return exc
-
-    with concurrent.futures.ThreadPoolExecutor(len(snaps)) as pool:
-        return list(pool.map(one, snaps))
-
-
-def _snapshot_steps(ipcs: dict[int, str], job: str) -> None:
-    """Ranks 0 and 1 snapshot steps 1..STEPS, each complete on its buddies, then crash (their sidecars keep
-    everything)."""
-    states = [_state(r, 0) for r in (0, 1)]
-    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10, when_busy="block")
-             for r in (0, 1)]  # fmt: skip
-    assert _restore_all(snaps) == [0, 0]
-    for step in range(1, STEPS + 1):
-        for r in (0, 1):
-            states[r]["w"].copy_(_state(r, step)["w"])
-            states[r]["loop"]["step"] = step
-            assert snaps[r].capture(step)
-        assert all(s.wait(30) for s in snaps), [s.stats for s in snaps]
-    for s in snaps:
-        s.close(unregister=False)
 
 
 def _restart(ipcs: dict[int, str], job: str) -> tuple[list[dict], list[Snapshotter]]:
@@ -113,7 +83,7 @@ def test_a_bit_flipped_in_the_ranks_own_shared_memory_is_caught_and_the_step_pul
     job = f"shm-{uuid.uuid4().hex[:6]}"
     with InProcess(chunk_bytes=4096) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
-        _snapshot_steps(ipcs, job)
+        snapshot_then_crash(ipcs, job, STEPS, _state)
         a = dep.sidecars["A"].state
         lr = a.rank(job, 0)
         assert lr is not None
@@ -123,7 +93,7 @@ def test_a_bit_flipped_in_the_ranks_own_shared_memory_is_caught_and_the_step_pul
 
         restored, snaps = _restart(ipcs, job)
         try:
-            assert _restore_all(snaps) == [STEPS, STEPS]
+            assert restore_all(snaps, timeout=30) == [STEPS, STEPS]
             assert snaps[0].restored["source"] == "pull", snaps[0].restored  # not the corrupt local copy
             assert snaps[1].restored["source"] == "local"
             for r in (0, 1):
@@ -143,7 +113,7 @@ def test_a_bit_flipped_in_a_buddys_stored_copy_is_caught_and_its_chunks_come_fro
     with InProcess(chunk_bytes=4096, replicas=2) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         dep.start_sidecar("C")
-        _snapshot_steps(ipcs, job)
+        snapshot_then_crash(ipcs, job, STEPS, _state)
         b = dep.sidecars["B"].state
         assert _flip_every_block(dep, "B", job, 0, STEPS) > 64  # more than one pull range: B is asked for one
         dep.lose_node("A")
@@ -152,7 +122,7 @@ def test_a_bit_flipped_in_a_buddys_stored_copy_is_caught_and_its_chunks_come_fro
 
         restored, snaps = _restart(ipcs, job)
         try:
-            assert _restore_all(snaps) == [STEPS, STEPS]
+            assert restore_all(snaps, timeout=30) == [STEPS, STEPS]
             assert snaps[0].restored["source"] == "pull"
             for r in (0, 1):
                 _assert_step(restored[r], r)
@@ -168,7 +138,7 @@ def test_when_no_copy_is_good_the_restore_names_rank_step_and_chunk() -> None:
     job = f"none-{uuid.uuid4().hex[:6]}"
     with InProcess(chunk_bytes=4096) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
-        _snapshot_steps(ipcs, job)
+        snapshot_then_crash(ipcs, job, STEPS, _state)
         _flip_every_block(dep, "B", job, 0, STEPS)  # rank 0's only copy once A is gone
         dep.lose_node("A")
         dep.wait_dead("A")
@@ -176,7 +146,7 @@ def test_when_no_copy_is_good_the_restore_names_rank_step_and_chunk() -> None:
 
         restored, snaps = _restart(ipcs, job)
         try:
-            outcome = _restore_all(snaps)
+            outcome = restore_all(snaps, timeout=30)
             assert outcome[1] == STEPS
             error = outcome[0]
             assert isinstance(error, IntegrityError), error
@@ -213,7 +183,11 @@ def test_a_bit_flipped_in_a_streamed_chunk_never_makes_a_copy(tamper: None) -> N
             assert snap.capture(1)
             assert not snap.wait(30) and flipped.is_set()  # step 1 did not reach its buddy
             assert snap.stats.failed == 1 and "xxh3" in snap.stats.last_error, snap.stats
-            assert not dep.sidecars["B"].state.store.holds(job, 0, 1)
+            b = dep.sidecars["B"].state.store  # the sender's abort of the stream reaches B on B's own thread
+            deadline = time.monotonic() + 10
+            while b.holds(job, 0, 1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not b.holds(job, 0, 1)
             state["w"].add_(1.0)
             assert snap.capture(2) and snap.wait(30)
             held = dep.sidecars["B"].state.store.get(job, 0, 2)
@@ -243,14 +217,14 @@ def test_a_bit_flipped_in_a_pulled_chunk_is_caught_and_the_chunk_taken_from_anot
     with InProcess(chunk_bytes=4096, replicas=2) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         dep.start_sidecar("C")
-        _snapshot_steps(ipcs, job)
+        snapshot_then_crash(ipcs, job, STEPS, _state)
         dep.lose_node("A")
         dep.wait_dead("A")
         ipcs[0] = dep.start_sidecar("D")
         MEMORY.tamper = flip_first_pulled_chunk
         restored, snaps = _restart(ipcs, job)
         try:
-            assert _restore_all(snaps) == [STEPS, STEPS]
+            assert restore_all(snaps, timeout=30) == [STEPS, STEPS]
             assert flipped  # a holder's chunk was changed on its way
             for r in (0, 1):
                 _assert_step(restored[r], r)
