@@ -202,7 +202,8 @@ class StreamBegin(Message):
     ``window``: the sender's credit (unacknowledged chunks it keeps in flight); 0 asks for an ack per chunk.
     ``digest``: :func:`~snapshotd.proto.codec.blob_digest` of ``table`` and ``meta``, taken when the rank
     announced the snapshot and carried unchanged by every holder since. ``chunk_bytes`` is the snapshot's block
-    size: each :class:`Chunk`'s ``checksum`` covers one block, in streams and pulls alike.
+    size: each :class:`Chunk`'s ``checksum`` covers one block, in streams and pulls alike. ``stream``: a number
+    the sender draws for this stream (0: none), so that a receiver told twice of one stream keeps what arrived.
     """
 
     TYPE: ClassVar[str] = "stream_begin"
@@ -214,6 +215,7 @@ class StreamBegin(Message):
     chunk_bytes: int = spec_field(Int(L.MIN_CHUNK_BYTES, L.MAX_CHUNK_BYTES))
     window: int = spec_field(Int(0, 1024), default=0)
     digest: int = spec_field(Int(0, (1 << 64) - 1))
+    stream: int = spec_field(Int(0, (1 << 62) - 1), default=0)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
@@ -340,6 +342,9 @@ class Heartbeat(Message):
     bytes_out: int = spec_field(Int(0, 1 << 62), default=0)
     bytes_in: int = spec_field(Int(0, 1 << 62), default=0)
     stored_bytes: int = spec_field(Int(0, 1 << 62), default=0)
+    seq: int = spec_field(Int(0, 1 << 62), default=0)
+    """The sidecar's count of heartbeats sent; the reply echoes it, so a late reply is never taken for a newer
+    heartbeat's."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -356,6 +361,8 @@ class HeartbeatReply(Message):
     watermarks: tuple[Watermark, ...] = spec_field(ListOf(Record(Watermark), L.MAX_LIST_ITEMS), factory=tuple)
     tasks: tuple[ReplicateTask, ...] = spec_field(ListOf(Record(ReplicateTask), 4096), factory=tuple)
     heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0)
+    seq: int = spec_field(Int(0, 1 << 62), default=0)
+    """The ``seq`` of the heartbeat answered."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,9 +109,14 @@ class Deployment(abc.ABC):
     def close(self) -> None: ...
 
     def wait_dead(self, node: str, timeout: float = 15.0) -> None:
-        """Wait until the coordinator has declared ``node`` dead."""
+        """Wait until the coordinator has declared ``node`` dead (a status request that goes unanswered, as one
+        whose message a fault dropped, is asked again)."""
         deadline = time.monotonic() + timeout
-        while not any(n["node"] == node and not n["alive"] for n in fetch_status(self.coordinator, secret=None)["nodes"]):
+        while True:
+            with contextlib.suppress(TimeoutError):
+                nodes = fetch_status(self.coordinator, secret=None, timeout=1.0)["nodes"]
+                if any(n["node"] == node and not n["alive"] for n in nodes):
+                    return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the coordinator did not declare {node} dead within {timeout:.0f} s")
             time.sleep(0.05)
@@ -126,9 +131,10 @@ class Deployment(abc.ABC):
 class InProcess(Deployment):
     """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring)."""
 
-    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0) -> None:
         self.tag = uuid.uuid4().hex[:8]
         self.chunk_bytes = chunk_bytes
+        self.request_timeout = request_timeout
         cfg = CoordinatorConfig(bind=f"mem://coordinator-{self.tag}", replicas=replicas,
                                 heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
         self._coordinator = LoopThread("coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop))
@@ -139,7 +145,8 @@ class InProcess(Deployment):
 
     def start_sidecar(self, node: str) -> str:
         cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=f"mem://{node}-{self.tag}-ipc",
-                            data_bind=f"mem://{node}-{self.tag}-data", nice=0, chunk_bytes=self.chunk_bytes)  # fmt: skip
+                            data_bind=f"mem://{node}-{self.tag}-data", nice=0, chunk_bytes=self.chunk_bytes,
+                            request_timeout=self.request_timeout)  # fmt: skip
         stack = contextlib.ExitStack()
         self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack

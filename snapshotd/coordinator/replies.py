@@ -38,6 +38,7 @@ class HeartbeatReplies:
         self._watermarks: dict[str, tuple[Watermark, bytes]] = {}  # job -> (value, item piece)
         self._scalars: dict[tuple[str, type, Any], bytes] = {}  # (field, type, value) -> piece
         self._frames: dict[str, tuple[HeartbeatReply, bytes]] = {}  # node -> (last reply, its frame)
+        self._no_seq = self._packer.piece("seq", 0)  # how a frame of pieces ends: ``seq`` is the last field
 
     def frame(self, node: str, reply: HeartbeatReply) -> bytes | None:
         """``encode(reply)[0]``, or None for a reply not worth caching (``known`` false, or carrying tasks).
@@ -47,6 +48,10 @@ class HeartbeatReplies:
         """
         if not reply.known or reply.tasks:
             return None
+        return self._frame(node, reply)[: -len(self._no_seq)] + self._packer.piece("seq", reply.seq)
+
+    def _frame(self, node: str, reply: HeartbeatReply) -> bytes:
+        """The frame of ``reply`` with ``seq`` at its default (the last field, replaced per reply)."""
         last = self._frames.get(node)
         if last is not None and _same(last[0], reply):  # nothing moved since this node's last reply
             return last[1]

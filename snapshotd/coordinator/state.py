@@ -97,7 +97,7 @@ class CoordinatorState:
         self.heartbeats += 1
         node = self.membership.nodes.get(msg.node)
         if node is None or not node.alive or node.incarnation != msg.incarnation:
-            return HeartbeatReply(known=False)
+            return HeartbeatReply(known=False, seq=msg.seq)
         self._reports.check(msg)
         self.membership.seen(node, now)
         node.measure(msg, now)
@@ -113,6 +113,7 @@ class CoordinatorState:
             watermarks=tuple(self.jobs[j].publish() for j in node.jobs),
             tasks=tuple(tasks),
             heartbeat_interval=interval if tell else 0.0,
+            seq=msg.seq,
         )
 
     def expire(self, now: float) -> None:

@@ -136,7 +136,22 @@ class CoordinatorClient:
         return reply
 
     async def heartbeat(self, msg: Heartbeat, timeout: float) -> HeartbeatReply:
-        reply = await self._request(self._hb, msg, timeout)
+        """The coordinator's reply to ``msg``: replies to earlier heartbeats (answered late, or twice) are
+        dropped, never taken for this one's.
+
+        Raises:
+            CoordinatorUnavailable: no reply to ``msg`` within ``timeout``.
+            ProtocolError: the coordinator refused it or answered something else.
+        """
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await self._request(self._hb, msg, timeout)
+                while isinstance(reply, HeartbeatReply) and reply.seq != msg.seq:
+                    reply = decode(await self._hb.recv(copy=True))
+        except TimeoutError as exc:
+            raise self._timed_out(timeout) from exc
+        if isinstance(reply, Error):
+            raise ProtocolError(f"coordinator refused heartbeat: {reply.message}")
         if not isinstance(reply, HeartbeatReply):
             raise ProtocolError(f"coordinator answered {reply.TYPE} to heartbeat")
         self._warned = False

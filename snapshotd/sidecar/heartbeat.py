@@ -6,6 +6,8 @@ or went). It carries the ranks and the inventory of complete copies only when th
 acknowledged heartbeat carried. Each reply brings the buddy assignments (a stream to a sidecar no longer
 assigned stops), each job's watermarks (buddy copies below the durable step D, or of steps no restore can use,
 are dropped, and a rank whose held slots are no longer needed gets them back), and re-replication tasks.
+A heartbeat not answered within two intervals (half a second at least) is followed at once by the next, so one
+lost message costs the node's liveness at most that long.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class ControlService:
         interval = self.cfg.heartbeat_interval
         registered = False
         sent: tuple[object, ...] | None = None  # what the last acknowledged heartbeat reported
+        seq = 0  # heartbeats sent (each reply echoes its heartbeat's)
         with self.state.changed.subscribe() as changed:
             while True:
                 try:
@@ -79,13 +82,14 @@ class ControlService:
                     report = self.state.report()
                     news = report != sent
                     counters = self.state.counters
+                    seq += 1
                     hb = Heartbeat(
                         node=self.state.node, incarnation=self.state.incarnation, changed=news,
                         ranks=report[0] if news else (), inventory=report[1] if news else (),
                         bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
-                        stored_bytes=self.state.store.used_bytes,
+                        stored_bytes=self.state.store.used_bytes, seq=seq,
                     )  # fmt: skip
-                    hb_reply = await self.control.heartbeat(hb, timeout=max(1.0, 4 * interval))
+                    hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))
                     if not hb_reply.known:
                         registered = False
                         continue
@@ -94,6 +98,8 @@ class ControlService:
                     self._apply(hb_reply)
                 except CoordinatorUnavailable as exc:  # waited out: its next start is heard
                     log.debug("control plane: %s", exc)
+                    if registered:
+                        continue  # a heartbeat or its reply was lost: the next goes at once, so liveness holds
                 except ProtocolError as exc:  # refused (a registration it cannot use): say so, ask again
                     log.warning("the coordinator refused this sidecar: %s", exc)
                 except Exception:  # a bug in one round: the next round tries again, an interval later

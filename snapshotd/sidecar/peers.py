@@ -45,7 +45,7 @@ class PeerLink:
         self.pipe = pipe
         self.addr = addr
         self.timeout = timeout
-        self._queues: dict[Key, asyncio.Queue[Message]] = {}
+        self._queues: dict[Key, list[asyncio.Queue[Message]]] = {}
         self.dropped = 0
 
     async def run(self) -> None:
@@ -65,24 +65,30 @@ class PeerLink:
                 log.warning("bad message from %s: %s", self.addr, exc)
                 continue
             key = (msg.job, getattr(msg, "rank", -1), getattr(msg, "step", -1))
-            queue = self._queues.get(key)
-            if queue is None:
+            queues = self._queues.get(key)
+            if not queues:
                 self.dropped += 1
                 continue
-            queue.put_nowait(msg)
+            for queue in queues:
+                queue.put_nowait(msg)
 
     @contextlib.contextmanager
     def subscribe(self, job: str, rank: int, step: int) -> Iterator[asyncio.Queue[Message]]:
-        """Receive the replies about ``(job, rank, step)`` from this peer while the block runs."""
+        """Receive the replies about ``(job, rank, step)`` from this peer while the block runs.
+
+        Two transfers of one key with one peer at once (a restore's pull and a re-replication of the same copy)
+        each get every reply about it: each takes the chunks it asked for (see :meth:`receive`).
+        """
         key = (job, rank, step)
-        if key in self._queues:
-            raise RuntimeError(f"a transfer of {key} with {self.addr} is already running")
         queue: asyncio.Queue[Message] = asyncio.Queue()
-        self._queues[key] = queue
+        self._queues.setdefault(key, []).append(queue)
         try:
             yield queue
         finally:
-            del self._queues[key]
+            queues = self._queues[key]
+            queues.remove(queue)
+            if not queues:
+                del self._queues[key]
 
     async def send(self, msg: Message) -> None:
         """Send one message (payload frames zero-copy) within the timeout.
@@ -102,24 +108,29 @@ class PeerLink:
         return self.pipe.send_nowait(encode(msg))
 
     async def receive(self, queue: asyncio.Queue[Message], *expected: type[Message]) -> Message:
-        """The next reply on ``queue``, which must be one of ``expected``.
+        """The next reply on ``queue`` that is one of ``expected``, or an Error. Any other reply about the key
+        answers an earlier request (sent twice, or another transfer's) and is skipped.
 
         Raises:
-            PeerTimeout: nothing within the timeout.
-            PeerError: the peer answered with an Error or something unexpected.
+            PeerTimeout: no such reply within the timeout.
+            PeerError: the peer answered with an Error.
         """
         try:
             async with asyncio.timeout(self.timeout):
                 msg = await queue.get()
+                while not isinstance(msg, (*expected, Error)):
+                    self.dropped += 1
+                    log.debug("%s: skipped a stale %s (waiting for %s)", self.addr, msg.TYPE,
+                              [t.TYPE for t in expected])  # fmt: skip
+                    msg = await queue.get()
         except TimeoutError as exc:
-            raise PeerTimeout(f"no answer from {self.addr} within {self.timeout:.1f} s" + self._why()) from exc
-        if isinstance(msg, expected):
-            return msg
+            raise PeerTimeout(f"no {'/'.join(t.TYPE for t in expected)} from {self.addr} within "
+                              f"{self.timeout:.1f} s" + self._why()) from exc  # fmt: skip
         if isinstance(msg, Error):
             error = PeerError(f"{self.addr}: {msg.code}: {msg.message}")
             error.code = msg.code
             raise error
-        raise PeerError(f"{self.addr} answered {msg.TYPE}, expected {[t.TYPE for t in expected]}")
+        return msg
 
     def _why(self) -> str:
         failure = self.pipe.failure

@@ -110,13 +110,16 @@ class ServeService:
                 count, batch.unacked = batch.unacked, 0
                 if done:
                     del self._acks[key]
+            complete = done or store.get(msg.job, msg.rank, msg.step, complete=False).complete  # held already
             self.outbox.reply(ident, ChunkAck(job=msg.job, rank=msg.rank, step=msg.step, index=msg.index,
-                                              complete=done, count=count))  # fmt: skip
+                                              complete=complete, count=count))  # fmt: skip
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
+            again = self._arriving(msg)  # told twice of one stream: what arrived stays, and so does its ack count
             store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
-                        chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest)  # fmt: skip
-            if msg.window >= 4:  # acknowledge every quarter window: fewer messages, the sender never starved
+                        chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest,
+                        stream=msg.stream)  # fmt: skip
+            if msg.window >= 4 and not again:  # acknowledge every quarter window: fewer messages, the sender never starved
                 self._acks[(msg.job, msg.rank, msg.step)] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
             self.outbox.reply(ident, StreamAccept(job=msg.job, rank=msg.rank, step=msg.step,
                                                   bases=tuple(store.steps(msg.job, msg.rank)[-8:])))  # fmt: skip
@@ -138,6 +141,14 @@ class ServeService:
             self.tasks.spawn(self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}")
         else:
             raise ProtocolError(f"{msg.TYPE} is not a data-plane request")
+
+    def _arriving(self, begin: StreamBegin) -> bool:
+        """Whether ``begin``'s stream is the one already arriving here."""
+        try:
+            held = self.state.store.get(begin.job, begin.rank, begin.step, complete=False)
+        except UnknownSnapshot:
+            return False
+        return begin.stream != 0 and held.stream == begin.stream and not held.complete
 
     def forget_vanished_streams(self) -> None:
         """Drop the acknowledgement state of incoming streams the store no longer holds (their sender vanished)."""

@@ -65,6 +65,7 @@ class StoredSnapshot:
     touched: float = dataclasses.field(default_factory=time.monotonic)
     """When the stream last brought a chunk (time.monotonic()): an incomplete copy idle too long is aborted."""
     exported: bool = False  # zero-copy views went to zmq: never give its buffers back to the pool
+    stream: int = 0  # the number its sender drew for the stream bringing it (0: none, as a pulled copy)
 
     @property
     def data_bytes(self) -> int:
@@ -88,7 +89,7 @@ class BuddyStore(Protocol):
     """Bytes held by copies (complete or arriving)."""
 
     def begin(self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int,
-              table: bytes, meta: bytes, digest: int) -> StoredSnapshot: ...  # fmt: skip
+              table: bytes, meta: bytes, digest: int, stream: int = 0) -> StoredSnapshot: ...  # fmt: skip
 
     def get(self, job: str, rank: int, step: int, *, complete: bool = True) -> StoredSnapshot: ...
 
@@ -142,10 +143,11 @@ class SnapshotStore:
 
     def begin(
         self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes,
-        meta: bytes, digest: int,
+        meta: bytes, digest: int, stream: int = 0,
     ) -> StoredSnapshot:
         """Reserve memory for a snapshot about to arrive, whose blobs ``digest`` seals. A previous incomplete copy
-        of the same key is replaced; a complete one stays and is returned.
+        of the same key is replaced, unless it is this very ``stream`` (a nonzero number its sender drew) begun
+        again, when it stays as it is; a complete one stays and is returned.
 
         Raises:
             ProtocolError: ``table`` and ``meta`` fail ``digest``.
@@ -158,7 +160,7 @@ class SnapshotStore:
         key = (job, rank, step)
         old = self._snaps.get(key)
         if old is not None:
-            if old.complete:
+            if old.complete or (stream and old.stream == stream):
                 return old
             self._remove(key)
         need = data_bytes + len(table) + len(meta)
@@ -172,7 +174,7 @@ class SnapshotStore:
             )
         data = SnapshotBuffer(data_bytes, chunk_bytes, self._take_spare)
         snap = StoredSnapshot(job, rank, step, src_node, bytes(table), bytes(meta), data, seal,
-                              np.zeros(data.nchunks, dtype=bool), data.nchunks)  # fmt: skip
+                              np.zeros(data.nchunks, dtype=bool), data.nchunks, stream=stream)  # fmt: skip
         self._snaps[key] = snap
         self.used_bytes += need
         self._spare_cap = max(self._spare_cap, 2 * data_bytes)

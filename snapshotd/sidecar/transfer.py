@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -146,13 +147,15 @@ async def send_snapshot(
         try:
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
-                window=window, digest=seal.digest, table=table, meta=meta,
+                window=window, digest=seal.digest, table=table, meta=meta, stream=random.getrandbits(62) | 1,
             ))  # fmt: skip
             accept = await link.receive(replies, StreamAccept)
             assert isinstance(accept, StreamAccept)
             base_ok = base is not None and base[0] in accept.bases and base[1].nbytes >= nbytes
-            inflight = sent = acked = 0
-            while acked < nchunks:
+            inflight = sent = 0
+            complete = nchunks == 0
+            acks_seen: set[int] = set()  # the last chunk of each ack taken (a duplicated ack is skipped)
+            while not complete:
                 while inflight < window and sent < nchunks:
                     start = sent * chunk_bytes
                     view = data[start : start + chunk_bytes]
@@ -177,9 +180,11 @@ async def send_snapshot(
                     inflight += 1
                 ack = await link.receive(replies, ChunkAck)
                 assert isinstance(ack, ChunkAck)
-                count = min(ack.count, inflight)
-                inflight -= count
-                acked += count
+                if ack.index in acks_seen:
+                    continue
+                acks_seen.add(ack.index)
+                inflight -= min(ack.count, inflight)
+                complete = ack.complete
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
             link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))  # best effort: it may be gone

@@ -73,8 +73,10 @@ def test_a_piece_that_breaks_its_spec_raises_like_encode() -> None:
 def test_a_reply_of_the_same_pieces_is_the_nodes_last_frame_and_any_new_piece_makes_a_new_one() -> None:
     replies = HeartbeatReplies()
     placed, mark = assignments(0), Watermark("j", 3, 2)
-    first = check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,)))
-    assert replies.frame("n", HeartbeatReply(assignments=placed, watermarks=(mark,))) is first  # sent as it was
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1))
+    joined = replies._frames["n"]
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1 << 40))  # only seq differs
+    assert replies._frames["n"] is joined  # its pieces were not joined again
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), heartbeat_interval=2.5))
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(Watermark("j", 4, 2),)))
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark, Watermark("k", 1, 1))))

@@ -190,7 +190,7 @@ def test_a_status_document_is_built_between_other_requests(start, dealer, monkey
     """Built one part per loop pass, a large document never holds up the heartbeats queued behind it."""
     monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
     monkeypatch.setattr("snapshotd.coordinator.server._STATUS_SLICE_S", 0.0)
-    coord = start()
+    coord = start(heartbeat_timeout=30.0)  # node a must not die of the seconds a loaded machine may take here
     sock = dealer(coord.endpoint)
     register(sock, "a")
     world = 20_000  # a part per rank (all on node a): thousands of passes of the loop, far longer than this thread's turn takes
