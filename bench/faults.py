@@ -38,6 +38,9 @@ PLANES: dict[str, frozenset[Role]] = {
 }
 """The pipes of each plane, by role."""
 
+LATE_SEND_TIMEOUT = 10.0
+"""Seconds a delayed or held-back message may wait for room in its pipe before it is lost."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FaultPlan:
@@ -103,6 +106,7 @@ class FaultyPipe(Pipe):
         self.address = inner.address
         self._held: Frames | None = None
         self._release: asyncio.TimerHandle | None = None
+        self._late: set[asyncio.Task[None]] = set()  # messages on their way late
         self._closed = False
 
     @property
@@ -125,6 +129,8 @@ class FaultyPipe(Pipe):
         self._closed = True
         if self._release is not None:
             self._release.cancel()
+        for task in self._late:
+            task.cancel()
         self.inner.close()
 
     # -- sending
@@ -161,7 +167,7 @@ class FaultyPipe(Pipe):
         sent = True
         for i, delay in enumerate(fate):
             if delay > 0:
-                asyncio.get_running_loop().call_later(delay, self._send_late, _own(frames))
+                self._send_late(_own(frames), delay)
             elif not self.inner.send_nowait(frames) and i == 0:
                 sent = False  # the caller sees the pipe full, as without faults (a gone peer raises, as well)
         if sent:
@@ -173,11 +179,20 @@ class FaultyPipe(Pipe):
             await self.inner.send(frames)
             self._send_held()
 
-    def _send_late(self, frames: Frames) -> None:
-        """A message sent after its caller moved on: a full pipe or a gone peer loses it, as a network would."""
-        if not self._closed:
-            with contextlib.suppress(TransportError):
-                self.inner.send_nowait(frames)
+    def _send_late(self, frames: Frames, delay: float = 0.0) -> None:
+        """Send ``frames`` after ``delay`` seconds, waiting for room as the pipe's own sends do (at most
+        :data:`LATE_SEND_TIMEOUT`): a message the caller has moved on from is lost only to a gone peer."""
+
+        async def later() -> None:
+            await asyncio.sleep(delay)
+            if not self._closed:
+                with contextlib.suppress(TransportError, TimeoutError):
+                    async with asyncio.timeout(LATE_SEND_TIMEOUT):
+                        await self.inner.send(frames)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     def _send_held(self) -> None:
         held, self._held = self._held, None

@@ -95,6 +95,8 @@ class LocalCluster:
         replicas: the coordinator's ``--replicas``.
         heartbeat_interval / heartbeat_timeout: seconds, passed to the coordinator.
         env: extra environment for every process (e.g. SNAPSHOTD_SECRET).
+        launcher: the argv that runs the ``snapshotd`` command, before its own arguments (default: this Python's
+            ``-m snapshotd.cli``; e.g. :func:`snapshotd.bench.faults.command` to interpose faults).
     """
 
     READY_TIMEOUT = 30.0
@@ -107,8 +109,10 @@ class LocalCluster:
         heartbeat_interval: float = 0.2,
         heartbeat_timeout: float = 1.5,
         env: dict[str, str] | None = None,
+        launcher: Sequence[str] | None = None,
     ) -> None:
         self.workdir = workdir
+        self.launcher = list(launcher) if launcher is not None else [sys.executable, "-m", "snapshotd.cli"]
         os.makedirs(workdir, exist_ok=True)
         self.replicas = replicas
         self.heartbeat_interval = heartbeat_interval
@@ -148,7 +152,7 @@ class LocalCluster:
 
     def _start(self, name: str, argv: list[str], ready: re.Pattern[str], prefix: Sequence[str] = ()) -> ManagedProcess:
         log_path = os.path.join(self.workdir, f"{name}-{len(self._all)}.log")
-        cmd = [*prefix, sys.executable, "-m", "snapshotd.cli", *argv]
+        cmd = [*prefix, *self.launcher, *argv]
         found: dict[str, str] = {}
         got = threading.Event()
 

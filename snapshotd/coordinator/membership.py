@@ -139,6 +139,13 @@ class Membership:
         node.last_seen = now
         self._live.move_to_end(node.name)
 
+    def pardon(self, gap: float, now: float) -> None:
+        """The coordinator itself did not run for ``gap`` seconds (stopped, or starved of CPU): no live node's
+        silence counts for that time, so that no node is declared dead for a heartbeat nobody was there to hear."""
+        for name in self._live:
+            node = self.nodes[name]
+            node.last_seen = min(node.last_seen + gap, now)
+
     def expire(self, now: float) -> list[Node]:
         """Declare dead, and return, every live node silent for :meth:`death_timeout`; the caller drops what
         they held."""

@@ -166,8 +166,15 @@ class _Server:
         """
         next_expiry = time.monotonic() + expire_every
         gc_policy = GcPolicy(next_expiry)
+        turn = time.monotonic()
         try:
             while not stop.is_set():
+                now = time.monotonic()
+                if now - turn > self.state.membership.death_timeout(now) / 4:  # this loop did not run meanwhile
+                    self.complain("stall", f"the coordinator did not run for {now - turn:.1f} s (stopped or starved);"
+                                  " no node's silence counts for that time")  # fmt: skip
+                    self.state.membership.pardon(now - turn, now)
+                turn = now
                 caught_up = True
                 busy = self.held.due or self.undrafted or self.statuses
                 if await self.pipe.poll(0 if busy else _IDLE_POLL_S):

@@ -131,3 +131,16 @@ def test_a_registration_the_coordinator_could_not_use_is_refused(node: str, data
     for good in ("tcp://10.0.0.2:41000", "tcp://node-7.cluster.local:7071", "tcp://[::1]:7071",
                  "tcp://[fd00::2]:41000", "ipc:///tmp/x.data", "mem://b-data"):
         st.register(RegisterSidecar(node="b", data_addr=good, incarnation="i1"), T0)
+
+
+def test_time_the_coordinator_did_not_run_counts_against_no_node() -> None:
+    """Stopped (SIGSTOP, a starved host) for longer than the death timeout, the coordinator hears nobody; when it
+    runs again, that silence is pardoned: no node is declared dead for it, and a node silent before still is."""
+    st = make()
+    two_node_job(st)
+    keep_alive(st, T0 + 2.0, "a")  # b was already silent for 2 s when the coordinator stopped
+    st.membership.pardon(10.0, T0 + 12.0)  # stopped from T0 + 2 to T0 + 12
+    st.expire(T0 + 12.1)
+    assert [n["node"] for n in st.status(T0 + 12.1)["nodes"] if n["alive"]] == ["a", "b"]
+    st.expire(T0 + 13.1)  # b's 2 s of silence before the stop and 1.1 s after: past the 3 s timeout
+    assert [n["node"] for n in st.status(T0 + 13.1)["nodes"] if n["alive"]] == ["a"]
