@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test lint demo bench fuzz clean
+.PHONY: setup test lint demo bench fuzz soak clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ bench: setup
 # a million random and mutated messages at each live socket (the coordinator's, a sidecar's data and ipc ones)
 fuzz: setup
 	$(VENV)/bin/snapshotd-bench fuzz --messages 1000000
+
+# a hundred trials of a training job meeting a random fault (seed printed), each checked bit-identical
+soak: setup
+	$(VENV)/bin/snapshotd-bench soak --trials 100
 
 clean:
 	rm -rf $(VENV) build *.egg-info

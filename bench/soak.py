@@ -50,6 +50,9 @@ FAULTS = ("node-kill", "rank-kill", "rank-term", "sidecar-kill", "sidecar-stop",
           "coordinator-kill", "coordinator-in-recovery")  # fmt: skip
 """The faults a trial draws from (see the module docstring)."""
 
+_HANGS = ("sidecar-stop", "rank-stop", "coordinator-stop", "coordinator-in-recovery")
+"""The faults that last ``Trial.hang`` seconds (for coordinator-in-recovery: until the coordinator is killed)."""
+
 NOISE = FaultPlan(duplicate=0.01, delay=0.02, reorder=0.01, max_delay=0.02)
 """``--noise``: what happens now and then to every daemon message on both planes."""
 
@@ -163,7 +166,8 @@ class Soak:
         self._heal()
         row: dict[str, Any] = {"trial": trial.number, "fault": trial.fault, "rank": trial.target,
                                "at_step": trial.at_step, "passed": False, "steps_lost": None, "stride": None,
-                               "detection_s": None, "restore_s": None, "error": ""}  # fmt: skip
+                               "hang_s": trial.hang if trial.fault in _HANGS else None, "detection_s": None,
+                               "restore_s": None, "error": ""}  # fmt: skip
         job = f"soak{trial.number}-{uuid.uuid4().hex[:6]}"
         try:
             row.update(self._trial(trial, job))
@@ -293,6 +297,6 @@ def run(args: argparse.Namespace) -> Report:
     }  # fmt: skip
     config = {"trials": args.trials, "seed": seed, "steps": args.steps, "params": args.params, "cycle": args.cycle,
               "step_delay": args.step_delay, "max_hang": args.max_hang, "noise": args.noise, "faults": list(faults)}  # fmt: skip
-    columns = ["trial", "fault", "rank", "at_step", "passed", "steps_lost", "stride", "detection_s", "restore_s", "source",
-               "error"]  # fmt: skip
+    columns = ["trial", "fault", "rank", "at_step", "hang_s", "passed", "steps_lost", "stride", "detection_s", "restore_s",
+               "source", "error"]  # fmt: skip
     return Report("soak", config, rows, summary, columns=columns, passed=len(passed) == len(rows))

@@ -107,7 +107,7 @@ def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 def run_scenario(
     workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
     data_security: str | None = None, replicated: bool = False, parallel: str = "ddp",
-    say: Callable[[str], None] = print,
+    reference: list[dict[str, Any]] | None = None, say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
 
@@ -115,7 +115,8 @@ def run_scenario(
     ``--data-security`` mode, and the replacement node C binds its data plane on 127.0.0.3, a host of its own.
     With ``replicated`` the ranks snapshot their model, optimizer and scheduler once across the four of them
     (``Snapshotter(replicated=...)``). ``parallel`` is how every run wraps the model: ``ddp``, or ``fsdp2``
-    (``fully_shard``; each rank then snapshots its own shards).
+    (``fully_shard``; each rank then snapshots its own shards). ``reference`` is the results of a failure-free run
+    of the same 4 ranks (a :class:`TrainingJob` with no job name), when one was run already.
     """
     if not 0 < kill_at < steps:
         raise ValueError(f"--kill-at must be between 1 and {steps - 1}, got {kill_at}")
@@ -138,10 +139,11 @@ def run_scenario(
         node_b = cluster.start_sidecar("B", *side_flags)
         say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
 
-        say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-        jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None, sidecars={},
-                                parallel=parallel))
-        reference = jobs[-1].wait(600)
+        if reference is None:
+            say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
+            jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None,
+                                    sidecars={}, parallel=parallel))  # fmt: skip
+            reference = jobs[-1].wait(600)
 
         say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
         on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}

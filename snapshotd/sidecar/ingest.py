@@ -65,6 +65,15 @@ class RankNotices:
         ))  # fmt: skip
 
 
+def _unfilled(path: str) -> int:
+    """Bytes of the sparse file at ``path`` that no page backs yet (0 when it is gone)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return 0
+    return max(0, st.st_size - st.st_blocks * 512)
+
+
 class IngestService:
     """Handles the requests of local ranks (see the module docstring).
 
@@ -131,8 +140,9 @@ class IngestService:
 
     def _check_room(self, msg: RegisterRank, arena_bytes: int, replacing: LocalRank | None) -> None:
         """Refuse an arena that would not fit: the node's arenas together may not pass the size of the shared
-        memory file system (its files are sparse, so creating one never fails; a process writing into a full
-        one is killed by SIGBUS), nor the node hold more than :data:`MAX_LOCAL_RANKS` ranks.
+        memory file system, nor, with the pages they have yet to fill, what it has free (its files are sparse, so
+        creating one never fails; a process writing into a full one is killed by SIGBUS); nor may the node hold
+        more than :data:`MAX_LOCAL_RANKS` ranks.
 
         Raises:
             ArenaRefused: naming the sizes, or the count.
@@ -141,12 +151,15 @@ class IngestService:
         if len(others) >= MAX_LOCAL_RANKS:
             raise ArenaRefused(f"this sidecar already holds {len(others)} ranks, its most (MAX_LOCAL_RANKS)")
         held = sum(lr.arena.slot_bytes * lr.arena.slots for lr in others)
-        size = shutil.disk_usage(SHM_DIR).total
-        if held + arena_bytes > size:
-            raise ArenaRefused(
-                f"rank {msg.rank} of job {msg.job!r} needs an arena of {arena_bytes} B ({msg.slots} slots), and the "
-                f"node's arenas already take {held} B of the {size} B of {SHM_DIR}: enlarge {SHM_DIR} or snapshot less"
-            )
+        usage = shutil.disk_usage(SHM_DIR)
+        what = f"rank {msg.rank} of job {msg.job!r} needs an arena of {arena_bytes} B ({msg.slots} slots)"
+        if held + arena_bytes > usage.total:
+            raise ArenaRefused(f"{what}, and the node's arenas already take {held} B of the {usage.total} B of "
+                               f"{SHM_DIR}: enlarge {SHM_DIR} or snapshot less")  # fmt: skip
+        unfilled = sum(_unfilled(lr.arena.path) for lr in others)
+        if unfilled + arena_bytes > usage.free:
+            raise ArenaRefused(f"{what}, and {SHM_DIR} has {usage.free} B free ({unfilled} B of it promised to the "
+                               f"node's other arenas): free {SHM_DIR} or snapshot less")  # fmt: skip
 
     def _unregister(self, job: str, rank: int) -> None:
         lr = self.state.rank(job, rank)

@@ -192,3 +192,47 @@ def test_an_arena_larger_than_shared_memory_is_refused_by_name() -> None:
             pipe.send_nowait(encode(UnregisterRank(job=job, rank=0)))
         finally:
             pipe.close()
+
+
+@pytest.fixture
+def small_shm(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A shared-memory file system of 8 MiB of its own (a tmpfs mounted for the test; root only), used for the
+    arenas of the sidecars this test starts."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if os.geteuid() != 0 or os.system(f"mount -t tmpfs -o size=8m snapshotd-test {mount} 2>/dev/null") != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    monkeypatch.setattr("snapshotd.shm.SHM_DIR", str(mount))
+    monkeypatch.setattr("snapshotd.sidecar.ingest.SHM_DIR", str(mount))
+    try:
+        yield str(mount)
+    finally:
+        os.system(f"umount -l {mount}")  # lazily: a mapping the test left closing must not keep it mounted
+
+
+@pytest.mark.timeout(60)
+def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_is_held_stays(small_shm: str) -> None:
+    """/dev/shm filling up (another job's files) left a registration a sparse arena that the rank would die of
+    SIGBUS writing into; it is refused by name, and the arena already there keeps its snapshots."""
+    job = f"full-{uuid.uuid4().hex[:6]}"
+    with InProcess() as dep:
+        ipc = dep.start_sidecar("A")
+        state = {"w": torch.arange(250_000, dtype=torch.float32)}  # 1 MB
+        snap = Snapshotter(state, job=job, rank=0, world_size=2, sidecar=ipc, timeout=10)
+        pipe = connect_rank(ipc)
+        try:
+            assert snap.capture(1)  # rank 0's arena: 3 slots of 1 MB, one filled
+            with open(os.path.join(small_shm, "someone-elses"), "wb") as f:
+                f.write(b"\1" * (4 << 20))  # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
+            pipe.send_nowait(encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20)))
+            refused = _next(pipe)
+            assert isinstance(refused, Error) and refused.code == "memory_limit", refused
+            assert "free" in refused.message and small_shm in refused.message, refused.message
+            lr = dep.sidecars["A"].state.rank(job, 0)
+            assert lr is not None and lr.find(1) is not None  # what was held stays
+            os.unlink(os.path.join(small_shm, "someone-elses"))
+            pipe.send_nowait(encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20)))
+            assert isinstance(_next(pipe, skip=SlotUpdate), RankRegistered)  # with room again, it fits
+        finally:
+            pipe.close()
+            snap.close()

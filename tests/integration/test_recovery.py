@@ -42,6 +42,13 @@ def _job_status(cluster: LocalCluster, job: str) -> dict | None:
     return next((j for j in _status(cluster)["jobs"] if j["job"] == job), None)
 
 
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The failure-free run of the demo's 4 DDP ranks, which the DDP stories below share."""
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    return TrainingJob(workdir, "reference", world=4, steps=STEPS, params=PARAMS, job=None, sidecars={}).wait(300)
+
+
 def _assert_at_most_one_step_lost(s: dict) -> None:
     """A node loss costs at most the step whose snapshot was still streaming. More only when the sidecars had
     fallen behind and the ranks were snapshotting every ``stride``-th step (a loaded machine): then at most
@@ -51,11 +58,12 @@ def _assert_at_most_one_step_lost(s: dict) -> None:
 
 
 @pytest.mark.timeout(400)
-def test_node_loss_four_ranks_bit_identical(tmp_path) -> None:
+def test_node_loss_four_ranks_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
     """The demo's story: node B (2 ranks + sidecar) dies mid-run; a replacement node C takes over."""
     # step_delay stands for the accelerator's share of a step: the CPU is idle then, as on a GPU node, so the
     # sidecars (at nice 10) keep up with training on this 2-core machine
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, say=lambda _: None)
+    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, reference=ddp_reference,
+                     say=lambda _: None)  # fmt: skip
     assert s["ranks_agree"], s
     _assert_at_most_one_step_lost(s)
     assert s["step_restored"] >= 5 - 2  # B died after step 5 at the earliest
@@ -80,11 +88,11 @@ def test_node_loss_fsdp2_bit_identical(tmp_path) -> None:
     assert not _shm_leftovers(s["job"])
 
 
-def test_node_loss_in_members_mode_bit_identical(tmp_path) -> None:
+def test_node_loss_in_members_mode_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
     """The same story with a secret and plaintext data planes behind the member check; the replacement node
     (127.0.0.3) pulls from node A (127.0.0.1), which admits it because the coordinator knows it."""
     s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, data_security="members",
-                     say=lambda _: None)  # fmt: skip
+                     reference=ddp_reference, say=lambda _: None)  # fmt: skip
     assert s["ranks_agree"], s
     _assert_at_most_one_step_lost(s)
     assert s["bit_identical"] and s["losses_identical"], s
@@ -100,11 +108,11 @@ def _snapshot_bytes(params: int, steps: int) -> int:
     return flatten(state).data_bytes
 
 
-def test_node_loss_with_replicated_state_bit_identical(tmp_path) -> None:
+def test_node_loss_with_replicated_state_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
     """The same story with the model, optimizer and scheduler snapshotted once across the 4 data-parallel ranks:
     each rank streams about a quarter of them, and after the restore the ranks share their parts out again."""
     s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, replicated=True,
-                     say=lambda _: None)  # fmt: skip
+                     reference=ddp_reference, say=lambda _: None)  # fmt: skip
     assert s["ranks_agree"], s
     _assert_at_most_one_step_lost(s)
     assert s["bit_identical"] and s["losses_identical"], s
