@@ -46,6 +46,11 @@ class CoordinatorConfig:
     Keep it under the sidecar's per-request timeout (5 s), with room for a busy coordinator's backlog; the
     longer it is, the fewer ranks are between a ``wait`` and their next request when the round is decided."""
 
+    forget_jobs_after: float = 600.0
+    """Seconds after which a job that no live node reports (no rank registered, no copy held) is forgotten: it
+    leaves the status document and the coordinator's memory. Nothing of it is left to restore by then; a job that
+    starts again under the same name starts afresh."""
+
     secret: str | None = dataclasses.field(default=None, repr=False)
     """The job's ``SNAPSHOTD_SECRET``; when set, the socket is a CURVE server that admits only job members."""
 
@@ -68,6 +73,8 @@ class CoordinatorConfig:
             raise ValueError(f"target_heartbeats_per_s: {self.target_heartbeats_per_s!r} is not a positive number")
         if not _finite(self.plan_hold) or not 0.0 <= self.plan_hold <= 60.0:
             raise ValueError(f"plan_hold: {self.plan_hold!r} s is not in [0, 60]")
+        if not _finite(self.forget_jobs_after) or self.forget_jobs_after <= 0:
+            raise ValueError(f"forget_jobs_after: {self.forget_jobs_after!r} s is not a positive number")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ValueError("secret: must be a non-empty string, or None for no secret")
 

@@ -272,6 +272,11 @@ class Jobs:
             job = self._jobs[name] = Job(name, self.replicas)
         return job
 
+    def forget(self, name: str) -> None:
+        """Drop the job named ``name`` (no live node reports it; see ``CoordinatorConfig.forget_jobs_after``)."""
+        self._jobs.pop(name, None)
+        self.plan_changes.discard(name)
+
     def resize(self, job: Job, world_size: int) -> None:
         """``job`` has ``world_size`` ranks from now on (see :meth:`Job.resize`)."""
         log.info("job %s: world size %d -> %d", job.name, job.world_size, world_size)

@@ -63,6 +63,8 @@ class CoordinatorState:
         self.plans = Plans(self.jobs, self.membership, now)
         self._reports = Reports(self.jobs, self.membership)
         self._sweep = Sweep(cfg, self.jobs, self.membership, self.placement, now)
+        self._unreported: dict[str, float] = {}  # job -> since when no live node reports it
+        self._next_forget = now
 
     def register(self, msg: RegisterSidecar, now: float) -> SidecarRegistered:
         """A sidecar joins. A new incarnation of a known node name drops that node's old ranks and inventory.
@@ -128,6 +130,20 @@ class CoordinatorState:
             self._reports.drop(node)
             node.ranks = shown
         self._sweep.run(now)
+        if now >= self._next_forget:
+            self._forget_unreported_jobs(now)
+            self._next_forget = now + min(10.0, self.cfg.forget_jobs_after / 4)
+
+    def _forget_unreported_jobs(self, now: float) -> None:
+        """Forget every job no live node has reported for ``forget_jobs_after`` seconds (see its docstring)."""
+        reported = {name for node in self.membership.nodes.values() if node.alive for name in node.jobs}
+        for name in list(self.jobs):
+            if name in reported:
+                self._unreported.pop(name, None)
+            elif now - self._unreported.setdefault(name, now) >= self.cfg.forget_jobs_after:
+                del self._unreported[name]
+                self.jobs.forget(name)
+                log.info("job %s: no live node has reported it for %.0f s; forgotten", name, self.cfg.forget_jobs_after)
 
     def status(self, now: float) -> dict[str, Any]:
         """The document behind ``snapshotd status`` (see :func:`~.status.status_parts`), as plain maps, lists,

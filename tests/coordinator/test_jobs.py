@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from snapshotd.coordinator import CoordinatorState
+from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.proto import (
     InventoryItem,
 )
@@ -17,6 +17,7 @@ from .scenario import (
     T0,
     beat,
     inv,
+    keep_alive,
     make,
     plan,
     ranks,
@@ -178,3 +179,24 @@ def test_incremental_index_equals_a_recount_after_any_sequence_of_reports(seed: 
             job = st.jobs[name]
             assert (job.holders, job.covered, job.durable, job.durable_pairs) == (holders, covered, durable, pairs)
             assert job.newest == newest
+
+
+def test_a_job_no_live_node_reports_is_forgotten_after_a_while_and_one_still_held_is_not() -> None:
+    st = CoordinatorState(CoordinatorConfig(heartbeat_timeout=3.0, forget_jobs_after=60.0), now=T0)
+    two_node_job(st)  # job j on nodes a and b
+    register(st, "c")
+    beat(st, "c", T0, ranks("k", 1, 0), inv("k", 0, 1, local=True))  # job k on node c
+    for t in range(2, 52, 2):  # a and b are dead from T0 + 4: nothing of j is reported by a live node
+        keep_alive(st, T0 + t, "c")
+    assert {j["job"] for j in st.status(T0 + 50.0)["jobs"]} == {"j", "k"}  # not yet: j is kept for 60 s
+    for t in range(52, 82, 2):
+        keep_alive(st, T0 + t, "c")
+    assert {j["job"] for j in st.status(T0 + 80.0)["jobs"]} == {"k"}
+    register(st, "a", T0 + 81.0, inc="i2")  # j starts again under its name: afresh
+    beat(st, "a", T0 + 81.0, ranks("j", 1, 0), inv("j", 0, 1, local=True), inc="i2")
+    assert {j["job"]: j["world_size"] for j in st.status(T0 + 81.0)["jobs"]} == {"j": 1, "k": 1}
+
+
+def test_forget_jobs_after_must_be_a_positive_number() -> None:
+    with pytest.raises(ValueError, match="forget_jobs_after"):
+        CoordinatorConfig(forget_jobs_after=0)
