@@ -78,10 +78,10 @@ class Reports:
             if home != node.name and (info.alive or home is None or not self._reports_alive(home, key)):
                 self._set_home(job, info.rank, node)
         for job_name, rank in old.keys() - ranks.keys():
-            job = self._jobs.get(job_name)  # None: forgotten (a dead node's last report still named it)
-            if job is None or job.homes.get(rank) == node.name:
-                if job is not None:
-                    job.set_home(rank, None)
+            gone = self._jobs.get(job_name)  # None: forgotten (a dead node's last report still named it)
+            if gone is None or gone.homes.get(rank) == node.name:
+                if gone is not None:
+                    gone.set_home(rank, None)
                 node.homed.discard((job_name, rank))
                 node.assignments = None
         node.ranks = ranks
