@@ -18,9 +18,10 @@ After a fault the job never learns of (a hang, a restarted daemon), training goe
 rank crashes, so that each trial ends in a restore. The restarted job runs to the end and its final state
 (weights, optimizer, scheduler, RNG) and every loss must equal those of a failure-free run of the same job, run
 once, and the steps lost must be within the bound the README states (``2 * stride - 1``, where ``stride`` is the
-snapshot stride the ranks had fallen back to when the fault came). With ``--noise`` every daemon's messages are also duplicated, delayed and reordered now and then
-(:mod:`.faults`). The table has a row per trial; the summary counts trials and passes and gives the steps lost
-(max, median) and the detection and restore times. ``passed`` is False when any trial failed.
+snapshot stride the ranks had fallen back to when they crashed); a rank of the first run that fails on its own
+fails the trial. With ``--noise`` every daemon's messages are also duplicated, delayed and reordered now and
+then (:mod:`.faults`). The table has a row per trial; the summary counts trials and passes and gives the steps
+lost (max, median) and the detection and restore times. ``passed`` is False when any trial failed.
 """
 
 from __future__ import annotations
@@ -187,11 +188,19 @@ class Soak:
             time.sleep(0.02)
         return time.monotonic() - t0
 
+    @staticmethod
+    def _check_alive(job: TrainingJob, when: str) -> None:
+        """Every rank of ``job`` still training, or done: a rank that failed on its own fails the trial."""
+        failed = {r: p.returncode for r, p in job.procs.items() if p.poll() not in (None, 0)}
+        if failed:
+            raise RuntimeError(f"ranks exited {when} with codes {failed}; see {job.tag}-rank*.log")
+
     def _trial(self, trial: Trial, job: str) -> dict[str, Any]:
         first = self._job(f"t{trial.number}a", job)
         r = trial.target
         self._wait(lambda: first.progress(0) >= trial.at_step or any(p.poll() is not None for p in first.procs.values()),
                    120, f"step {trial.at_step}")  # fmt: skip
+        self._check_alive(first, "before the fault")
         out: dict[str, Any] = {}
         fault = trial.fault
         if fault in ("node-kill", "coordinator-in-recovery"):
@@ -223,7 +232,9 @@ class Soak:
                 os.kill(target, signal.SIGCONT)
             # the job goes on for a step; then every rank crashes, so that the trial ends in a restore
             at = first.progress(0)
-            self._wait(lambda: first.progress(0) >= min(at + 1, self.steps), 120, "a step after the fault")
+            self._wait(lambda: first.progress(0) >= min(at + 1, self.steps) or any(p.poll() is not None for p in first.procs.values()),
+                       120, "a step after the fault")  # fmt: skip
+            self._check_alive(first, "after the fault")
             reached = max(first.progress(k) for k in range(WORLD))
             first.kill()
         second = self._job(f"t{trial.number}b", job)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from snapshotd.proto import Assignment, FramePacker, HeartbeatReply, PlanReplyPacker, ProtocolError, Watermark
+from snapshotd.proto.limits import MAX_HEADER_BYTES
 
 from .plans import PlanAnswer
 
@@ -41,14 +42,16 @@ class HeartbeatReplies:
         self._no_seq = self._packer.piece("seq", 0)  # how a frame of pieces ends: ``seq`` is the last field
 
     def frame(self, node: str, reply: HeartbeatReply) -> bytes | None:
-        """``encode(reply)[0]``, or None for a reply not worth caching (``known`` false, or carrying tasks).
+        """``encode(reply)[0]``, or None for a reply not worth caching (``known`` false, or carrying tasks) or
+        over the header limit.
 
         Raises:
             ProtocolError: a piece breaks its spec, or the header its limit (as :func:`encode` would).
         """
         if not reply.known or reply.tasks:
             return None
-        return self._frame(node, reply)[: -len(self._no_seq)] + self._packer.piece("seq", reply.seq)
+        frame = self._frame(node, reply)[: -len(self._no_seq)] + self._packer.piece("seq", reply.seq)
+        return frame if len(frame) <= MAX_HEADER_BYTES else None  # encode() then names what is over
 
     def _frame(self, node: str, reply: HeartbeatReply) -> bytes:
         """The frame of ``reply`` with ``seq`` at its default (the last field, replaced per reply)."""

@@ -166,18 +166,20 @@ class _Server:
         """
         next_expiry = time.monotonic() + expire_every
         gc_policy = GcPolicy(next_expiry)
-        turn = time.monotonic()
+        turn, waited = time.monotonic(), 0.0
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now - turn > self.state.membership.death_timeout(now) / 4:  # this loop did not run meanwhile
-                    self.complain("stall", f"the coordinator did not run for {now - turn:.1f} s (stopped or starved);"
+                lost = now - turn - waited  # the last pass's time beyond the wait it chose: it could not listen
+                if lost > self.state.membership.death_timeout(now) / 4:
+                    self.complain("stall", f"the coordinator did not run for {lost:.1f} s (stopped or starved);"
                                   " no node's silence counts for that time")  # fmt: skip
-                    self.state.membership.pardon(now - turn, now)
+                    self.state.membership.pardon(lost, now)
                 turn = now
                 caught_up = True
                 busy = self.held.due or self.undrafted or self.statuses
-                if await self.pipe.poll(0 if busy else _IDLE_POLL_S):
+                waited = 0.0 if busy else _IDLE_POLL_S
+                if await self.pipe.poll(waited):
                     caught_up = self.handle_batch()
                 now = time.monotonic()
                 self.answer_held(now, caught_up=caught_up)

@@ -74,6 +74,14 @@ def _unfilled(path: str) -> int:
     return max(0, st.st_size - st.st_blocks * 512)
 
 
+def _filled(path: str) -> int:
+    """Bytes of the file at ``path`` that pages back (0 when it is gone)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
 class IngestService:
     """Handles the requests of local ranks (see the module docstring).
 
@@ -157,8 +165,9 @@ class IngestService:
             raise ArenaRefused(f"{what}, and the node's arenas already take {held} B of the {usage.total} B of "
                                f"{SHM_DIR}: enlarge {SHM_DIR} or snapshot less")  # fmt: skip
         unfilled = sum(_unfilled(lr.arena.path) for lr in others)
-        if unfilled + arena_bytes > usage.free:
-            raise ArenaRefused(f"{what}, and {SHM_DIR} has {usage.free} B free ({unfilled} B of it promised to the "
+        free = usage.free + (_filled(replacing.arena.path) if replacing is not None else 0)  # that one goes first
+        if unfilled + arena_bytes > free:
+            raise ArenaRefused(f"{what}, and {SHM_DIR} has {free} B free ({unfilled} B of it promised to the "
                                f"node's other arenas): free {SHM_DIR} or snapshot less")  # fmt: skip
 
     def _unregister(self, job: str, rank: int) -> None:

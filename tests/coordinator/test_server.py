@@ -366,3 +366,14 @@ def test_status_watch_refreshes_until_ctrl_c(start, monkeypatch, capsys: pytest.
     monkeypatch.setattr("snapshotd.status.time.sleep", sleep)
     assert status_main(coord.endpoint, watch=True, as_json=False, secret=None) == 0
     assert naps == [1.0, 1.0] and capsys.readouterr().out.count("coordinator: up") == 2
+
+
+def test_a_silent_node_is_declared_dead_even_with_a_death_timeout_near_the_idle_wait(start, dealer) -> None:
+    """The loop's own idle wait (0.1 s) is not a stall of the coordinator: with a 0.3 s death timeout, whose
+    quarter is shorter than that wait, a node that stops heartbeating is still declared dead."""
+    coord = start(heartbeat_timeout=0.3, heartbeat_interval=0.1)
+    a = dealer(coord.endpoint)
+    register(a, "a")
+    time.sleep(1.5)  # a says nothing more, nor does anyone else: the coordinator's loop idles all along
+    nodes = fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["nodes"]
+    assert [(n["node"], n["alive"]) for n in nodes] == [("a", False)]

@@ -45,7 +45,7 @@ def _train_and_crash(ipcs: dict[int, str], job: str) -> list[Snapshotter]:
             states[r]["loop"].update(now["loop"])
             snaps[r].capture(step)
         for s in snaps:
-            s.wait(10)
+            s.wait(5)
     for s in snaps:
         s.close(unregister=False)
     return snaps
@@ -56,7 +56,7 @@ def test_a_restore_after_faults_on_both_planes_is_bit_identical_or_named(fault: 
     plan = FaultPlan(**{fault: rate}, max_delay=0.05, seed=7)
     networks: list[FaultyNetwork] = []
     job = f"{fault}-{uuid.uuid4().hex[:6]}"
-    with install(plan, networks), InProcess(chunk_bytes=16384, request_timeout=2.0) as dep:
+    with install(plan, networks), InProcess(chunk_bytes=16384, request_timeout=1.0) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         ipc_c = dep.start_sidecar("C")
         first = _train_and_crash(ipcs, job)

@@ -88,18 +88,6 @@ def test_node_loss_fsdp2_bit_identical(tmp_path) -> None:
     assert not _shm_leftovers(s["job"])
 
 
-def test_node_loss_in_members_mode_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
-    """The same story with a secret and plaintext data planes behind the member check; the replacement node
-    (127.0.0.3) pulls from node A (127.0.0.1), which admits it because the coordinator knows it."""
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, data_security="members",
-                     reference=ddp_reference, say=lambda _: None)  # fmt: skip
-    assert s["ranks_agree"], s
-    _assert_at_most_one_step_lost(s)
-    assert s["bit_identical"] and s["losses_identical"], s
-    assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
-    assert not _shm_leftovers(s["job"])
-
-
 def _snapshot_bytes(params: int, steps: int) -> int:
     """What one rank of the demo snapshots without ``replicated``: model, AdamW moments, scheduler and RNG."""
     _, state, _ = build_state(params, steps, seed=0)
@@ -108,11 +96,13 @@ def _snapshot_bytes(params: int, steps: int) -> int:
     return flatten(state).data_bytes
 
 
-def test_node_loss_with_replicated_state_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
-    """The same story with the model, optimizer and scheduler snapshotted once across the 4 data-parallel ranks:
-    each rank streams about a quarter of them, and after the restore the ranks share their parts out again."""
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, replicated=True,
-                     reference=ddp_reference, say=lambda _: None)  # fmt: skip
+def test_node_loss_with_replicated_state_in_members_mode_bit_identical(tmp_path, ddp_reference: list[dict]) -> None:
+    """The same story with a secret and plaintext data planes behind the member check, and with the model,
+    optimizer and scheduler snapshotted once across the 4 data-parallel ranks. The replacement node (127.0.0.3)
+    pulls from node A (127.0.0.1), which admits it because the coordinator knows it; each rank streams about a
+    quarter of the replicated state, and after the restore the ranks share their parts out again."""
+    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, data_security="members",
+                     replicated=True, reference=ddp_reference, say=lambda _: None)  # fmt: skip
     assert s["ranks_agree"], s
     _assert_at_most_one_step_lost(s)
     assert s["bit_identical"] and s["losses_identical"], s
