@@ -2,7 +2,8 @@
 
 ``snapshotd-bench soak`` starts a coordinator and two sidecars (nodes) on loopback and runs ``--trials`` trials
 of a 2-rank gloo job (the trainer of :mod:`.trainer`, one rank per node, a snapshot after every step). Each trial
-draws, from ``--seed`` (printed) and its number, a fault, the process it hits and the step it comes at:
+draws, from ``--seed`` (printed) and its number, a fault, the process it hits and the step it comes at (or the
+first step after it at which some step is durable):
 
 - ``node-kill``: a node dies (its sidecar and rank SIGKILLed, its shared memory gone); a replacement node starts
   and the launcher restarts the job, whose rank on the new node pulls its state from its buddy;
@@ -151,6 +152,13 @@ class Soak:
             return any(n["node"] == node and not n["alive"] for n in nodes)
         return False
 
+    def _durable(self, job: str) -> bool:
+        """Whether some step of ``job`` is durable (on a buddy of every rank): a node's loss is survivable."""
+        with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
+            jobs = fetch_status(self.endpoint, secret=None, timeout=1.0)["jobs"]
+            return any(j["job"] == job and j["durable"] >= 0 for j in jobs)
+        return False
+
     # -- one trial
 
     def draw(self, seed: int, number: int, faults: tuple[str, ...], *, cycle: bool = False) -> Trial:
@@ -198,8 +206,10 @@ class Soak:
     def _trial(self, trial: Trial, job: str) -> dict[str, Any]:
         first = self._job(f"t{trial.number}a", job)
         r = trial.target
-        self._wait(lambda: first.progress(0) >= trial.at_step or any(p.poll() is not None for p in first.procs.values()),
-                   120, f"step {trial.at_step}")  # fmt: skip
+        # the fault comes at the drawn step, once some step is durable (before that, a node's loss is the
+        # NotRecoverable a job that just started gets, which tests/client covers)
+        self._wait(lambda: (first.progress(0) >= trial.at_step and self._durable(job))
+                   or any(p.poll() is not None for p in first.procs.values()), 120, f"step {trial.at_step}, durable")  # fmt: skip
         self._check_alive(first, "before the fault")
         out: dict[str, Any] = {}
         fault = trial.fault
