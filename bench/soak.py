@@ -211,6 +211,8 @@ class Soak:
         self._wait(lambda: (first.progress(0) >= trial.at_step and self._durable(job))
                    or any(p.poll() is not None for p in first.procs.values()), 120, f"step {trial.at_step}, durable")  # fmt: skip
         self._check_alive(first, "before the fault")
+        if any(p.poll() is not None for p in first.procs.values()):
+            raise RuntimeError(f"the job ran to its end before the fault came (no step durable by step {self.steps})")
         out: dict[str, Any] = {}
         fault = trial.fault
         if fault in ("node-kill", "coordinator-in-recovery"):

@@ -47,6 +47,14 @@ class PeerLink:
         self.timeout = timeout
         self._queues: dict[Key, list[asyncio.Queue[Message]]] = {}
         self.dropped = 0
+        self.stale = False
+        """A request on it went unanswered: once no transfer uses it, :class:`PeerLinks` connects afresh."""
+        self.reader: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether some transfer is subscribed to its replies."""
+        return bool(self._queues)
 
     async def run(self) -> None:
         """Read replies forever and hand each to its subscriber; unmatched ones are counted and dropped. Also
@@ -100,6 +108,7 @@ class PeerLink:
             async with asyncio.timeout(self.timeout):
                 await self.pipe.send(encode(msg))
         except TimeoutError as exc:
+            self.stale = True
             raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s"
                               + self._why()) from exc  # fmt: skip
 
@@ -124,6 +133,7 @@ class PeerLink:
                               [t.TYPE for t in expected])  # fmt: skip
                     msg = await queue.get()
         except TimeoutError as exc:
+            self.stale = True
             raise PeerTimeout(f"no {'/'.join(t.TYPE for t in expected)} from {self.addr} within "
                               f"{self.timeout:.1f} s" + self._why()) from exc  # fmt: skip
         if isinstance(msg, Error):
@@ -137,12 +147,16 @@ class PeerLink:
         return f" ({failure})" if failure else ""
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
         self.pipe.close()
 
 
 class PeerLinks:
     """This sidecar's connections to the other sidecars' data planes: one :class:`PeerLink` per address, made on
-    first use, its reader running in the sidecar's task tree.
+    first use, its reader running in the sidecar's task tree. A link on which a request went unanswered is
+    replaced by a fresh connection at its next use once no transfer holds it, so that a connection left wedged
+    (its peer stopped and resumed, a message lost) costs one timeout, not every transfer after it.
 
     Args:
         network: makes the connections.
@@ -160,10 +174,14 @@ class PeerLinks:
 
     def get(self, addr: str) -> PeerLink:
         link = self._links.get(addr)
+        if link is not None and link.stale and not link.busy:
+            log.info("connecting to %s afresh: a request there went unanswered", addr)
+            link.close()
+            link = None
         if link is None:
             pipe = self.network.connect(addr, Role.PEER, source=self.source)
             link = self._links[addr] = PeerLink(pipe, addr, timeout=self.timeout)
-            self.tasks.spawn(link.run(), f"peer link {addr}")
+            link.reader = self.tasks.spawn(link.run(), f"peer link {addr}")
         return link
 
     def close(self) -> None:
