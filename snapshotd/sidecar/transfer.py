@@ -180,7 +180,7 @@ async def send_snapshot(
                     inflight += 1
                 ack = await link.receive(replies, ChunkAck)
                 assert isinstance(ack, ChunkAck)
-                if ack.index in acks_seen:
+                if ack.index in acks_seen and not ack.complete:  # the one that says complete always counts
                     continue
                 acks_seen.add(ack.index)
                 inflight -= min(ack.count, inflight)
