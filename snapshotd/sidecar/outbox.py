@@ -1,10 +1,12 @@
-"""Replies on a server pipe: queued by the handlers, sent in order by one writer task."""
+"""Replies on a server pipe: queued by the handlers, sent in order to each peer by a writer of that peer's own."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
+import time
 
 from snapshotd import proto
 from snapshotd.proto import Error, Message
@@ -22,44 +24,107 @@ class Outbox:
     """Messages for the peers of one server pipe.
 
     :meth:`reply` never waits: a handler answers and goes on (a full queue drops the reply, logged and counted).
-    :meth:`put` waits for room, for bulk senders that must not drop (a served pull). :meth:`run` is the one place
-    that sends on the pipe; a peer that left is logged, not fatal.
+    :meth:`put` waits for room in its peer's queue, for bulk senders that must not drop (a served pull). Each
+    peer's messages go out in order from a writer task of its own, started by :meth:`run` while the peer has
+    some queued, so a peer that stops reading (stopped, or its connection stuck) holds up no other peer. A send
+    that a peer does not take within ``timeout`` gives that peer up: what is queued for it is dropped, and for
+    ``timeout`` more seconds :meth:`put` for it raises and :meth:`reply` drops (a peer that left is logged, not
+    fatal).
 
     Args:
         counters: the sidecar's (dropped replies count as errors).
-        timeout: seconds one send may take before it is given up.
-        maxsize: replies queued at most.
+        timeout: seconds one send may take before its peer is given up.
+        maxsize: messages queued at most, all peers together.
+        per_peer: messages :meth:`put` queues at most for one peer.
     """
 
-    def __init__(self, counters: Counters, timeout: float, maxsize: int = 4096) -> None:
+    def __init__(self, counters: Counters, timeout: float, maxsize: int = 4096, per_peer: int = 64) -> None:
         self._counters = counters
         self._timeout = timeout
-        self._queue: asyncio.Queue[tuple[bytes, Message]] = asyncio.Queue(maxsize=maxsize)
+        self._maxsize = maxsize
+        self._per_peer = per_peer
+        self._queues: dict[bytes, collections.deque[Message]] = {}
+        self._queued = 0
+        self._started: asyncio.Queue[bytes] = asyncio.Queue()  # peers whose queue was empty: each needs a writer
+        self._gone: dict[bytes, float] = {}  # peer -> until when it is given up (time.monotonic())
+        self._room = asyncio.Condition()
 
     def reply(self, ident: bytes, msg: Message) -> None:
         """Queue ``msg`` for ``ident``; an Error's message is cut to what the protocol carries."""
         if isinstance(msg, Error) and len(msg.message) > MAX_TEXT_LEN:
             msg = dataclasses.replace(msg, message=msg.message[: MAX_TEXT_LEN - 3] + "...")
-        try:
-            self._queue.put_nowait((ident, msg))
-        except asyncio.QueueFull:
+        if self._queued >= self._maxsize or self._given_up(ident):
             self._counters.errors += 1
-            log.warning("reply queue full; dropped %s", msg.TYPE)
+            log.warning("reply queue full or its peer gone; dropped %s", msg.TYPE)
+            return
+        self._append(ident, msg)
 
     async def put(self, ident: bytes, msg: Message) -> None:
-        await self._queue.put((ident, msg))
+        """Queue ``msg`` for ``ident``, waiting for room in its queue (no longer than a send may take).
+
+        Raises:
+            TransportError: the peer was given up (it did not take a message in time), or no room came.
+        """
+        try:
+            async with asyncio.timeout(self._timeout), self._room:
+                await self._room.wait_for(lambda: self._given_up(ident) or (
+                    self._queued < self._maxsize and len(self._queues.get(ident, ())) < self._per_peer))
+        except TimeoutError:
+            raise TransportError(f"no room for a peer's messages within {self._timeout:.1f} s") from None
+        if self._given_up(ident):
+            raise TransportError("the peer stopped taking messages")
+        self._append(ident, msg)
+
+    def _given_up(self, ident: bytes) -> bool:
+        until = self._gone.get(ident)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._gone[ident]
+        return False
+
+    def _append(self, ident: bytes, msg: Message) -> None:
+        queue = self._queues.get(ident)
+        if queue is None:
+            queue = self._queues[ident] = collections.deque()
+            self._started.put_nowait(ident)
+        queue.append(msg)
+        self._queued += 1
 
     async def run(self, pipe: Pipe) -> None:
-        while True:
-            ident, msg = await self._queue.get()
-            try:
-                frames = proto.encode(msg)
-            except Exception:  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
-                self._counters.errors += 1
-                log.exception("could not encode a %s reply; dropped it", msg.TYPE)
-                continue
-            try:
-                async with asyncio.timeout(self._timeout):
-                    await pipe.send([ident, *frames])
-            except (TransportError, TimeoutError) as exc:
-                log.debug("could not send %s to a peer that left: %s", msg.TYPE, exc)
+        """Start a writer for each peer that has messages queued, until cancelled."""
+        async with asyncio.TaskGroup() as writers:
+            while True:
+                writers.create_task(self._write(pipe, await self._started.get()))
+
+    async def _write(self, pipe: Pipe, ident: bytes) -> None:
+        """Send ``ident``'s queue in order until it is empty (then the queue goes; the next message starts a new
+        writer), or give the peer up."""
+        queue = self._queues[ident]
+        try:
+            while queue:
+                msg = queue.popleft()
+                self._queued -= 1
+                try:
+                    frames = proto.encode(msg)
+                except Exception:  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
+                    self._counters.errors += 1
+                    log.exception("could not encode a %s reply; dropped it", msg.TYPE)
+                    continue
+                try:
+                    async with asyncio.timeout(self._timeout):
+                        await pipe.send([ident, *frames])
+                except (TransportError, TimeoutError) as exc:
+                    log.debug("could not send %s to a peer: %s; giving it up", msg.TYPE, exc)
+                    now = time.monotonic()
+                    if len(self._gone) > 1024:  # forget the peers whose time is up
+                        self._gone = {k: t for k, t in self._gone.items() if t > now}
+                    self._gone[ident] = now + self._timeout
+                    self._queued -= len(queue)
+                    queue.clear()
+                finally:
+                    async with self._room:
+                        self._room.notify_all()
+        finally:
+            del self._queues[ident]

@@ -32,6 +32,7 @@ from snapshotd.proto import (
     StreamAccept,
     StreamBegin,
 )
+from snapshotd.transport import TransportError
 
 from .integrity import CorruptCopy, Seal
 from .local import SlotState
@@ -220,5 +221,7 @@ class ServeService:
                     payload=part,
                 ))  # fmt: skip
                 self.state.counters.bytes_out += part.nbytes
+        except TransportError as exc:  # the puller stopped taking chunks: it asks another holder
+            log.info("stopped serving a pull of %s: %s", what, exc)
         finally:
             held.holder.pins -= 1

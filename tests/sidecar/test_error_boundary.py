@@ -106,6 +106,6 @@ def test_an_error_reply_longer_than_the_protocol_carries_is_cut_not_dropped() ->
     and the reply was dropped: the asker waited for its timeout."""
     outbox = Outbox(Counters(), timeout=1.0)
     outbox.reply(b"peer", Error(job="j", code=ErrorCode.PLAN_TIMEOUT, message="no plan: " + "why " * 5000))
-    _, queued = outbox._queue.get_nowait()
+    (queued,) = outbox._queues[b"peer"]
     assert isinstance(queued, Error) and len(queued.message) == MAX_TEXT_LEN and queued.message.endswith("...")
     assert decode(encode(queued)) == queued
