@@ -6,7 +6,6 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import time
 
 from snapshotd import proto
 from snapshotd.proto import Error, Message
@@ -27,9 +26,8 @@ class Outbox:
     :meth:`put` waits for room in its peer's queue, for bulk senders that must not drop (a served pull). Each
     peer's messages go out in order from a writer task of its own, started by :meth:`run` while the peer has
     some queued, so a peer that stops reading (stopped, or its connection stuck) holds up no other peer. A send
-    that a peer does not take within ``timeout`` gives that peer up: what is queued for it is dropped, and for
-    ``timeout`` more seconds :meth:`put` for it raises and :meth:`reply` drops (a peer that left is logged, not
-    fatal).
+    that a peer does not take within ``timeout`` drops what is queued for it (stale by then; counted as errors):
+    a peer that reads again gets the replies made from then on. A peer that left is logged, not fatal.
 
     Args:
         counters: the sidecar's (dropped replies count as errors).
@@ -46,16 +44,16 @@ class Outbox:
         self._queues: dict[bytes, collections.deque[Message]] = {}
         self._queued = 0
         self._started: asyncio.Queue[bytes] = asyncio.Queue()  # peers whose queue was empty: each needs a writer
-        self._gone: dict[bytes, float] = {}  # peer -> until when it is given up (time.monotonic())
+        self._dropped: dict[bytes, int] = {}  # peer -> times its queue was dropped (a waiting put then gives up)
         self._room = asyncio.Condition()
 
     def reply(self, ident: bytes, msg: Message) -> None:
         """Queue ``msg`` for ``ident``; an Error's message is cut to what the protocol carries."""
         if isinstance(msg, Error) and len(msg.message) > MAX_TEXT_LEN:
             msg = dataclasses.replace(msg, message=msg.message[: MAX_TEXT_LEN - 3] + "...")
-        if self._queued >= self._maxsize or self._given_up(ident):
+        if self._queued >= self._maxsize:
             self._counters.errors += 1
-            log.warning("reply queue full or its peer gone; dropped %s", msg.TYPE)
+            log.warning("reply queue full; dropped %s", msg.TYPE)
             return
         self._append(ident, msg)
 
@@ -63,26 +61,19 @@ class Outbox:
         """Queue ``msg`` for ``ident``, waiting for room in its queue (no longer than a send may take).
 
         Raises:
-            TransportError: the peer was given up (it did not take a message in time), or no room came.
+            TransportError: the peer stopped taking messages (what was queued for it was dropped), or no room
+                came in time.
         """
+        dropped = self._dropped.get(ident, 0)
         try:
             async with asyncio.timeout(self._timeout), self._room:
-                await self._room.wait_for(lambda: self._given_up(ident) or (
+                await self._room.wait_for(lambda: self._dropped.get(ident, 0) != dropped or (
                     self._queued < self._maxsize and len(self._queues.get(ident, ())) < self._per_peer))
         except TimeoutError:
             raise TransportError(f"no room for a peer's messages within {self._timeout:.1f} s") from None
-        if self._given_up(ident):
+        if self._dropped.get(ident, 0) != dropped:
             raise TransportError("the peer stopped taking messages")
         self._append(ident, msg)
-
-    def _given_up(self, ident: bytes) -> bool:
-        until = self._gone.get(ident)
-        if until is None:
-            return False
-        if time.monotonic() < until:
-            return True
-        del self._gone[ident]
-        return False
 
     def _append(self, ident: bytes, msg: Message) -> None:
         queue = self._queues.get(ident)
@@ -116,13 +107,13 @@ class Outbox:
                     async with asyncio.timeout(self._timeout):
                         await pipe.send([ident, *frames])
                 except (TransportError, TimeoutError) as exc:
-                    log.debug("could not send %s to a peer: %s; giving it up", msg.TYPE, exc)
-                    now = time.monotonic()
-                    if len(self._gone) > 1024:  # forget the peers whose time is up
-                        self._gone = {k: t for k, t in self._gone.items() if t > now}
-                    self._gone[ident] = now + self._timeout
+                    log.debug("could not send %s to a peer: %s; dropped its %d queued", msg.TYPE, exc, len(queue))
+                    self._counters.errors += len(queue)
                     self._queued -= len(queue)
                     queue.clear()
+                    if len(self._dropped) >= 4096:  # peers' counts only need to outlive the puts waiting on them
+                        self._dropped.clear()
+                    self._dropped[ident] = self._dropped.get(ident, 0) + 1
                 finally:
                     async with self._room:
                         self._room.notify_all()
