@@ -167,6 +167,7 @@ class Sidecar:
                 await asyncio.sleep(0)
             frames = await pipe.recv()
             ident = frames[0]
+            outbox.heard(ident)
             msg: Message | None = None
             try:
                 msg = proto.decode(frames[1:])

@@ -26,8 +26,9 @@ class Outbox:
     :meth:`put` waits for room in its peer's queue, for bulk senders that must not drop (a served pull). Each
     peer's messages go out in order from a writer task of its own, started by :meth:`run` while the peer has
     some queued, so a peer that stops reading (stopped, or its connection stuck) holds up no other peer. A send
-    that a peer does not take within ``timeout`` drops what is queued for it (stale by then; counted as errors):
-    a peer that reads again gets the replies made from then on. A peer that left is logged, not fatal.
+    that a peer does not take within ``timeout`` gives the peer up: what is queued for it is dropped (stale by
+    then; counted as errors), and so are its replies until it is :meth:`heard` from again (a peer that resumes
+    asks anew). A peer that left is logged, not fatal.
 
     Args:
         counters: the sidecar's (dropped replies count as errors).
@@ -45,17 +46,23 @@ class Outbox:
         self._queued = 0
         self._started: asyncio.Queue[bytes] = asyncio.Queue()  # peers whose queue was empty: each needs a writer
         self._dropped: dict[bytes, int] = {}  # peer -> times its queue was dropped (a waiting put then gives up)
+        self._gone: set[bytes] = set()  # peers given up until heard from again
         self._room = asyncio.Condition()
 
     def reply(self, ident: bytes, msg: Message) -> None:
         """Queue ``msg`` for ``ident``; an Error's message is cut to what the protocol carries."""
         if isinstance(msg, Error) and len(msg.message) > MAX_TEXT_LEN:
             msg = dataclasses.replace(msg, message=msg.message[: MAX_TEXT_LEN - 3] + "...")
-        if self._queued >= self._maxsize:
+        if self._queued >= self._maxsize or ident in self._gone:
             self._counters.errors += 1
-            log.warning("reply queue full; dropped %s", msg.TYPE)
+            log.warning("reply queue full or its peer not reading; dropped %s", msg.TYPE)
             return
         self._append(ident, msg)
+
+    def heard(self, ident: bytes) -> None:
+        """``ident`` sent a message: it reads again, if it had been given up."""
+        if self._gone:
+            self._gone.discard(ident)
 
     async def put(self, ident: bytes, msg: Message) -> None:
         """Queue ``msg`` for ``ident``, waiting for room in its queue (no longer than a send may take).
@@ -71,7 +78,7 @@ class Outbox:
                     self._queued < self._maxsize and len(self._queues.get(ident, ())) < self._per_peer))
         except TimeoutError:
             raise TransportError(f"no room for a peer's messages within {self._timeout:.1f} s") from None
-        if self._dropped.get(ident, 0) != dropped:
+        if self._dropped.get(ident, 0) != dropped or ident in self._gone:
             raise TransportError("the peer stopped taking messages")
         self._append(ident, msg)
 
@@ -114,6 +121,9 @@ class Outbox:
                     if len(self._dropped) >= 4096:  # peers' counts only need to outlive the puts waiting on them
                         self._dropped.clear()
                     self._dropped[ident] = self._dropped.get(ident, 0) + 1
+                    if len(self._gone) >= 4096:  # peers that never came back
+                        self._gone.clear()
+                    self._gone.add(ident)
                 finally:
                     async with self._room:
                         self._room.notify_all()

@@ -71,6 +71,11 @@ def test_a_peer_that_stops_reading_holds_up_no_other_and_its_stale_queue_is_drop
             await asyncio.sleep(0.5)  # A's send times out: what is queued for A is dropped, and the put waiting fails
             results = await asyncio.gather(*waiting, return_exceptions=True)
             assert any(isinstance(r, TransportError) and "stopped taking" in str(r) for r in results), results
+            outbox.reply(b"A", _ack(100))  # A is given up: its replies are dropped ...
+            assert b"A" not in outbox._queues
+            outbox.heard(b"A")  # ... until it sends again
+            outbox.reply(b"A", _ack(101))
+            assert list(outbox._queues[b"A"]) == [_ack(101)]
             outbox.reply(b"B", _ack(3))
             async with asyncio.timeout(0.3):
                 while len(pipe.sent) < 4:
