@@ -51,10 +51,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from snapshotd.demo import wait_for
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
@@ -168,16 +169,6 @@ def _torchft(workdir: str, args: argparse.Namespace) -> float | None:
 # ---------------------------------------------------------------------------------------- node loss
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``cond`` until true; the seconds it took. Raises TimeoutError after ``timeout`` seconds."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(_POLL)
-    return time.monotonic() - t0
-
-
 def _copies(coordinator: str, job: str) -> int:
     jobs = fetch_status(coordinator, secret=None)["jobs"]
     return next((j["ranks"][0]["copies"] for j in jobs if j["job"] == job and j["ranks"]), 0)
@@ -202,14 +193,14 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
         for node in ("A", "B", "C"):
             cluster.start_sidecar(node)
         snap = _go(rank_b, args.timeout)
-        _wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
+        wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
         progress.update()
         t_fail = time.monotonic()
         cluster.kill(cluster.sidecars["B"])
         rank_b.kill()
-        _wait_for(lambda: not _node_alive(addr, "B"), args.timeout, "node B declared dead")
+        wait_for(lambda: not _node_alive(addr, "B"), args.timeout, "node B declared dead")
         detection = time.monotonic() - t_fail
-        _wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "re-replication back to two copies")
+        wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "re-replication back to two copies")
         re_replication = time.monotonic() - t_fail
         holders = _copies(addr, job)
         log.info("node B (step %d) declared dead after %.2f s, %d copies again after %.2f s", snap["step"],

@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from snapshotd.demo import TrainingJob
+from snapshotd.demo import TrainingJob, wait_for
 from snapshotd.local_cluster import LocalCluster, ManagedProcess
 from snapshotd.status import fetch_status
 
@@ -188,14 +188,6 @@ class Soak:
             del self._jobs[1:]
         return row
 
-    def _wait(self, cond: Callable[[], bool], timeout: float, what: str) -> float:
-        t0 = time.monotonic()
-        while not cond():
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-            time.sleep(0.02)
-        return time.monotonic() - t0
-
     @staticmethod
     def _check_alive(job: TrainingJob, when: str) -> None:
         """Every rank of ``job`` still training, or done: a rank that failed on its own fails the trial."""
@@ -208,7 +200,7 @@ class Soak:
         r = trial.target
         # the fault comes at the drawn step, once some step is durable (before that, a node's loss is the
         # NotRecoverable a job that just started gets, which tests/client covers)
-        self._wait(lambda: (first.progress(0) >= trial.at_step and self._durable(job))
+        wait_for(lambda: (first.progress(0) >= trial.at_step and self._durable(job))
                    or any(p.poll() is not None for p in first.procs.values()), 120, f"step {trial.at_step}, durable")  # fmt: skip
         self._check_alive(first, "before the fault")
         if any(p.poll() is not None for p in first.procs.values()):
@@ -221,7 +213,7 @@ class Soak:
             t_dead = time.monotonic()
             reached = max(first.progress(k) for k in range(WORLD))
             first.kill()  # the launcher stops the survivors
-            self._wait(lambda: self._dead(lost), 30, f"node {lost} declared dead")
+            wait_for(lambda: self._dead(lost), 30, f"node {lost} declared dead")
             out["detection_s"] = time.monotonic() - t_dead
             self.nodes[r] = self._new_node()
         elif fault in ("rank-kill", "rank-term"):
@@ -244,7 +236,7 @@ class Soak:
                 os.kill(target, signal.SIGCONT)
             # the job goes on for a step; then every rank crashes, so that the trial ends in a restore
             at = first.progress(0)
-            self._wait(lambda: first.progress(0) >= min(at + 1, self.steps) or any(p.poll() is not None for p in first.procs.values()),
+            wait_for(lambda: first.progress(0) >= min(at + 1, self.steps) or any(p.poll() is not None for p in first.procs.values()),
                        120, "a step after the fault")  # fmt: skip
             self._check_alive(first, "after the fault")
             reached = max(first.progress(k) for k in range(WORLD))

@@ -26,7 +26,7 @@ from snapshotd.bench.trainer import read_progress
 from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
 
-__all__ = ["TrainingJob", "run_demo", "run_scenario"]
+__all__ = ["TrainingJob", "run_demo", "run_scenario", "wait_for"]
 
 
 def _free_port() -> int:
@@ -95,11 +95,16 @@ class TrainingJob:
             proc.wait(10)
 
 
-def _wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``cond`` until it holds; the seconds that took.
+
+    Raises:
+        TimeoutError: it did not hold within ``timeout`` seconds (naming ``what``).
+    """
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
-            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.05)
     return time.monotonic() - t0
 
@@ -150,7 +155,7 @@ def run_scenario(
         first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
                             step_delay=step_delay, replicated=replicated, parallel=parallel)  # fmt: skip
         jobs.append(first)
-        _wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
+        wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
         cluster.lose_node(node_b, [first.procs[2], first.procs[3]])
         t_dead = time.monotonic()
         reached = max(first.progress(r) for r in range(world))
@@ -162,7 +167,7 @@ def run_scenario(
             nodes = fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]
             return any(n["node"] == "B" and not n["alive"] for n in nodes)
 
-        _wait_for(b_dead, 30, "the coordinator to declare node B dead")
+        wait_for(b_dead, 30, "the coordinator to declare node B dead")
         detection = time.monotonic() - t_dead
         say(f"[3/4] coordinator declared node B dead after {detection:.2f} s; replacement sidecar starts as node C")
         cluster.start_sidecar("C", *side_flags, data_bind="tcp://127.0.0.3:0" if data_security else "tcp://127.0.0.1:0")
@@ -207,7 +212,7 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     with tempfile.TemporaryDirectory(prefix="snapshotd-demo-") as workdir:
         try:
             s = run_scenario(workdir, steps=steps, kill_at=kill_at, params=params, step_delay=0.1)
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             print(f"demo failed: {exc}", file=sys.stderr)
             for name in sorted(os.listdir(workdir)):
                 if name.endswith(".log"):
