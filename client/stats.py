@@ -22,6 +22,12 @@ class SnapshotStats:
     bytes: int = 0
     """Tensor bytes staged."""
     last_durable_step: int = -1
+    last_step: int = -1
+    """The newest step passed to capture()."""
+    rpo_steps: int = 0
+    """Steps a failure now would cost: ``last_step`` minus the newest durable step (or the step restored)."""
+    rpo_seconds: float = 0.0
+    """The same in seconds: from the capture() of that durable step to the newest capture()."""
     capture_seconds: float = 0.0
     """Training-thread time spent inside capture()."""
     fence_seconds: float = 0.0

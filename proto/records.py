@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import limits as L
-from .fields import ADDR, JOB, PID, RANK, STEP, STEP_OR_NONE, TEXT, WORLD
+from .fields import ADDR, JOB, PID, RANK, SECONDS, STEP, STEP_OR_NONE, TEXT, WORLD
 from .schema import Bool, Enum, ListOf, spec_field
 
 __all__ = [
@@ -19,13 +19,15 @@ PLAN_STATUSES = ("ready", "fresh", "none")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankInfo:
-    """A training rank that registered with a sidecar."""
+    """A training rank that registered with a sidecar; ``step_seconds`` is its latest step time (0: not known
+    yet), for the coordinator's RPO in seconds."""
 
     job: str = spec_field(JOB)
     rank: int = spec_field(RANK)
     world_size: int = spec_field(WORLD)
     pid: int = spec_field(PID)
     alive: bool = spec_field(Bool())
+    step_seconds: float = spec_field(SECONDS, default=0.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)")
     c.add_argument("--heartbeat-interval", default="0.5s", help="sidecar heartbeat period (default %(default)s)")
     c.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+    c.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
     c.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
 
@@ -50,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
                         "the hosts of the job's members (default %(default)s)")  # fmt: skip
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+    s.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
     s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
 
@@ -105,6 +109,7 @@ def _coordinator(args: argparse.Namespace, secret: str | None) -> int:
         heartbeat_timeout=parse_duration(args.heartbeat_timeout),
         secret=secret,
         insecure=args.insecure,
+        metrics_bind=args.metrics_bind,
     )
     uvloop.run(run_coordinator(cfg, ready=lambda ep: print(f"snapshotd coordinator ready {ep}", flush=True)))
     return 0
@@ -135,6 +140,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         secret=secret,
         data_security=args.data_security,
         insecure=args.insecure,
+        metrics_bind=args.metrics_bind,
         **extra,
     )
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from snapshotd.metrics import parse_bind
+
 __all__ = ["CoordinatorConfig"]
 
 _MAX_REPLICAS = 64  # Assignment.buddies carries at most 64 addresses
@@ -57,6 +59,9 @@ class CoordinatorConfig:
     insecure: bool = False
     """Allow a routable bind without a secret (``--insecure``); loopback binds never need it."""
 
+    metrics_bind: str | None = None
+    """``HOST:PORT`` to serve Prometheus metrics at ``/metrics`` (:mod:`snapshotd.metrics`); None: none."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.bind, str) or not self.bind.startswith(("tcp://", "ipc://", "mem://")):
             raise ValueError(f"bind: {self.bind!r} is not an endpoint (tcp://HOST:PORT)")
@@ -75,6 +80,8 @@ class CoordinatorConfig:
             raise ValueError(f"plan_hold: {self.plan_hold!r} s is not in [0, 60]")
         if not _finite(self.forget_jobs_after) or self.forget_jobs_after <= 0:
             raise ValueError(f"forget_jobs_after: {self.forget_jobs_after!r} s is not a positive number")
+        if self.metrics_bind is not None:
+            parse_bind(self.metrics_bind)
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ValueError("secret: must be a non-empty string, or None for no secret")
 

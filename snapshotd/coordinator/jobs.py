@@ -60,6 +60,8 @@ class Job:
     watermark: Watermark | None = None  # what publish() returns until something changes; None: recompute
     published: Watermark | None = None  # the last one handed out
     round: Round | None = None  # the latest plan round (see plans.py)
+    rounds_answered: int = 0  # plan rounds whose every rank was answered
+    round_seconds: float = 0.0  # their total time from the freeze to the last answer
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0
     stale: tuple[int, int] = (-1, -1)

@@ -49,11 +49,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from snapshotd import security
+from snapshotd.logs import fields
+from snapshotd.metrics import MetricsEndpoint, coordinator_sampler
 from snapshotd.proto import (
     Error,
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
+    HoldersQuery,
     MemberQuery,
     Message,
     PlanRequest,
@@ -70,6 +73,7 @@ from snapshotd.transport import Pipe, Role, Security, TransportError, open_netwo
 from .config import CoordinatorConfig
 from .gc_policy import GcPolicy
 from .held import MAX_HELD, Held, HeldPlans
+from .holders import holders
 from .plans import PlanAnswer
 from .replies import HeartbeatReplies, PlanReplies
 from .state import CoordinatorState
@@ -121,6 +125,7 @@ async def run_coordinator(
     network = open_network(cfg.bind, Security(cfg.secret))
     pipe: Pipe | None = None
     handled: list[signal.Signals] = []
+    metrics: MetricsEndpoint | None = None
     try:
         try:
             pipe = network.serve(cfg.bind, Role.CONTROL)
@@ -132,6 +137,9 @@ async def run_coordinator(
                 loop.add_signal_handler(sig, stop.set)
                 handled.append(sig)
         server = _Server(pipe, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
+        if cfg.metrics_bind is not None:
+            metrics = MetricsEndpoint(cfg.metrics_bind, coordinator_sampler(server.state))
+            log.info("coordinator metrics on %s", metrics.url, extra=fields(event="metrics"))
         log.info("coordinator on %s: replicas %d, heartbeat timeout %g s, %s", endpoint, cfg.replicas,
                  cfg.heartbeat_timeout, "CURVE" if cfg.secret else "no secret")  # fmt: skip
         if ready is not None:
@@ -139,6 +147,8 @@ async def run_coordinator(
         await server.serve(stop, min(0.1, cfg.heartbeat_timeout / 4))
         log.info("coordinator on %s stopped", endpoint)
     finally:
+        if metrics is not None:
+            metrics.close()
         for sig in handled:
             loop.remove_signal_handler(sig)
         if pipe is not None:
@@ -327,6 +337,8 @@ class _Server:
             return self.state.register(msg, now)
         if isinstance(msg, MemberQuery):
             return self.state.membership.member(msg)
+        if isinstance(msg, HoldersQuery):
+            return holders(self.state.jobs, self.state.membership, msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "

@@ -31,10 +31,13 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
     stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank
     that some node reported (its home, or a copy): rank, node (its home, or None), newest_step (-1: none),
-    lag_steps (newest - recoverable; None while no step is recoverable), copies (live holders of the recoverable
-    step); ``missing``: the other ranks below the world size, as ``[first, last]`` ranges (a peer's world size
-    alone never lengthens the document); ``round``: its last plan round (None before the first), see
-    :meth:`~.plans.Round.status`.
+    lag_steps (newest - recoverable; None while no step is recoverable), rpo_s (lag_steps times the rank's latest
+    step time as its home reported it: the training a failure now would lose, up to its newest snapshot; None
+    while either is unknown), copies (live holders of the recoverable step); ``missing``: the other ranks below
+    the world size, as ``[first, last]`` ranges (a peer's world size alone never lengthens the document);
+    ``round``: its last plan round (None before the first), see :meth:`~.plans.Round.status`; ``plan_rounds``
+    and ``plan_round_s``: how many rounds had every rank answered, and their total seconds from the freeze to
+    the last answer.
 
     The state may change between parts: the document lists the nodes and jobs there were when the first part
     was made, and each job's ranks up to the world size it had when its own part began; each entry is read as it
@@ -63,8 +66,9 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
         wm = job.publish()
         g, ws = wm.recoverable, job.world_size
         known = sorted(r for r in job.homes.keys() | job.holders.keys() if r < ws)
-        yield (packer.pack_map_header(7) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
+        yield (packer.pack_map_header(9) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
                + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable)
+               + pack("plan_rounds") + pack(job.rounds_answered) + pack("plan_round_s") + pack(job.round_seconds)
                + pack("missing") + pack(missing_ranges(known, ws)) + pack("ranks")
                + packer.pack_array_header(len(known)))  # fmt: skip
         for lo in range(0, len(known), STATUS_PART_ENTRIES):
@@ -72,9 +76,13 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
             for r in known[lo : lo + STATUS_PART_ENTRIES]:
                 steps = job.holders.get(r, {})
                 newest = max(steps, default=-1)
+                home = job.homes.get(r)
+                lag = newest - g if g >= 0 else None
+                info = membership.nodes[home].ranks.get((job.name, r)) if home in membership.nodes else None
+                rpo = round(lag * info.step_seconds, 3) if lag is not None and info and info.step_seconds else None
                 entries.append(pack({
-                    "rank": r, "node": job.homes.get(r), "newest_step": newest,
-                    "lag_steps": newest - g if g >= 0 else None, "copies": len(steps.get(g, ())),
+                    "rank": r, "node": home, "newest_step": newest, "lag_steps": lag, "rpo_s": rpo,
+                    "copies": len(steps.get(g, ())),
                 }))  # fmt: skip
             yield b"".join(entries)
         yield pack("round") + pack(None if job.round is None else job.round.status(now))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 
+from snapshotd.metrics import parse_bind
 from snapshotd.proto.limits import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.shm import default_ipc_path
@@ -69,6 +70,9 @@ class SidecarConfig:
     insecure: bool = False
     """Allow a routable ``data_bind`` without a secret."""
 
+    metrics_bind: str | None = None
+    """``HOST:PORT`` to serve Prometheus metrics at ``/metrics`` (:mod:`snapshotd.metrics`); None: none."""
+
     def __post_init__(self) -> None:
         if not self.coordinator:
             raise ValueError("--coordinator is required (e.g. tcp://HOST:7070)")
@@ -92,5 +96,7 @@ class SidecarConfig:
         if self.data_security == "members" and self.secret is None:
             raise ValueError("--data-security members needs SNAPSHOTD_SECRET: the coordinator, which says who is "
                              "a member, is reached over CURVE")  # fmt: skip
+        if self.metrics_bind is not None:
+            parse_bind(self.metrics_bind)
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:
             raise ValueError("heartbeat interval and request timeout must be positive")

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from snapshotd import proto
+from snapshotd.logs import fields
+from snapshotd.metrics import MetricsEndpoint, sidecar_sampler
 from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
 from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
@@ -90,6 +92,7 @@ class Sidecar:
         pipes: list[Pipe] = []
         links: PeerLinks | None = None
         installed: list[signal.Signals] = []
+        metrics: MetricsEndpoint | None = None
         try:
             ipc = network.serve(cfg.ipc if is_memory(cfg.ipc) else f"ipc://{cfg.ipc}", Role.IPC)
             pipes.append(ipc)
@@ -109,6 +112,9 @@ class Sidecar:
             serve = ServeService(self.state, data_out, self.tasks)
             heartbeat = ControlService(self.state, cfg, control, streams, serve,
                                        ReplicateService(self.state, links), self.tasks, notices.slots)  # fmt: skip
+            if cfg.metrics_bind is not None:
+                metrics = MetricsEndpoint(cfg.metrics_bind, sidecar_sampler(self.state, self.pacer))
+                log.info("sidecar %s: metrics on %s", cfg.node, metrics.url, extra=fields(event="metrics"))
             if ready is not None:
                 ready(self.state.data_addr, cfg.ipc)
             loop = asyncio.get_running_loop()
@@ -129,6 +135,8 @@ class Sidecar:
                 log.info("sidecar %s: stopping", cfg.node)
                 self.tasks.cancel_all()
         finally:
+            if metrics is not None:
+                metrics.close()
             for sig in installed:
                 asyncio.get_running_loop().remove_signal_handler(sig)
             if links is not None:

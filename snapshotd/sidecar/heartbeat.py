@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from snapshotd.logs import fields
 from snapshotd.proto import Heartbeat, HeartbeatReply, ProtocolError, RegisterSidecar
@@ -89,7 +90,9 @@ class ControlService:
                         bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
                         stored_bytes=self.state.store.used_bytes, seq=seq,
                     )  # fmt: skip
+                    sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))
+                    counters.heartbeat_rtt.add(time.monotonic() - sent_at)
                     if not hb_reply.known:
                         registered = False
                         continue

@@ -194,6 +194,10 @@ class IngestService:
             raise ProtocolError(f"step {msg.step} is not newer than the newest snapshot {newest}; steps only grow")
         lr.identity = ident
         lr.seen_step = msg.step
+        lr.announced += 1
+        lr.skipped = msg.skipped
+        if msg.step_seconds > 0:
+            lr.step_seconds = msg.step_seconds
         self.pacer.report_step(msg.step_seconds, streaming=lr.stream_task is not None)
         meta = bytes(msg.meta)
         lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=meta, data_bytes=lr.data_bytes,

@@ -74,6 +74,16 @@ class LocalRank:
     """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
     job_unusable: frozenset[int] = frozenset()
     """Steps above D that no restore can use, as the coordinator last said."""
+    step_seconds: float = 0.0
+    """The rank's latest step time, as its last announce said (0: not known)."""
+    announced: int = 0
+    """Snapshots the rank announced (this registration and those before it)."""
+    skipped: int = 0
+    """capture() calls the rank skipped, as its last announce said."""
+    durable_count: int = 0
+    """Snapshots every buddy took."""
+    failed_count: int = 0
+    """Snapshots some buddy did not take."""
     on_change: Callable[[], None] = dataclasses.field(default=lambda: None, repr=False)
     """Called when this rank's complete copies or its liveness change (the node's state sets it)."""
 

@@ -27,7 +27,7 @@ from .config import SidecarConfig
 from .local import LocalRank
 from .store import BuddyStore, SnapshotStore
 
-__all__ = ["Counters", "NodeState", "RankKey", "Signal"]
+__all__ = ["Counters", "NodeState", "RankKey", "Signal", "Tally"]
 
 RankKey = tuple[str, int]
 
@@ -82,6 +82,61 @@ class Counters:
     corrupt: int = 0
     """Copies held here (buddy copies and the ranks' own slots) that failed their end-to-end check and were
     dropped."""
+    sent_to: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Stream bytes sent, as they went on the wire, by buddy data address."""
+    received_from: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Stream bytes received, as they came on the wire, by the sending node's name."""
+    pull_bytes_in: int = 0
+    """Bytes pulled from holders (restores and re-replication)."""
+    pull_bytes_out: int = 0
+    """Bytes served to pullers."""
+    chunks_sent: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Stream chunks sent, by codec."""
+    heartbeat_rtt: Tally = dataclasses.field(default_factory=lambda: Tally())
+    """Heartbeat round trips to the coordinator, in seconds."""
+    restores: dict[str, Tally] = dataclasses.field(default_factory=dict)
+    """Restores served, by source (``fresh``, ``local``, ``replica``, ``pull``): their seconds."""
+    restore_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Bytes the restores brought here over the network, by source."""
+
+    def streamed(self, buddy: str, wire_bytes: int, chunks: int, delta_chunks: int) -> None:
+        """Count one stream a buddy took whole."""
+        self.bytes_out += wire_bytes
+        self.sent_to[buddy] = self.sent_to.get(buddy, 0) + wire_bytes
+        self.chunks_sent["raw"] = self.chunks_sent.get("raw", 0) + chunks - delta_chunks
+        self.chunks_sent["delta-lz4"] = self.chunks_sent.get("delta-lz4", 0) + delta_chunks
+
+    def received(self, source_node: str, wire_bytes: int) -> None:
+        """Count one stream chunk that arrived from ``source_node``."""
+        self.bytes_in += wire_bytes
+        self.received_from[source_node] = self.received_from.get(source_node, 0) + wire_bytes
+
+    def pulled(self, nbytes: int) -> None:
+        self.bytes_in += nbytes
+        self.pull_bytes_in += nbytes
+
+    def served(self, nbytes: int) -> None:
+        self.bytes_out += nbytes
+        self.pull_bytes_out += nbytes
+
+    def restored(self, source: str, seconds: float, nbytes: int) -> None:
+        """Count one restore served from ``source`` in ``seconds``, ``nbytes`` of it over the network."""
+        self.restores.setdefault(source, Tally()).add(seconds)
+        self.restore_bytes[source] = self.restore_bytes.get(source, 0) + nbytes
+
+
+@dataclasses.dataclass(slots=True)
+class Tally:
+    """Count, sum and last value of something observed repeatedly (a Prometheus summary without quantiles)."""
+
+    count: int = 0
+    total: float = 0.0
+    last: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.last = value
 
 
 class NodeState:
@@ -138,7 +193,8 @@ class NodeState:
     def report(self) -> tuple[tuple[RankInfo, ...], tuple[InventoryItem, ...]]:
         """What a heartbeat tells the coordinator: the local ranks, and every complete copy held here (buddy
         copies and the ranks' own valid slots)."""
-        ranks = tuple(RankInfo(lr.job, lr.rank, lr.world_size, lr.pid, lr.alive) for lr in self.ranks.values())
+        ranks = tuple(RankInfo(lr.job, lr.rank, lr.world_size, lr.pid, lr.alive, lr.step_seconds)
+                      for lr in self.ranks.values())  # fmt: skip
         items = [InventoryItem(job, rank, step, False) for job, rank, step in self.store.complete_keys()]
         for lr in self.ranks.values():
             items.extend(InventoryItem(lr.job, lr.rank, step, True) for step in lr.valid_steps())

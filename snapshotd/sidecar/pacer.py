@@ -55,6 +55,11 @@ class Pacer:
         if self._tokens < 0:
             await asyncio.sleep(-self._tokens / self.rate)
 
+    @property
+    def observed_rate(self) -> float:
+        """The throughput of the last stream, bytes/s (0 before the first)."""
+        return self._observed_rate
+
     def observe_throughput(self, bytes_per_s: float) -> None:
         """Record the rate a finished stream achieved (the starting point when ``auto`` first backs off)."""
         self._observed_rate = bytes_per_s

@@ -60,7 +60,7 @@ class ReplicateService:
                 store.abort(*key)
                 raise
             store.mark_complete(*key, seal)
-            self.state.counters.bytes_in += pulled
+            self.state.counters.pulled(pulled)
             log.info("re-replicated %s rank %d step %d (%d B)", task.job, task.rank, task.step, pulled,
                      extra=fields(task.job, task.rank, task.step, "replicated"))  # fmt: skip
         finally:

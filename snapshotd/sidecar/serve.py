@@ -100,7 +100,8 @@ class ServeService:
                 msg.job, msg.rank, msg.step, msg.index, codec_name=msg.codec, payload=msg.payload,
                 raw_len=msg.raw_len, checksum=msg.checksum, base_step=msg.base_step, elem=msg.elem,
             )  # fmt: skip
-            self.state.counters.bytes_in += msg.payload.nbytes
+            arriving = store.get(msg.job, msg.rank, msg.step, complete=False)
+            self.state.counters.received(arriving.src_node, msg.payload.nbytes)
             key = (msg.job, msg.rank, msg.step)
             batch = self._acks.get(key)
             count = 1
@@ -111,7 +112,7 @@ class ServeService:
                 count, batch.unacked = batch.unacked, 0
                 if done:
                     del self._acks[key]
-            complete = done or store.get(msg.job, msg.rank, msg.step, complete=False).complete  # held already
+            complete = done or arriving.complete  # held already
             self.outbox.reply(ident, ChunkAck(job=msg.job, rank=msg.rank, step=msg.step, index=msg.index,
                                               complete=complete, count=count))  # fmt: skip
         elif isinstance(msg, StreamBegin):
@@ -220,7 +221,7 @@ class ServeService:
                     job=req.job, rank=req.rank, step=req.step, index=index, raw_len=part.nbytes, checksum=checksum,
                     payload=part,
                 ))  # fmt: skip
-                self.state.counters.bytes_out += part.nbytes
+                self.state.counters.served(part.nbytes)
         except TransportError as exc:  # the puller stopped taking chunks: it asks another holder
             log.info("stopped serving a pull of %s: %s", what, exc)
         finally:

@@ -87,6 +87,8 @@ class BuddyStore(Protocol):
 
     used_bytes: int
     """Bytes held by copies (complete or arriving)."""
+    memory_limit: int
+    """Bytes the copies may take."""
 
     def begin(self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int,
               table: bytes, meta: bytes, digest: int, stream: int = 0) -> StoredSnapshot: ...  # fmt: skip

@@ -107,7 +107,8 @@ class StreamService:
                     errors.append(f"{addr}: {type(exc).__name__}: {exc}"[:300])
                     return
                 took.add(addr)
-                self.state.counters.bytes_out += res.wire_bytes
+                self.state.counters.streamed(addr, res.wire_bytes, -(-res.data_bytes // seal.block_bytes),
+                                             res.delta_chunks)  # fmt: skip
                 log.debug("step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s", s.step, lr.job,
                           lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
 
@@ -122,6 +123,7 @@ class StreamService:
             s.streaming = False
             if buddies and ok == len(buddies):
                 lr.durable_step = max(lr.durable_step, s.step)
+                lr.durable_count += 1
             superseded = lr.stream_task is not None and lr.stream_task is not me
             if lr.stream_task is me:
                 lr.stream_task = None
@@ -129,8 +131,10 @@ class StreamService:
                 if superseded:  # a newer step took over: this one is skipped, not failed
                     self.notify(lr, "", -1)
                 elif not buddies:
+                    lr.failed_count += 1
                     self.notify(lr, "no buddy assigned yet", s.step)
                 elif ok < len(buddies):
+                    lr.failed_count += 1
                     note = f"{len(buddies) - ok} of {len(buddies)} buddies did not take step {s.step}"
                     if errors:
                         note += ": " + "; ".join(errors)

@@ -48,8 +48,14 @@ def test_status_document() -> None:
     assert (a["out_Bps"], a["in_Bps"]) == (2000.0, 5.0)
     (job,) = doc["jobs"]
     assert (job["job"], job["world_size"], job["recoverable"], job["durable"]) == ("j", 2, 6, 5)
-    assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "copies": 1}
-    assert job["round"] is None  # no rank asked for a plan yet
+    assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "rpo_s": None, "copies": 1}
+    assert job["round"] is None and job["plan_rounds"] == 0  # no rank asked for a plan yet
+    # rank 0 trains on to step 8 at 0.25 s a step; rank 1 holds G at 6: a failure now costs rank 0 2 steps, 0.5 s
+    beat(st, "a", T0 + 3.0, ranks("j", 2, 0, step_seconds=0.25), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))
+    job = st.status(T0 + 3.0)["jobs"][0]
+    assert job["recoverable"] == 6
+    assert (job["ranks"][0]["lag_steps"], job["ranks"][0]["rpo_s"]) == (2, 0.5)
+    assert (job["ranks"][1]["lag_steps"], job["ranks"][1]["rpo_s"]) == (0, None)  # its step time is not known
     plan(st, 0, "a")
     assert st.status(T0 + 3.0)["jobs"][0]["round"] == {
         "outcome": "asking", "step": -1, "asked": 1, "answered": 0, "age_s": None, "answer_s": None}
