@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import math
 
+from snapshotd.logs import fields
 from snapshotd.proto import (
     Assignment,
     Heartbeat,
@@ -155,7 +156,8 @@ class Membership:
             node = self.nodes[next(iter(self._live))]
             if node.last_seen > deadline:
                 break
-            log.warning("node %s missed heartbeats for %.1f s: declared dead", node.name, now - node.last_seen)
+            log.warning("node %s missed heartbeats for %.1f s: declared dead", node.name, now - node.last_seen,
+                        extra=fields(event="node_dead"))  # fmt: skip
             self._remove_live(node)
             node.alive = False
             dead.append(node)
