@@ -200,8 +200,9 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
 def coordinator_sampler(state: CoordinatorState) -> Sampler:
     """The sampler of the coordinator's metrics, read from its status document.
 
-    The document is packed in parts with the event loop yielded between them, as ``snapshotd status`` does, so
-    a scrape of a large fleet never holds up heartbeats or plans.
+    The document is packed in parts with the event loop yielded between them, as ``snapshotd status`` does, and
+    read into metric families in a worker thread, so a scrape of a large fleet never holds up heartbeats or
+    plans for longer than one part takes.
     """
     import msgpack
 
@@ -210,8 +211,8 @@ def coordinator_sampler(state: CoordinatorState) -> Sampler:
         for part in state.status_parts(time.monotonic()):
             parts.append(part)
             await asyncio.sleep(0)
-        doc: dict[str, Any] = msgpack.unpackb(b"".join(parts), raw=False)
-        return list(_coordinator_families(doc))
+        packed = b"".join(parts)
+        return await asyncio.to_thread(lambda: list(_coordinator_families(msgpack.unpackb(packed, raw=False))))
 
     return sample
 
@@ -243,6 +244,14 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     for j in jobs:
         rounds.add_metric([j["job"]], count_value=j["plan_rounds"], sum_value=j["plan_round_s"])
     yield rounds
+    yield _gauge("snapshotd_job_rpo_steps_max", "The largest rank RPO of the job, in steps", labels=("job",),
+                 rows=[((j["job"],), max(lags)) for j in jobs
+                       if (lags := [r["lag_steps"] for r in j["ranks"] if r["lag_steps"] is not None])])  # fmt: skip
+    yield _gauge("snapshotd_job_rpo_seconds_max", "The largest rank RPO of the job, in training seconds",
+                 labels=("job",), rows=[((j["job"],), max(rpos)) for j in jobs
+                                        if (rpos := [r["rpo_s"] for r in j["ranks"] if r["rpo_s"] is not None])])  # fmt: skip
+    yield _gauge("snapshotd_job_copies_min", "The fewest live holders of G of any rank of the job", labels=("job",),
+                 rows=[((j["job"],), min(r["copies"] for r in j["ranks"])) for j in jobs if j["ranks"]])  # fmt: skip
     ranks = [(j["job"], r) for j in jobs for r in j["ranks"]]
     yield _gauge("snapshotd_rank_newest_step", "The rank's newest complete snapshot on any node (-1: none)",
                  labels=("job", "rank"), rows=[((job, str(r["rank"])), r["newest_step"]) for job, r in ranks])  # fmt: skip

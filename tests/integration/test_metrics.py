@@ -132,6 +132,8 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
         assert value(co2, "snapshotd_rank_rpo_steps", job=job, rank=r) == 0
         assert value(co2, "snapshotd_rank_rpo_seconds", job=job, rank=r) == 0
         assert value(co2, "snapshotd_rank_copies", job=job, rank=r) >= 1
+    assert value(co2, "snapshotd_job_rpo_steps_max", job=job) == 0
+    assert value(co2, "snapshotd_job_copies_min", job=job) >= 1
     rounds_before = value(co2, "snapshotd_plan_round_seconds_count", job=job)
 
     # the training side counts the same: and a restart restores from each node's own shared memory
