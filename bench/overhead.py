@@ -46,7 +46,7 @@ import numpy as np
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import parse_bytes, parse_rate
 
-from .report import Progress, Report, scratch_dir
+from .report import Report, progress, scratch_dir
 from .trainer import every_arg, plan_interval, run_ranks
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
@@ -197,9 +197,10 @@ def _measure(
         pids = {node: p.pid for node, p in cluster.sidecars.items()}
         cpu0 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
         try:
-            with Progress(total, desc="overhead steps", unit="steps") as bar:
+            with progress(unit="steps") as bar:
+                task = bar.add_task("overhead steps", total=total)
                 results = run_ranks(workdir, args.ranks, flags, timeout=args.timeout,
-                                    on_progress=lambda n: bar.update(n - bar.count))  # fmt: skip
+                                    on_progress=lambda n: bar.update(task, completed=n))  # fmt: skip
         finally:
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
         cpu1 = {node: _cpu_seconds(pid) for node, pid in pids.items()}

@@ -51,7 +51,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +60,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
 
-from .report import Progress, Report, scratch_dir
+from .report import Report, progress, scratch_dir
 
 __all__ = ["add_arguments", "make_state", "plot", "run", "state_digest"]
 
@@ -178,7 +178,7 @@ def _node_alive(coordinator: str, node: str) -> bool:
     return any(n["node"] == node and n["alive"] for n in fetch_status(coordinator, secret=None)["nodes"])
 
 
-def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
+def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], None]) -> dict[str, Any]:
     """The three steps of the module docstring; the measurements and the restore driver's report."""
     job = f"recovery-{uuid.uuid4().hex[:8]}"
     common = ["--job", job, "--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
@@ -194,7 +194,7 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
             cluster.start_sidecar(node)
         snap = _go(rank_b, args.timeout)
         wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
-        progress.update()
+        phase_done()
         t_fail = time.monotonic()
         cluster.kill(cluster.sidecars["B"])
         rank_b.kill()
@@ -205,10 +205,10 @@ def _node_loss(workdir: str, args: argparse.Namespace, progress: Progress) -> di
         holders = _copies(addr, job)
         log.info("node B (step %d) declared dead after %.2f s, %d copies again after %.2f s", snap["step"],
                  detection, holders, re_replication)  # fmt: skip
-        progress.update()
+        phase_done()
         cluster.start_sidecar("R")
         restored = _go(rank_r, args.timeout)
-        progress.update()
+        phase_done()
         for name, p in cluster.sidecars.items():
             if name != "B" and not p.alive():
                 raise RuntimeError(f"sidecar {name} exited during the run; log:\n{cluster.tail(p)}")
@@ -233,11 +233,12 @@ def run(args: argparse.Namespace) -> Report:
         raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0")
     size = args.size
     tensors = make_state(size, args.tensors)  # ValueError for a bad --size or --tensors
-    with scratch_dir(args.workdir, prefix="snapshotd-recovery-") as workdir, Progress(4, desc="recovery phases", unit="phases") as progress:
+    with scratch_dir(args.workdir, prefix="snapshotd-recovery-") as workdir, progress(unit="phases") as bar:
+        task = bar.add_task("recovery phases", total=4)
         disk = _disk_baseline(workdir, tensors)
         del tensors
-        progress.update()
-        loss = _node_loss(workdir, args, progress)
+        bar.advance(task)
+        loss = _node_loss(workdir, args, lambda: bar.advance(task))
         torchft = _torchft(workdir, args)
     restore, load = loss["seconds"], disk["cold_seconds"]
     pulled = loss["restored"]

@@ -7,7 +7,7 @@ carry their unit in a suffix, which both the table and the default plot read:
 ``_bytes`` (sizes), ``_Bps`` (bytes per second), ``_seconds`` / ``_s`` (seconds), ``_ms`` (milliseconds).
 ``_per_s`` (``heartbeats_per_s``) is a plain rate, a count per second, never a duration.
 
-:class:`Progress` is the progress bar of long runs (benchmarks, and the sidecar's restore pull).
+:func:`progress` is the progress display of long runs (rich's, see :mod:`snapshotd.terminal`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
-from snapshotd.progress import Progress
+from rich.box import Box
+from rich.table import Table
+
+from snapshotd.terminal import console, is_terminal, progress, to_text
 from snapshotd.units import format_bytes, format_rate, format_seconds
 
-__all__ = ["Progress", "Report", "emit", "machine_info"]
+__all__ = ["Report", "emit", "machine_info", "progress"]
 
 log = logging.getLogger(__name__)
 
@@ -127,20 +130,29 @@ def format_value(name: str, value: Any) -> str:
     return str(value) if isinstance(value, int) else f"{value:.4g}"
 
 
-def format_table(report: Report) -> str:
-    """``report.results`` as an aligned text table (empty string when there are no rows)."""
+_RULED = Box("    \n    \n -  \n    \n    \n    \n    \n    \n", ascii=True)
+"""No frame: only a line of dashes under the header, one run per column."""
+
+
+def results_table(report: Report) -> Table | None:
+    """``report.results`` as a rich table, values in their units (numeric columns right-aligned), or None when
+    there are no rows."""
     columns = report.table_columns()
     if not report.results or not columns:
-        return ""
-    cells = [[format_value(c, row[c]) if c in row else "" for c in columns] for row in report.results]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    numeric = [all(_is_number(row.get(c)) or row.get(c) is None for row in report.results) for c in columns]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
-    lines.append("  ".join("-" * w for w in widths))
-    for r in cells:
-        padded = (v.rjust(w) if num else v.ljust(w) for v, w, num in zip(r, widths, numeric, strict=True))
-        lines.append("  ".join(padded).rstrip())
-    return "\n".join(lines)
+        return None
+    table = Table(box=_RULED, show_edge=False, pad_edge=False, header_style="bold")
+    for c in columns:
+        numeric = all(_is_number(row.get(c)) or row.get(c) is None for row in report.results)
+        table.add_column(c, justify="right" if numeric else "left", no_wrap=True)
+    for row in report.results:
+        table.add_row(*(format_value(c, row[c]) if c in row else "" for c in columns))
+    return table
+
+
+def format_table(report: Report) -> str:
+    """``report.results`` as an aligned plain-text table (empty string when there are no rows)."""
+    table = results_table(report)
+    return "" if table is None else to_text(table)
 
 
 def _jsonable(value: Any) -> Any:
@@ -288,10 +300,12 @@ def emit(
         OSError: when a file cannot be written.
     """
     out = out if out is not None else sys.stdout
-    print(f"== snapshotd-bench {report.bench} ==", file=out)
-    table = format_table(report)
-    if table:
-        print(table, file=out)
+    print(f"== snapshotd-bench {report.bench} ==", file=out, flush=True)
+    table = results_table(report)
+    if table is not None and is_terminal(out):
+        console(out).print(table)
+    elif table is not None:
+        print(to_text(table), file=out)
     if report.summary:
         print(file=out)
         for key, value in report.summary.items():

@@ -9,9 +9,11 @@ thread never touches the socket, so network trouble never blocks or raises insid
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from snapshotd.proto import Error, Message, ProtocolError, decode, encode
@@ -34,6 +36,8 @@ class Channel:
     """
 
     POLL_MS = 5
+    WAIT_TICK = 0.1
+    """Seconds between two ``on_wait`` calls of a :meth:`request`."""
 
     def __init__(self, sidecar: str, on_message: Callable[[Message], None]) -> None:
         self._pipe = connect_rank(sidecar)
@@ -55,8 +59,10 @@ class Channel:
         """Send a one-way message from the channel thread (after the jobs submitted before it)."""
         self.submit(lambda: self.send_now(msg))
 
-    def request(self, msg: Message, reply_type: str, timeout: float) -> Message:
-        """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it.
+    def request(self, msg: Message, reply_type: str, timeout: float,
+                on_wait: Callable[[], None] | None = None) -> Message:  # fmt: skip
+        """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it; ``on_wait`` is called on
+        the waiting thread every :attr:`WAIT_TICK` seconds meanwhile (what ``restore()`` draws its progress with).
 
         Raises:
             SidecarUnavailable: no answer within ``timeout`` seconds.
@@ -68,8 +74,13 @@ class Channel:
                 raise RuntimeError(f"a {reply_type} request is already waiting")
             self._waiting[reply_type] = fut
         self.send(msg)
+        deadline = time.monotonic() + timeout
         try:
-            reply = fut.result(timeout)
+            while on_wait is not None and not fut.done() and time.monotonic() + self.WAIT_TICK < deadline:
+                with contextlib.suppress(concurrent.futures.TimeoutError):
+                    fut.result(self.WAIT_TICK)
+                on_wait()
+            reply = fut.result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError as exc:
             raise SidecarUnavailable(
                 f"the snapshotd sidecar at {self.endpoint} did not answer {msg.TYPE} within {timeout:.0f} s "

@@ -34,6 +34,7 @@ from snapshotd.proto import (
     Message,
     RankRegistered,
     RegisterRank,
+    RestoreProgress,
     RestoreReply,
     RestoreRequest,
     SlotUpdate,
@@ -49,6 +50,7 @@ from .direct import direct_targets, writable_by
 from .errors import NotRecoverable, RestoreFailed, SnapshotdError
 from .identity import Identity
 from .load import restore_into
+from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval
 from .staging import Stager
@@ -148,6 +150,7 @@ class Snapshotter:
         self._closed = False
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
+        self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
         self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
 
@@ -218,19 +221,27 @@ class Snapshotter:
             self._inflight.clear()
             seen = self._updates
         targets = direct_targets(flat)
+        display = self._restore_display = restore_display(self.job, self.rank)  # None: nothing to draw here
+        reply: Message | None = None
         try:
             with writable_by(self._sidecar_pid if targets else 0):
                 reply = self._channel.request(
                     RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
-                                   table=encode_table(flat.entries) if targets else b"", targets=targets),
+                                   progress=display is not None, table=encode_table(flat.entries) if targets else b"",
+                                   targets=targets),
                     "restore_reply",
                     timeout + 5,
+                    on_wait=display.draw if display is not None else None,
                 )  # fmt: skip
         except NotRecoverable as exc:
             raise NotRecoverable(
                 f"job {self.job!r}: no step is recoverable from memory ({exc}). Load your last disk checkpoint and "
                 "go on under a new job name: this job's snapshots belong to a run that cannot be resumed."
             ) from exc
+        finally:
+            self._restore_display = None
+            if display is not None:
+                display.finish(reply if isinstance(reply, RestoreReply) else None)
         assert isinstance(reply, RestoreReply)
         with self._lock:  # so that the first capture() finds its free slots
             self._lock.wait_for(lambda: self._updates > seen, timeout=min(self.timeout, 5.0))
@@ -468,6 +479,10 @@ class Snapshotter:
                     self._last_failed_step = max(self._last_failed_step, msg.failed_step)
                     self._problem(msg.note or f"step {msg.failed_step} did not reach every buddy")
                 self._lock.notify_all()
+        elif isinstance(msg, RestoreProgress):
+            display = self._restore_display
+            if display is not None:
+                display.update(msg)
         elif msg.TYPE == "error":
             text = f"{getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}"
             with self._lock:

@@ -7,7 +7,8 @@ bytes, an encoded tensor table, a msgpack blob of non-tensor state). :mod:`.wire
 Three conversations use these messages:
 
 - ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
-  :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreReply`.
+  :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreProgress`,
+  :class:`RestoreReply`.
 - data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
@@ -48,6 +49,7 @@ __all__ = [
     "RankRegistered",
     "RegisterRank",
     "RegisterSidecar",
+    "RestoreProgress",
     "RestoreReply",
     "RestoreRequest",
     "SidecarRegistered",
@@ -154,7 +156,8 @@ class RestoreRequest(Message):
     ``table`` (the tensor table of the rank's live state) and ``targets`` (per entry, the address of that live
     CPU tensor's contiguous bytes in the requesting process as a little-endian uint64, 0 where it has none)
     let the sidecar write a pulled snapshot straight into the live tensors (see :func:`match_entries`); both
-    empty: the arena only.
+    empty: the arena only. ``progress``: the rank shows the restore's progress, so the sidecar sends it
+    :class:`RestoreProgress` messages before its reply (a client that leaves the field out gets none).
     """
 
     TYPE: ClassVar[str] = "restore_request"
@@ -162,8 +165,27 @@ class RestoreRequest(Message):
     rank: int = spec_field(RANK)
     world_size: int = spec_field(WORLD)
     timeout_s: float = spec_field(SECONDS)
+    progress: bool = spec_field(Bool(), default=False)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     targets: memoryview | bytes = _payload(8 * L.MAX_TENSORS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreProgress(Message):
+    """How the restore of ``(job, rank, step)`` goes, for a rank that asked with ``progress``: sent once the
+    source is known (``done_bytes`` 0, ``total_bytes`` the snapshot's data bytes), then at most every 0.2 s while
+    bytes arrive; the :class:`RestoreReply` ends it. ``source`` is as in the reply; ``sources`` are the data
+    addresses of the holders a ``pull`` fetches from (empty otherwise). Informational: the client never acts on
+    it beyond showing it.
+    """
+
+    TYPE: ClassVar[str] = "restore_progress"
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    done_bytes: int = spec_field(NBYTES)
+    total_bytes: int = spec_field(NBYTES)
+    source: str = spec_field(Enum(("local", "replica", "pull")))
+    sources: tuple[str, ...] = spec_field(ListOf(ADDR, 64), factory=tuple)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -471,7 +493,7 @@ class Error(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreReply,
+        RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreProgress, RestoreReply,
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
         StatusRequest, StatusReply, MemberQuery, MemberReply, Error,

@@ -8,12 +8,17 @@ import time
 from typing import Any
 
 import msgpack
+from rich.console import RenderableType
+from rich.padding import Padding
+from rich.table import Table
+from rich.text import Text
 
 from snapshotd.proto import Error, StatusReply, StatusRequest, decode, encode
+from snapshotd.terminal import console, is_terminal, to_text
 from snapshotd.transport import connect_blocking
 from snapshotd.units import format_bytes, format_rate, format_seconds
 
-__all__ = ["fetch_status", "render_status", "status_main"]
+__all__ = ["fetch_status", "render_status", "status_main", "status_renderables"]
 
 _RANK_ROWS = 32  # a job with more ranks shows its worst ones (fewest copies, then largest lag)
 
@@ -62,20 +67,27 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
         0 on success (and when a watch is interrupted); 1, with the reason on stderr, when a single fetch fails.
         While watching, a failed fetch is shown in place of the tables and the watch goes on.
     """
+    tty = not as_json and is_terminal(sys.stdout)
+    out = console(sys.stdout) if tty else None
     try:
         while True:
+            shown: list[RenderableType]
             try:
                 doc = fetch_status(coordinator, secret=secret, timeout=timeout)
             except (TimeoutError, ValueError, RuntimeError) as exc:
                 if not watch:
                     print(f"snapshotd status: {exc}", file=sys.stderr)
                     return 1
-                text = f"snapshotd status: {exc}"
+                shown = [Text(f"snapshotd status: {exc}")]
             else:
+                shown = status_renderables(doc) if tty else []
                 text = json.dumps(doc, indent=None if watch else 2) if as_json else render_status(doc)
-            if watch and not as_json:
-                sys.stdout.write("\x1b[H\x1b[2J")  # clear the terminal
-            print(text, flush=True)
+            if out is not None:  # a terminal: in colour, cleared between refreshes
+                if watch:
+                    out.clear()
+                out.print(*shown)
+            else:
+                print(text if not shown else to_text(*shown), flush=True)
             if not watch:
                 return 0
             time.sleep(1.0)
@@ -85,45 +97,68 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
 
 def render_status(doc: dict[str, Any]) -> str:
     """The status document as plain-text tables: the coordinator, its nodes, and each job with G and lag."""
+    return to_text(*status_renderables(doc))
+
+
+def _table(*headers: str) -> Table:
+    """A frameless table: a header row, then the rows, columns two spaces apart."""
+    table = Table(box=None, show_edge=False, pad_edge=False, padding=(0, 2, 0, 0), header_style="bold")
+    for h in headers:
+        table.add_column(h, no_wrap=True)
+    return table
+
+
+def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
+    """The status document as rich renderables (DEAD nodes, lagging ranks and missing copies stand out in
+    colour on a terminal): what :func:`render_status` prints as plain text."""
     c = doc.get("coordinator", {})
-    lines = [
-        f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
-        f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages",
-        "",
+    out: list[RenderableType] = [
+        Text(f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
+             f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages\n"),  # fmt: skip
     ]
-    rows = []
+    nodes = _table("NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA")
     for n in doc.get("nodes", []):
         dead = sum(1 for _, _, alive in n.get("ranks", []) if not alive)
         ranks = f"{len(n.get('ranks', []))}" + (f" ({dead} dead)" if dead else "")
-        rows.append([n["node"], n.get("rack") or "-", "live" if n.get("alive") else "DEAD",
-                     format_seconds(n.get("last_seen_s", 0)) + " ago", ranks,
-                     format_bytes(n.get("stored_bytes", 0)), format_rate(n.get("out_Bps", 0.0)),
-                     format_rate(n.get("in_Bps", 0.0)), n.get("data_addr", "")])  # fmt: skip
-    lines += _table(["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA"], rows)
-    if not rows:
-        lines.append("(no sidecar registered)")
+        state = Text("live") if n.get("alive") else Text("DEAD", style="bold red")
+        nodes.add_row(n["node"], n.get("rack") or "-", state, format_seconds(n.get("last_seen_s", 0)) + " ago", ranks,
+                      format_bytes(n.get("stored_bytes", 0)), format_rate(n.get("out_Bps", 0.0)),
+                      format_rate(n.get("in_Bps", 0.0)), n.get("data_addr", ""))  # fmt: skip
+    out.append(nodes)
+    if not nodes.row_count:
+        out.append(Text("(no sidecar registered)"))
+    replicas = c.get("replicas")
     for j in doc.get("jobs", []):
         g, d = j.get("recoverable", -1), j.get("durable", -1)
-        lines += ["", f"job {j['job']}: world size {j.get('world_size')}, recoverable step G = {_step(g)}, "
-                      f"newest durable step = {_step(d)}"]  # fmt: skip
+        lines = [f"\njob {j['job']}: world size {j.get('world_size')}, recoverable step G = {_step(g)}, "
+                 f"newest durable step = {_step(d)}"]  # fmt: skip
         if j.get("round"):
             lines.append("  " + _round(j["round"], j.get("world_size")))
+        out.append(Text("\n".join(lines)))
         ranks = j.get("ranks", [])
         shown = ranks
         if len(ranks) > _RANK_ROWS:
             shown = sorted(ranks, key=lambda r: (r.get("copies", 0), -(r.get("lag_steps") or 0), r["rank"]))
             shown = sorted(shown[:_RANK_ROWS], key=lambda r: r["rank"])
-        rows = [[r["rank"], r.get("node") or "-", _step(r.get("newest_step", -1)),
-                 "-" if r.get("lag_steps") is None else r["lag_steps"], r.get("copies", 0)] for r in shown]  # fmt: skip
-        lines += ["  " + line for line in _table(["RANK", "NODE", "NEWEST", "LAG", "COPIES"], rows)]
+        table = _table("RANK", "NODE", "NEWEST", "LAG", "COPIES")
+        for r in shown:
+            copies = r.get("copies", 0)
+            few = isinstance(replicas, int) and copies < 1 + replicas
+            table.add_row(str(r["rank"]), r.get("node") or "-", _step(r.get("newest_step", -1)),
+                          "-" if r.get("lag_steps") is None else str(r["lag_steps"]),
+                          Text(str(copies), style="yellow" if few else ""))  # fmt: skip
+        out.append(Padding(table, (0, 0, 0, 2)))
+        notes = []
         if len(shown) < len(ranks):
-            lines.append(f"  ... {len(ranks) - len(shown)} more ranks (worst shown; --json lists all)")
+            notes.append(f"  ... {len(ranks) - len(shown)} more ranks (worst shown; --json lists all)")
         missing = j.get("missing", [])
         if missing:
             spans = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missing[:8])
             more = f" and {len(missing) - 8} more ranges" if len(missing) > 8 else ""
-            lines.append(f"  ranks no node reported (no home, no copy): {spans}{more}")
-    return "\n".join(lines)
+            notes.append(f"  ranks no node reported (no home, no copy): {spans}{more}")
+        if notes:
+            out.append(Text("\n".join(notes)))
+    return out
 
 
 def _round(rnd: dict[str, Any], world_size: int | None) -> str:
@@ -139,9 +174,3 @@ def _round(rnd: dict[str, Any], world_size: int | None) -> str:
 
 def _step(step: int) -> str:
     return "none" if step is None or step < 0 else str(step)
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    cells = [headers] + [[str(v) for v in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]

@@ -7,6 +7,10 @@ live holders the plan names (a pull striped across all of them). Every byte and 
 the copy's seal (:mod:`.integrity`) before the reply lets the rank load them; a local copy that fails is dropped
 and the next source is tried. Where the restoring process named its live tensors, pulled or replica bytes go
 straight into them (:mod:`.placement`); the rest goes through the arena. The reply says which and where.
+
+A rank that asks with ``progress`` is told how it goes (:class:`~snapshotd.proto.RestoreProgress`): once the
+source is known, then at most every :data:`PROGRESS_INTERVAL` seconds while a pull brings bytes. The sidecar
+itself logs one line per restore.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ import time
 
 from snapshotd import proto
 from snapshotd.logs import fields
-from snapshotd.progress import Progress
 from snapshotd.proto import (
     Error,
     ErrorCode,
     PlanRequest,
     ProtocolError,
+    RestoreProgress,
     RestoreReply,
     RestoreRequest,
     StreamBegin,
 )
 from snapshotd.shm import create_arena
+from snapshotd.units import format_bytes, format_rate
 
 from .config import SidecarConfig
 from .control import CoordinatorClient, CoordinatorUnavailable
@@ -41,9 +46,12 @@ from .store import UnknownSnapshot
 from .stream import RankNotify
 from .transfer import CorruptEverywhere, PullFailed, pull_snapshot
 
-__all__ = ["RestoreService"]
+__all__ = ["PROGRESS_INTERVAL", "RestoreService"]
 
 log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL = 0.2
+"""Least seconds between two RestoreProgress messages of one pull."""
 
 
 class _RankGone(Exception):
@@ -122,14 +130,17 @@ class RestoreService:
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank, message=plan.reason))
             return
         step = plan.step
+        t_data = time.monotonic()
         index = lr.find(step)
         source, pulled, direct = "local", 0, False
+        if index is not None:
+            self._progress(ident, req, step, "local", 0, lr.slots[index].data_bytes)
         local_corrupt = index is not None and not await self._intact(lr, index)
         if local_corrupt:
             index = None
         if index is None:
             try:
-                index, pulled, direct = await self._fetch(lr, step, plan.sources, req)
+                index, pulled, direct = await self._fetch(lr, step, plan.sources, req, ident)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
                 why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
@@ -144,13 +155,24 @@ class RestoreService:
         lr.seen_step = step
         s = lr.slots[index]
         seconds = time.monotonic() - t0
-        log.info("rank %d of job %s restores step %d (%s%s, %d B pulled, %.2f s)", req.rank, req.job, step, source,
-                 ", into its tensors" if direct else "", pulled, seconds,
-                 extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
+        moving = time.monotonic() - t_data
+        holders = [a for a in plan.sources if a != self.state.data_addr] if source == "pull" else []
+        log.info("rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s",
+                 req.rank, req.job, step, source, " from " if holders else "", ", ".join(holders),
+                 format_bytes(s.data_bytes), moving, format_rate(s.data_bytes / moving if moving > 0 else 0.0),
+                 seconds, f", {format_bytes(pulled)} on the wire" if pulled else "",
+                 ", into its tensors" if direct else "", extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
         self.outbox.reply(ident, RestoreReply(
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
             slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
         ))  # fmt: skip
+
+    def _progress(self, ident: bytes, req: RestoreRequest, step: int, source: str, done: int, total: int,
+                  sources: tuple[str, ...] = ()) -> None:  # fmt: skip
+        """Tell the restoring rank how its restore goes, if it asked to be told."""
+        if req.progress:
+            self.outbox.reply(ident, RestoreProgress(job=req.job, rank=req.rank, step=step, done_bytes=min(done, total),
+                                                     total_bytes=total, source=source, sources=sources))  # fmt: skip
 
     def _dropped(self, exc: CorruptCopy, job: str, rank: int, step: int) -> None:
         self.state.counters.corrupt += 1
@@ -190,7 +212,7 @@ class RestoreService:
         return 0
 
     async def _fetch(
-        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest
+        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest, ident: bytes
     ) -> tuple[int, int, bool]:
         """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled;
         into a slot, or, where ``req`` names live tensors, straight into them (:mod:`.placement`).
@@ -207,6 +229,7 @@ class RestoreService:
         except UnknownSnapshot:
             snap = None
         if snap is not None:
+            self._progress(ident, req, step, "replica", 0, snap.data_bytes)
             index = self._empty_slot(lr, snap.data_bytes)
             slot = lr.arena.slot(index)[: snap.data_bytes]
             sink = self._direct_sink(lr, req, snap.table, slot)
@@ -225,27 +248,37 @@ class RestoreService:
                 lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
                                              data_bytes=snap.data_bytes, seal=seal))  # fmt: skip
                 return index, 0, sink is not None
-        links = [self.links.get(a) for a in sources if a != self.state.data_addr]
+        holders = tuple(a for a in sources if a != self.state.data_addr)
+        links = [self.links.get(a) for a in holders]
         index = 0
         direct = False
-        with Progress(None, desc=f"restore {lr.job} rank {lr.rank} step {step}", unit="bytes") as bar:
+        done, total, told = 0, 0, 0.0
 
-            def allocate(m: StreamBegin) -> Lander:
-                nonlocal direct
-                bar.total = m.data_bytes
-                self._empty_slot(lr, m.data_bytes)
-                lr.slots[index].pins += 1
-                slot = lr.arena.slot(index)[: m.data_bytes]
-                sink = self._direct_sink(lr, req, m.table, slot)
-                direct = sink is not None
-                return sink.land if sink is not None else arena_sink(slot)
+        def allocate(m: StreamBegin) -> Lander:
+            nonlocal direct, total, told
+            total, told = m.data_bytes, time.monotonic()
+            self._progress(ident, req, step, "pull", 0, total, holders)
+            self._empty_slot(lr, m.data_bytes)
+            lr.slots[index].pins += 1
+            slot = lr.arena.slot(index)[: m.data_bytes]
+            sink = self._direct_sink(lr, req, m.table, slot)
+            direct = sink is not None
+            return sink.land if sink is not None else arena_sink(slot)
 
-            try:
-                manifest, seal, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step,
-                                                             allocate=allocate, on_progress=bar.update)  # fmt: skip
-            except BaseException:
-                lr.set_slot(index, SlotState())
-                raise
+        def landed(n: int) -> None:
+            nonlocal done, told
+            done += n
+            now = time.monotonic()
+            if now - told >= PROGRESS_INTERVAL:
+                told = now
+                self._progress(ident, req, step, "pull", done, total, holders)
+
+        try:
+            manifest, seal, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step,
+                                                         allocate=allocate, on_progress=landed)  # fmt: skip
+        except BaseException:
+            lr.set_slot(index, SlotState())
+            raise
         proto.decode_table(manifest.table, manifest.data_bytes)
         lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
                                      meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip

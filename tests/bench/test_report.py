@@ -1,4 +1,4 @@
-"""snapshotd.bench.report (table, summary, JSON, PNG, Progress) and the snapshotd-bench CLI."""
+"""snapshotd.bench.report (table, summary, JSON, PNG, progress) and the snapshotd-bench CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from snapshotd.bench import cli
-from snapshotd.bench.report import Progress, Report, emit, machine_info
+from snapshotd.bench.report import Report, emit, format_table, machine_info, progress
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -99,37 +99,49 @@ def test_emit_calls_plot_fn(tmp_path) -> None:
     assert seen == [("demo", str(tmp_path / "p.png"))]
 
 
-def test_progress_without_tty_writes_about_every_ten_percent() -> None:
+def test_the_table_is_plain_text_with_a_dashed_rule_under_the_header() -> None:
+    lines = format_table(_report()).splitlines()
+    assert lines == [
+        "chunk_bytes    rate_Bps     step_s   lag_ms   codec",
+        "------------ ----------- ---------- -------- ------",
+        "   1.00 MiB   1.50 GB/s   250.0 ms   3.0 ms   raw",
+        "   4.00 MiB   2.50 GB/s   500.0 ms   1.5 ms   lz4",
+    ]
+    assert all(ln == ln.rstrip() and "\x1b" not in ln for ln in lines)  # no colour, no trailing blanks off a tty
+
+
+def test_progress_off_a_tty_prints_its_final_state_once() -> None:
     stream = io.StringIO()
-    with Progress(100 << 20, desc="pull", unit="bytes", stream=stream) as bar:
+    with progress(unit="bytes", stream=stream) as bar:
+        task = bar.add_task("pull", total=100 << 20)
         for _ in range(100):
-            bar.update(1 << 20)
+            bar.advance(task, 1 << 20)
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 10
-    assert lines[-1].startswith("pull [####################] 100% 100.00 MiB/100.00 MiB")
-    assert "/s" in lines[-1] and "ETA" in lines[-1]
+    assert len(lines) == 1 and "\x1b" not in lines[0]
+    assert lines[0].startswith("pull ") and "100% 100.00 MiB/100.00 MiB" in lines[0] and "/s" in lines[0]
 
 
-def test_progress_without_total_is_silent_off_tty() -> None:
+def test_progress_of_items_counts_them() -> None:
     stream = io.StringIO()
-    with Progress(None, unit="steps", stream=stream) as bar:
-        bar.update(5)
-    assert stream.getvalue() == ""
-    assert bar.line().startswith("5 steps ") and "steps/s" in bar.line()
+    with progress(unit="steps", stream=stream) as bar:
+        task = bar.add_task("overhead steps", total=10)
+        bar.update(task, completed=5)
+    assert "5/10 steps" in stream.getvalue() and "steps/s" in stream.getvalue()
 
 
-def test_progress_on_tty_redraws_one_line() -> None:
+def test_progress_on_a_tty_redraws_one_line() -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     stream = Tty()
-    with Progress(10, desc="items", stream=stream, interval=0.0) as bar:
+    with progress(stream=stream, auto_refresh=False) as bar:
+        task = bar.add_task("items", total=10)
         for _ in range(10):
-            bar.update()
+            bar.update(task, advance=1, refresh=True)
     text = stream.getvalue()
-    assert text.count("\r") == 11 and text.endswith("\n") and text.count("\n") == 1
-    assert "10 items/10 items" in text
+    assert text.count("\r") >= 10 and text.count("\n") == 1
+    assert "10/10 items" in text
 
 
 def test_cli_help_lists_every_subcommand(capsys) -> None:

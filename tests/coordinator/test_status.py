@@ -79,3 +79,20 @@ def test_missing_ranges() -> None:
     assert missing_ranges([], 3) == [[0, 2]]
     assert missing_ranges([0, 1, 2], 3) == []
     assert missing_ranges([1, 4, 5], 8) == [[0, 0], [2, 3], [6, 7]]
+
+
+def test_status_renders_as_plain_text_tables() -> None:
+    from snapshotd.status import render_status
+
+    st = make()
+    two_node_job(st)
+    text = render_status(st.status(T0 + 1.0))
+    lines = text.splitlines()
+    assert lines[0].startswith("coordinator: up ") and "replicas 1" in lines[0]
+    assert lines[2].split() == ["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA"]
+    assert lines[3].split()[:3] == ["a", "-", "live"]
+    assert "job j: world size 2, recoverable step G = 6" in text
+    header = lines.index("  RANK  NODE  NEWEST  LAG  COPIES")
+    assert lines[header + 1].split()[:2] == ["0", "a"]
+    assert "\x1b" not in text and all(ln == ln.rstrip() for ln in lines)  # no colour, no trailing blanks
+    assert render_status(st.status(T0 + 1.0)) == text  # deterministic

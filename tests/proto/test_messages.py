@@ -36,6 +36,7 @@ from snapshotd.proto import (
     RegisterRank,
     RegisterSidecar,
     ReplicateTask,
+    RestoreProgress,
     RestoreReply,
     RestoreRequest,
     SidecarRegistered,
@@ -84,6 +85,8 @@ def sample_messages() -> list[Message]:
         ),
         SlotUpdate(job="run-42", rank=3, free_slots=(0, 1), durable_step=16, note="buddy slow"),
         RestoreRequest(job="run-42", rank=3, world_size=8, timeout_s=30.0),
+        RestoreProgress(job="run-42", rank=3, step=17, done_bytes=1 << 19, total_bytes=1 << 20, source="pull",
+                        sources=("tcp://10.0.0.2:7071",)),  # fmt: skip
         RestoreReply(
             job="run-42",
             rank=3,
