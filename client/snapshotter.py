@@ -144,6 +144,8 @@ class Snapshotter:
         self._table_sent = False
         self._last_step = -1  # newest step started (or restored)
         self._last_captured = -1  # newest step capture() was called with
+        self._taken_at: dict[int, float] = {}  # step -> when capture() started it, until it is durable
+        self._recovery_point = (-1, time.monotonic())  # newest durable (or restored) step, and when it was taken
         self._last_capture_end: float | None = None
         self._step_seconds = 0.0
         self._reported_errors: set[str] = set()
@@ -204,6 +206,7 @@ class Snapshotter:
             fail_remaining(shards)
             raise
         self._last_step = self._last_captured = reply.step
+        self._recovery_point = (reply.step, time.monotonic())
         self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False
         log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
@@ -270,6 +273,7 @@ class Snapshotter:
         if step <= self._last_captured:
             raise ValueError(f"capture({step}) after capture({self._last_captured}): steps only grow")
         self._last_captured = step
+        self.stats.last_step = step
         t0 = time.perf_counter()
         step_seconds = None if self._last_capture_end is None else t0 - self._last_capture_end
         if step_seconds is not None:
@@ -294,6 +298,8 @@ class Snapshotter:
         finally:
             end = time.perf_counter()
             self.stats.capture_seconds += end - t0
+            with self._lock:
+                self._update_rpo()
             self._last_capture_end = end
             if self._auto is not None:
                 in_flight = self._last_step > max(self.stats.last_durable_step, self._last_failed_step)
@@ -426,9 +432,11 @@ class Snapshotter:
             self._table_sent = True
         announce = Announce(
             job=self.job, rank=self.rank, step=step, slot=slot, table_id=self._table_id,
-            step_seconds=self._step_seconds, table=table, meta=flat.meta,
+            step_seconds=self._step_seconds, skipped=self.stats.skipped, table=table, meta=flat.meta,
         )  # fmt: skip
         self._last_step = step
+        with self._lock:
+            self._taken_at[step] = time.monotonic()
         self._stager.stage(flat, self._slot_tensors[slot], self._channel, announce, lambda: self._release(slot))
         self.stats.started += 1
         self.stats.bytes += flat.data_bytes
@@ -474,6 +482,11 @@ class Snapshotter:
                 if msg.durable_step > self.stats.last_durable_step:
                     self.stats.durable += 1
                     self.stats.last_durable_step = msg.durable_step
+                    taken = self._taken_at.get(msg.durable_step)
+                    if taken is not None:
+                        self._recovery_point = (msg.durable_step, taken)
+                    self._taken_at = {k: t for k, t in self._taken_at.items() if k > msg.durable_step}
+                    self._update_rpo()
                 if msg.failed_step >= 0:
                     self.stats.failed += 1
                     self._last_failed_step = max(self._last_failed_step, msg.failed_step)
@@ -494,6 +507,14 @@ class Snapshotter:
                 self._free.clear()
                 self._lock.notify_all()
             self._problem(text)
+
+    def _update_rpo(self) -> None:
+        """``stats.rpo_*`` from the newest step captured and the recovery point (call with the lock held)."""
+        step, taken = self._recovery_point
+        if self.stats.last_step >= 0:
+            self.stats.rpo_steps = max(0, self.stats.last_step - step)
+            last = self._taken_at.get(self.stats.last_step, time.monotonic())
+            self.stats.rpo_seconds = max(0.0, last - taken) if self.stats.rpo_steps else 0.0
 
     def _problem(self, text: str) -> None:
         self.stats.errors += 1

@@ -123,6 +123,7 @@ class RestoreService:
             return
         self._check_registered(lr)
         if plan.status == "fresh":
+            self.state.counters.restored("fresh", time.monotonic() - t0, 0)
             self.outbox.reply(ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
                                                   arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
             return
@@ -155,6 +156,7 @@ class RestoreService:
         lr.seen_step = step
         s = lr.slots[index]
         seconds = time.monotonic() - t0
+        self.state.counters.restored(source, seconds, pulled)
         moving = time.monotonic() - t_data
         holders = [a for a in plan.sources if a != self.state.data_addr] if source == "pull" else []
         log.info("rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s",
@@ -282,7 +284,7 @@ class RestoreService:
         proto.decode_table(manifest.table, manifest.data_bytes)
         lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
                                      meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
-        self.state.counters.bytes_in += pulled
+        self.state.counters.pulled(pulled)
         return index, pulled, direct
 
     def _direct_sink(
