@@ -20,7 +20,7 @@ from snapshotd.units import format_bytes, format_rate, format_seconds
 
 __all__ = ["fetch_status", "render_status", "status_main", "status_renderables"]
 
-_RANK_ROWS = 32  # a job with more ranks shows its worst ones (fewest copies, then largest lag)
+_RANK_ROWS = 32  # a job with more ranks shows its worst ones (fewest copies, then largest RPO)
 
 
 def fetch_status(coordinator: str, *, secret: str | None, timeout: float = 5.0) -> dict:
@@ -96,7 +96,7 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
 
 
 def render_status(doc: dict[str, Any]) -> str:
-    """The status document as plain-text tables: the coordinator, its nodes, and each job with G and lag."""
+    """The status document as plain-text tables: the coordinator, its nodes, and each job with G and RPO."""
     return to_text(*status_renderables(doc))
 
 
@@ -140,12 +140,11 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
         if len(ranks) > _RANK_ROWS:
             shown = sorted(ranks, key=lambda r: (r.get("copies", 0), -(r.get("lag_steps") or 0), r["rank"]))
             shown = sorted(shown[:_RANK_ROWS], key=lambda r: r["rank"])
-        table = _table("RANK", "NODE", "NEWEST", "LAG", "COPIES")
+        table = _table("RANK", "NODE", "NEWEST", "RPO", "COPIES")
         for r in shown:
             copies = r.get("copies", 0)
             few = isinstance(replicas, int) and copies < 1 + replicas
-            table.add_row(str(r["rank"]), r.get("node") or "-", _step(r.get("newest_step", -1)),
-                          "-" if r.get("lag_steps") is None else str(r["lag_steps"]),
+            table.add_row(str(r["rank"]), r.get("node") or "-", _step(r.get("newest_step", -1)), _rpo(r),
                           Text(str(copies), style="yellow" if few else ""))  # fmt: skip
         out.append(Padding(table, (0, 0, 0, 2)))
         notes = []
@@ -170,6 +169,15 @@ def _round(rnd: dict[str, Any], world_size: int | None) -> str:
     if rnd.get("answer_s") is not None:
         answered += f", the last {format_seconds(rnd['answer_s'])} after the last rank asked"
     return f"last plan round: {what}, {format_seconds(rnd['age_s'])} ago; {answered}"
+
+
+def _rpo(rank: dict[str, Any]) -> str:
+    """What a failure now would cost the rank: ``3 steps (1.2 s)``; ``-`` while no step is recoverable."""
+    steps, seconds = rank.get("lag_steps"), rank.get("rpo_s")
+    if steps is None:
+        return "-"
+    text = f"{steps} step" + ("" if steps == 1 else "s")
+    return text if seconds is None else f"{text} ({format_seconds(seconds)})"
 
 
 def _step(step: int) -> str:

@@ -92,7 +92,10 @@ def test_status_renders_as_plain_text_tables() -> None:
     assert lines[2].split() == ["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA"]
     assert lines[3].split()[:3] == ["a", "-", "live"]
     assert "job j: world size 2, recoverable step G = 6" in text
-    header = lines.index("  RANK  NODE  NEWEST  LAG  COPIES")
-    assert lines[header + 1].split()[:2] == ["0", "a"]
+    header = next(i for i, ln in enumerate(lines) if ln.split() == ["RANK", "NODE", "NEWEST", "RPO", "COPIES"])
+    assert lines[header + 1].split() == ["0", "a", "6", "0", "steps", "1"]
     assert "\x1b" not in text and all(ln == ln.rstrip() for ln in lines)  # no colour, no trailing blanks
     assert render_status(st.status(T0 + 1.0)) == text  # deterministic
+    beat(st, "a", T0 + 1.0, ranks("j", 2, 0, step_seconds=0.25), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))
+    lines = render_status(st.status(T0 + 1.0)).splitlines()
+    assert lines[header + 1].split() == ["0", "a", "8", "2", "steps", "(500.0", "ms)", "1"]  # RPO in steps and time
