@@ -29,9 +29,9 @@ from .meta import (
     EXT_SIZE,
     EXT_TENSOR,
     EXT_TUPLE,
-    FORMAT_VERSION,
     MAX_DEPTH,
     PLAIN,
+    READ_VERSIONS,
     STATEFUL,
     TORCH_DTYPES,
     Path,
@@ -42,7 +42,7 @@ from .meta import (
     where,
 )
 
-__all__ = ["restore_into"]
+__all__ = ["TensorRef", "check_table", "decode_meta", "restore_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,29 +59,44 @@ def _has_marker(tree: Any, depth: int = 0) -> bool:
 
 
 @dataclasses.dataclass(slots=True)  # eq without frozen: unhashable, so a placeholder can never be a dict key
-class _Ref:
+class TensorRef:
+    """A tensor's placeholder in decoded meta: entry ``index`` of the table.
+
+    ``dtensor``: the entry is a DTensor's local shard; ``place`` is then ``(global shape, global offset)`` of that
+    shard, or None where the snapshot does not say (format 1) or the shard is no piece of the global tensor (a
+    ``Partial`` placement).
+    """
+
     index: int
     dtensor: bool
+    place: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
 class _Decoder:
     """msgpack decoding of ``meta`` with the ext types of the module docstring; raises on anything else."""
 
-    __slots__ = ("count", "depth")
+    __slots__ = ("count", "depth", "placed", "unplaced")
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.depth = 0
+        self.placed = self.unplaced = 0  # DTensor placeholders with and without the global layout (format 2, 1)
 
     def unpack(self, buf: bytes | memoryview) -> Any:
         return msgpack.unpackb(buf, ext_hook=self.ext, raw=False, strict_map_key=False)
 
     def ext(self, code: int, data: bytes) -> Any:
-        if code in (EXT_TENSOR, EXT_DTENSOR):
+        if code == EXT_TENSOR or (code == EXT_DTENSOR and len(data) == 4):
             index = int.from_bytes(data, "big")
             if len(data) != 4 or index >= self.count:
                 raise ValueError(f"tensor placeholder {index} is outside the table of {self.count}")
-            return _Ref(index, code == EXT_DTENSOR)
+            self.unplaced += code == EXT_DTENSOR
+            return TensorRef(index, code == EXT_DTENSOR)
+        if code == EXT_DTENSOR:
+            ref = self.ext(EXT_TENSOR, data[:4])
+            ref.dtensor, ref.place = True, _place(msgpack.unpackb(data[4:]))
+            self.placed += 1
+            return ref
         if self.depth >= MAX_DEPTH:
             raise ValueError(f"ext types nest deeper than {MAX_DEPTH} levels")
         self.depth += 1
@@ -112,6 +127,20 @@ class _Decoder:
                 raise ValueError("bad NumPy scalar")
             return np.frombuffer(raw, dt)[0]
         raise ValueError(f"unknown or malformed ext type {code}")
+
+
+def _place(obj: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """A DTensor placeholder's ``[global shape, global offset]`` (or nil), checked."""
+    if obj is None:
+        return None
+    if (
+        type(obj) is not list
+        or len(obj) != 2
+        or any(type(v) is not list or any(type(d) is not int or d < 0 for d in v) for v in obj)
+        or len(obj[0]) != len(obj[1])
+    ):
+        raise ValueError("bad DTensor layout")
+    return tuple(obj[0]), tuple(obj[1])
 
 
 def _np_dtype(s: Any) -> np.dtype:
@@ -154,7 +183,7 @@ class _Restorer:
         return self.dtensor.from_local(src.clone(), like.device_mesh, like.placements, run_check=False,  # type: ignore[union-attr]
                                        shape=like.shape, stride=like.stride())  # fmt: skip
 
-    def tensor(self, ref: _Ref, cur: Any, keys: Path, strict: bool) -> Any:
+    def tensor(self, ref: TensorRef, cur: Any, keys: Path, strict: bool) -> Any:
         e = self.entries[ref.index]
         if e.path != "/".join(map(str, keys)):
             raise ValueError(f"{where(keys)}: the table names {e.path!r} here; table and meta do not match")
@@ -188,7 +217,7 @@ class _Restorer:
     def merge(self, node: Any, cur: Any, keys: Path, inplace: bool) -> Any:
         """The restored value of ``node``; containers of ``cur`` are updated in place when ``inplace``."""
         t = type(node)
-        if t is _Ref:
+        if t is TensorRef:
             return self.tensor(node, cur, keys, strict=False)
         if len(keys) > MAX_DEPTH:
             raise ValueError(f"{where(keys)}: snapshot meta nests deeper than {MAX_DEPTH} levels")
@@ -239,6 +268,49 @@ def _optimizer_templates(key: str, optimizer: torch.optim.Optimizer, dtensor: ty
     return out
 
 
+def check_table(entries: Sequence[TensorEntry], data: torch.Tensor) -> None:
+    """Check that every entry of a snapshot's table is a tensor of a known dtype lying, aligned, inside ``data``.
+
+    Raises:
+        ValueError: ``data`` is not a contiguous aligned 1-D uint8 tensor, or an entry is bad (named).
+    """
+    check_buffer(data, 0, "data")
+    for e in entries:
+        size = DTYPE_SIZES.get(e.dtype)
+        if e.dtype not in TORCH_DTYPES or size is None or e.nbytes != math.prod(e.shape) * size:
+            raise ValueError(f"tensor table entry {e.path!r}: bad dtype or size")
+        if e.offset < 0 or e.offset % size or e.offset + e.nbytes > data.numel():
+            raise ValueError(f"tensor table entry {e.path!r}: byte range outside the data or misaligned")
+
+
+def decode_meta(meta: bytes | memoryview, count: int) -> tuple[int, dict[str, list[Any]]]:
+    """Decode a snapshot's ``meta`` (msgpack only, never unpickled): its format version and ``{key: [kind,
+    tree]}``, each tensor of a tree a :class:`TensorRef` into a table of ``count`` entries.
+
+    Raises:
+        ValueError: malformed meta, or a format this build does not read.
+    """
+    if memoryview(meta).nbytes > L.MAX_META_BYTES:
+        raise ValueError(f"snapshot meta is over {L.MAX_META_BYTES} bytes")
+    decoder = _Decoder(count)
+    try:
+        decoded = decoder.unpack(meta)
+    except Exception as exc:
+        raise ValueError(f"malformed snapshot meta: {exc}") from exc
+    if type(decoded) is not list or len(decoded) != 2 or type(decoded[1]) is not dict:
+        raise ValueError("malformed snapshot meta: not [version, {key: [kind, tree]}]")
+    version = decoded[0]
+    if version not in READ_VERSIONS:
+        raise ValueError(f"snapshot meta of format {version!r}: this build reads formats {list(READ_VERSIONS)} "
+                         "(the snapshot was taken by a newer snapshotd?)")  # fmt: skip
+    if decoder.placed if version == 1 else decoder.unplaced:
+        raise ValueError(f"malformed snapshot meta: a DTensor placeholder of another format than {version}")
+    top: dict[Any, Any] = decoded[1]
+    if any(type(v) is not list or len(v) != 2 or v[0] not in (STATEFUL, PLAIN) for v in top.values()):
+        raise ValueError("malformed snapshot meta: a top-level value is not [kind, tree]")
+    return version, top
+
+
 def restore_into(
     state: Mapping[str, Any],
     entries: Sequence[TensorEntry],
@@ -270,29 +342,8 @@ def restore_into(
             ``state``'s (named), a plain tensor whose dtype or shape differs (named by path). The state may be
             partly restored when this is raised after the checks of the table, meta and keys.
     """
-    check_buffer(data, 0, "data")
-    for e in entries:
-        size = DTYPE_SIZES.get(e.dtype)
-        if e.dtype not in TORCH_DTYPES or size is None or e.nbytes != math.prod(e.shape) * size:
-            raise ValueError(f"tensor table entry {e.path!r}: bad dtype or size")
-        if e.offset < 0 or e.offset % size or e.offset + e.nbytes > data.numel():
-            raise ValueError(f"tensor table entry {e.path!r}: byte range outside the data or misaligned")
-    if memoryview(meta).nbytes > L.MAX_META_BYTES:
-        raise ValueError(f"snapshot meta is over {L.MAX_META_BYTES} bytes")
-    try:
-        decoded = _Decoder(len(entries)).unpack(meta)
-    except Exception as exc:
-        raise ValueError(f"malformed snapshot meta: {exc}") from exc
-    if (
-        type(decoded) is not list
-        or len(decoded) != 2
-        or decoded[0] != FORMAT_VERSION
-        or type(decoded[1]) is not dict
-    ):
-        raise ValueError("malformed snapshot meta: not [version 1, {key: [kind, tree]}]")
-    top: dict[Any, Any] = decoded[1]
-    if any(type(v) is not list or len(v) != 2 or v[0] not in (STATEFUL, PLAIN) for v in top.values()):
-        raise ValueError("malformed snapshot meta: a top-level value is not [kind, tree]")
+    check_table(entries, data)
+    _, top = decode_meta(meta, len(entries))
     missing, extra = [k for k in state if k not in top], [k for k in top if k not in state]
     if missing or extra:
         raise ConfigMismatch(
@@ -316,7 +367,7 @@ def restore_into(
             if kind != (STATEFUL if stateful else PLAIN):
                 raise ConfigMismatch(f"{where(keys)}: snapshot and state disagree on whether this is Stateful")
             if isinstance(value, torch.Tensor):
-                if type(tree) is not _Ref:
+                if type(tree) is not TensorRef:
                     raise ConfigMismatch(f"{where(keys)}: the snapshot holds no tensor here")
                 restorer.tensor(tree, value, keys, strict=True)
             elif stateful:

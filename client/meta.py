@@ -8,9 +8,13 @@ structure with each tensor replaced by a placeholder. Nothing is ever pickled.
 (:data:`STATEFUL`: ``tree`` is its ``state_dict()``) or a plain value (:data:`PLAIN`). Inside ``tree``, dict
 (keys: str, int, float, bool, None, bytes), list, str, int (64-bit), float (float64, NaN and inf included), bool,
 None and bytes are msgpack's own; the rest are ext types, so that types survive exactly: 1 a tensor placeholder
-(its table index, 4 bytes big-endian), 2 the same for a DTensor's local shard, 3 tuple, 4 ``torch.Size``, 5
-``OrderedDict`` (each packing its items), 6 NumPy array ``[dtype.str, shape, C-order bytes]``, 7 NumPy scalar
-``[dtype.str, bytes]``.
+(its table index, 4 bytes big-endian), 2 the same for a DTensor's local shard followed, from format 2 on, by msgpack
+of its place in the global tensor, ``[global shape, global offset]`` (``nil`` when it has none: a ``Partial``
+placement), 3 tuple, 4 ``torch.Size``, 5 ``OrderedDict`` (each packing its items), 6 NumPy array ``[dtype.str,
+shape, C-order bytes]``, 7 NumPy scalar ``[dtype.str, bytes]``.
+
+Format versions: 2 (written now) differs from 1 only in that DTensor placeholders carry their global layout, which
+an export to a DCP checkpoint needs; a restore reads both (see :data:`READ_VERSIONS`).
 
 :mod:`.state` writes snapshots (flatten and copy); :mod:`.load` reads them back into a live state.
 """
@@ -28,8 +32,8 @@ from ..proto.manifest import DTYPE_SIZES
 __all__ = [
     "ALIGN", "DTYPE_NAMES", "ELIDED", "EXT_DTENSOR", "EXT_NDARRAY", "EXT_NPSCALAR", "EXT_ODICT", "EXT_SIZE",
     "EXT_TENSOR", "EXT_TUPLE", "FORMAT_VERSION", "INT_MAX", "INT_MIN", "KEY_TYPES", "Layout", "MAX_DEPTH",
-    "MAX_ELEMENT", "PLAIN", "Path", "SCALAR_TYPES", "STATEFUL", "TORCH_DTYPES", "check_buffer", "dtensor_type",
-    "is_stateful", "plain_dtype", "where",
+    "MAX_ELEMENT", "PLAIN", "Path", "READ_VERSIONS", "SCALAR_TYPES", "STATEFUL", "TORCH_DTYPES", "check_buffer",
+    "dtensor_type", "is_stateful", "plain_dtype", "where",
 ]  # fmt: skip
 
 ALIGN = 64
@@ -38,7 +42,10 @@ ELIDED = "\0snapshotd.elided"
 """The key of the marker dict that stands in a snapshot for a tensor another rank of its replica group kept:
 ``{ELIDED: [keeper, dtype, shape]}`` (see :mod:`snapshotd.client.replicas`)."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The format :mod:`.state` writes."""
+READ_VERSIONS = (1, 2)
+"""The formats :mod:`.load` reads: 1 lacks the global layout of DTensor shards (see the module docstring)."""
 MAX_DEPTH = 32
 """Deepest nesting of containers in a state (deeper is almost surely a reference cycle). It also bounds the
 recursion of decoding nested ext types, each level of which takes ~40 KiB of C stack inside msgpack."""

@@ -125,14 +125,32 @@ class _Flattener:
         return out
 
     def tensor(self, v: torch.Tensor, keys: Path) -> msgpack.ExtType:
-        code = EXT_TENSOR
+        code, place = EXT_TENSOR, b""
         if self.dtensor is not None and isinstance(v, self.dtensor):
-            v, code = v.to_local(), EXT_DTENSOR
+            local = v.to_local()
+            place = _global_place(tuple(v.shape), v.device_mesh, tuple(v.placements), tuple(local.shape))
+            v, code = local, EXT_DTENSOR
         name = check_tensor(v, keys)
         index = len(self.tensors)
         self.tensors.append(v.detach())
         self.specs.append(("/".join(map(str, keys)), name, tuple(v.shape)))
-        return msgpack.ExtType(code, index.to_bytes(4, "big"))
+        return msgpack.ExtType(code, index.to_bytes(4, "big") + place)
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_place(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]) -> bytes:
+    """msgpack of ``[global shape, global offset]`` of this rank's shard (of shape ``local``) of a DTensor laid out
+    so, or of ``nil`` when its local values are not one block of the global tensor (a ``Partial`` placement, or a
+    layout whose computed shard shape is not the real one). Cached: a DTensor's layout does not change between
+    steps, and each capture would otherwise compute it again for every DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(p.is_partial() for p in placements):
+        return msgpack.packb(None)
+    computed, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if tuple(computed) != local:
+        return msgpack.packb(None)
+    return msgpack.packb([list(shape), list(offset)])
 
 
 def check_tensor(v: torch.Tensor, keys: Path) -> str:

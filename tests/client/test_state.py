@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from snapshotd.client.load import restore_into
-from snapshotd.client.meta import ALIGN
+from snapshotd.client.load import TensorRef, decode_meta, restore_into
+from snapshotd.client.meta import ALIGN, FORMAT_VERSION
 from snapshotd.client.rng import RNGState
 from snapshotd.client.state import FlatState, copy_into, flatten
 
@@ -323,7 +323,7 @@ def test_paths_and_int_keys() -> None:
     assert paths[:2] == ["model/0.weight", "model/0.bias"]
     assert "optim/state/0/exp_avg" in paths and "optim/state/1/exp_avg_sq" in paths
     decoded = msgpack.unpackb(flat.meta, strict_map_key=False)  # plain msgpack, no custom hooks needed
-    assert decoded[0] == 1 and set(decoded[1]) == {"model", "optim"}
+    assert decoded[0] == FORMAT_VERSION and set(decoded[1]) == {"model", "optim"}
 
 
 UNSUPPORTED = [
@@ -504,6 +504,29 @@ def test_restore_accepts_memoryview_meta() -> None:
     assert torch.equal(target["a"], torch.arange(3.0))
 
 
+def _refs(tree: Any) -> list[TensorRef]:
+    """The tensor placeholders of decoded meta, in walk order."""
+    if isinstance(tree, TensorRef):
+        return [tree]
+    if isinstance(tree, dict):
+        return [r for v in tree.values() for r in _refs(v)]
+    if isinstance(tree, list | tuple):
+        return [r for v in tree for r in _refs(v)]
+    return []
+
+
+def test_meta_of_an_unknown_format_is_refused() -> None:
+    flat, data = snapshot({"a": torch.arange(3.0)})
+    assert msgpack.unpackb(flat.meta)[0] == 2
+    newer = msgpack.packb([3, msgpack.unpackb(flat.meta)[1]])
+    with pytest.raises(ValueError, match=r"format 3: this build reads formats \[1, 2\]"):
+        restore_into({"a": torch.zeros(3)}, flat.entries, newer, data)
+    older = msgpack.packb([1, msgpack.unpackb(flat.meta, strict_map_key=False)[1]])  # no DTensor: the same bytes
+    target = {"a": torch.zeros(3)}
+    restore_into(target, flat.entries, older, data)
+    assert torch.equal(target["a"], torch.arange(3.0))
+
+
 @pytest.fixture
 def gloo_world(tmp_path: Any) -> Any:
     dist = pytest.importorskip("torch.distributed")
@@ -546,7 +569,11 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     assert all(isinstance(p, DTensor) for p in model.parameters())
     state = {"model": model, "optim": opt}
     flat, data = snapshot(state)
-    assert flat.meta.count(b"\xd6\x02") == 12  # 4 parameter shards + 8 moment shards, marked as DTensor
+    refs = _refs(decode_meta(flat.meta, len(flat.entries))[1])
+    shards = [r for r in refs if r.dtensor]
+    assert len(shards) == 12  # 4 parameter shards + 8 moment shards, marked as DTensor with their global layout
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert [r.place for r in shards] == [(s, (0,) * len(s)) for s in shapes + [s for s in shapes for _ in (0, 1)]]
     reference = train(model, opt, 3)
 
     locals_before = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
@@ -568,6 +595,20 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     assert len(moments) == 8 and all(m.placements == p.placements for m, p in zip(
         moments, [p for p in fresh.parameters() for _ in range(2)], strict=True))  # fmt: skip
     assert train(fresh, fresh_opt, 3) == reference
+
+    # A snapshot of format 1 (DTensor placeholders without their global layout) still restores.
+    def strip(code: int, data: bytes) -> msgpack.ExtType:
+        if code in (3, 5):  # a tuple's or an OrderedDict's items
+            data = msgpack.packb(msgpack.unpackb(data, ext_hook=strip, strict_map_key=False))
+        return msgpack.ExtType(code, data[:4] if code == 2 else data)
+
+    v1 = msgpack.packb([1, msgpack.unpackb(flat.meta, ext_hook=strip, strict_map_key=False)[1]])
+    assert _refs(decode_meta(v1, len(flat.entries))[1])[0].place is None
+    fresh, fresh_opt = build(3)
+    restore_into({"model": fresh, "optim": fresh_opt}, flat.entries, v1, data)
+    assert train(fresh, fresh_opt, 3) == reference
+    with pytest.raises(ValueError, match="a DTensor placeholder of another format than 2"):
+        decode_meta(msgpack.packb([2, msgpack.unpackb(v1, ext_hook=strip, strict_map_key=False)[1]]), len(flat.entries))
 
     # A DTensor shard anywhere else needs a live DTensor to go into: a clear error, not a plain tensor.
     shard = {"w": next(model.parameters())}
