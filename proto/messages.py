@@ -13,7 +13,8 @@ Three conversations use these messages:
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
   :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
-  :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`.
+  :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`; and from
+  ``snapshotd export``: :class:`HoldersQuery`, :class:`HoldersReply`.
 
 Any side may answer with :class:`Error`. A header field with a default may be left out of a header; every other
 field must be there.
@@ -39,6 +40,8 @@ __all__ = [
     "Error",
     "Heartbeat",
     "HeartbeatReply",
+    "HoldersQuery",
+    "HoldersReply",
     "MemberQuery",
     "MemberReply",
     "Message",
@@ -477,6 +480,32 @@ class MemberReply(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HoldersQuery(Message):
+    """Which live nodes hold step ``step`` of ``job`` (-1: its newest durable step D) complete, for ranks ``first``
+    up to ``first + count - 1`` (those below the world size): asked by ``snapshotd export``."""
+
+    TYPE: ClassVar[str] = "holders_query"
+    step: int = spec_field(STEP_OR_NONE, default=-1)
+    first: int = spec_field(RANK, default=0)
+    count: int = spec_field(Int(1, L.MAX_PLAN_RANKS), default=L.MAX_PLAN_RANKS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class HoldersReply(Message):
+    """The answer to a :class:`HoldersQuery`: the step answered (-1 when the query asked for D and there is none),
+    the job's world size and watermarks, and per rank from ``first`` on the data addresses of the live nodes
+    holding the step complete (buddy copies first; empty: no live node holds it)."""
+
+    TYPE: ClassVar[str] = "holders_reply"
+    step: int = spec_field(STEP_OR_NONE)
+    world_size: int = spec_field(Int(0, L.MAX_RANKS))
+    recoverable: int = spec_field(STEP_OR_NONE)
+    durable: int = spec_field(STEP_OR_NONE)
+    first: int = spec_field(RANK, default=0)
+    sources: tuple[tuple[str, ...], ...] = spec_field(ListOf(ListOf(ADDR, 64), L.MAX_PLAN_RANKS), default=())
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """A refusal: ``code`` says why for programs (see :class:`ErrorCode`), ``message`` for people.
 
@@ -496,6 +525,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreProgress, RestoreReply,
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
-        StatusRequest, StatusReply, MemberQuery, MemberReply, Error,
+        StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, Error,
     )
 }  # fmt: skip

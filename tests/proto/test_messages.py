@@ -22,6 +22,8 @@ from snapshotd.proto import (
     ErrorCode,
     Heartbeat,
     HeartbeatReply,
+    HoldersQuery,
+    HoldersReply,
     InventoryItem,
     MemberQuery,
     MemberReply,
@@ -153,6 +155,9 @@ def sample_messages() -> list[Message]:
         StatusReply(body=msgpack.packb({"nodes": ["node-a"]})),
         MemberQuery(host="10.0.0.2"),
         MemberReply(host="10.0.0.2", member=True, node="node-a"),
+        HoldersQuery(job="run-42", step=16, first=0, count=2),
+        HoldersReply(job="run-42", step=16, world_size=2, recoverable=17, durable=16, first=0,
+                     sources=((ADDR, "tcp://10.0.0.3:41000"), ())),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
     ]
 
