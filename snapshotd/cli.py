@@ -1,4 +1,4 @@
-"""The ``snapshotd`` command: ``coordinator``, ``serve``, ``status`` and ``demo``.
+"""The ``snapshotd`` command: ``coordinator``, ``serve``, ``status``, ``export`` and ``demo``.
 
 The CLI only maps flags onto the config dataclasses that own validation; a bad value is one clear line on stderr
 and exit code 2.
@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", action="store_true", help="refresh every second")
     st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
 
+    e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
+    e.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    e.add_argument("--job", required=True, help="the job to export")
+    e.add_argument("--step", type=int, default=None, help="the step (default: the newest step durable for every rank)")
+    e.add_argument("--out", required=True, help="the checkpoint directory (must not exist, or be empty)")
+    e.add_argument("--timeout", default="10s", help="wait for any one reply (default %(default)s)")
+
     d = sub.add_parser("demo", help="the whole story on one machine: train, lose a node, recover bit-identically")
     d.add_argument("--steps", type=int, default=24, help="training steps (default %(default)s)")
     d.add_argument("--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)")
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             from snapshotd.status import status_main
 
             return status_main(args.coordinator, watch=args.watch, as_json=args.json, secret=secret)
+        if args.command == "export":
+            return _export(args, secret)
         if args.command == "demo":
             from snapshotd.demo import run_demo
             from snapshotd.local_cluster import sigterm_as_interrupt
@@ -112,6 +121,20 @@ def _coordinator(args: argparse.Namespace, secret: str | None) -> int:
         metrics_bind=args.metrics_bind,
     )
     uvloop.run(run_coordinator(cfg, ready=lambda ep: print(f"snapshotd coordinator ready {ep}", flush=True)))
+    return 0
+
+
+def _export(args: argparse.Namespace, secret: str | None) -> int:
+    from snapshotd.export import ExportError, export_checkpoint
+
+    timeout = parse_duration(args.timeout)
+    try:
+        done = export_checkpoint(args.coordinator, args.job, args.out, step=args.step, secret=secret, timeout=timeout)
+    except ExportError as exc:
+        print(f"snapshotd export: {exc}", file=sys.stderr)
+        return 1
+    print(f"snapshotd export: job {done.job} step {done.step} ({done.world_size} ranks; pulled ranks "
+          f"{done.pulled}, {done.pulled_bytes} bytes) -> {done.out}", flush=True)  # fmt: skip
     return 0
 
 
