@@ -5,12 +5,19 @@ the step of each rank (:class:`~snapshotd.proto.HoldersQuery`; by default the ne
 snapshots it needs from those holders as a restoring sidecar does (:func:`~snapshotd.sidecar.transfer.pull_snapshot`:
 every chunk checked against the seal its holder carries, the table and meta against their digest), decodes each
 with the client's format code (:func:`~snapshotd.client.load.decode_meta`) and writes the state through DCP's own
-planner and storage writer (``dcp.save(..., no_dist=True)``), so that::
+planner and storage writer (``dcp.save(..., no_dist=True)``), so that it loads at any world size, into the same
+kind of mapping the job gave its ``Snapshotter`` (the model wrapped as it was then: a DDP wrapper's keys start
+with ``module.``)::
 
-    dcp.load({"model": model, "optim": optim, ...}, checkpoint_id=DIR)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-loads it at any world size. What the checkpoint holds, per top-level key of the ``Snapshotter``'s state: a
-Stateful value's ``state_dict()``, a plain value as it is; snapshotd's own keys (DDP bucket layouts) are left out.
+    state = {"model": model, "optim": optim, "sched": sched, "loop": loop}   # built as the job built them
+    get_optimizer_state_dict(model, optim)   # an optimizer that has not stepped gets its moments (lr 0 step)
+    dcp.load(state, checkpoint_id=DIR)       # DCP calls state_dict() / load_state_dict() on Statefuls
+
+What the checkpoint holds, per top-level key of the ``Snapshotter``'s state: a Stateful value's ``state_dict()``,
+a plain value as it is; snapshotd's own keys (DDP bucket layouts) are left out.
 
 - A DTensor (FSDP2) is written as its global tensor, assembled from every rank's shard at the global offset the
   snapshot recorded (format 2; a format 1 snapshot lacks it and is refused), so that DCP reshards it on load.
