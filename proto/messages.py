@@ -120,7 +120,8 @@ class Announce(Message):
 
     ``table`` is the encoded tensor table, sent only when it changed (empty otherwise; ``table_id`` names the
     table in force). ``meta`` is the msgpack blob of non-tensor state. ``step_seconds`` is the rank's latest
-    step time, for the pacer (0: unknown).
+    step time, for the pacer (0: unknown). ``skipped`` counts the rank's capture() calls skipped so far, for the
+    sidecar's metrics.
     """
 
     TYPE: ClassVar[str] = "announce"
@@ -130,6 +131,7 @@ class Announce(Message):
     slot: int = spec_field(SLOT)
     table_id: int = spec_field(Int(0, L.MAX_STEP))
     step_seconds: float = spec_field(SECONDS, default=0.0)
+    skipped: int = spec_field(Int(0, 1 << 62), default=0)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
