@@ -483,7 +483,8 @@ class MemberReply(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class HoldersQuery(Message):
-    """Which live nodes hold step ``step`` of ``job`` (-1: its newest durable step D) complete, for ranks ``first``
+    """Which live nodes hold step ``step`` of ``job`` (-1: its newest durable step D, or G while there is none)
+    complete, for ranks ``first``
     up to ``first + count - 1`` (those below the world size): asked by ``snapshotd export``."""
 
     TYPE: ClassVar[str] = "holders_query"

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
     e.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
     e.add_argument("--job", required=True, help="the job to export")
-    e.add_argument("--step", type=int, default=None, help="the step (default: the newest step durable for every rank)")
+    e.add_argument("--step", type=int, default=None, help="the step (default: the newest durable step D, else the recoverable step G)")
     e.add_argument("--out", required=True, help="the checkpoint directory (must not exist, or be empty)")
     e.add_argument("--timeout", default="10s", help="wait for any one reply (default %(default)s)")
 

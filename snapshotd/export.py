@@ -1,7 +1,8 @@
 """``snapshotd export``: one complete step, from the sidecars' memory into a torch.distributed.checkpoint (DCP).
 
 The exporter is a client of the job's daemons and stops nothing: it asks the coordinator which live nodes hold
-the step of each rank (:class:`~snapshotd.proto.HoldersQuery`; by default the newest durable step D), pulls the
+the step of each rank (:class:`~snapshotd.proto.HoldersQuery`; by default the newest durable step D, or the
+recoverable step G while no step is durable, as after a node's loss until re-replication), pulls the
 snapshots it needs from those holders as a restoring sidecar does (:func:`~snapshotd.sidecar.transfer.pull_snapshot`:
 every chunk checked against the seal its holder carries, the table and meta against their digest), decodes each
 with the client's format code (:func:`~snapshotd.client.load.decode_meta`) and writes the state through DCP's own
@@ -33,7 +34,7 @@ Sidecars drop a step's copies once D has moved past it. If that happens while ex
 left) and no step was named, the export starts again at the newer D, up to :data:`ATTEMPTS` times.
 
 Errors: everything the user can act on is an :class:`ExportError` with one line saying what is wrong (an unknown
-job, no durable step, a step not held for some ranks, a snapshot from a build that did not record DTensor
+job, no complete step, a step not held for some ranks, a snapshot from a build that did not record DTensor
 layouts, a pull that failed, an output directory that is not empty).
 """
 
@@ -322,15 +323,15 @@ class _Exporter:
         return reply
 
     async def holders(self, step: int) -> tuple[int, int, list[tuple[str, ...]]]:
-        """The step to export (``step``, or D for -1), the world size and each rank's holders.
+        """The step to export (``step``; for -1, D, or G while there is none), the world size and each rank's
+        holders.
 
         Raises:
-            ExportError: the job is unknown, has no durable step, or some rank's step is held by no live node.
+            ExportError: the job is unknown, has no complete step, or some rank's step is held by no live node.
         """
         reply = await self.ask(step)
         if reply.step < 0 or reply.world_size == 0:
-            raise ExportError(f"job {self.job!r} has no durable step yet (recoverable step: "
-                              f"{'none' if reply.recoverable < 0 else reply.recoverable})")  # fmt: skip
+            raise ExportError(f"job {self.job!r} has no complete step yet: no step is held for every rank")
         sources = list(reply.sources)
         while len(sources) < reply.world_size:
             more = await self.ask(reply.step, first=len(sources))

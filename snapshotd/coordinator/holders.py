@@ -14,7 +14,8 @@ __all__ = ["holders"]
 
 
 def holders(jobs: Jobs, membership: Membership, msg: HoldersQuery) -> HoldersReply | Error:
-    """The live holders of ``msg.step`` of ``msg.job`` (its D for -1) for the ranks the query names.
+    """The live holders of ``msg.step`` of ``msg.job`` for the ranks the query names; for -1, of its D, or of G
+    while no step is durable (after a node's loss, until re-replication makes a step durable again).
 
     A copy in a buddy store comes before a rank's own slot, each group in address order. A step the coordinator
     names stale (held when a plan round froze at an older step, so possibly the failed run's) is refused with
@@ -24,7 +25,7 @@ def holders(jobs: Jobs, membership: Membership, msg: HoldersQuery) -> HoldersRep
     if job is None:
         return Error(job=msg.job, code=ErrorCode.NOT_FOUND, message=f"the coordinator knows no job {msg.job!r}")
     wm = job.publish()
-    step = wm.durable if msg.step < 0 else msg.step
+    step = (wm.durable if wm.durable >= 0 else wm.recoverable) if msg.step < 0 else msg.step
     lo, hi = job.stale
     if lo < step <= hi:
         return Error(job=msg.job, code=ErrorCode.NOT_FOUND, step=step,

@@ -32,13 +32,17 @@ def test_a_dead_node_holds_nothing() -> None:
     assert _ask(st, step=5).sources == ((addr("a"),), (addr("a"),))  # type: ignore[union-attr]
 
 
-def test_unknown_job_and_no_durable_step() -> None:
+def test_unknown_job_no_durable_step_and_no_step_at_all() -> None:
     st = make()
     two_node_job(st)
     reply = _ask(st, job="nope")
     assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND and "no job 'nope'" in reply.message
-    beat(st, "a", T0, ranks("k", 1, 0), inv("k", 0, 3, local=True))
+    beat(st, "a", T0, ranks("k", 1, 0), inv("k", 0, 3, local=True))  # only the rank's own copy: G 3, no D
     reply = _ask(st, job="k")
+    assert isinstance(reply, HoldersReply) and (reply.step, reply.recoverable, reply.durable) == (3, 3, -1)
+    assert len(reply.sources) == 1 and len(reply.sources[0]) == 1
+    beat(st, "b", T0, ranks("m", 1, 0))  # a rank that never snapshotted: nothing to export
+    reply = _ask(st, job="m")
     assert isinstance(reply, HoldersReply) and (reply.step, reply.durable, reply.sources) == (-1, -1, ())
 
 

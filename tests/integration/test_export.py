@@ -11,6 +11,7 @@ ranks with ``dcp.load``; the tests check what each step of that produced.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import subprocess
@@ -24,9 +25,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from snapshotd.cli import main as cli_main
+from snapshotd.client import Snapshotter
+from snapshotd.demo import wait_for
 from snapshotd.export import ExportError, export_checkpoint
 from snapshotd.status import fetch_status
 
@@ -237,3 +241,46 @@ def test_errors_name_the_problem(cluster: Cluster, trained: dict[str, str], tmp_
     with pytest.raises(ExportError, match="exists and is not an empty directory"):
         export_checkpoint(cluster.coordinator_addr, trained["ddp"], str(out))
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing half-written beside it
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process says so
+def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
+    """No spare node: after a node's loss (no step durable for its buddies' ranks until re-replication), the
+    export takes the recoverable step G, each rank from a live holder: what the README's fallback relies on."""
+    tag = uuid.uuid4().hex[:8]
+    c = Cluster(str(tmp_path / "cluster"), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    try:
+        c.start_coordinator()
+        sidecars = {n: c.start(n) for n in ("A", "B", "C")}
+        job = c.job("lost")
+        states = [{"w": torch.zeros(4096), "loop": {"step": 0}} for _ in range(2)]
+        snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=c.ipc(n), timeout=WAIT)
+                 for r, n in enumerate(("B", "A"))]  # fmt: skip  # rank 0, whose values the export writes, on B
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # restore() answers once every rank asked
+                assert list(pool.map(lambda s: s.restore(timeout=WAIT), snaps, timeout=WAIT + 10)) == [0, 0]
+            for step in (1, 2, 3):
+                for r, (s, st) in enumerate(zip(snaps, states, strict=True)):
+                    st["w"] += r + 1
+                    st["loop"]["step"] = step
+                    s.capture(step)
+                for s in snaps:
+                    assert s.wait(WAIT)
+        finally:
+            for s in snaps:
+                s.close(unregister=False)  # as crashed processes would: their snapshots stay with the sidecars
+        c.lose_node(sidecars["B"])
+
+        def b_dead() -> bool:
+            doc = fetch_status(c.coordinator_addr, secret=None)
+            return not next(n for n in doc["nodes"] if n["node"] == c.node("B"))["alive"]
+
+        wait_for(b_dead, WAIT, "the coordinator to declare node B dead")
+        done = export_checkpoint(c.coordinator_addr, job, str(tmp_path / "out"))
+        assert done.step == 3 and 0 in done.pulled  # rank 0's step 3, from its buddy: its own node is gone
+        target = {"w": torch.empty(4096), "loop": {"step": -1}}
+        dcp.load(target, checkpoint_id=str(tmp_path / "out"))  # one process: a world size of 1
+        assert torch.equal(target["w"], torch.full((4096,), 3.0)) and target["loop"] == {"step": 3}
+    finally:
+        c.close()
+    assert not shm_leftovers(tag)
