@@ -437,6 +437,8 @@ class Snapshotter:
         self._last_step = step
         with self._lock:
             self._taken_at[step] = time.monotonic()
+            if len(self._taken_at) > 64:  # bounded when no step becomes durable (no buddy, every stream failing)
+                del self._taken_at[min(self._taken_at)]
         self._stager.stage(flat, self._slot_tensors[slot], self._channel, announce, lambda: self._release(slot))
         self.stats.started += 1
         self.stats.bytes += flat.data_bytes
@@ -482,12 +484,12 @@ class Snapshotter:
                 if msg.durable_step > self.stats.last_durable_step:
                     self.stats.durable += 1
                     self.stats.last_durable_step = msg.durable_step
-                    taken = self._taken_at.get(msg.durable_step)
-                    if taken is not None:
-                        self._recovery_point = (msg.durable_step, taken)
+                    taken = self._taken_at.get(msg.durable_step, self._recovery_point[1])
+                    self._recovery_point = (msg.durable_step, taken)
                     self._taken_at = {k: t for k, t in self._taken_at.items() if k > msg.durable_step}
                     self._update_rpo()
                 if msg.failed_step >= 0:
+                    self._taken_at.pop(msg.failed_step, None)  # it will never be durable
                     self.stats.failed += 1
                     self._last_failed_step = max(self._last_failed_step, msg.failed_step)
                     self._problem(msg.note or f"step {msg.failed_step} did not reach every buddy")

@@ -140,12 +140,14 @@ class _Flattener:
 @functools.lru_cache(maxsize=4096)
 def _global_place(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]) -> bytes:
     """msgpack of ``[global shape, global offset]`` of this rank's shard (of shape ``local``) of a DTensor laid out
-    so, or of ``nil`` when its local values are not one block of the global tensor (a ``Partial`` placement, or a
-    layout whose computed shard shape is not the real one). Cached: a DTensor's layout does not change between
+    so, or of ``nil`` when its local values may not be one block of the global tensor (a placement other than
+    ``Shard`` and ``Replicate``, such as ``Partial`` or the strided shards of FSDP2 over tensor parallelism, or
+    a layout whose computed shard shape is not the real one). Cached: a DTensor's layout does not change between
     steps, and each capture would otherwise compute it again for every DTensor."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(p.is_partial() for p in placements):
+    if any(type(p) not in (Shard, Replicate) for p in placements):  # Partial, _StridedShard (FSDP2 + TP): not one block
         return msgpack.packb(None)
     computed, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(computed) != local:

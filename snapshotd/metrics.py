@@ -4,7 +4,8 @@ The daemons keep plain counters and state on their event loop (:class:`~snapshot
 coordinator's jobs and membership) and know nothing of Prometheus. A scrape arrives on prometheus-client's HTTP
 thread; :class:`LoopCollector` runs the daemon's sampler on the event loop (the one thread that may read that
 state) and turns what it returns into metric families there. Nothing is kept between scrapes: a rank or node that
-went away is simply absent from the next one.
+went away is simply absent from the next one (byte counters per peer stay, for every peer seen, as counters
+must).
 
 Every name starts with ``snapshotd_``; the tables of names and meanings are in the README ("Operations").
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -59,22 +61,36 @@ class LoopCollector:
     """A prometheus-client collector whose ``collect()`` (called on the HTTP thread) awaits ``sample()`` on
     ``loop`` and yields its metric families.
 
+    Scrapes sample one at a time: a second waits for the first (a coordinator's sample packs the whole status
+    document).
+
     Raises (from ``collect``, which prometheus-client answers with HTTP 500):
-        TimeoutError: the loop did not finish sampling within :data:`SCRAPE_TIMEOUT_S`.
+        TimeoutError: the loop did not finish sampling within :data:`SCRAPE_TIMEOUT_S`, or another scrape held
+            the sampler that long.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sample: Sampler) -> None:
         self._loop = loop
         self._sample = sample
+        self._one_at_a_time = threading.Lock()  # concurrent scrapes wait: the loop samples once at a time
 
     def collect(self) -> Iterator[Metric]:
+        if not self._one_at_a_time.acquire(timeout=SCRAPE_TIMEOUT_S):
+            raise TimeoutError(f"another scrape held the sampler for {SCRAPE_TIMEOUT_S:g} s")
+        try:
+            families = self._sample_on_loop()
+        finally:
+            self._one_at_a_time.release()
+        yield from families
+
+    def _sample_on_loop(self) -> list[Metric]:
         future: concurrent.futures.Future[list[Metric]] = asyncio.run_coroutine_threadsafe(self._sample(), self._loop)
         try:
             families = future.result(SCRAPE_TIMEOUT_S)
         except TimeoutError:
             future.cancel()
             raise TimeoutError(f"the daemon's event loop did not answer a scrape within {SCRAPE_TIMEOUT_S:g} s") from None
-        yield from families
+        return families
 
 
 class MetricsEndpoint:
@@ -101,7 +117,8 @@ class MetricsEndpoint:
         """Where the metrics are served (a port 0 resolved to the real one)."""
 
     def close(self) -> None:
-        """Stop serving (idempotent); a scrape in progress is cut off."""
+        """Stop accepting scrapes and join the server's thread (a scrape being answered finishes on its own
+        thread, its sample bounded by :data:`SCRAPE_TIMEOUT_S`)."""
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
@@ -146,7 +163,7 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
                                ("failed", lr.failed_count)):  # fmt: skip
                 snapshots.add_metric([job, rank, outcome], n)
         newest = {k: max(lr.valid_steps(), default=-1) for k, lr in zip(keys, ranks, strict=True)}
-        rpo = {k: (newest[k] - lr.durable_step, lr.step_seconds) for k, lr in zip(keys, ranks, strict=True)
+        rpo = {k: (max(0, newest[k] - lr.durable_step), lr.step_seconds) for k, lr in zip(keys, ranks, strict=True)
                if lr.durable_step >= 0}  # fmt: skip
         rank_labels = ("job", "rank")
         return [
@@ -179,18 +196,18 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
             _counter("snapshotd_restore_bytes", "Bytes restores brought over the network, by source",
                      labels=("path",), rows=[((k,), n) for k, n in sorted(c.restore_bytes.items())]),  # fmt: skip
             snapshots,
-            _gauge("snapshotd_rank_alive", "1 while the local rank's process lives", labels=rank_labels,
+            _gauge("snapshotd_local_rank_alive", "1 while the local rank's process lives", labels=rank_labels,
                    rows=[(k, float(lr.alive)) for k, lr in zip(keys, ranks, strict=True)]),  # fmt: skip
-            _gauge("snapshotd_rank_newest_step", "The newest step the rank snapshotted (-1: none)",
+            _gauge("snapshotd_local_rank_newest_step", "The newest step the rank snapshotted (-1: none)",
                    labels=rank_labels, rows=list(newest.items())),  # fmt: skip
-            _gauge("snapshotd_rank_durable_step", "The newest step of the rank every buddy took (-1: none)",
+            _gauge("snapshotd_local_rank_durable_step", "The newest step of the rank every buddy took (-1: none)",
                    labels=rank_labels, rows=[(k, lr.durable_step) for k, lr in zip(keys, ranks, strict=True)]),  # fmt: skip
-            _gauge("snapshotd_rank_rpo_steps", "Steps a failure of this node now would cost the rank: newest minus "
+            _gauge("snapshotd_local_rank_rpo_steps", "Steps losing this node now would cost the rank: newest minus "
                    "durable step (absent before the first durable one)", labels=rank_labels,
                    rows=[(k, steps) for k, (steps, _) in rpo.items()]),  # fmt: skip
-            _gauge("snapshotd_rank_rpo_seconds", "The same in training seconds (steps times the latest step time)",
+            _gauge("snapshotd_local_rank_rpo_seconds", "The same in training seconds (steps times the latest step time)",
                    labels=rank_labels, rows=[(k, steps * sec) for k, (steps, sec) in rpo.items()]),  # fmt: skip
-            _gauge("snapshotd_rank_step_seconds", "The rank's latest step time (0: not known)", labels=rank_labels,
+            _gauge("snapshotd_local_rank_step_seconds", "The rank's latest step time (0: not known)", labels=rank_labels,
                    rows=[(k, lr.step_seconds) for k, lr in zip(keys, ranks, strict=True)]),  # fmt: skip
         ]
 
@@ -251,7 +268,8 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
                  labels=("job",), rows=[((j["job"],), max(rpos)) for j in jobs
                                         if (rpos := [r["rpo_s"] for r in j["ranks"] if r["rpo_s"] is not None])])  # fmt: skip
     yield _gauge("snapshotd_job_copies_min", "The fewest live holders of G of any rank of the job", labels=("job",),
-                 rows=[((j["job"],), min(r["copies"] for r in j["ranks"])) for j in jobs if j["ranks"]])  # fmt: skip
+                 rows=[((j["job"],), min(r["copies"] for r in j["ranks"])) for j in jobs
+                       if j["ranks"] and j["recoverable"] >= 0])  # fmt: skip
     ranks = [(j["job"], r) for j in jobs for r in j["ranks"]]
     yield _gauge("snapshotd_rank_newest_step", "The rank's newest complete snapshot on any node (-1: none)",
                  labels=("job", "rank"), rows=[((job, str(r["rank"])), r["newest_step"]) for job, r in ranks])  # fmt: skip

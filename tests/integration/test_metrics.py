@@ -103,9 +103,9 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
         assert value(side1, "snapshotd_snapshots_total", outcome=outcome, **rank0) == 3
         assert value(side2, "snapshotd_snapshots_total", outcome=outcome, **rank0) == 6
     assert value(side2, "snapshotd_snapshots_total", outcome="failed", **rank0) == 0
-    assert value(side2, "snapshotd_rank_newest_step", **rank0) == 6
-    assert value(side2, "snapshotd_rank_durable_step", **rank0) == 6
-    assert value(side2, "snapshotd_rank_rpo_steps", **rank0) == 0
+    assert value(side2, "snapshotd_local_rank_newest_step", **rank0) == 6
+    assert value(side2, "snapshotd_local_rank_durable_step", **rank0) == 6
+    assert value(side2, "snapshotd_local_rank_rpo_steps", **rank0) == 0
     assert value(side2, "snapshotd_sent_bytes_total") > value(side1, "snapshotd_sent_bytes_total") > 0
     assert value(side2, "snapshotd_received_bytes_total") > value(side1, "snapshotd_received_bytes_total") > 0
     buddy = [k for k in side2 if k[0] == "snapshotd_stream_sent_bytes_total"]
