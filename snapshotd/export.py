@@ -424,6 +424,7 @@ async def _export(coordinator: str, job: str, step: int | None, secret: str | No
 async def _attempts(exporter: _Exporter, step: int | None) -> tuple[dict[str, Any], Exported]:
     """Export ``step``, or D and the newer D when the one being exported is collected meanwhile."""
     for attempt in range(ATTEMPTS):
+        exporter.pulled_bytes = 0  # of this attempt's step only
         at, world_size, sources = await exporter.holders(-1 if step is None else step)
         try:
             state, pulled = await exporter.collect(at, world_size, sources)

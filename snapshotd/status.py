@@ -81,7 +81,7 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
                 shown = [Text(f"snapshotd status: {exc}")]
             else:
                 shown = status_renderables(doc) if tty else []
-                text = json.dumps(doc, indent=None if watch else 2) if as_json else render_status(doc)
+                text = "" if tty else json.dumps(doc, indent=None if watch else 2) if as_json else render_status(doc)
             if out is not None:  # a terminal: in colour, cleared between refreshes
                 if watch:
                     out.clear()

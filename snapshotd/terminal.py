@@ -80,20 +80,17 @@ class AmountColumn(ProgressColumn):
 
 
 class RateColumn(ProgressColumn):
-    """The average rate since the task started (``format_rate`` for bytes, ``N.N unit/s`` otherwise); a task may
-    set its own in the field ``rate`` (bytes or items per second)."""
+    """The average rate since the task started (``format_rate`` for bytes, ``N.N unit/s`` otherwise)."""
 
     def __init__(self, unit: str = "items") -> None:
         super().__init__(table_column=Column(no_wrap=True))
         self.unit = unit
 
     def render(self, task: Task) -> Text:
-        rate = task.fields.get("rate")
-        if rate is None:
-            elapsed = task.finished_time if task.finished else task.elapsed
-            if not elapsed or not task.completed:
-                return Text("")
-            rate = task.completed / elapsed
+        elapsed = task.finished_time if task.finished else task.elapsed
+        if not elapsed or not task.completed:
+            return Text("")
+        rate = task.completed / elapsed
         return Text(format_rate(rate) if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s")
 
 
