@@ -124,7 +124,7 @@ class HeartbeatFrames:
         """The pieces that stay the same for one sidecar.
 
         Args:
-            ranks: ``[job, rank, world_size, pid, alive, step_seconds]`` per rank (the wire form of ``RankInfo``).
+            ranks: ``[job, rank, world_size, pid, alive]`` per rank (the wire form of ``RankInfo``).
         """
         piece = self._packer.piece
         return {"node": piece("node", node), "incarnation": piece("incarnation", incarnation),
@@ -229,7 +229,7 @@ class Fleet:
 
     def _add(self, sim: _Sim) -> None:
         cfg = self.cfg
-        ranks = [[cfg.job, r, self.world, 100_000 + r, True, cfg.step_seconds] for r in sim.own]
+        ranks = [[cfg.job, r, self.world, 100_000 + r, True] for r in sim.own]
         sim.pieces = self.frames.sidecar(node_name(sim.index, cfg.total), "1", ranks)
         self.sims[sim.index] = sim
         self.loop.add_reader(sim.sock.fileno(), self._drain, sim.sock, sim)

@@ -23,7 +23,16 @@ from .limits import PROTOCOL_VERSION
 from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, match_entries, table_data_bytes
 from .messages import *  # noqa: F403
 from .messages import __all__ as _messages_all
-from .records import Assignment, InventoryItem, RankInfo, RankPlan, RankPlanFields, ReplicateTask, Watermark
+from .records import (
+    Assignment,
+    InventoryItem,
+    RankInfo,
+    RankPlan,
+    RankPlanFields,
+    ReplicateTask,
+    StepTime,
+    Watermark,
+)
 from .wire import FramePacker, PlanReplyPacker, decode, encode
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "PlanReplyPacker",
     "ProtocolError",
     "RankInfo",
+    "StepTime",
     "RankPlan",
     "RankPlanFields",
     "ReplicateTask",

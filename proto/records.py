@@ -10,7 +10,7 @@ from .schema import Bool, Enum, ListOf, spec_field
 
 __all__ = [
     "PLAN_STATUSES", "Assignment", "InventoryItem", "RankInfo", "RankPlan", "RankPlanFields", "ReplicateTask",
-    "Watermark",
+    "StepTime", "Watermark",
 ]  # fmt: skip
 
 PLAN_STATUSES = ("ready", "fresh", "none")
@@ -19,15 +19,22 @@ PLAN_STATUSES = ("ready", "fresh", "none")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankInfo:
-    """A training rank that registered with a sidecar; ``step_seconds`` is its latest step time (0: not known
-    yet), for the coordinator's RPO in seconds."""
+    """A training rank that registered with a sidecar."""
 
     job: str = spec_field(JOB)
     rank: int = spec_field(RANK)
     world_size: int = spec_field(WORLD)
     pid: int = spec_field(PID)
     alive: bool = spec_field(Bool())
-    step_seconds: float = spec_field(SECONDS, default=0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTime:
+    """A local rank's latest step time in seconds, as its announces say, for the coordinator's RPO in seconds."""
+
+    job: str = spec_field(JOB)
+    rank: int = spec_field(RANK)
+    seconds: float = spec_field(SECONDS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

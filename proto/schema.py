@@ -288,9 +288,6 @@ class Frame(Spec):
 class Record(Spec):
     """A nested record: a dataclass whose fields carry specs, sent as a msgpack list in field order.
 
-    A list without its trailing fields that have defaults (a record of an older peer, before they were added)
-    reads as if it carried the defaults; a list missing a field without one is malformed.
-
     ``cls`` must take its fields positionally in field order. A frozen slotted dataclass without
     ``__post_init__`` is built column by column through its slot descriptors (what its generated ``__init__``
     does one ``object.__setattr__`` call at a time); any other class through its constructor.
@@ -302,10 +299,6 @@ class Record(Spec):
         self._names = tuple(name for name, _ in self.fields)
         self._specs = tuple(spec for _, spec in self.fields)
         self._nfields = len(self.fields)
-        defaults = [f.default for f in dataclasses.fields(cls)]
-        required = [i for i, d in enumerate(defaults) if d is dataclasses.MISSING]
-        self._least = required[-1] + 1 if required else 0  # fewer values than this is malformed
-        self._defaults = tuple(defaults)
         direct = not hasattr(cls, "__post_init__") and all(
             isinstance(getattr(cls, name, None), types.MemberDescriptorType) for name in self._names
         )
@@ -320,9 +313,8 @@ class Record(Spec):
         built = self.check_column([value])
         if built is not None:
             return built[0]
-        if type(value) is not list or not self._least <= len(value) <= self._nfields:
-            raise MalformedMessage(f"field {name!r}: expected a list of {self._nfields} values")
-        value = value + list(self._defaults[len(value) :])  # an older peer's record: the fields it lacks default
+        if type(value) is not list or len(value) != len(self.fields):
+            raise MalformedMessage(f"field {name!r}: expected a list of {len(self.fields)} values")
         return self.cls(*(spec.check(v, f"{name}.{fname}") for (fname, spec), v in zip(self.fields, value, strict=True)))
 
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
@@ -334,9 +326,8 @@ class Record(Spec):
             columns: list[Sequence[Any]] = list(zip(*col, strict=True))
         except ValueError:  # rows of different lengths
             return None
-        if not self._least <= len(columns) <= self._nfields:
+        if len(columns) != self._nfields:
             return None
-        columns += [[d] * len(col) for d in self._defaults[len(columns) :]]  # an older peer's records
         for i, spec in enumerate(self._specs):
             checked = spec.check_column(columns[i])
             if checked is None:
@@ -359,9 +350,9 @@ class Record(Spec):
             columns = list(zip(*col, strict=True))
         except ValueError:  # rows of different lengths
             return False
-        if not self._least <= len(columns) <= self._nfields:
+        if len(columns) != self._nfields:
             return False
-        return all(valid(column) for valid, column in zip(self._valid, columns, strict=False))
+        return all(valid(column) for valid, column in zip(self._valid, columns, strict=True))
 
     def verify(self, value: Any, name: str) -> None:
         if not self.valid_column((value,)):

@@ -78,8 +78,8 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
                 newest = max(steps, default=-1)
                 home = job.homes.get(r)
                 lag = newest - g if g >= 0 else None
-                info = membership.nodes[home].ranks.get((job.name, r)) if home in membership.nodes else None
-                rpo = round(lag * info.step_seconds, 3) if lag is not None and info and info.step_seconds else None
+                seconds = membership.nodes[home].step_seconds.get((job.name, r)) if home in membership.nodes else None
+                rpo = round(lag * seconds, 3) if lag is not None and seconds else None
                 entries.append(pack({
                     "rank": r, "node": home, "newest_step": newest, "lag_steps": lag, "rpo_s": rpo,
                     "copies": len(steps.get(g, ())),

@@ -31,9 +31,8 @@ def register(st: CoordinatorState, node: str, now: float = T0, rack: str = "", i
     assert reply.heartbeat_interval == 0.5
 
 
-def ranks(job: str, world: int, *rs: int, alive: bool = True, step_seconds: float = 0.0) -> tuple[RankInfo, ...]:
-    return tuple(RankInfo(job=job, rank=r, world_size=world, pid=100 + r, alive=alive, step_seconds=step_seconds)
-                 for r in rs)  # fmt: skip
+def ranks(job: str, world: int, *rs: int, alive: bool = True) -> tuple[RankInfo, ...]:
+    return tuple(RankInfo(job=job, rank=r, world_size=world, pid=100 + r, alive=alive) for r in rs)
 
 
 def inv(job: str, rank: int, *steps: int, local: bool = False) -> tuple[InventoryItem, ...]:

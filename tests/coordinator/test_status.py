@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgpack
 
 from snapshotd.coordinator.status import missing_ranges
+from snapshotd.proto import StepTime
 
 from .scenario import (
     T0,
@@ -51,7 +52,8 @@ def test_status_document() -> None:
     assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "rpo_s": None, "copies": 1}
     assert job["round"] is None and job["plan_rounds"] == 0  # no rank asked for a plan yet
     # rank 0 trains on to step 8 at 0.25 s a step; rank 1 holds G at 6: a failure now costs rank 0 2 steps, 0.5 s
-    beat(st, "a", T0 + 3.0, ranks("j", 2, 0, step_seconds=0.25), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))
+    beat(st, "a", T0 + 3.0, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5),
+         step_times=(StepTime("j", 0, 0.25),))
     job = st.status(T0 + 3.0)["jobs"][0]
     assert job["recoverable"] == 6
     assert (job["ranks"][0]["lag_steps"], job["ranks"][0]["rpo_s"]) == (2, 0.5)
@@ -96,6 +98,7 @@ def test_status_renders_as_plain_text_tables() -> None:
     assert lines[header + 1].split() == ["0", "a", "6", "0", "steps", "1"]
     assert "\x1b" not in text and all(ln == ln.rstrip() for ln in lines)  # no colour, no trailing blanks
     assert render_status(st.status(T0 + 1.0)) == text  # deterministic
-    beat(st, "a", T0 + 1.0, ranks("j", 2, 0, step_seconds=0.25), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))
+    beat(st, "a", T0 + 1.0, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5),
+         step_times=(StepTime("j", 0, 0.25),))
     lines = render_status(st.status(T0 + 1.0)).splitlines()
     assert lines[header + 1].split() == ["0", "a", "8", "2", "steps", "(500.0", "ms)", "1"]  # RPO in steps and time

@@ -60,11 +60,8 @@ def oracle(spec: Spec, value: Any, name: str) -> Any:
             raise LimitExceeded(f"field {name!r}: {len(value)} items, at most {spec.max_items}")
         return tuple(oracle(spec.item, v, f"{name}[{i}]") for i, v in enumerate(value))
     if isinstance(spec, Record):
-        defaults = [f.default for f in dataclasses.fields(spec.cls)]
-        least = max((i + 1 for i, d in enumerate(defaults) if d is dataclasses.MISSING), default=0)
-        if type(value) is not list or not least <= len(value) <= len(spec.fields):
+        if type(value) is not list or len(value) != len(spec.fields):
             raise MalformedMessage(f"field {name!r}: expected a list of {len(spec.fields)} values")
-        value = value + defaults[len(value) :]  # trailing fields with defaults may be left out (an older peer)
         return spec.cls(*(oracle(s, v, f"{name}.{f}") for (f, s), v in zip(spec.fields, value, strict=True)))
     if isinstance(spec, Opt):
         return None if value is None else oracle(spec.inner, value, name)
@@ -166,15 +163,3 @@ def test_dump_is_the_wire_form_check_reads_back() -> None:
     assert SPECS["inventory"].dump(items) == [["j", 1, 2, False]]
     assert SPECS["floats"].dump((0.5, -1.0)) == [0.5, -1.0]
     assert Bool().check_column([]) == [] and Int().check_column(()) == ()
-
-
-def test_an_older_peers_record_without_the_trailing_defaulted_fields_reads_with_their_defaults() -> None:
-    """RankInfo gained ``step_seconds`` (default 0): a coordinator of this build reads an older sidecar's heartbeat."""
-    spec = ListOf(Record(RankInfo), 8)
-    old = [["j", 0, 2, 100, True], ["j", 1, 2, 101, False]]
-    assert spec.check(old, "ranks") == (RankInfo("j", 0, 2, 100, True, 0.0), RankInfo("j", 1, 2, 101, False, 0.0))
-    mixed = [["j", 0, 2, 100, True, 0.25], ["j", 1, 2, 101, False]]  # the per-value path
-    assert spec.check(mixed, "ranks")[0].step_seconds == 0.25 and spec.check(mixed, "ranks")[1].step_seconds == 0.0
-    for bad in ([["j", 0, 2, 100]], [["j", 0, 2, 100, True, 0.25, 1]]):  # a field without a default missing; one too many
-        with pytest.raises(MalformedMessage, match="expected a list of 6 values"):
-            spec.check(bad, "ranks")
