@@ -16,14 +16,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import TextIO
-
-from rich.progress import Progress
-from rich.text import Text
+from typing import TYPE_CHECKING, TextIO
 
 from snapshotd.proto import RestoreProgress, RestoreReply
-from snapshotd.terminal import is_terminal, progress
 from snapshotd.units import format_bytes
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 __all__ = ["RestoreDisplay", "restore_display"]
 
@@ -37,9 +36,14 @@ def restore_display(job: str, rank: int, *, stream: TextIO | None = None,
     rank than 0."""
     stream = sys.stderr if stream is None else stream
     env = os.environ if env is None else env
-    if env.get("LOCAL_RANK", "0").strip() not in ("", "0") or not is_terminal(stream):
+    if env.get("LOCAL_RANK", "0").strip() not in ("", "0"):
         return None
-    return RestoreDisplay(job, rank, stream)
+    try:
+        if not stream.isatty():
+            return None
+    except (AttributeError, ValueError, OSError):  # closed, or no isatty
+        return None
+    return RestoreDisplay(job, rank, stream)  # rich is imported only here: a rank that draws nothing never loads it
 
 
 class RestoreDisplay:
@@ -55,6 +59,8 @@ class RestoreDisplay:
         self._job, self._rank = job, rank
         self._latest: RestoreProgress | None = None
         self._shown: RestoreProgress | None = None
+        from snapshotd.terminal import progress
+
         self._bar: Progress | None = progress(unit="bytes", stream=stream, auto_refresh=False)
         self._task = self._bar.add_task(f"restore rank {rank}: waiting for the recovery plan", total=None)
         self._guard(self._bar.start)
@@ -114,6 +120,8 @@ class RestoreDisplay:
         return f"restore {self._job} rank {self._rank} step {step}: {where}{size}"
 
     def _say(self, line: str) -> None:
+        from rich.text import Text
+
         if self._bar is not None:
             self._guard(self._bar.console.print, Text(line), soft_wrap=True)
 

@@ -29,12 +29,14 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 
+from snapshotd.units import parse_host_port
+
 if TYPE_CHECKING:
     from snapshotd.coordinator.state import CoordinatorState
     from snapshotd.sidecar.node import NodeState
     from snapshotd.sidecar.pacer import Pacer
 
-__all__ = ["LoopCollector", "MetricsEndpoint", "coordinator_sampler", "parse_bind", "sidecar_sampler"]
+__all__ = ["LoopCollector", "MetricsEndpoint", "coordinator_sampler", "sidecar_sampler"]
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,6 @@ Sampler = Callable[[], Coroutine[Any, Any, list[Metric]]]
 
 SCRAPE_TIMEOUT_S = 5.0
 """A scrape waits at most this long for the event loop to sample the daemon."""
-
-
-def parse_bind(bind: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:9400`` for IPv6; port 0 picks a free one) as ``(host, port)``.
-
-    Raises:
-        ValueError: not ``HOST:PORT`` with a port in 0..65535.
-    """
-    host, sep, port = bind.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"--metrics-bind must be HOST:PORT (e.g. 0.0.0.0:9400), got {bind!r}")
-    return host.strip("[]"), int(port)
 
 
 class LoopCollector:
@@ -104,7 +94,7 @@ class MetricsEndpoint:
     """
 
     def __init__(self, bind: str, sample: Sampler) -> None:
-        host, port = parse_bind(bind)
+        host, port = parse_host_port(bind, "--metrics-bind")
         registry = CollectorRegistry(auto_describe=False)
         registry.register(LoopCollector(asyncio.get_running_loop(), sample))  # type: ignore[arg-type]
         try:

@@ -59,3 +59,15 @@ def format_seconds(s: float) -> str:
     if s < 120:
         return f"{s:.2f} s"
     return f"{s / 60:.1f} min"
+
+
+def parse_host_port(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9400`` for IPv6; port 0 picks a free one) as ``(host, port)``.
+
+    Raises:
+        ValueError: not ``HOST:PORT`` with a port in 0..65535, naming ``what`` (the flag).
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"{what} must be HOST:PORT (e.g. 0.0.0.0:9400), got {text!r}")
+    return host.strip("[]"), int(port)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from snapshotd.metrics import parse_bind
+from snapshotd.units import parse_host_port
 
 __all__ = ["CoordinatorConfig"]
 
@@ -81,7 +81,7 @@ class CoordinatorConfig:
         if not _finite(self.forget_jobs_after) or self.forget_jobs_after <= 0:
             raise ValueError(f"forget_jobs_after: {self.forget_jobs_after!r} s is not a positive number")
         if self.metrics_bind is not None:
-            parse_bind(self.metrics_bind)
+            parse_host_port(self.metrics_bind, "--metrics-bind")
         if self.secret is not None and (not isinstance(self.secret, str) or not self.secret):
             raise ValueError("secret: must be a non-empty string, or None for no secret")
 

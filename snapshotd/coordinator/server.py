@@ -50,7 +50,6 @@ from typing import Any
 
 from snapshotd import security
 from snapshotd.logs import fields
-from snapshotd.metrics import MetricsEndpoint, coordinator_sampler
 from snapshotd.proto import (
     Error,
     ErrorCode,
@@ -125,7 +124,7 @@ async def run_coordinator(
     network = open_network(cfg.bind, Security(cfg.secret))
     pipe: Pipe | None = None
     handled: list[signal.Signals] = []
-    metrics: MetricsEndpoint | None = None
+    metrics: Any = None  # a snapshotd.metrics.MetricsEndpoint
     try:
         try:
             pipe = network.serve(cfg.bind, Role.CONTROL)
@@ -138,6 +137,11 @@ async def run_coordinator(
                 handled.append(sig)
         server = _Server(pipe, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
         if cfg.metrics_bind is not None:
+            from snapshotd.metrics import (  # prometheus-client only when asked
+                MetricsEndpoint,
+                coordinator_sampler,
+            )
+
             metrics = MetricsEndpoint(cfg.metrics_bind, coordinator_sampler(server.state))
             log.info("coordinator metrics on %s", metrics.url, extra=fields(event="metrics"))
         log.info("coordinator on %s: replicas %d, heartbeat timeout %g s, %s", endpoint, cfg.replicas,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import socket
 
-from snapshotd.metrics import parse_bind
 from snapshotd.proto.limits import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.shm import default_ipc_path
+from snapshotd.units import parse_host_port
 
 __all__ = ["SidecarConfig"]
 
@@ -97,6 +97,6 @@ class SidecarConfig:
             raise ValueError("--data-security members needs SNAPSHOTD_SECRET: the coordinator, which says who is "
                              "a member, is reached over CURVE")  # fmt: skip
         if self.metrics_bind is not None:
-            parse_bind(self.metrics_bind)
+            parse_host_port(self.metrics_bind, "--metrics-bind")
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:
             raise ValueError("heartbeat interval and request timeout must be positive")

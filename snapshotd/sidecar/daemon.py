@@ -24,11 +24,11 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from snapshotd import proto
 from snapshotd.logs import fields
-from snapshotd.metrics import MetricsEndpoint, sidecar_sampler
 from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
 from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
@@ -92,7 +92,7 @@ class Sidecar:
         pipes: list[Pipe] = []
         links: PeerLinks | None = None
         installed: list[signal.Signals] = []
-        metrics: MetricsEndpoint | None = None
+        metrics: Any = None  # a snapshotd.metrics.MetricsEndpoint
         try:
             ipc = network.serve(cfg.ipc if is_memory(cfg.ipc) else f"ipc://{cfg.ipc}", Role.IPC)
             pipes.append(ipc)
@@ -113,6 +113,11 @@ class Sidecar:
             heartbeat = ControlService(self.state, cfg, control, streams, serve,
                                        ReplicateService(self.state, links), self.tasks, notices.slots)  # fmt: skip
             if cfg.metrics_bind is not None:
+                from snapshotd.metrics import (  # prometheus-client only when asked
+                    MetricsEndpoint,
+                    sidecar_sampler,
+                )
+
                 metrics = MetricsEndpoint(cfg.metrics_bind, sidecar_sampler(self.state, self.pacer))
                 log.info("sidecar %s: metrics on %s", cfg.node, metrics.url, extra=fields(event="metrics"))
             if ready is not None:
