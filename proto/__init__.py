@@ -30,7 +30,6 @@ from .records import (
     RankPlan,
     RankPlanFields,
     ReplicateTask,
-    StepTime,
     Watermark,
 )
 from .wire import FramePacker, PlanReplyPacker, decode, encode
@@ -50,7 +49,6 @@ __all__ = [
     "PlanReplyPacker",
     "ProtocolError",
     "RankInfo",
-    "StepTime",
     "RankPlan",
     "RankPlanFields",
     "ReplicateTask",

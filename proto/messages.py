@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 from . import limits as L
 from .errors import ErrorCode
 from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
-from .records import Assignment, InventoryItem, RankInfo, RankPlan, ReplicateTask, StepTime, Watermark
+from .records import Assignment, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
 from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, spec_field
 
 __all__ = [
@@ -372,9 +372,6 @@ class Heartbeat(Message):
     seq: int = spec_field(Int(0, 1 << 62), default=0)
     """The sidecar's count of heartbeats sent; the reply echoes it, so a late reply is never taken for a newer
     heartbeat's."""
-    step_times: tuple[StepTime, ...] = spec_field(ListOf(Record(StepTime), L.MAX_LIST_ITEMS), factory=tuple)
-    """With ``changed``: the local ranks' latest step times (kept apart from ``ranks``, whose every change the
-    coordinator acts on)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from . import limits as L
-from .fields import ADDR, JOB, PID, RANK, SECONDS, STEP, STEP_OR_NONE, TEXT, WORLD
+from .fields import ADDR, JOB, PID, RANK, STEP, STEP_OR_NONE, TEXT, WORLD
 from .schema import Bool, Enum, ListOf, spec_field
 
 __all__ = [
     "PLAN_STATUSES", "Assignment", "InventoryItem", "RankInfo", "RankPlan", "RankPlanFields", "ReplicateTask",
-    "StepTime", "Watermark",
+    "Watermark",
 ]  # fmt: skip
 
 PLAN_STATUSES = ("ready", "fresh", "none")
@@ -26,15 +26,6 @@ class RankInfo:
     world_size: int = spec_field(WORLD)
     pid: int = spec_field(PID)
     alive: bool = spec_field(Bool())
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepTime:
-    """A local rank's latest step time in seconds, as its announces say, for the coordinator's RPO in seconds."""
-
-    job: str = spec_field(JOB)
-    rank: int = spec_field(RANK)
-    seconds: float = spec_field(SECONDS)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,8 +12,10 @@ max over the job's few distinct steps, computed when first asked for after a cha
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -61,6 +63,8 @@ class Job:
     published: Watermark | None = None  # the last one handed out
     round: Round | None = None  # the latest plan round (see plans.py)
     rounds_answered: int = 0  # plan rounds whose every rank was answered
+    g_seen: collections.deque[tuple[float, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=8))  # (when, G) each time G was seen to grow
     round_seconds: float = 0.0  # their total time from the freeze to the last answer
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0
@@ -89,7 +93,16 @@ class Job:
         elif log.isEnabledFor(logging.DEBUG):
             log.debug("job %s: G %d, D %d, unusable %s", self.name, g, d, list(wm.unusable))
         self.watermark = self.published = wm
+        if g >= 0 and (not self.g_seen or g > self.g_seen[-1][1]):
+            self.g_seen.append((time.monotonic(), g))
         return wm
+
+    def step_seconds(self) -> float | None:
+        """The job's recent time per step, from how fast G grew over its last few changes (None: not known)."""
+        if len(self.g_seen) < 2:
+            return None
+        (t0, g0), (t1, g1) = self.g_seen[0], self.g_seen[-1]
+        return (t1 - t0) / (g1 - g0)
 
     def fork(self, step: int) -> None:
         """A plan round froze at ``step``: training resumes from it, so the copies of later steps held now (the

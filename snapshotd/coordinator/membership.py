@@ -52,7 +52,6 @@ class Node:
     alive: bool = True
     told: float = 0.0  # the heartbeat interval it was last given
     ranks: dict[tuple[str, int], RankInfo] = dataclasses.field(default_factory=dict)
-    step_seconds: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)  # its ranks' step times
     inventory: frozenset[Item] = frozenset()
     jobs: tuple[str, ...] = ()  # jobs it hosts ranks of or holds inventory for, sorted
     homed: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # ranks whose home it is

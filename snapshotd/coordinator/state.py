@@ -105,7 +105,6 @@ class CoordinatorState:
         node.measure(msg, now)
         if msg.changed:
             self._reports.apply(node, msg)
-            node.step_seconds = {(t.job, t.rank): t.seconds for t in msg.step_times}
         tasks, node.tasks = node.tasks, []
         interval = self.membership.heartbeat_interval()
         tell = interval != self.cfg.heartbeat_interval or node.told != interval

@@ -31,8 +31,8 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
     stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank
     that some node reported (its home, or a copy): rank, node (its home, or None), newest_step (-1: none),
-    lag_steps (newest - recoverable; None while no step is recoverable), rpo_s (lag_steps times the rank's latest
-    step time as its home reported it: the training a failure now would lose, up to its newest snapshot; None
+    lag_steps (newest - recoverable; None while no step is recoverable), rpo_s (lag_steps times the job's recent
+    time per step, from how fast G grew: the training a failure now would lose, up to its newest snapshot; None
     while either is unknown), copies (live holders of the recoverable step); ``missing``: the other ranks below
     the world size, as ``[first, last]`` ranges (a peer's world size alone never lengthens the document);
     ``round``: its last plan round (None before the first), see :meth:`~.plans.Round.status`; ``plan_rounds``
@@ -66,6 +66,7 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
         wm = job.publish()
         g, ws = wm.recoverable, job.world_size
         known = sorted(r for r in job.homes.keys() | job.holders.keys() if r < ws)
+        seconds = job.step_seconds()
         yield (packer.pack_map_header(9) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
                + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable)
                + pack("plan_rounds") + pack(job.rounds_answered) + pack("plan_round_s") + pack(job.round_seconds)
@@ -78,8 +79,7 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
                 newest = max(steps, default=-1)
                 home = job.homes.get(r)
                 lag = newest - g if g >= 0 else None
-                seconds = membership.nodes[home].step_seconds.get((job.name, r)) if home in membership.nodes else None
-                rpo = round(lag * seconds, 3) if lag is not None and seconds else None
+                rpo = round(lag * seconds, 3) if lag is not None and seconds is not None else None
                 entries.append(pack({
                     "rank": r, "node": home, "newest_step": newest, "lag_steps": lag, "rpo_s": rpo,
                     "copies": len(steps.get(g, ())),

@@ -89,7 +89,6 @@ class ControlService:
                         ranks=report[0] if news else (), inventory=report[1] if news else (),
                         bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
                         stored_bytes=self.state.store.used_bytes, seq=seq,
-                        step_times=self.state.step_times() if news else (),
                     )  # fmt: skip
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))

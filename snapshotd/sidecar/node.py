@@ -21,7 +21,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable, Iterator
 
-from snapshotd.proto import InventoryItem, RankInfo, StepTime
+from snapshotd.proto import InventoryItem, RankInfo
 
 from .config import SidecarConfig
 from .local import LocalRank
@@ -189,10 +189,6 @@ class NodeState:
         key = (job, rank)
         await self.assigned.wait_until(lambda: bool(self.assignments.get(key)), timeout)
         return tuple(a for a in self.assignments.get(key, ()) if a != self.data_addr)
-
-    def step_times(self) -> tuple[StepTime, ...]:
-        """The local ranks' latest step times (those known), for a heartbeat that reports changes."""
-        return tuple(StepTime(lr.job, lr.rank, lr.step_seconds) for lr in self.ranks.values() if lr.step_seconds > 0)
 
     def report(self) -> tuple[tuple[RankInfo, ...], tuple[InventoryItem, ...]]:
         """What a heartbeat tells the coordinator: the local ranks, and every complete copy held here (buddy
