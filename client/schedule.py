@@ -35,7 +35,17 @@ import collections
 import math
 import statistics
 
-__all__ = ["AlignedStride", "AutoInterval"]
+__all__ = ["AlignedStride", "AutoInterval", "max_steps_lost"]
+
+
+def max_steps_lost(stride: int, slots: int = 3) -> int:
+    """The most steps a node lost now can cost a job snapshotting every ``stride``-th step with ``slots`` slots.
+
+    Up to ``stride - 1`` steps since the last due step, and ``slots - 1`` strides more: a rank runs at most
+    ``slots - 1`` snapshots ahead of the newest one its buddies hold, and those may all be in flight when the
+    node dies. With the default three slots and every step due: 2.
+    """
+    return slots * max(1, stride) - 1
 
 
 class AutoInterval:
