@@ -13,7 +13,21 @@ for the previous run's snapshot or save in flight, so that no run's work spills 
 - ``dcp_async``: every rank ``torch.distributed.checkpoint.async_save``-s every N steps, first waiting for the
   previous save (see :class:`~.baselines.DiskCheckpointer`).
 
-N is each value of ``--interval``. The deployment is a coordinator and **two** sidecars, nodes A and B, with every
+N is each value of ``--interval``. ``--scenario`` picks the machine's shape (default ``both``, in one run):
+
+- ``headroom`` (the headline): one rank per spare core (half the cores), one torch thread each, so that host CPU
+  is left to the sidecars, as on a GPU node whose host cores mostly wait for the GPUs. Its summary keys are
+  ``headroom_step_ratio`` (median), ``headroom_mean_ratio`` and ``headroom_skipped``.
+- ``saturated``: ``--ranks`` ranks of ``--threads`` threads (default 2 of 1: both cores of a 2-core machine
+  train), so that the sidecars stream with CPU that training wanted. Keys ``saturated_*`` alike.
+
+The other summary keys (``step_ratio``, ``torch_save_ratio``, ...) are the headline scenario's: headroom when it
+ran. Where the time goes: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all (the rank processes' extra
+CPU over ``none``, mean per step, plus both sidecars'), and ``minimum_cpu_ms`` the physical minimum for the same
+bytes, measured on this machine in the same run: one memcpy of the state plus a loopback TCP transfer of it
+(the kernel's copy in and copy out), both ends' CPU.
+
+The deployment is a coordinator and **two** sidecars, nodes A and B, with every
 rank on node A: A streams each snapshot to B, its buddy (``replicas=1``), so this machine pays for one node's
 whole snapshot traffic, sending (A) and receiving (B) both, which a real node would split with its buddies.
 
@@ -38,6 +52,9 @@ import argparse
 import json
 import os
 import shutil
+import socket
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -53,11 +70,12 @@ __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
 VARIANTS = ("none", "snapshotd", "torch_save", "dcp_async")
 _SUMMARY_RATIO = {"torch_save": "torch_save_ratio", "dcp_async": "dcp_async_ratio"}
-_COLUMNS = ["variant", "interval", "runs", "step_median_ms", "step_mean_ms", "step_p99_ms", "step_ratio", "blocked_median_ms",
+SCENARIOS = ("headroom", "saturated")
+_COLUMNS = ["scenario", "variant", "interval", "runs", "step_median_ms", "step_mean_ms", "step_p99_ms", "step_ratio", "mean_ratio", "blocked_median_ms",
             "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
 
 
-_CONFIG_KEYS = ("params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every",
+_CONFIG_KEYS = ("scenario", "params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every",
                "replicated", "max_rate", "sidecar_nice", "device", "threads")  # fmt: skip
 
 
@@ -96,10 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9_000_000,
         help="model parameters, e.g. 9M (default 9M: ~110 MB of state per rank)",
     )
-    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks, all on node A (default 2)")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both",
+                        help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
+                             "saturated: --ranks ranks using the cores; both (default): each in turn")  # fmt: skip
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="saturated: gloo ranks, all on node A (default 2; headroom: half the cores)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
-    parser.add_argument("--rounds", type=int, default=4, help="runs of each variant, interleaved (default 4)")
+    parser.add_argument("--rounds", type=int, default=8, help="runs of each variant, interleaved (default 8)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank and step (default 4)")
     parser.add_argument(
         "--interval",
@@ -130,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the sidecars' --nice (default 10, as `snapshotd serve`; 0: the ranks' priority)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks train")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="saturated: torch threads per rank (default 1; headroom: 1)")  # fmt: skip
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)")  # fmt: skip
 
@@ -249,12 +272,13 @@ def _moved(name: str, blocks: Blocks) -> tuple[float, float | None]:
     return moved / steps, (steps / completed if completed else None)
 
 
-def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any]:
+def _row(scenario: str, name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any]:
     step = _per_step(blocks, "step_times", warmup, np.mean)
     blocked = _per_step(blocks, "blocked_times", warmup, np.max)
     moved, every = _moved(name, blocks)
     cpu = _per_step(blocks, "cpu_times", warmup, np.sum)
     return {
+        "scenario": scenario,
         "variant": name,
         "interval": None if name == "none" else interval,
         "runs": len(blocks),
@@ -262,9 +286,11 @@ def _row(name: str, interval: int, blocks: Blocks, warmup: int) -> dict[str, Any
         "step_mean_ms": float(np.mean(step)) * 1e3,
         "step_p99_ms": float(np.percentile(step, 99)) * 1e3,
         "step_ratio": None,
+        "mean_ratio": None,
         "blocked_median_ms": float(np.median(blocked)) * 1e3,
         "blocked_mean_ms": float(np.mean(blocked)) * 1e3,
         "rank_cpu_ms": float(np.median(cpu)) * 1e3,
+        "rank_cpu_mean_ms": float(np.mean(cpu)) * 1e3,
         "sidecar_cpu_ms": None,
         "moved_per_step_bytes": moved,
         "moved_to": {"snapshotd": "node B (tcp)", "none": "-"}.get(name, "local disk"),
@@ -285,56 +311,120 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
 
 
+def _shaped(args: argparse.Namespace, scenario: str) -> argparse.Namespace:
+    """``args`` for ``scenario``: headroom runs one single-threaded rank per spare core (half the cores)."""
+    if scenario == "headroom":
+        return argparse.Namespace(**{**vars(args), "ranks": max(1, (os.cpu_count() or 2) // 2), "threads": 1})
+    return args
+
+
+def minimum_cpu_seconds(nbytes: int) -> float:
+    """The physical minimum CPU for one snapshot of ``nbytes``: one memcpy of them, plus a loopback TCP transfer
+    of them (the kernel copies them in on the sender and out on the receiver), both ends' CPU, measured now."""
+    src: Any = np.full(nbytes, 7, dtype=np.uint8)
+    dst: Any = np.zeros(nbytes, dtype=np.uint8)
+    c0 = time.process_time()
+    np.copyto(dst, src)
+    copy = time.process_time() - c0
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname(), timeout=60)
+        receiver, _ = server.accept()
+        receiver.settimeout(60)
+        with sender, receiver:
+            c0 = time.process_time()
+            thread = threading.Thread(target=sender.sendall, args=(memoryview(src),), daemon=True)
+            thread.start()
+            view, got = memoryview(dst), 0
+            while got < nbytes:
+                n = receiver.recv_into(view[got:])
+                if not n:
+                    raise RuntimeError("the loopback transfer ended early")
+                got += n
+            thread.join(60)
+            wire = time.process_time() - c0
+    return copy + wire
+
+
+def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """Measure ``scenario``: its rows, its summary (keys without the scenario's prefix), state bytes per rank."""
+    shaped = _shaped(args, scenario)
+    measured, state_bytes, sidecar_cpu = _measure(shaped, os.path.join(workdir, scenario))
+    rows = [_row(scenario, name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
+    snap_runs = measured.get(("snapshotd", plan_interval(args.every)), [])
+    snap_steps = sum(ranks[0]["steps"] for ranks in snap_runs)
+    none = next(r for r in rows if r["variant"] == "none")
+    for row in rows:
+        row["step_ratio"] = row["step_median_ms"] / none["step_median_ms"]
+        row["mean_ratio"] = row["step_mean_ms"] / none["step_mean_ms"]
+        if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
+            row["sidecar_cpu_ms"] = sum(sidecar_cpu.values()) / snap_steps * 1e3
+    out: dict[str, Any] = {
+        "ranks": shaped.ranks, "threads": shaped.threads, "step_ratio": None, "mean_ratio": None,
+        "capture_ms_median": None, "fence_ms_median": None,
+        "snapshots_durable": sum(r["durable"] for ranks in snap_runs for r in ranks),
+        "snapshots_skipped": sum(r["skipped"] for ranks in snap_runs for r in ranks),
+        "cpu_ms_per_snapshot": None, "torch_save_ratio": None, "dcp_async_ratio": None,
+        "sidecar_cpu_seconds": sidecar_cpu,  # per node, over the whole job: A sends, B receives
+    }  # fmt: skip
+    if snap_runs:
+        snap = next(r for r in rows if r["variant"] == "snapshotd")
+        out.update(step_ratio=snap["step_ratio"], mean_ratio=snap["mean_ratio"],
+                   capture_ms_median=float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3,
+                   fence_ms_median=float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3)  # fmt: skip
+        started = sum(r["started"] for ranks in snap_runs for r in ranks)
+        if sidecar_cpu and started:  # per step: the ranks' extra CPU over none (all ranks), plus both sidecars'
+            extra = max(0.0, snap["rank_cpu_mean_ms"] - none["rank_cpu_mean_ms"]) * snap_steps
+            out["cpu_ms_per_snapshot"] = (extra + sum(sidecar_cpu.values()) * 1e3) / started
+    for name, key in _SUMMARY_RATIO.items():
+        at = [r for r in rows if r["variant"] == name and r["interval"] == min(args.interval)]
+        if at:
+            out[key] = at[0]["step_ratio"]
+    return rows, out, state_bytes
+
+
 def run(args: argparse.Namespace) -> Report:
-    """Measure every variant as the module docstring says; see :func:`add_arguments` for ``args``.
+    """Measure every variant in each scenario as the module docstring says; see :func:`add_arguments`.
 
     Raises:
         ValueError: bad arguments.
         RuntimeError: a rank or a sidecar failed (with its log's tail).
     """
     _check(args)
-    setup = (f"{args.ranks} gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); "
-             f"both sidecars share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
+    scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
+    setup = (f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
+             f"share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
     print(f"overhead: {setup}", flush=True)
     load = os.getloadavg()[0]
+    rows: list[dict[str, Any]] = []
+    per: dict[str, dict[str, Any]] = {}
+    state_bytes = 0
     with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
-        measured, state_bytes, sidecar_cpu = _measure(args, workdir)
-    rows = [_row(name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
-    snap_steps = sum(ranks[0]["steps"] for ranks in measured.get(("snapshotd", plan_interval(args.every)), []))
-    for row in rows:
-        if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
-            row["sidecar_cpu_ms"] = sum(sidecar_cpu.values()) / snap_steps * 1e3
-    base = next(r["step_median_ms"] for r in rows if r["variant"] == "none")
-    for row in rows:
-        row["step_ratio"] = row["step_median_ms"] / base
-    snap_runs = measured.get(("snapshotd", plan_interval(args.every)), [])
+        for scenario in scenarios:
+            shaped = _shaped(args, scenario)
+            print(f"  {scenario}: {shaped.ranks} rank(s) of {shaped.threads} thread(s)", flush=True)
+            measured, per[scenario], state_bytes = _scenario(args, scenario, workdir)
+            rows += measured
+    minimum_ms = minimum_cpu_seconds(state_bytes) * 1e3
+    head = per[scenarios[0]]
     summary: dict[str, Any] = {
+        "scenario": scenarios[0],
         "state_bytes_per_rank": state_bytes,
-        "step_ratio": None,
-        "capture_ms_median": None,
-        "fence_ms_median": None,
-        "snapshots_durable": sum(r["durable"] for ranks in snap_runs for r in ranks),
-        "snapshots_skipped": sum(r["skipped"] for ranks in snap_runs for r in ranks),
-        "torch_save_ratio": None,
-        "dcp_async_ratio": None,
+        **{key: head[key] for key in ("step_ratio", "mean_ratio", "capture_ms_median", "fence_ms_median",
+                                      "snapshots_durable", "snapshots_skipped", "torch_save_ratio",
+                                      "dcp_async_ratio")},  # fmt: skip
+        "minimum_cpu_ms": minimum_ms,
     }
-    if snap_runs:
-        summary["step_ratio"] = next(r["step_ratio"] for r in rows if r["variant"] == "snapshotd")
-        summary["capture_ms_median"] = (
-            float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3
-        )
-        summary["fence_ms_median"] = float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3
-    for name, key in _SUMMARY_RATIO.items():
-        at = [r for r in rows if r["variant"] == name and r["interval"] == min(args.interval)]
-        if at:
-            summary[key] = at[0]["step_ratio"]
+    for scenario, figures in per.items():
+        summary[f"{scenario}_step_ratio"] = figures["step_ratio"]
+        summary[f"{scenario}_mean_ratio"] = figures["mean_ratio"]
+        summary[f"{scenario}_skipped"] = figures["snapshots_skipped"]
+        summary[f"{scenario}_cpu_ms_per_snapshot"] = figures["cpu_ms_per_snapshot"]
+        per_snapshot = figures["cpu_ms_per_snapshot"]
+        summary[f"{scenario}_cpu_vs_minimum"] = per_snapshot / minimum_ms if per_snapshot and minimum_ms > 0 else None
     config = {key: getattr(args, key) for key in _CONFIG_KEYS}
-    config["setup"] = setup
-    config["sidecar_cpu_seconds"] = sidecar_cpu  # per node, over the whole job: A sends, B receives
-    config["loadavg_1min"] = [
-        load,
-        os.getloadavg()[0],
-    ]  # before and after: other work on the machine skews all
+    config.update(setup=setup, scenarios={k: {key: v[key] for key in ("ranks", "threads", "sidecar_cpu_seconds")}
+                                          for k, v in per.items()})  # fmt: skip
+    config["loadavg_1min"] = [load, os.getloadavg()[0]]  # before and after: other work on the machine skews all
     return Report("overhead", config, rows, summary, columns=list(_COLUMNS))
 
 
@@ -344,7 +434,7 @@ def plot(report: Report, path: str) -> None:
     from matplotlib.figure import Figure
 
     rows = report.results
-    labels = [r["variant"] + (f" N={r['interval']}" if r.get("interval") else "") for r in rows]
+    labels = [f"{r.get('scenario', '')} {r['variant']}" + (f" N={r['interval']}" if r.get("interval") else "") for r in rows]
     fig = Figure(figsize=(8.0, 7.0), dpi=100)
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1)
@@ -353,10 +443,9 @@ def plot(report: Report, path: str) -> None:
         range(1, len(rows) + 1),
         [f"{lab}\nx{r['step_ratio']:.3f}" for lab, r in zip(labels, rows, strict=True)],
     )
-    base = next((r["step_median_ms"] for r in rows if r["variant"] == "none"), None)
-    if base is not None:
-        top.axhline(base, color="grey", linestyle="--", linewidth=1, label="none (median)")
-        top.legend(loc="upper left")
+    for r in rows:
+        if r["variant"] == "none":
+            top.axhline(r["step_median_ms"], color="grey", linestyle="--", linewidth=1)
     top.set_ylabel("step time (ms)")
     top.set_title("step time per variant (box: quartiles, whiskers: p1-p99; x = median ratio to none)")
     top.grid(True, axis="y", alpha=0.3)
@@ -367,7 +456,7 @@ def plot(report: Report, path: str) -> None:
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize="small")
     cfg = report.config
-    fig.suptitle(f"snapshotd-bench overhead: {cfg.get('ranks')} ranks, {cfg.get('params', 0) / 1e6:.1f}M params, "
+    fig.suptitle(f"snapshotd-bench overhead: {cfg.get('scenario')}, {cfg.get('params', 0) / 1e6:.1f}M params, "
                  f"{cfg.get('device')}")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, format="png")

@@ -21,14 +21,19 @@ from snapshotd.bench.workloads import config_for_params
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_PARAMS = 30_000
 SUMMARY_KEYS = {
+    "scenario",
     "state_bytes_per_rank",
     "step_ratio",
+    "mean_ratio",
     "capture_ms_median",
     "fence_ms_median",
     "snapshots_durable",
     "snapshots_skipped",
     "torch_save_ratio",
     "dcp_async_ratio",
+    "minimum_cpu_ms",
+    *(f"{scenario}_{key}" for scenario in overhead.SCENARIOS
+      for key in ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum")),
 }
 
 
@@ -48,6 +53,13 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
 
 def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     assert set(report.summary) == SUMMARY_KEYS
+    assert report.summary["scenario"] == "headroom"  # the headline, when it ran
+    for scenario in overhead.SCENARIOS:
+        assert report.summary[f"{scenario}_step_ratio"] > 0 and report.summary[f"{scenario}_mean_ratio"] > 0
+        assert report.summary[f"{scenario}_skipped"] >= 0
+        # a snapshot costs at least the physical minimum measured beside it: a memcpy and the kernel's copies
+        assert report.summary[f"{scenario}_cpu_vs_minimum"] > 0.5
+    assert report.summary["minimum_cpu_ms"] > 0
     cfg = config_for_params(TINY_PARAMS)
     # fp32 parameters + AdamW exp_avg + exp_avg_sq, the tied embedding twice (the model's state dict holds it
     # under both names), one 4-byte step counter per parameter tensor
@@ -62,9 +74,15 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     assert report.summary["snapshots_skipped"] >= 0
 
 
-def test_one_row_per_variant_with_consistent_figures(report: Report) -> None:
-    rows = {r["variant"]: r for r in report.results}
-    assert list(rows) == list(overhead.VARIANTS)
+def test_one_row_per_scenario_and_variant_with_consistent_figures(report: Report) -> None:
+    assert [(r["scenario"], r["variant"]) for r in report.results] == [
+        (scenario, variant) for scenario in overhead.SCENARIOS for variant in overhead.VARIANTS
+    ]
+    headroom = [r for r in report.results if r["scenario"] == "headroom"]
+    saturated = {r["variant"]: r for r in report.results if r["scenario"] == "saturated"}
+    assert saturated["snapshotd"]["step_ratio"] == report.summary["saturated_step_ratio"]
+    assert saturated["snapshotd"]["mean_ratio"] == report.summary["saturated_mean_ratio"]
+    rows = {r["variant"]: r for r in headroom}
     assert rows["none"]["step_ratio"] == 1.0
     assert rows["none"]["moved_per_step_bytes"] == 0 and rows["none"]["completed_every"] is None
     assert rows["snapshotd"]["step_ratio"] == report.summary["step_ratio"]
@@ -96,10 +114,13 @@ def test_report_prints_saves_and_draws(report: Report, tmp_path: Path) -> None:
     assert png_path.read_bytes().startswith(PNG_MAGIC)
 
 
-def test_defaults_snapshot_at_least_100_mb_per_rank_with_two_ranks() -> None:
+def test_defaults_snapshot_at_least_100_mb_per_rank_in_both_scenarios() -> None:
     args = _args()
-    assert args.ranks == 2 and args.variants == list(overhead.VARIANTS) and args.interval == [1]
+    assert args.scenario == "both" and args.variants == list(overhead.VARIANTS) and args.interval == [1]
     assert 12 * config_for_params(args.params).n_params >= 100e6
+    saturated, headroom = overhead._shaped(args, "saturated"), overhead._shaped(args, "headroom")
+    assert (saturated.ranks, saturated.threads) == (2, 1)
+    assert headroom.threads == 1 and headroom.ranks == max(1, (os.cpu_count() or 2) // 2)
 
 
 @pytest.mark.parametrize(
@@ -121,8 +142,8 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
 
 def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
     args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--workdir", str(tmp_path),
-                 "--timeout", "90")  # fmt: skip
+                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--scenario", "saturated",
+                 "--workdir", str(tmp_path), "--timeout", "90")  # fmt: skip
     assert args.every == "auto"
     report = overhead.run(args)
     (row,) = [r for r in report.results if r["variant"] == "snapshotd"]
