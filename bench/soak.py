@@ -18,7 +18,7 @@ first step after it at which some step is durable):
 After a fault the job never learns of (a hang, a restarted daemon), training goes on for a step and then every
 rank crashes, so that each trial ends in a restore. The restarted job runs to the end and its final state
 (weights, optimizer, scheduler, RNG) and every loss must equal those of a failure-free run of the same job, run
-once, and the steps lost must be within the bound the README states (``3 * stride - 1`` with the trainer's three slots,
+once, and the steps lost must be within the bound the README states (``4 * stride - 1`` with the trainer's three slots,
 where ``stride`` is the snapshot stride the ranks had fallen back to when they crashed: see
 :func:`~snapshotd.client.schedule.max_steps_lost`); a rank of the first run that fails on its own
 fails the trial. With ``--noise`` every daemon's messages are also duplicated, delayed and reordered now and

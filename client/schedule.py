@@ -35,17 +35,32 @@ import collections
 import math
 import statistics
 
-__all__ = ["AlignedStride", "AutoInterval", "max_steps_lost"]
+__all__ = ["AlignedStride", "AutoInterval", "left_out", "max_steps_lost"]
+
+CLEAN_EVERY = 64
+"""``every=1`` or ``2``: one due step in this many is left out (:func:`left_out`)."""
+
+
+def left_out(step: int, every: int) -> bool:
+    """Whether ``step``, due with ``every=every``, is left out so that the step after it runs with no stream.
+
+    The sidecar's pacer holds the slowdown snapshots cost within its step budget, against the steps that ran
+    with no stream in flight (see :mod:`snapshotd.sidecar.pacer`). With a snapshot every step or every second
+    step there would be none, so the due step that ends each run of ``CLEAN_EVERY`` intervals is left out:
+    ranks decide by step number, alike. Sparser schedules leave clean steps anyway.
+    """
+    return every < 3 and (step // every) % CLEAN_EVERY == CLEAN_EVERY - 1
 
 
 def max_steps_lost(stride: int, slots: int = 3) -> int:
     """The most steps a node lost now can cost a job snapshotting every ``stride``-th step with ``slots`` slots.
 
-    Up to ``stride - 1`` steps since the last due step, and ``slots - 1`` strides more: a rank runs at most
-    ``slots - 1`` snapshots ahead of the newest one its buddies hold, and those may all be in flight when the
-    node dies. With the default three slots and every step due: 2.
+    Up to ``2 * stride - 1`` steps since the last snapshot started (``stride - 1``, and one stride more after a
+    step :func:`left_out`), and ``slots - 1`` strides more: a rank runs at most ``slots - 1`` snapshots ahead of
+    the newest one its buddies hold, and those may all be in flight when the node dies. With the default three
+    slots and every step due: 3 (2 but right after a step left out).
     """
-    return slots * max(1, stride) - 1
+    return (slots + 1) * max(1, stride) - 1
 
 
 class AutoInterval:

@@ -52,7 +52,7 @@ from .identity import Identity
 from .load import restore_into
 from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
-from .schedule import AlignedStride, AutoInterval
+from .schedule import AlignedStride, AutoInterval, left_out
 from .staging import Stager
 from .state import FlatState, flatten
 from .stats import SnapshotStats
@@ -280,7 +280,10 @@ class Snapshotter:
             self._step_seconds = step_seconds
         started = False
         try:
-            due = self._auto.due(step) if self._auto is not None else step % self.every == 0  # type: ignore[operator]
+            if self._auto is not None:
+                due = self._auto.due(step)
+            else:
+                due = step % self.every == 0 and not left_out(step, self.every)  # type: ignore[operator,arg-type]
             if not due:
                 return False
             flat = flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error

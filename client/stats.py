@@ -37,8 +37,8 @@ class SnapshotStats:
     stride: int = 0
     """With ``every=N`` and ``when_busy="skip"``: the steps between the snapshots now due, ``N`` times a power of
     two that doubles when a due step finds no free slot and halves as slots free again (0 otherwise). A node
-    lost now costs at most ``slots * stride - 1`` steps (:func:`~snapshotd.client.schedule.max_steps_lost`): up
-    to ``stride - 1`` since the last due step, and the ``slots - 1`` strides whose snapshots may not have
-    reached its buddies yet."""
+    lost now costs at most ``(slots + 1) * stride - 1`` steps (:func:`~snapshotd.client.schedule.max_steps_lost`):
+    up to ``2 * stride - 1`` since the last snapshot started (a step left out for the pacer's clean steps adds a
+    stride), and the ``slots - 1`` strides whose snapshots may not have reached its buddies yet."""
     errors: int = 0
     last_error: str = ""

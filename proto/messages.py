@@ -372,6 +372,12 @@ class Heartbeat(Message):
     seq: int = spec_field(Int(0, 1 << 62), default=0)
     """The sidecar's count of heartbeats sent; the reply echoes it, so a late reply is never taken for a newer
     heartbeat's."""
+    pace_Bps: int = spec_field(Int(0, 1 << 62), default=0)
+    """The pacer's outgoing rate limit, bytes/s (0: unpaced)."""
+    step_budget_ppm: int = spec_field(Int(0, 1_000_000), default=0)
+    """The pacer's step-time budget, parts per million (0: none told)."""
+    step_slowdown_ppm: int = spec_field(Int(-1_000_000, 1 << 40), default=0)
+    """The slowdown of the local ranks' steps the pacer measures now, parts per million."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,7 @@ import sys
 
 from snapshotd.logs import LOG_FORMATS, setup_logging
 from snapshotd.security import DATA_SECURITY_MODES
-from snapshotd.units import parse_bytes, parse_duration, parse_rate
+from snapshotd.units import parse_bytes, parse_duration, parse_fraction, parse_rate
 
 __all__ = ["main"]
 
@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--advertise", default=None, help="host name peers use to reach --data-bind")
     s.add_argument("--memory-limit", default="64GiB", help="host memory for buddy copies (default %(default)s)")
     s.add_argument("--max-rate", default="auto", help="outgoing snapshot rate, e.g. 10Gbit, or auto")
+    s.add_argument("--step-budget", default="1%",
+                   help="with --max-rate auto: the step-time slowdown streams may cost, e.g. 1%% or 0.01 (default 1%%)")
     s.add_argument("--chunk", default="1MiB", help="data-plane chunk size (default %(default)s)")
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
     s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
@@ -156,6 +158,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         advertise=args.advertise,
         memory_limit=parse_bytes(args.memory_limit),
         max_rate=None if args.max_rate == "auto" else parse_rate(args.max_rate),
+        step_budget=parse_fraction(args.step_budget),
         chunk_bytes=parse_bytes(args.chunk),
         codec=args.codec,
         nice=args.nice,

@@ -137,6 +137,7 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
 
     async def sample() -> list[Metric]:
         c = state.counters
+        pace = pacer.state()
         ranks = list(state.ranks.values())
         keys = [(lr.job, str(lr.rank)) for lr in ranks]
         rtt = SummaryMetricFamily("snapshotd_heartbeat_rtt_seconds", "Heartbeat round trips to the coordinator",
@@ -173,7 +174,18 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
                      rows=[((k,), n) for k, n in sorted(c.chunks_sent.items())]),  # fmt: skip
             _gauge("snapshotd_stream_rate_bytes_per_second", "Throughput of the last stream", pacer.observed_rate),
             _gauge("snapshotd_pacer_limit_bytes_per_second", "The pacer's outgoing rate limit (+Inf: unpaced)",
-                   pacer.rate),  # fmt: skip
+                   pace.rate),  # fmt: skip
+            _gauge("snapshotd_pacer_keep_up_bytes_per_second", "The rate the local ranks' snapshots need",
+                   pace.keep_up_rate),  # fmt: skip
+            _gauge("snapshotd_pacer_step_budget_ratio", "--step-budget: the step slowdown streams may cost",
+                   pace.budget),  # fmt: skip
+            _gauge("snapshotd_pacer_step_slowdown_ratio", "Loaded over clean median step time, minus 1",
+                   pace.slowdown),  # fmt: skip
+            _gauge("snapshotd_pacer_clean_step_seconds", "Median step with no stream (0: none yet)",
+                   pace.baseline_seconds),  # fmt: skip
+            _gauge("snapshotd_pacer_loaded_step_seconds", "Median step with a stream (0: none yet)",
+                   pace.loaded_seconds),  # fmt: skip
+            _counter("snapshotd_pacer_cuts", "Rate cuts for the step budget", pace.cuts),
             _gauge("snapshotd_stored_bytes", "Bytes of buddy copies held (complete or arriving)",
                    state.store.used_bytes),  # fmt: skip
             _gauge("snapshotd_memory_limit_bytes", "--memory-limit", state.store.memory_limit),

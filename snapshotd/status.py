@@ -108,6 +108,14 @@ def _table(*headers: str) -> Table:
     return table
 
 
+def _pace(node: dict[str, Any]) -> str:
+    """The PACE cell: the pacer's limit, and the step slowdown it measures against its budget."""
+    rate = node.get("pace_Bps", 0)
+    budget = node.get("step_budget", 0.0)
+    limit = format_rate(rate) if rate else "unpaced"
+    return f"{limit}, steps {node.get('step_slowdown', 0.0):+.1%} of {budget:.1%}" if budget else limit
+
+
 def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
     """The status document as rich renderables (DEAD nodes, lagging ranks and missing copies stand out in
     colour on a terminal): what :func:`render_status` prints as plain text."""
@@ -116,14 +124,14 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
         Text(f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
              f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages\n"),  # fmt: skip
     ]
-    nodes = _table("NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA")
+    nodes = _table("NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "PACE", "DATA")
     for n in doc.get("nodes", []):
         dead = sum(1 for _, _, alive in n.get("ranks", []) if not alive)
         ranks = f"{len(n.get('ranks', []))}" + (f" ({dead} dead)" if dead else "")
         state = Text("live") if n.get("alive") else Text("DEAD", style="bold red")
         nodes.add_row(n["node"], n.get("rack") or "-", state, format_seconds(n.get("last_seen_s", 0)) + " ago", ranks,
                       format_bytes(n.get("stored_bytes", 0)), format_rate(n.get("out_Bps", 0.0)),
-                      format_rate(n.get("in_Bps", 0.0)), n.get("data_addr", ""))  # fmt: skip
+                      format_rate(n.get("in_Bps", 0.0)), _pace(n), n.get("data_addr", ""))  # fmt: skip
     out.append(nodes)
     if not nodes.row_count:
         out.append(Text("(no sidecar registered)"))

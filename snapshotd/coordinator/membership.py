@@ -62,6 +62,7 @@ class Node:
     rate_ref: tuple[float, int, int] | None = None  # (time, bytes_out, bytes_in) the rates are measured from
     out_bps: float = 0.0
     in_bps: float = 0.0
+    pacer: tuple[int, float, float] = (0, 0.0, 0.0)  # its pacer's rate (0: unpaced), step budget and slowdown
 
     @property
     def host(self) -> str:
@@ -77,6 +78,7 @@ class Node:
         """Take the byte counters of a heartbeat: the rates over at least ``_RATE_WINDOW_S``, restarted when the
         counters go back (a new incarnation)."""
         self.stored_bytes = msg.stored_bytes
+        self.pacer = (msg.pace_Bps, msg.step_budget_ppm / 1e6, msg.step_slowdown_ppm / 1e6)
         ref = self.rate_ref
         if ref is None or msg.bytes_out < ref[1] or msg.bytes_in < ref[2]:  # first sample, or counters reset
             self.rate_ref, self.out_bps, self.in_bps = (now, msg.bytes_out, msg.bytes_in), 0.0, 0.0

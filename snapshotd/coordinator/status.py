@@ -60,6 +60,7 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
             "alive": n.alive, "last_seen_s": round(now - n.last_seen, 3),
             "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
             "stored_bytes": n.stored_bytes, "out_Bps": n.out_bps, "in_Bps": n.in_bps,
+            "pace_Bps": n.pacer[0], "step_budget": n.pacer[1], "step_slowdown": n.pacer[2],
         }) for n in nodes[i : i + STATUS_PART_ENTRIES]])  # fmt: skip
     yield pack("jobs") + packer.pack_array_header(len(listed))
     for job in listed:

@@ -37,7 +37,11 @@ class SidecarConfig:
     """Bytes of host memory for buddy copies; past it new streams are refused (senders skip steps)."""
 
     max_rate: float | None = None
-    """Outgoing bytes/s for snapshot streams; None is ``auto`` (paced by training step times)."""
+    """Outgoing bytes/s for snapshot streams; None is ``auto`` (spread over the steps and held to
+    ``step_budget``, see :mod:`snapshotd.sidecar.pacer`)."""
+
+    step_budget: float = 0.01
+    """With ``auto``: the slowdown of the local ranks' steps the streams may cost (0.01 = 1%)."""
 
     chunk_bytes: int = 1 << 20
     """Bytes per data-plane chunk (1-4 MiB; 1 MiB measured fastest over TCP here)."""
@@ -84,6 +88,8 @@ class SidecarConfig:
             raise ValueError(f"--memory-limit must be positive, got {self.memory_limit}")
         if self.max_rate is not None and self.max_rate <= 0:
             raise ValueError(f"--max-rate must be positive or auto, got {self.max_rate}")
+        if not 0 < self.step_budget <= 1:
+            raise ValueError(f"--step-budget must be above 0% and at most 100%, got {self.step_budget:.4%}")
         if not 1 <= self.window <= 1024:
             raise ValueError(f"window must be 1-1024 chunks, got {self.window}")
         if self.codec not in ("auto", "raw", "delta-lz4"):

@@ -69,7 +69,7 @@ class Sidecar:
         self.cfg = cfg
         self.state = NodeState(cfg)
         self.tasks = TaskTree(self.state.counters)
-        self.pacer = Pacer(cfg.max_rate)
+        self.pacer = Pacer(cfg.max_rate, budget=cfg.step_budget)
 
     async def run(self, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None) -> None:
         """Bind, register, serve until ``stop`` is set (or SIGTERM/SIGINT in the main thread), then clean up."""

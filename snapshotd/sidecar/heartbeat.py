@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 
 from snapshotd.logs import fields
@@ -83,12 +84,15 @@ class ControlService:
                     report = self.state.report()
                     news = report != sent
                     counters = self.state.counters
+                    pace = self.streams.pacer.state()
                     seq += 1
                     hb = Heartbeat(
                         node=self.state.node, incarnation=self.state.incarnation, changed=news,
                         ranks=report[0] if news else (), inventory=report[1] if news else (),
                         bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
                         stored_bytes=self.state.store.used_bytes, seq=seq,
+                        pace_Bps=0 if math.isinf(pace.rate) else int(pace.rate),
+                        step_budget_ppm=round(pace.budget * 1e6), step_slowdown_ppm=round(pace.slowdown * 1e6),
                     )  # fmt: skip
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))

@@ -91,7 +91,7 @@ class IngestService:
         streams: starts the stream of an announced slot.
         restores: runs a restore request.
         tasks: the sidecar's task tree (a restore runs as its own task).
-        pacer: the node's pacer, told each announced step's duration.
+        pacer: the node's pacer, told each announced step, its duration and its bytes.
         block_bytes: the block size of the seals of announced slots (the node's chunk size).
     """
 
@@ -198,7 +198,8 @@ class IngestService:
         lr.skipped = msg.skipped
         if msg.step_seconds > 0:
             lr.step_seconds = msg.step_seconds
-        self.pacer.report_step(msg.step_seconds, streaming=lr.stream_task is not None)
+        buddies = [a for a in self.state.assignments.get((lr.job, lr.rank), ()) if a != self.state.data_addr]
+        self.pacer.report_step((lr.job, lr.rank), msg.step, msg.step_seconds, lr.data_bytes * max(1, len(buddies)))
         meta = bytes(msg.meta)
         lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=meta, data_bytes=lr.data_bytes,
                                         elem=lr.elem, seal=Seal.announced(self.block_bytes, lr.table, meta)))  # fmt: skip

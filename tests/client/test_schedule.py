@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapshotd.client.schedule import AlignedStride, AutoInterval
+from snapshotd.client.schedule import CLEAN_EVERY, AlignedStride, AutoInterval, left_out, max_steps_lost
 
 
 def simulate(
@@ -134,3 +134,16 @@ def test_aligned_stride_is_bounded() -> None:
     assert s.stride == 3 * AlignedStride.MAX_FACTOR
     with pytest.raises(ValueError, match="every must be at least 1"):
         AlignedStride(0)
+
+
+def test_every_step_leaves_out_one_due_step_in_64_so_the_next_runs_clean() -> None:
+    assert [s for s in range(1, 200) if left_out(s, 1)] == [63, 127, 191]
+    assert [s for s in range(2, 400, 2) if left_out(s, 2)] == [126, 254, 382]
+    assert not any(left_out(s, 3) for s in range(0, 3000, 3))  # sparser schedules leave clean steps anyway
+    assert CLEAN_EVERY == 64
+
+
+def test_the_bound_on_steps_lost_counts_the_slots_ahead_and_a_step_left_out() -> None:
+    # every step due, three slots: two snapshots in flight, and the step after one left out
+    assert max_steps_lost(1) == 3
+    assert max_steps_lost(4) == 15 and max_steps_lost(1, slots=2) == 2

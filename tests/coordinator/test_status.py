@@ -92,13 +92,17 @@ def test_status_renders_as_plain_text_tables() -> None:
     text = render_status(st.status(T0 + 1.0))
     lines = text.splitlines()
     assert lines[0].startswith("coordinator: up ") and "replicas 1" in lines[0]
-    assert lines[2].split() == ["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "DATA"]
-    assert lines[3].split()[:3] == ["a", "-", "live"]
+    assert lines[2].split() == ["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "PACE", "DATA"]
+    assert lines[3].split()[:3] == ["a", "-", "live"] and "unpaced" in lines[3]
     assert "job j: world size 2, recoverable step G = 6" in text
     header = next(i for i, ln in enumerate(lines) if ln.split() == ["RANK", "NODE", "NEWEST", "RPO", "COPIES"])
     assert lines[header + 1].split()[:5] == ["0", "a", "6", "0", "steps"]
     assert "\x1b" not in text and all(ln == ln.rstrip() for ln in lines)  # no colour, no trailing blanks
     assert render_status(st.status(T0 + 1.0)) == text  # deterministic
+    # a node's pacer, as its heartbeats tell it: the limit, and the step slowdown against the budget
+    beat(st, "b", T0 + 1.0, changed=False, pace_Bps=300_000_000, step_budget_ppm=10_000, step_slowdown_ppm=4_000)
+    (row,) = [ln for ln in render_status(st.status(T0 + 1.0)).splitlines() if ln.startswith("b ")]
+    assert "300.0 MB/s, steps +0.4% of 1.0%" in row
     st.jobs["j"].g_seen.clear()
     st.jobs["j"].g_seen.extend([(100.0, 4), (100.5, 6)])
     beat(st, "a", T0 + 1.0, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))

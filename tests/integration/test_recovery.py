@@ -51,9 +51,10 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 def _assert_steps_lost_within_bound(s: dict) -> None:
-    """A node loss costs at most the steps whose snapshots were still streaming: two with three slots and every
-    step due. More only when the sidecars had fallen behind and the ranks were snapshotting every ``stride``-th
-    step (a loaded machine): then at most ``3 * stride - 1``, which the assertion's message shows."""
+    """A node loss costs at most the steps whose snapshots were still streaming and the step since: three with
+    three slots and every step due. More only when the sidecars had fallen behind and the ranks were
+    snapshotting every ``stride``-th step (a loaded machine): then at most ``4 * stride - 1``, which the
+    assertion's message shows."""
     stride = max(1, s["stride_at_loss"])
     assert s["steps_lost"] <= max_steps_lost(stride), f"lost {s['steps_lost']} steps at snapshot stride {stride}: {s}"
 

@@ -1,4 +1,5 @@
-"""The pacer: a fixed-rate token bucket, unpaced mode, and AIMD steered by reported step times."""
+"""The pacer: a fixed-rate token bucket; ``auto``: unpaced until a rank reports, then spread at 1.5x the keep-up
+rate, cut for the step budget against clean steps, unpaced again when the job goes idle."""
 
 from __future__ import annotations
 
@@ -44,55 +45,123 @@ def test_unpaced_is_instant() -> None:
     assert timed_takes(pacer, 1 << 30, 10_000) < 0.5
 
 
-def test_fixed_rate_ignores_step_times() -> None:
-    pacer = Pacer(5e6)
-    for seconds in [0.1] * 5 + [1.0] * 10:
-        pacer.report_step(seconds, streaming=seconds > 0.5)
-    assert pacer.rate == 5e6
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
 
 
-def feed(pacer: Pacer, seconds: float, n: int, streaming: bool = True) -> None:
+MB = 1_000_000
+RANK = ("job", 0)
+
+
+def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1, nbytes: int = 100 * MB) -> None:
+    """``n`` steps of ``seconds`` each, a byte sent during each when ``loaded``, every one announced (a snapshot
+    of ``nbytes`` after every step)."""
     for _ in range(n):
-        pacer.report_step(seconds, streaming=streaming)
+        if loaded:
+            clock.t += seconds / 2
+            pacer._last_send = clock.t  # what take() records as bytes leave
+            clock.t += seconds / 2
+        else:
+            clock.t += seconds
+        step.count = getattr(step, "count", 0) + 1  # type: ignore[attr-defined]
+        pacer.report_step(RANK, step.count, seconds, nbytes)  # type: ignore[attr-defined]
 
 
-def test_aimd_backs_off_when_step_time_grows_and_recovers_when_it_does_not() -> None:
-    pacer = Pacer(None, budget=0.01)
-    feed(pacer, 0.100, 4, streaming=False)  # the no-snapshot baseline
-    feed(pacer, 0.1005, 6)  # within 1%: nothing to correct while unpaced
-    assert math.isinf(pacer.rate)
-    pacer.observe_throughput(200e6)
-    feed(pacer, 0.120, 1)  # one slow step among four is not the median yet
-    assert math.isinf(pacer.rate)
-    feed(pacer, 0.120, 1)  # 20% slower: multiplicative cut from the observed throughput
-    assert pacer.rate == pytest.approx(140e6)
-    feed(pacer, 0.120, 3)
-    assert pacer.rate == pytest.approx(140e6)  # after a cut, the next decision needs four fresh samples
-    feed(pacer, 0.120, 1)
-    assert pacer.rate == pytest.approx(98e6)
+def test_fixed_rate_ignores_step_times() -> None:
+    clock = Clock()
+    pacer = Pacer(5e6, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=5)
+    step(pacer, clock, 1.0, loaded=True, n=20)
+    assert pacer.rate == 5e6 and pacer.state().mode == "fixed"
+
+
+def test_auto_spreads_streams_at_one_and_a_half_times_the_keep_up_rate() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"  # no rank reported yet
+    step(pacer, clock, 0.5, loaded=True, n=3)  # 100 MB after every 0.5 s step: 200 MB/s keeps up
+    assert pacer.keep_up_rate == pytest.approx(200 * MB)
+    assert pacer.rate == pytest.approx(300 * MB) and pacer.state().mode == "spread"
+
+
+def test_the_keep_up_rate_follows_the_interval_the_rank_runs_at_not_its_skips() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    for s in (4, 8, 12, 20, 24):  # every 4th step, and one skipped (12 -> 20)
+        clock.t += 0.5
+        pacer.report_step(RANK, s, 0.5, 100 * MB)
+    assert pacer.keep_up_rate == pytest.approx(100 * MB / (4 * 0.5))
+
+
+def test_budget_cuts_the_rate_while_steps_are_slower_and_grows_it_back() -> None:
+    clock = Clock()
+    pacer = Pacer(None, budget=0.01, clock=clock)
+    step(pacer, clock, 0.100, loaded=False, n=4)  # the clean baseline
+    step(pacer, clock, 0.1005, loaded=True, n=16)  # within 1%
+    spread = pacer.rate
+    assert pacer.cuts == 0 and pacer.state().mode == "spread"
+    step(pacer, clock, 0.120, loaded=True, n=16)  # 20% slower
+    assert pacer.cuts >= 1 and pacer.rate < spread and pacer.state().mode == "budget"
+    assert pacer.state().slowdown == pytest.approx(0.2, rel=0.05)
     cut = pacer.rate
-    feed(pacer, 0.100, 4)  # the median is back at the baseline: additive increase on every report
-    assert pacer.rate > cut
-    grown = pacer.rate
-    feed(pacer, 0.100, 10)
-    assert pacer.rate > grown
-    feed(pacer, 0.0, 10)  # unknown step times change nothing
-    assert pacer.rate > grown
+    step(pacer, clock, 0.120, loaded=True, n=8)
+    assert pacer.rate < cut  # still over: cut again
+    step(pacer, clock, 0.100, loaded=True, n=160)  # back within the budget: the factor grows back to the spread
+    assert pacer.rate == pytest.approx(spread, rel=0.01) and pacer.state().mode == "spread"
 
 
-def test_aimd_never_throttles_below_the_floor() -> None:
-    pacer = Pacer(None)
-    feed(pacer, 0.05, 3, streaming=False)
-    feed(pacer, 0.5, 200)
-    assert pacer.rate == Pacer.MIN_RATE
-    assert timed_takes(pacer, 100_000, 1) < 0.5
+def test_a_slowdown_within_the_noise_of_the_steps_is_no_evidence() -> None:
+    clock = Clock()
+    pacer = Pacer(None, budget=0.01, clock=clock)
+    for i in range(16):  # clean steps that vary by +-10%
+        step(pacer, clock, 0.100 * (0.9 if i % 2 else 1.1), loaded=False)
+    for i in range(32):  # loaded ones 3% slower in the median, well within that noise
+        step(pacer, clock, 0.103 * (0.9 if i % 2 else 1.1), loaded=True)
+    assert pacer.cuts == 0 and pacer.state().slowdown > 0.01
 
 
-def test_aimd_waits_for_a_baseline() -> None:
-    pacer = Pacer(None)
-    feed(pacer, 0.05, 2, streaming=False)
-    feed(pacer, 1.0, 8)  # slow steps, but no baseline to compare with yet
-    assert math.isinf(pacer.rate)
-    pacer.report_step(0.05, streaming=False)
-    feed(pacer, 1.0, 4)
-    assert pacer.rate == pytest.approx(Pacer.MIN_RATE * 10 * 0.7)  # nothing observed: cut from 100 MB/s
+def test_budget_never_cuts_below_the_floor() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.05, loaded=False, n=3)
+    step(pacer, clock, 0.5, loaded=True, n=200)
+    assert pacer.rate == pytest.approx(Pacer.MIN_RATE)
+
+
+def test_no_cut_without_a_clean_baseline() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 1.0, loaded=True, n=64)  # slow, but nothing to compare with
+    assert pacer.cuts == 0 and pacer.state().baseline_seconds == 0
+
+
+def test_a_long_pause_says_nothing_of_snapshots() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=4)
+    step(pacer, clock, 0.1, loaded=True, n=4)
+    keep_up = pacer.keep_up_rate
+    step(pacer, clock, 5.0, loaded=True, n=3)  # an evaluation pass: 50 usual steps
+    assert pacer.cuts == 0 and pacer.state().loaded_seconds == pytest.approx(0.1)
+    assert pacer.keep_up_rate == keep_up  # the streams after it are not paced for 5 s steps
+
+
+def test_an_idle_job_unpaces_and_starts_over() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=4)
+    step(pacer, clock, 0.2, loaded=True, n=16)
+    assert pacer.state().mode == "budget"
+    clock.t += Pacer.IDLE_SECONDS + 1  # the job stopped reporting
+    assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
+    step(pacer, clock, 0.1, loaded=True)  # it came back: the spread rate again, cut only by fresh evidence
+    assert pacer.state().mode == "spread"
+
+
+def test_step_budget_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        Pacer(None, budget=0)
