@@ -44,6 +44,7 @@ from snapshotd.client.schedule import max_steps_lost
 from snapshotd.demo import TrainingJob, wait_for
 from snapshotd.local_cluster import LocalCluster, ManagedProcess
 from snapshotd.status import fetch_status
+from snapshotd.units import parse_rate
 
 from .faults import FaultPlan, command
 from .report import Report, scratch_dir
@@ -83,12 +84,15 @@ class Soak:
         workdir: logs and ipc paths.
         steps / params / step_delay: the job's length, model size and idle seconds per step.
         noise: interpose every daemon with :data:`NOISE`.
+        max_rate: the sidecars' ``--max-rate`` (None: auto); a rate below what the snapshots need is pressure:
+            the ranks skip snapshots and their stride grows.
         say: progress lines.
     """
 
     def __init__(self, workdir: str, *, steps: int, params: int, step_delay: float, noise: bool, max_hang: float,
-                 say: Callable[[str], None]) -> None:  # fmt: skip
+                 say: Callable[[str], None], max_rate: str | None = None) -> None:  # fmt: skip
         self.workdir, self.steps, self.params, self.step_delay, self.max_hang = workdir, steps, params, step_delay, max_hang
+        self.sidecar_flags = ("--max-rate", max_rate) if max_rate else ()
         self.say = say
         launcher = command(NOISE) if noise else None
         self.cluster = LocalCluster(workdir, replicas=1, heartbeat_interval=HEARTBEAT_INTERVAL,
@@ -115,7 +119,7 @@ class Soak:
 
     def _new_node(self) -> str:
         name = next(self._names)
-        self.cluster.start_sidecar(name)
+        self.cluster.start_sidecar(name, *self.sidecar_flags)
         return name
 
     def _sidecar(self, rank: int) -> ManagedProcess:
@@ -227,7 +231,7 @@ class Soak:
             if fault == "sidecar-kill":
                 node = self.nodes[r]
                 self.cluster.kill(self._sidecar(r))
-                self.cluster.start_sidecar(node)  # its supervisor starts it again, on the same node
+                self.cluster.start_sidecar(node, *self.sidecar_flags)  # its supervisor starts it again
             elif fault == "coordinator-kill":
                 self._restart_coordinator()
             else:
@@ -279,6 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also duplicate, delay and reorder daemon messages now and then (default on)")  # fmt: skip
     p.add_argument("--faults", default=",".join(FAULTS), help="comma list of the faults to draw from (default all)")
     p.add_argument("--cycle", action="store_true", help="take the faults in turn instead of drawing them")
+    p.add_argument("--max-rate", default=None,
+                   help="the sidecars' --max-rate (default auto); below what the snapshots need, the ranks skip "
+                        "snapshots and the bound on steps lost grows with their stride")  # fmt: skip
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
 
 
@@ -288,12 +295,17 @@ def run(args: argparse.Namespace) -> Report:
     unknown = set(faults) - set(FAULTS)
     if unknown or args.steps < 8 or args.trials < 1:
         raise SystemExit(f"snapshotd-bench soak: --faults from {','.join(FAULTS)}, --steps >= 8, --trials >= 1")
+    if args.max_rate is not None:
+        try:
+            parse_rate(args.max_rate)
+        except ValueError as exc:
+            raise SystemExit(f"snapshotd-bench soak: --max-rate: {exc}") from None
     print(f"snapshotd-bench soak: seed {seed}", flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with scratch_dir(args.workdir, prefix="snapshotd-soak-") as workdir, \
             Soak(workdir, steps=args.steps, params=args.params, step_delay=args.step_delay, noise=args.noise,
-                 max_hang=args.max_hang, say=print) as soak:  # fmt: skip
+                 max_hang=args.max_hang, say=print, max_rate=args.max_rate) as soak:  # fmt: skip
         for number in range(args.trials):
             trial = soak.draw(seed, number, faults, cycle=args.cycle)
             row = soak.run_trial(trial)

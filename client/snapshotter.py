@@ -19,6 +19,7 @@ in :attr:`Snapshotter.stats`.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
@@ -43,6 +44,7 @@ from snapshotd.proto import (
     encode_table,
     match_entries,
 )
+from snapshotd.proto import limits as L
 from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel
@@ -146,8 +148,11 @@ class Snapshotter:
         self._last_captured = -1  # newest step capture() was called with
         self._taken_at: dict[int, float] = {}  # step -> when capture() started it, until it is durable
         self._recovery_point = (-1, time.monotonic())  # newest durable (or restored) step, and when it was taken
-        self._last_capture_end: float | None = None
+        self._last_capture_end: float | None = None  # time.monotonic()
         self._step_seconds = 0.0
+        # the steps since the last announce, for the sidecar's pacer: durations, and when the last one ended
+        self._steps: collections.deque[float] = collections.deque(maxlen=L.MAX_ANNOUNCED_STEPS)
+        self._steps_end = 0.0
         self._reported_errors: set[str] = set()
         self._closed = False
         self.restored: dict[str, Any] = {}
@@ -274,10 +279,12 @@ class Snapshotter:
             raise ValueError(f"capture({step}) after capture({self._last_captured}): steps only grow")
         self._last_captured = step
         self.stats.last_step = step
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         step_seconds = None if self._last_capture_end is None else t0 - self._last_capture_end
         if step_seconds is not None:
             self._step_seconds = step_seconds
+            self._steps.append(step_seconds)
+            self._steps_end = t0
         started = False
         try:
             if self._auto is not None:
@@ -299,7 +306,7 @@ class Snapshotter:
             started = self._start(step, flat)
             return started
         finally:
-            end = time.perf_counter()
+            end = time.monotonic()
             self.stats.capture_seconds += end - t0
             with self._lock:
                 self._update_rpo()
@@ -435,8 +442,10 @@ class Snapshotter:
             self._table_sent = True
         announce = Announce(
             job=self.job, rank=self.rank, step=step, slot=slot, table_id=self._table_id,
-            step_seconds=self._step_seconds, skipped=self.stats.skipped, table=table, meta=flat.meta,
+            step_seconds=self._step_seconds, skipped=self.stats.skipped, steps=tuple(self._steps),
+            steps_end=self._steps_end, table=table, meta=flat.meta,
         )  # fmt: skip
+        self._steps.clear()
         self._last_step = step
         with self._lock:
             self._taken_at[step] = time.monotonic()

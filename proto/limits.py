@@ -61,3 +61,5 @@ MAX_SLOTS = 16
 
 MAX_UNUSABLE_STEPS = 64
 """Steps a watermark names as unusable (a sidecar holds a rank's copies of a few steps above D)."""
+MAX_ANNOUNCED_STEPS = 64
+"""Step durations one announce carries for the pacer (the steps since the previous announce, newest kept)."""

@@ -120,8 +120,10 @@ class Announce(Message):
 
     ``table`` is the encoded tensor table, sent only when it changed (empty otherwise; ``table_id`` names the
     table in force). ``meta`` is the msgpack blob of non-tensor state. ``step_seconds`` is the rank's latest
-    step time, for the pacer (0: unknown). ``skipped`` counts the rank's capture() calls skipped so far, for the
-    sidecar's metrics.
+    step time (0: unknown). For the pacer, ``steps`` are the durations of the steps since the previous announce,
+    oldest first (the last is ``step_seconds``; at most 64), and ``steps_end`` the ``time.monotonic()`` at which
+    the last of them ended (0: unknown); the sidecar is on the same host, so on the same clock. ``skipped``
+    counts the rank's capture() calls skipped so far, for the sidecar's metrics.
     """
 
     TYPE: ClassVar[str] = "announce"
@@ -132,6 +134,8 @@ class Announce(Message):
     table_id: int = spec_field(Int(0, L.MAX_STEP))
     step_seconds: float = spec_field(SECONDS, default=0.0)
     skipped: int = spec_field(Int(0, 1 << 62), default=0)
+    steps: tuple[float, ...] = spec_field(ListOf(SECONDS, L.MAX_ANNOUNCED_STEPS), factory=tuple)
+    steps_end: float = spec_field(SECONDS, default=0.0)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 

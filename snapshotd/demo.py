@@ -41,7 +41,7 @@ class TrainingJob:
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
                  sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False,
-                 parallel: str = "ddp") -> None:  # fmt: skip
+                 parallel: str = "ddp", every: int = 1) -> None:  # fmt: skip
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -53,7 +53,8 @@ class TrainingJob:
                 "--step-delay", str(step_delay), "--parallel", parallel,
             ]  # fmt: skip
             if job is not None:
-                argv += ["--job", job, "--sidecar", sidecars[rank], *(["--replicated"] if replicated else [])]
+                argv += ["--job", job, "--sidecar", sidecars[rank], "--every", str(every),
+                         *(["--replicated"] if replicated else [])]  # fmt: skip
             with open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb") as log, held_interrupts():
                 self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -199,7 +199,8 @@ class IngestService:
         if msg.step_seconds > 0:
             lr.step_seconds = msg.step_seconds
         buddies = [a for a in self.state.assignments.get((lr.job, lr.rank), ()) if a != self.state.data_addr]
-        self.pacer.report_step((lr.job, lr.rank), msg.step, msg.step_seconds, lr.data_bytes * max(1, len(buddies)))
+        steps = msg.steps or (msg.step_seconds,)  # an older client sends its last step only
+        self.pacer.report_step((lr.job, lr.rank), msg.step, steps, msg.steps_end, lr.data_bytes * max(1, len(buddies)))
         meta = bytes(msg.meta)
         lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=meta, data_bytes=lr.data_bytes,
                                         elem=lr.elem, seal=Seal.announced(self.block_bytes, lr.table, meta)))  # fmt: skip

@@ -10,7 +10,9 @@ with each announce:
   the *keep-up rate*: the bytes the local ranks' snapshots must move (each rank's snapshot bytes, times its
   buddies, over its snapshot interval in steps times its step time). Streams then end with a third of the
   interval to spare, and no snapshot falls behind for want of rate.
-- **Budget.** A step during which no byte left the node is *clean*; the others are *loaded*. The baseline is
+- **Budget.** Each announce carries the durations of the rank's steps since its previous one and when the last
+  ended (same host, same clock). A step during which no byte left the node is *clean*; the others are
+  *loaded*. The baseline is
   the median of the last ``WINDOW`` clean steps, the load the median of the last ``WINDOW`` loaded ones, and the
   slowdown ``load / baseline - 1``. Every ``WINDOW / 2`` loaded steps it decides: past the budget
   (``--step-budget``, 1% by default) by more than two standard errors of the slowdown (steps vary; a cut needs
@@ -18,10 +20,9 @@ with each announce:
   spread rate). Below the keep-up rate the ranks'
   snapshots fall behind and the ranks skip some (the stride grows, see the README's bound on steps lost), which
   is how a job with no CPU to spare buys back its step time.
-- **Clean steps** come from the ranks: with a snapshot every step or every second step, a Snapshotter leaves
-  out one due step in 64 (:func:`snapshotd.client.schedule.left_out`), so that the step after it runs with no
-  stream; with sparser snapshots, spread streams end a third of the interval early and leave whole steps
-  clean.
+- **Clean steps.** With a snapshot every step or every second step, a Snapshotter leaves out one due step in
+  64 (:func:`snapshotd.client.schedule.left_out`), so that the step after it runs with no stream; with sparser
+  snapshots, spread streams end a third of the interval early and leave whole steps clean.
 - **Idle.** No step reported for ``IDLE_SECONDS`` (or 10 loaded steps): the job stopped, nothing is left to
   protect, and the rate is unpaced again; the factor starts over at 1.
 
@@ -38,7 +39,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 __all__ = ["Pacer", "PacerState"]
@@ -90,6 +91,7 @@ class Pacer:
         clock: monotonic seconds (tests pass their own).
     """
 
+    SEND_GAP = 0.02
     MIN_RATE = 10e6
     """``auto`` never paces below 10 MB/s: snapshots must still make progress."""
     SPREAD = 1.5
@@ -116,7 +118,7 @@ class Pacer:
         self._ranks: dict[Hashable, _RankSteps] = {}
         self._factor = 1.0
         self._fresh = 0  # loaded steps since the last decision
-        self._last_send = -math.inf
+        self._sending: collections.deque[list[float]] = collections.deque(maxlen=256)  # [start, end] of sends
         self._last_report = -math.inf
         self._observed_rate = 0.0
         self.cuts = 0
@@ -141,7 +143,7 @@ class Pacer:
         """Wait until ``nbytes`` may be sent under the current rate."""
         rate = self.rate
         now = self._clock()
-        self._last_send = now
+        self.sent_at(now)
         if math.isinf(rate):
             self._stamp = now
             return
@@ -150,7 +152,23 @@ class Pacer:
         self._tokens -= nbytes
         if self._tokens < 0:
             await asyncio.sleep(-self._tokens / rate)
-            self._last_send = self._clock()
+            self.sent_at(self._clock())
+
+    def sent_at(self, when: float) -> None:
+        """Bytes left the node at ``when``: sends less than ``SEND_GAP`` apart form one busy span."""
+        if self._sending and when - self._sending[-1][1] <= self.SEND_GAP:
+            self._sending[-1][1] = max(self._sending[-1][1], when)
+        else:
+            self._sending.append([when, when])
+
+    def _busy(self, start: float, end: float) -> bool:
+        """Whether any byte left the node between ``start`` and ``end``."""
+        for s, e in reversed(self._sending):
+            if e < start:
+                return False
+            if s <= end:
+                return True
+        return False
 
     @property
     def observed_rate(self) -> float:
@@ -162,8 +180,9 @@ class Pacer:
 
     # -- the controller --------------------------------------------------------------------------------------
 
-    def report_step(self, key: Hashable, step: int, step_seconds: float, stream_bytes: int) -> None:
-        """Local rank ``key`` announced a snapshot of ``step``: ``step_seconds`` is its last step (0: unknown),
+    def report_step(self, key: Hashable, step: int, steps: Sequence[float], steps_end: float, stream_bytes: int) -> None:
+        """Local rank ``key`` announced a snapshot of ``step``: ``steps`` are the durations of its steps since its
+        previous announce (oldest first), the last ending at ``steps_end`` (this clock; 0: now), and
         ``stream_bytes`` what the snapshot sends to all its buddies."""
         now = self._clock()
         if not self.auto:
@@ -172,26 +191,37 @@ class Pacer:
         if 0 <= rank.last < step:
             rank.gaps.append(step - rank.last)
         rank.last = step
-        if step_seconds <= 0:
+        end = steps_end if 0 < steps_end <= now else now
+        timed = []
+        for seconds in reversed(steps):  # newest first, back in time from the last one's end
+            if seconds > 0:
+                timed.append((end - seconds, end, seconds))
+                end -= seconds
+        if not timed:
             return
-        typical = statistics.median(rank.seconds) if rank.seconds else None
-        if typical is not None and step_seconds > self.PAUSE * typical:
-            return
-        rank.seconds.append(step_seconds)
         if self._idle(now):
             self._factor, self._fresh = 1.0, 0
         self._last_report = now
+        for start, stop, seconds in reversed(timed):
+            typical = statistics.median(rank.seconds) if rank.seconds else None
+            if typical is not None and seconds > self.PAUSE * typical:
+                continue
+            rank.seconds.append(seconds)
+            if self._busy(start, stop):
+                self._loaded.append(seconds)
+                self._fresh += 1
+            else:
+                self._clean.append(seconds)
         if len(rank.seconds) >= 3:  # its usual step and the interval it runs at when it skips none
             self._demand[key] = stream_bytes / (min(rank.gaps, default=1) * statistics.median(rank.seconds))
-        base = statistics.median(self._clean) if self._clean else None
-        if self._last_send < now - step_seconds:
-            self._clean.append(step_seconds)
-            return
-        self._loaded.append(step_seconds)
-        self._fresh += 1
-        if base is None or len(self._clean) < 3 or self._fresh < self.WINDOW // 2:
+        self._decide()
+
+    def _decide(self) -> None:
+        """Every ``WINDOW / 2`` fresh loaded steps, with 3 clean ones at least: cut or grow the factor."""
+        if len(self._clean) < 3 or self._fresh < self.WINDOW // 2:
             return
         self._fresh = 0
+        base = statistics.median(self._clean)
         slowdown = statistics.median(self._loaded) / base - 1
         if slowdown - self._noise(base) > self.budget:
             self._factor = max(self.MIN_RATE / max(self.SPREAD * self.keep_up_rate, self.MIN_RATE),

@@ -63,12 +63,12 @@ def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1
     for _ in range(n):
         if loaded:
             clock.t += seconds / 2
-            pacer._last_send = clock.t  # what take() records as bytes leave
+            pacer.sent_at(clock.t)  # what take() records as bytes leave
             clock.t += seconds / 2
         else:
             clock.t += seconds
         step.count = getattr(step, "count", 0) + 1  # type: ignore[attr-defined]
-        pacer.report_step(RANK, step.count, seconds, nbytes)  # type: ignore[attr-defined]
+        pacer.report_step(RANK, step.count, [seconds], clock.t, nbytes)  # type: ignore[attr-defined]
 
 
 def test_fixed_rate_ignores_step_times() -> None:
@@ -93,7 +93,7 @@ def test_the_keep_up_rate_follows_the_interval_the_rank_runs_at_not_its_skips() 
     pacer = Pacer(None, clock=clock)
     for s in (4, 8, 12, 20, 24):  # every 4th step, and one skipped (12 -> 20)
         clock.t += 0.5
-        pacer.report_step(RANK, s, 0.5, 100 * MB)
+        pacer.report_step(RANK, s, [0.5], clock.t, 100 * MB)
     assert pacer.keep_up_rate == pytest.approx(100 * MB / (4 * 0.5))
 
 
@@ -165,3 +165,17 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
 def test_step_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="budget"):
         Pacer(None, budget=0)
+
+
+def test_each_step_since_the_last_announce_is_told_clean_or_loaded_by_when_bytes_left() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    t0 = clock.t
+    pacer.sent_at(t0 + 0.05)  # a stream during the first of four 0.1 s steps, and into the second
+    pacer.sent_at(t0 + 0.06)
+    pacer.sent_at(t0 + 0.12)
+    clock.t = t0 + 0.4 + 0.003  # the announce comes a little after the last step ended
+    pacer.report_step(RANK, 4, [0.1, 0.1, 0.1, 0.1], t0 + 0.4, 100 * MB)
+    state = pacer.state()
+    assert (len(pacer._loaded), len(pacer._clean)) == (2, 2)
+    assert state.baseline_seconds == pytest.approx(0.1) and state.loaded_seconds == pytest.approx(0.1)
