@@ -58,7 +58,7 @@ def max_steps_lost(stride: int, slots: int = 3) -> int:
     Up to ``2 * stride - 1`` steps since the last snapshot started (``stride - 1``, and one stride more after a
     step :func:`left_out`), and ``slots - 1`` strides more: a rank runs at most ``slots - 1`` snapshots ahead of
     the newest one its buddies hold, and those may all be in flight when the node dies. With the default three
-    slots and every step due: 3 (2 but right after a step left out).
+    slots and every step due: 2, and 3 right after a step left out.
     """
     return (slots + 1) * max(1, stride) - 1
 

@@ -41,7 +41,8 @@ class SidecarConfig:
     ``step_budget``, see :mod:`snapshotd.sidecar.pacer`)."""
 
     step_budget: float = 0.01
-    """With ``auto``: the slowdown of the local ranks' steps the streams may cost (0.01 = 1%)."""
+    """With ``auto``: the slowdown of the local ranks' steps that snapshots may cost, the staging copy and the
+    streams (0.01 = 1%)."""
 
     chunk_bytes: int = 1 << 20
     """Bytes per data-plane chunk (1-4 MiB; 1 MiB measured fastest over TCP here)."""

@@ -92,7 +92,8 @@ class ControlService:
                         bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
                         stored_bytes=self.state.store.used_bytes, seq=seq,
                         pace_Bps=0 if math.isinf(pace.rate) else int(pace.rate),
-                        step_budget_ppm=round(pace.budget * 1e6), step_slowdown_ppm=round(pace.slowdown * 1e6),
+                        step_budget_ppm=round(pace.budget * 1e6),
+                        step_slowdown_ppm=round(min(1e9, max(-1e6, pace.slowdown * 1e6))),
                     )  # fmt: skip
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))

@@ -57,9 +57,9 @@ class CorruptEverywhere(PullFailed):
 class CodecPolicy:
     """Chooses raw or delta-lz4 per chunk for one buddy, from continuous measurements.
 
-    Delta pays when the link rate (the pacer's cap, or the throughput measured on this buddy, whichever is lower)
-    is below :func:`codec.breakeven_rate` for the measured ratio and compression speed. Every ``PROBE_EVERY``-th
-    chunk is compressed anyway so the measurements stay current.
+    Delta pays when the link rate (a fixed ``--max-rate``, or the throughput of unpaced streams to this buddy,
+    whichever is lower) is below :func:`codec.breakeven_rate` for the measured ratio and compression speed.
+    Every ``PROBE_EVERY``-th chunk is compressed anyway so the measurements stay current.
     """
 
     PROBE_EVERY = 32
@@ -143,7 +143,7 @@ async def send_snapshot(
     t0 = time.perf_counter()
     wire = 0
     delta_chunks = 0
-    with link.subscribe(job, rank, step) as replies:
+    with link.subscribe(job, rank, step) as replies, pacer.streaming():
         try:
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
@@ -160,7 +160,7 @@ async def send_snapshot(
                     start = sent * chunk_bytes
                     view = data[start : start + chunk_bytes]
                     name, payload, base_step = "raw", view, -1
-                    if base_ok and policy.use_delta(pacer.rate):
+                    if base_ok and policy.use_delta(pacer.cap):
                         assert base is not None
                         name, payload, secs = await asyncio.to_thread(
                             _compress, view, base[1][start : start + view.nbytes], elem
@@ -190,7 +190,8 @@ async def send_snapshot(
             link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))  # best effort: it may be gone
             raise
     seconds = time.perf_counter() - t0
-    policy.record_stream(wire, seconds)
+    if math.isinf(pacer.rate):  # a paced stream's throughput is the pacer's choice, not the link's
+        policy.record_stream(wire, seconds)
     pacer.observe_throughput(wire / seconds if seconds > 0 else math.inf)
     return SendResult(nbytes, wire, seconds, delta_chunks)
 

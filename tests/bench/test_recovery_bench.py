@@ -11,7 +11,8 @@ from snapshotd.bench import cli
 from snapshotd.bench.recovery import make_state, state_digest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SUMMARY_KEYS = {"state_bytes", "detection_seconds", "restore_seconds", "restore_GBps", "torch_load_seconds"}
+SUMMARY_KEYS = {"state_bytes", "detection_seconds", "restore_seconds", "restore_GBps", "torch_load_seconds",
+                "raw_socket_GBps", "restore_vs_raw", "pull_vs_raw"}
 
 
 def test_make_state_is_deterministic_and_sized() -> None:
@@ -49,7 +50,11 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
     assert 0 < s["pull_seconds"] <= s["restore_seconds"] < 30
     assert s["restore_GBps"] == pytest.approx(s["state_bytes"] / s["restore_seconds"] / 1e9)
     assert s["torch_load_seconds"] > 0
+    assert s["raw_socket_GBps"] > 0
+    assert s["restore_vs_raw"] == pytest.approx(s["restore_GBps"] / s["raw_socket_GBps"])
+    assert s["pull_vs_raw"] >= s["restore_vs_raw"]  # the pull is the restore's share
     rows = {r["path"]: r for r in doc["results"]}
+    assert rows["raw TCP socket, loopback"]["rate_Bps"] == pytest.approx(s["raw_socket_GBps"] * 1e9)
     restore = rows["snapshotd restore (pull)"]
     assert restore["note"].startswith("8.00 MiB pulled from 2 live holders")
     fixed = s["detection_seconds"] + 2
@@ -63,6 +68,7 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
         assert "torchft not installed; skipped" in printed.err
     else:
         assert s["torchft_seconds"] > 0
+        assert s["torchft_ratio"] == pytest.approx(s["torchft_seconds"] / s["restore_seconds"])
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 

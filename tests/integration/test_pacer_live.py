@@ -1,8 +1,9 @@
 """The pacer acting on a live job: a CPU-bound 2-rank job whose streams slow it, the rate backing off until the
 slowdown is within ``--step-budget``, and the limit lifted once the job stops.
 
-Both ranks train on node A with one torch thread each, so they keep this machine's two cores busy; both
-sidecars run at the ranks' priority (``--nice 0``), so every byte streamed takes CPU that training wanted.
+Both ranks train on node A with one torch thread each, and every process of the test is held to two cores, so
+the ranks keep the cores busy; both sidecars run at the ranks' priority (``--nice 0``), so every byte streamed
+takes CPU that training wanted.
 Node A's pacer is read from its ``/metrics`` endpoint and from ``snapshotd status``.
 """
 
@@ -28,6 +29,8 @@ BUDGET = 0.05
 @pytest.fixture
 def paced(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[tuple[Cluster, int]]:
     port = free_port()
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(cores)[:2])  # the daemons and ranks started from here inherit it
     c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=3.0)
     try:
         c.start_coordinator("tcp://127.0.0.1:0")
@@ -36,6 +39,7 @@ def paced(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[t
         yield c, port
     finally:
         c.close()
+        os.sched_setaffinity(0, cores)
 
 
 def pacer(port: int) -> dict[str, float]:
@@ -51,7 +55,7 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
 ) -> None:
     cluster, port = paced
     assert math.isinf(pacer(port)["limit_bytes_per_second"])  # no rank has reported a step: unpaced
-    job = TrainingJob(str(tmp_path), "paced", world=2, steps=100_000, params=3_000_000, job=cluster.job("paced"),
+    job = TrainingJob(str(tmp_path), "paced", world=2, steps=100_000, params=1_500_000, job=cluster.job("paced"),
                       sidecars={0: cluster.ipc("A"), 1: cluster.ipc("A")}, every=4)  # fmt: skip
     try:
         seen: list[dict[str, float]] = []
@@ -64,12 +68,12 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
         # the streams slow the steps past the 5% budget: the pacer cuts the rate below its spread (1.5x keep-up)
         wait_for(backed_off, 120, f"the pacer cutting the rate for the budget; saw {seen[-3:]}")
         assert seen[-1]["step_budget_ratio"] == pytest.approx(BUDGET) and seen[-1]["clean_step_seconds"] > 0
-        cut = seen[-1]["limit_bytes_per_second"]
 
-        # ... and cuts on until the slowdown it measures is within the budget
+        # ... and cuts on until the slowdown it measures at the rate it chose is within the budget
         wait_for(lambda: seen.append(pacer(port)) or seen[-1]["step_slowdown_ratio"] <= BUDGET, 120,
                  f"the slowdown within the {BUDGET:.0%} budget; saw {seen[-3:]}")  # fmt: skip
-        assert min(p["limit_bytes_per_second"] for p in seen) <= cut
+        within = seen[-1]
+        assert within["limit_bytes_per_second"] < 1.5 * within["keep_up_bytes_per_second"]  # still held back
         # status shows the node's pacer too (from its heartbeats)
         (node,) = [n for n in fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["nodes"] if n["node"] == cluster.node("A")]
         assert node["pace_Bps"] > 0 and node["step_budget"] == pytest.approx(BUDGET)

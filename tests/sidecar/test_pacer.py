@@ -63,8 +63,9 @@ def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1
     for _ in range(n):
         if loaded:
             clock.t += seconds / 2
-            pacer.sent_at(clock.t)  # what take() records as bytes leave
-            clock.t += seconds / 2
+            with pacer.streaming():  # what send_snapshot wraps each stream in
+                clock.t += seconds / 4
+            clock.t += seconds / 4
         else:
             clock.t += seconds
         step.count = getattr(step, "count", 0) + 1  # type: ignore[attr-defined]
@@ -106,6 +107,7 @@ def test_budget_cuts_the_rate_while_steps_are_slower_and_grows_it_back() -> None
     assert pacer.cuts == 0 and pacer.state().mode == "spread"
     step(pacer, clock, 0.120, loaded=True, n=16)  # 20% slower
     assert pacer.cuts >= 1 and pacer.rate < spread and pacer.state().mode == "budget"
+    step(pacer, clock, 0.120, loaded=True, n=3)  # a cut forgets the loaded steps: these are all at the new rate
     assert pacer.state().slowdown == pytest.approx(0.2, rel=0.05)
     cut = pacer.rate
     step(pacer, clock, 0.120, loaded=True, n=8)
@@ -136,7 +138,7 @@ def test_no_cut_without_a_clean_baseline() -> None:
     clock = Clock()
     pacer = Pacer(None, clock=clock)
     step(pacer, clock, 1.0, loaded=True, n=64)  # slow, but nothing to compare with
-    assert pacer.cuts == 0 and pacer.state().baseline_seconds == 0
+    assert pacer.cuts == 0 and pacer.state().baseline_seconds == 0 and pacer.state().mode == "spread"
 
 
 def test_a_long_pause_says_nothing_of_snapshots() -> None:
@@ -171,11 +173,40 @@ def test_each_step_since_the_last_announce_is_told_clean_or_loaded_by_when_bytes
     clock = Clock()
     pacer = Pacer(None, clock=clock)
     t0 = clock.t
-    pacer.sent_at(t0 + 0.05)  # a stream during the first of four 0.1 s steps, and into the second
-    pacer.sent_at(t0 + 0.06)
-    pacer.sent_at(t0 + 0.12)
+    clock.t = t0 + 0.05
+    with pacer.streaming():  # a stream from the middle of the first of four 0.1 s steps into the second
+        clock.t = t0 + 0.12
     clock.t = t0 + 0.4 + 0.003  # the announce comes a little after the last step ended
     pacer.report_step(RANK, 4, [0.1, 0.1, 0.1, 0.1], t0 + 0.4, 100 * MB)
-    state = pacer.state()
-    assert (len(pacer._loaded), len(pacer._clean)) == (2, 2)
-    assert state.baseline_seconds == pytest.approx(0.1) and state.loaded_seconds == pytest.approx(0.1)
+    rank = pacer._ranks[RANK]
+    assert (len(rank.loaded), len(rank.clean)) == (2, 2)
+    # a steps_end on no clock this pacer knows is taken as now: the four steps end at the announce
+    clock.t += 0.4
+    pacer.report_step(RANK, 8, [0.1] * 4, 12345.0, 100 * MB)
+    assert (len(rank.loaded), len(rank.clean)) == (2, 6)
+
+
+def test_the_keep_up_rate_keeps_the_smallest_interval_through_a_long_skip() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    for s in [1, 2, 3, *range(5, 45, 2)]:  # every step, then every second one for 20 announces
+        clock.t += 0.1
+        pacer.report_step(RANK, s, [0.1], clock.t, 10 * MB)
+    assert pacer.keep_up_rate == pytest.approx(10 * MB / 0.1)
+
+
+def test_a_silent_rank_stops_counting_and_is_forgotten() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=True, n=4)
+    other = ("other-job", 3)
+    for s in range(1, 5):
+        clock.t += 0.1
+        pacer.report_step(other, s, [0.1], clock.t, 50 * MB)
+    assert pacer.keep_up_rate == pytest.approx(1000 * MB + 500 * MB)
+    for _ in range(40):  # 4 s of steps from the first rank only: the other job stopped
+        step(pacer, clock, 0.1, loaded=True)
+    assert pacer.keep_up_rate == pytest.approx(1000 * MB)
+    clock.t += Pacer.FORGET_SECONDS + 1
+    step(pacer, clock, 0.1, loaded=True)
+    assert other not in pacer._ranks
