@@ -12,8 +12,9 @@ every step through :class:`~snapshotd.client.Snapshotter` and restores on start,
 For ``snapshotd-bench overhead``, ``--plan`` runs the steps in blocks, each block one variant: ``none``,
 ``snapshotd`` (capture after every ``--every``-th step; needs ``--job``) or a disk checkpoint every N steps the
 way users take one today (``torch_save``, ``dcp_async``: :class:`~.baselines.DiskCheckpointer`, in
-``--ckpt-dir``). After each block, untimed, the rank waits for that block's snapshot or save in flight and for
-the other ranks, so no block's work spills into the next.
+``--ckpt-dir``). After each block, untimed, the rank waits for that block's snapshot or save in flight, for the
+kernel to write a disk checkpoint's dirty pages out (``os.sync``), and for the other ranks, so no block's work
+spills into the next.
 
 Step times run from the top of one loop iteration to the end of the step, snapshot or checkpoint call and loss
 read-out included (on CUDA the read-out waits for the step's kernels). ``blocked_times`` is, per step, the time
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 capturing.wait(timeout=30)
             if ckpt is not None:
                 ckpt.finish()
+                os.sync()  # the page cache's writeback of the saves would otherwise slow the next block
             dist.barrier()
         block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps}
         if capturing is not None:
