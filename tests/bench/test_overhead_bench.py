@@ -32,9 +32,8 @@ SUMMARY_KEYS = {
     "torch_save_ratio",
     "dcp_async_ratio",
     "minimum_cpu_ms",
-    *(f"{scenario}_{key}" for scenario in overhead.SCENARIOS
-      for key in ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum")),
 }
+SCENARIO_KEYS = ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum")
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -47,18 +46,17 @@ def _args(*argv: str) -> argparse.Namespace:
 def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     workdir = tmp_path_factory.mktemp("overhead")
     args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--workdir", str(workdir), "--timeout", "90")  # fmt: skip
+                 "--batch", "1", "--scenario", "headroom", "--workdir", str(workdir), "--timeout", "90")  # fmt: skip
     return overhead.run(args)
 
 
 def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
-    assert set(report.summary) == SUMMARY_KEYS
-    assert report.summary["scenario"] == "headroom"  # the headline, when it ran
-    for scenario in overhead.SCENARIOS:
-        assert report.summary[f"{scenario}_step_ratio"] > 0 and report.summary[f"{scenario}_mean_ratio"] > 0
-        assert report.summary[f"{scenario}_skipped"] >= 0
-        # a snapshot costs at least the physical minimum measured beside it: a memcpy and the kernel's copies
-        assert report.summary[f"{scenario}_cpu_vs_minimum"] > 0.5
+    assert set(report.summary) == SUMMARY_KEYS | {f"headroom_{key}" for key in SCENARIO_KEYS}
+    assert report.summary["scenario"] == "headroom"
+    assert report.summary["headroom_step_ratio"] > 0 and report.summary["headroom_mean_ratio"] > 0
+    assert report.summary["headroom_skipped"] >= 0
+    # a snapshot costs at least about the physical minimum measured beside it: a memcpy and the kernel's copies
+    assert report.summary["headroom_cpu_vs_minimum"] > 0.5
     assert report.summary["minimum_cpu_ms"] > 0
     cfg = config_for_params(TINY_PARAMS)
     # fp32 parameters + AdamW exp_avg + exp_avg_sq, the tied embedding twice (the model's state dict holds it
@@ -74,15 +72,10 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     assert report.summary["snapshots_skipped"] >= 0
 
 
-def test_one_row_per_scenario_and_variant_with_consistent_figures(report: Report) -> None:
-    assert [(r["scenario"], r["variant"]) for r in report.results] == [
-        (scenario, variant) for scenario in overhead.SCENARIOS for variant in overhead.VARIANTS
-    ]
-    headroom = [r for r in report.results if r["scenario"] == "headroom"]
-    saturated = {r["variant"]: r for r in report.results if r["scenario"] == "saturated"}
-    assert saturated["snapshotd"]["step_ratio"] == report.summary["saturated_step_ratio"]
-    assert saturated["snapshotd"]["mean_ratio"] == report.summary["saturated_mean_ratio"]
-    rows = {r["variant"]: r for r in headroom}
+def test_one_row_per_variant_with_consistent_figures(report: Report) -> None:
+    assert [(r["scenario"], r["variant"]) for r in report.results] == [("headroom", v) for v in overhead.VARIANTS]
+    rows = {r["variant"]: r for r in report.results}
+    assert rows["snapshotd"]["mean_ratio"] == report.summary["headroom_mean_ratio"]
     assert rows["none"]["step_ratio"] == 1.0
     assert rows["none"]["moved_per_step_bytes"] == 0 and rows["none"]["completed_every"] is None
     assert rows["snapshotd"]["step_ratio"] == report.summary["step_ratio"]
@@ -109,7 +102,7 @@ def test_report_prints_saves_and_draws(report: Report, tmp_path: Path) -> None:
     text = out.read_text()
     assert "snapshotd-bench overhead" in text and "dcp_async" in text and "step_ratio:" in text
     doc = json.loads(json_path.read_text())
-    assert doc["bench"] == "overhead" and set(doc["summary"]) == SUMMARY_KEYS
+    assert doc["bench"] == "overhead" and set(doc["summary"]) == set(report.summary)
     assert "node A" in doc["config"]["setup"]
     assert png_path.read_bytes().startswith(PNG_MAGIC)
 
@@ -142,11 +135,19 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
 
 def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
     args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--scenario", "saturated",
-                 "--workdir", str(tmp_path), "--timeout", "90")  # fmt: skip
-    assert args.every == "auto"
+                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--workdir", str(tmp_path),
+                 "--timeout", "90")  # fmt: skip
+    assert args.every == "auto" and args.scenario == "both"
     report = overhead.run(args)
-    (row,) = [r for r in report.results if r["variant"] == "snapshotd"]
+    # both scenarios in one run, each with its rows and keys; the headline keys are headroom's
+    assert [(r["scenario"], r["variant"]) for r in report.results] == [
+        (s, v) for s in overhead.SCENARIOS for v in ("none", "snapshotd")
+    ]
+    assert set(report.summary) == SUMMARY_KEYS | {f"{s}_{k}" for s in overhead.SCENARIOS for k in SCENARIO_KEYS}
+    saturated = next(r for r in report.results if r["scenario"] == "saturated" and r["variant"] == "snapshotd")
+    assert saturated["step_ratio"] == report.summary["saturated_step_ratio"]
+    assert report.config["scenarios"]["saturated"]["ranks"] == 2
+    (row,) = [r for r in report.results if r["variant"] == "snapshotd" and r["scenario"] == "headroom"]
     assert row["interval"] == 1 and report.config["every"] == "auto"
     assert report.summary["snapshots_durable"] >= 1  # the first step is always due
 
