@@ -145,10 +145,10 @@ class Soak:
                 self.cluster.kill(self._sidecar(r))
                 self.nodes[r] = self._new_node()
 
-    def _job(self, tag: str, job: str | None) -> TrainingJob:
+    def _job(self, tag: str, job: str | None, *, linger: bool = False) -> TrainingJob:
         sidecars = {r: self.cluster.ipc_path(self.nodes[r]) for r in range(WORLD)}
         j = TrainingJob(self.workdir, tag, world=WORLD, steps=self.steps, params=self.params, job=job,
-                        sidecars=sidecars, step_delay=self.step_delay)  # fmt: skip
+                        sidecars=sidecars, step_delay=self.step_delay, linger=linger)  # fmt: skip
         self._jobs.append(j)
         return j
 
@@ -202,15 +202,20 @@ class Soak:
             raise RuntimeError(f"ranks exited {when} with codes {failed}; see {job.tag}-rank*.log")
 
     def _trial(self, trial: Trial, job: str) -> dict[str, Any]:
-        first = self._job(f"t{trial.number}a", job)
+        first = self._job(f"t{trial.number}a", job, linger=True)  # its ranks outlive their last step until killed
         r = trial.target
-        # the fault comes at the drawn step, once some step is durable (before that, a node's loss is the
-        # NotRecoverable a job that just started gets, which tests/client covers)
-        wait_for(lambda: (first.progress(0) >= trial.at_step and self._durable(job))
-                   or any(p.poll() is not None for p in first.procs.values()), 120, f"step {trial.at_step}, durable")  # fmt: skip
+
+        def due() -> bool:
+            """The fault is due: at the drawn step once some step is durable (before that, a node's loss is the
+            NotRecoverable a job that just started gets, which tests/client covers), or the job is done."""
+            return (any(p.poll() is not None for p in first.procs.values())
+                    or (first.progress(0) >= trial.at_step and self._durable(job))
+                    or all(os.path.exists(first.result_path(k)) for k in range(WORLD)))  # fmt: skip
+
+        wait_for(due, 120, f"step {trial.at_step}, durable")
         self._check_alive(first, "before the fault")
-        if any(p.poll() is not None for p in first.procs.values()):
-            raise RuntimeError(f"the job ran to its end before the fault came (no step durable by step {self.steps})")
+        if not self._durable(job):
+            raise RuntimeError(f"no step was durable by the job's last step ({self.steps})")
         out: dict[str, Any] = {}
         fault = trial.fault
         if fault in ("node-kill", "coordinator-in-recovery"):

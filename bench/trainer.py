@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import socket
 import subprocess
 import sys
@@ -53,6 +54,9 @@ from snapshotd.local_cluster import held_interrupts
 
 from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
+
+LINGER_SECONDS = 600.0
+"""The longest ``--linger`` keeps a finished rank waiting for its stdin to close."""
 
 __all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "PARALLEL", "plan_interval", "read_progress", "run_ranks", "state_digest"]
 
@@ -258,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", type=_parse_plan, default=None,
                    help='blocks of variants, e.g. \'[["none",1,8],["torch_save",1,8]]\' (see the module docstring)')  # fmt: skip
     p.add_argument("--ckpt-dir", default=None, help="folder for the plan's disk checkpoints")
+    p.add_argument("--linger", action="store_true",
+                   help="after the last step, keep the process (and its snapshots) until stdin closes, at most "
+                        f"{LINGER_SECONDS:.0f} s: a harness injecting a fault near the end never races the job's end")  # fmt: skip
     p.add_argument("--digest", action=argparse.BooleanOptionalAction, default=True,
                    help="hash the final state into the result (--no-digest: digests are null)")  # fmt: skip
     args = p.parse_args(argv)
@@ -376,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
     }  # fmt: skip
     _write_atomic(args.out, json.dumps(result))
+    if args.linger and select.select([sys.stdin], [], [], LINGER_SECONDS)[0]:
+        sys.stdin.buffer.read()  # until it closes
     if snap is not None:
         snap.close()
     dist.barrier()

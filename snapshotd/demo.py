@@ -41,7 +41,9 @@ class TrainingJob:
 
     def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
                  sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False,
-                 parallel: str = "ddp", every: int = 1) -> None:  # fmt: skip
+                 parallel: str = "ddp", every: int = 1, linger: bool = False) -> None:  # fmt: skip
+        """``linger``: each rank keeps its process and snapshots after its last step until :meth:`wait` or
+        :meth:`kill` (the trainer's ``--linger``)."""
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -50,13 +52,14 @@ class TrainingJob:
                 sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(rank), "--world", str(world),
                 "--init", f"tcp://127.0.0.1:{port}", "--steps", str(steps), "--params", str(params),
                 "--out", self.result_path(rank), "--progress", self.progress_path(rank),
-                "--step-delay", str(step_delay), "--parallel", parallel,
+                "--step-delay", str(step_delay), "--parallel", parallel, *(["--linger"] if linger else []),
             ]  # fmt: skip
             if job is not None:
                 argv += ["--job", job, "--sidecar", sidecars[rank], "--every", str(every),
                          *(["--replicated"] if replicated else [])]  # fmt: skip
             with open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb") as log, held_interrupts():
-                self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                    stdin=subprocess.PIPE if linger else subprocess.DEVNULL)  # fmt: skip
 
     def result_path(self, rank: int) -> str:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.json")
@@ -74,6 +77,9 @@ class TrainingJob:
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            if proc.stdin is not None:  # lingering ranks finish once their stdin closes
+                proc.stdin.close()
         for rank, proc in self.procs.items():
             try:
                 code = proc.wait(max(0.1, deadline - time.monotonic()))
@@ -95,6 +101,8 @@ class TrainingJob:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+            if proc.stdin is not None:
+                proc.stdin.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:

@@ -39,7 +39,7 @@ def test_under_pressure_the_stride_grows_and_a_node_loss_stays_within_its_bound(
     """Sidecars held to 3 MB/s, a fifth of what a snapshot after every step needs here: the ranks skip snapshots
     and their stride grows, and a node killed then costs more steps, but no more than the README's bound."""
     json_path = tmp_path / "soak.json"
-    status = main(["soak", "--trials", "1", "--seed", "2", "--faults", "node-kill", "--steps", "24",
+    status = main(["soak", "--trials", "1", "--seed", "2", "--faults", "node-kill", "--steps", "16",
                    "--step-delay", "0.05", "--max-rate", "3MB/s", "--no-noise", "--json", str(json_path),
                    "--workdir", str(tmp_path / "work")])  # fmt: skip
     out = capsys.readouterr().out
