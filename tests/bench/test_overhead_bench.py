@@ -198,7 +198,8 @@ def _alive(pid: int) -> bool:
 
 def test_sigterm_stops_the_benchmark_and_every_process_it_started(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "snapshotd.bench.cli", "overhead", "--params", "200000", "--steps", "200",
-            "--rounds", "1", "--variants", "none,snapshotd", "--workdir", str(tmp_path / "work")]  # fmt: skip
+            "--rounds", "1", "--variants", "none,snapshotd", "--scenario", "saturated",
+            "--workdir", str(tmp_path / "work")]  # fmt: skip
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
