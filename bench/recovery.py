@@ -15,13 +15,15 @@ is durable, and the coordinator knows the step is on B and on B's buddy (A or C,
    memory into the rank's tensors; ``pull_seconds`` is the sidecar's share (plan plus pull, RestoreReply.seconds).
    The restored tensors' xxh3 digest must equal the original's, or the run fails. R starts only after the
    re-replication, so R is the rank's new home and never a replication target: the restore is a real pull
-   (``restore_source`` says which path ran).
+   (``restore_source`` says which path ran). With ``--repeat`` N (default 3) it is done N times, each time by a
+   fresh rank process on a fresh node (R, R2, ...), and the median restore is reported: one restore's time
+   varies by a factor of two from run to run on a small shared machine.
 
 Baselines in the same run, on the same tensors: ``torch.save`` to a file in a temporary folder on local disk,
 fsync, then ``posix_fadvise(DONTNEED)`` to drop it from the page cache, and ``torch.load(weights_only=True)``
 timed (``torch_load_seconds``, cold cache; a second, warm-cache load is a row of its own). When the optional
 ``torchft`` package is importable, its ``HTTPTransport`` moves the same tensors from one process to another
-(``torchft_seconds``: the receiver's ``recv_checkpoint`` only; ``torchft_ratio`` is that over
+(``torchft_seconds``: the receiver's ``recv_checkpoint`` only, median of N; ``torchft_ratio`` is that over
 ``restore_seconds``); otherwise that row says it was skipped. A plain TCP socket between two processes moves
 the same number of bytes over loopback (:func:`~.baselines.raw_socket_transfer`, median of 3):
 ``raw_socket_GBps``, and ``restore_vs_raw`` and ``pull_vs_raw``, the restore's rate (end to end, in the rank)
@@ -52,6 +54,7 @@ import logging
 import os
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="training step time for the lost-work rows (default 1.0)")  # fmt: skip
     parser.add_argument("--restart-seconds", type=float, default=0.0,
                         help="launcher relaunch time, charged to both (default 0: not counted)")  # fmt: skip
+    parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 4MiB)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="restores (each a fresh replacement node) and torchft transfers timed; medians are "
+                             "reported (default 3)")  # fmt: skip
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase (default 300)")
 
@@ -153,8 +160,9 @@ def _disk_baseline(folder: str, tensors: list[Any]) -> dict[str, Any]:
     return out
 
 
-def _torchft(workdir: str, args: argparse.Namespace) -> float | None:
-    """Seconds torchft's HTTPTransport takes to move the state between two processes; None without torchft."""
+def _torchft(workdir: str, args: argparse.Namespace) -> list[float] | None:
+    """Seconds torchft's HTTPTransport takes to move the state between two processes, for each of ``--repeat``
+    transfers; None without torchft."""
     try:
         import torchft.checkpointing  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -163,13 +171,16 @@ def _torchft(workdir: str, args: argparse.Namespace) -> float | None:
         print("snapshotd-bench recovery: torchft not installed; skipped", file=sys.stderr)
         return None
     common = ["--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
-    with _role(workdir, "torchft-send", common) as sender:
-        sent = _read_json_line(sender, time.monotonic() + args.timeout)
-        with _role(workdir, "torchft-recv", [*common, "--metadata", sent["metadata"]]) as receiver:
-            result = _read_json_line(receiver, time.monotonic() + args.timeout)
-    if result["digest"] != sent["digest"]:
-        raise RuntimeError("torchft delivered different tensors than were sent")
-    return float(result["seconds"])
+    seconds = []
+    for _ in range(args.repeat):
+        with _role(workdir, "torchft-send", common) as sender:
+            sent = _read_json_line(sender, time.monotonic() + args.timeout)
+            with _role(workdir, "torchft-recv", [*common, "--metadata", sent["metadata"]]) as receiver:
+                result = _read_json_line(receiver, time.monotonic() + args.timeout)
+        if result["digest"] != sent["digest"]:
+            raise RuntimeError("torchft delivered different tensors than were sent")
+        seconds.append(float(result["seconds"]))
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------- node loss
@@ -187,6 +198,7 @@ def _node_alive(coordinator: str, node: str) -> bool:
 def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], None]) -> dict[str, Any]:
     """The three steps of the module docstring; the measurements and the restore driver's report."""
     job = f"recovery-{uuid.uuid4().hex[:8]}"
+    flags = ["--chunk", args.chunk] if args.chunk else []
     common = ["--job", job, "--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5,
                       env={"SNAPSHOTD_SECRET": ""}) as cluster, contextlib.ExitStack() as roles:  # fmt: skip
@@ -197,7 +209,7 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
                                            node_loss=True))  # fmt: skip
         rank_r = roles.enter_context(_role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path("R")]))
         for node in ("A", "B", "C"):
-            cluster.start_sidecar(node)
+            cluster.start_sidecar(node, *flags)
         snap = _go(rank_b, args.timeout)
         wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "the coordinator to see the buddy's copy")
         phase_done()
@@ -212,16 +224,24 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
         log.info("node B (step %d) declared dead after %.2f s, %d copies again after %.2f s", snap["step"],
                  detection, holders, re_replication)  # fmt: skip
         phase_done()
-        cluster.start_sidecar("R")
-        restored = _go(rank_r, args.timeout)
+        cluster.start_sidecar("R", *flags)
+        restores = [_go(rank_r, args.timeout)]
+        for k in range(2, args.repeat + 1):  # each on a node of its own, as a replacement restores
+            node = f"R{k}"
+            with _role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path(node)]) as again:
+                cluster.start_sidecar(node, *flags)
+                restores.append(_go(again, args.timeout))
         phase_done()
         for name, p in cluster.sidecars.items():
             if name != "B" and not p.alive():
                 raise RuntimeError(f"sidecar {name} exited during the run; log:\n{cluster.tail(p)}")
-    if restored["digest"] != snap["digest"] or restored["step"] != snap["step"]:
-        raise RuntimeError(f"restored step {restored['step']} digest {restored['digest']}, but step {snap['step']} "
-                           f"digest {snap['digest']} was snapshotted")  # fmt: skip
-    return {"detection": detection, "re_replication": re_replication, "holders": holders, **restored}
+    for restored in restores:
+        if restored["digest"] != snap["digest"] or restored["step"] != snap["step"]:
+            raise RuntimeError(f"restored step {restored['step']} digest {restored['digest']}, but step "
+                               f"{snap['step']} digest {snap['digest']} was snapshotted")  # fmt: skip
+    middle = sorted(restores, key=lambda r: r["seconds"])[(len(restores) - 1) // 2]  # the median restore
+    spread = (min(r["seconds"] for r in restores), max(r["seconds"] for r in restores))
+    return {"detection": detection, "re_replication": re_replication, "holders": holders, "spread": spread, **middle}
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -235,8 +255,8 @@ def run(args: argparse.Namespace) -> Report:
         RuntimeError: a process failed, or the restored state differs from the snapshotted one.
         TimeoutError: a phase did not finish within ``--timeout``.
     """
-    if args.step_seconds < 0 or args.restart_seconds < 0 or args.timeout <= 0:
-        raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0")
+    if args.step_seconds < 0 or args.restart_seconds < 0 or args.timeout <= 0 or args.repeat < 1:
+        raise ValueError("--step-seconds and --restart-seconds must be >= 0, --timeout > 0, --repeat >= 1")
     size = args.size
     tensors = make_state(size, args.tensors)  # ValueError for a bad --size or --tensors
     with scratch_dir(args.workdir, prefix="snapshotd-recovery-") as workdir, progress(unit="phases") as bar:
@@ -245,14 +265,16 @@ def run(args: argparse.Namespace) -> Report:
         del tensors
         bar.advance(task)
         loss = _node_loss(workdir, args, lambda: bar.advance(task))
-        torchft = _torchft(workdir, args)
+        torchft_each = _torchft(workdir, args)
         raw = raw_socket_transfer(size, repeat=3, timeout=args.timeout)
     restore, load = loss["seconds"], disk["cold_seconds"]
+    torchft = statistics.median(torchft_each) if torchft_each else None
     pulled = loss["restored"]
     rows: list[dict[str, Any]] = [
         {"path": f"snapshotd restore ({pulled['source']})", "time_seconds": restore, "state_bytes": size,
          "rate_Bps": size / restore, "note": f"{format_bytes(pulled['bytes_pulled'])} pulled from {loss['holders']} "
-         f"live holders; sidecar share {pulled['seconds']:.2f} s"},
+         f"live holders; sidecar share {pulled['seconds']:.2f} s; median of {args.repeat} "
+         f"({loss['spread'][0]:.2f}-{loss['spread'][1]:.2f} s)"},
         {"path": "torch.load, local disk (cold)", "time_seconds": load, "state_bytes": size, "rate_Bps": size / load,
          "note": f"file {format_bytes(disk['file_bytes'])} dropped from the page cache; save took {disk['save_seconds']:.2f} s"},
         {"path": "torch.load, page cache (warm)", "time_seconds": disk["warm_seconds"], "state_bytes": size,
@@ -261,7 +283,9 @@ def run(args: argparse.Namespace) -> Report:
          "note": "two processes, sendall / recv_into, median of 3"},
         {"path": "torchft HTTPTransport", "time_seconds": torchft, "state_bytes": size,
          "rate_Bps": size / torchft if torchft else None,
-         "note": "recv_checkpoint, process to process" if torchft else "torchft not installed; skipped"},
+         "note": f"recv_checkpoint, process to process, median of {args.repeat} "
+                 f"({min(torchft_each):.2f}-{max(torchft_each):.2f} s)" if torchft_each
+         else "torchft not installed; skipped"},
     ]  # fmt: skip
     fixed = loss["detection"] + args.restart_seconds
     rows.append({"path": "failure: snapshotd", "lost_steps": 1, "wasted_seconds": fixed + restore + args.step_seconds,
@@ -288,7 +312,7 @@ def run(args: argparse.Namespace) -> Report:
     if torchft is not None:
         summary["torchft_seconds"] = torchft
         summary["torchft_ratio"] = torchft / restore
-    config = {k: getattr(args, k) for k in ("size", "tensors", "interval", "step_seconds", "restart_seconds")}
+    config = {k: getattr(args, k) for k in ("size", "tensors", "interval", "step_seconds", "restart_seconds", "repeat", "chunk")}
     config["setup"] = ("coordinator + sidecars A, B, C, R on one machine (loopback TCP, plaintext); rank 0 on B; "
                        "B killed, R restores from the live holders")  # fmt: skip
     return Report("recovery", config, rows, summary, columns=list(_COLUMNS))

@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``transport`` subcommand's flags."""
     parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="state on loopback (default 1GiB)")
     parser.add_argument("--repeat", type=int, default=5, help="timed snapshots on loopback (default 5)")
-    parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 1MiB)")
+    parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 4MiB)")
     parser.add_argument("--link-size", type=parse_bytes, default=256 << 20,
                         help="state on the shaped links (default 256MiB)")  # fmt: skip
     parser.add_argument("--link-repeat", type=int, default=5, help="timed snapshots per link (default 5)")

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-rate", default="auto", help="outgoing snapshot rate, e.g. 10Gbit, or auto")
     s.add_argument("--step-budget", default="1%",
                    help="with --max-rate auto: the step-time slowdown snapshots may cost, e.g. 1%% or 0.01 (default 1%%)")
-    s.add_argument("--chunk", default="1MiB", help="data-plane chunk size (default %(default)s)")
+    s.add_argument("--chunk", default="4MiB", help="data-plane chunk size (default %(default)s)")
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
     s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
     s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")

@@ -35,7 +35,8 @@ def test_make_state_rejects_bad_sizes(size: int, parts: int) -> None:
 def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> None:
     out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
     code = cli.main(["recovery", "--size", "8MiB", "--tensors", "2", "--interval", "10,100", "--step-seconds", "0.5",
-                     "--restart-seconds", "2", "--timeout", "60", "--json", str(out), "--plot", str(png)])  # fmt: skip
+                     "--restart-seconds", "2", "--repeat", "2", "--timeout", "60", "--json", str(out),
+                     "--plot", str(png)])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr()
     assert "== snapshotd-bench recovery ==" in printed.out
@@ -57,6 +58,7 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
     assert rows["raw TCP socket, loopback"]["rate_Bps"] == pytest.approx(s["raw_socket_GBps"] * 1e9)
     restore = rows["snapshotd restore (pull)"]
     assert restore["note"].startswith("8.00 MiB pulled from 2 live holders")
+    assert "median of 2 (" in restore["note"] and doc["config"]["repeat"] == 2  # two replacement nodes pulled
     fixed = s["detection_seconds"] + 2
     assert rows["failure: snapshotd"]["wasted_seconds"] == pytest.approx(fixed + s["restore_seconds"] + 0.5)
     for n in (10, 100):
@@ -77,3 +79,5 @@ def test_recovery_bench_rejects_bad_arguments(capsys) -> None:
     assert "positive integers" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of 4"):
         cli.main(["recovery", "--size", "6"])
+    with pytest.raises(ValueError, match="--repeat"):
+        cli.main(["recovery", "--repeat", "0"])
