@@ -160,6 +160,11 @@ def _disk_baseline(folder: str, tensors: list[Any]) -> dict[str, Any]:
     return out
 
 
+def _median_of(repeat: int, spread: tuple[float, float]) -> str:
+    """A row note's tail naming the median and its spread, or nothing for a single run."""
+    return f"; median of {repeat} ({spread[0]:.2f}-{spread[1]:.2f} s)" if repeat > 1 else ""
+
+
 def _torchft(workdir: str, args: argparse.Namespace) -> list[float] | None:
     """Seconds torchft's HTTPTransport takes to move the state between two processes, for each of ``--repeat``
     transfers; None without torchft."""
@@ -268,13 +273,12 @@ def run(args: argparse.Namespace) -> Report:
         torchft_each = _torchft(workdir, args)
         raw = raw_socket_transfer(size, repeat=3, timeout=args.timeout)
     restore, load = loss["seconds"], disk["cold_seconds"]
-    torchft = statistics.median(torchft_each) if torchft_each else None
+    torchft = statistics.median_low(torchft_each) if torchft_each else None
     pulled = loss["restored"]
     rows: list[dict[str, Any]] = [
         {"path": f"snapshotd restore ({pulled['source']})", "time_seconds": restore, "state_bytes": size,
          "rate_Bps": size / restore, "note": f"{format_bytes(pulled['bytes_pulled'])} pulled from {loss['holders']} "
-         f"live holders; sidecar share {pulled['seconds']:.2f} s; median of {args.repeat} "
-         f"({loss['spread'][0]:.2f}-{loss['spread'][1]:.2f} s)"},
+         f"live holders; sidecar share {pulled['seconds']:.2f} s{_median_of(args.repeat, loss['spread'])}"},
         {"path": "torch.load, local disk (cold)", "time_seconds": load, "state_bytes": size, "rate_Bps": size / load,
          "note": f"file {format_bytes(disk['file_bytes'])} dropped from the page cache; save took {disk['save_seconds']:.2f} s"},
         {"path": "torch.load, page cache (warm)", "time_seconds": disk["warm_seconds"], "state_bytes": size,
@@ -283,9 +287,8 @@ def run(args: argparse.Namespace) -> Report:
          "note": "two processes, sendall / recv_into, median of 3"},
         {"path": "torchft HTTPTransport", "time_seconds": torchft, "state_bytes": size,
          "rate_Bps": size / torchft if torchft else None,
-         "note": f"recv_checkpoint, process to process, median of {args.repeat} "
-                 f"({min(torchft_each):.2f}-{max(torchft_each):.2f} s)" if torchft_each
-         else "torchft not installed; skipped"},
+         "note": f"recv_checkpoint, process to process{_median_of(args.repeat, (min(torchft_each), max(torchft_each)))}"
+         if torchft_each else "torchft not installed; skipped"},
     ]  # fmt: skip
     fixed = loss["detection"] + args.restart_seconds
     rows.append({"path": "failure: snapshotd", "lost_steps": 1, "wasted_seconds": fixed + restore + args.step_seconds,
@@ -314,7 +317,7 @@ def run(args: argparse.Namespace) -> Report:
         summary["torchft_ratio"] = torchft / restore
     config = {k: getattr(args, k) for k in ("size", "tensors", "interval", "step_seconds", "restart_seconds", "repeat", "chunk")}
     config["setup"] = ("coordinator + sidecars A, B, C, R on one machine (loopback TCP, plaintext); rank 0 on B; "
-                       "B killed, R restores from the live holders")  # fmt: skip
+                       "B killed; R (and with --repeat, R2, R3, ...) restores from the live holders")  # fmt: skip
     return Report("recovery", config, rows, summary, columns=list(_COLUMNS))
 
 

@@ -237,6 +237,14 @@ REPLICATED = ("model", "optim", "sched")
 _SNAP_COUNTERS = ("started", "skipped", "durable", "failed", "bytes")
 
 
+def _wait_for_eof(fd: int, timeout: float) -> None:
+    """Read and discard ``fd`` until it reaches end of file or ``timeout`` seconds pass, whichever is first."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        if select.select([fd], [], [], left)[0] and not os.read(fd, 65536):
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m snapshotd.bench.trainer")
     p.add_argument("--rank", type=int, required=True)
@@ -383,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
     }  # fmt: skip
     _write_atomic(args.out, json.dumps(result))
-    if args.linger and select.select([sys.stdin], [], [], LINGER_SECONDS)[0]:
-        sys.stdin.buffer.read()  # until it closes
+    if args.linger:
+        _wait_for_eof(sys.stdin.fileno(), LINGER_SECONDS)
     if snap is not None:
         snap.close()
     dist.barrier()

@@ -98,11 +98,13 @@ class TrainingJob:
     def kill(self, ranks: list[int] | None = None) -> None:
         for rank in ranks if ranks is not None else list(self.procs):
             proc = self.procs[rank]
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-            if proc.stdin is not None:
-                proc.stdin.close()
+            try:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(10)
+            finally:
+                if proc.stdin is not None:
+                    proc.stdin.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:

@@ -43,7 +43,7 @@ __all__ = ["CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "pull
 
 log = logging.getLogger(__name__)
 
-PULL_RANGE = 64  # chunks (blocks) per pull request
+PULL_RANGE_BYTES = 64 << 20  # payload asked for in one pull request (a whole number of chunks, at least one)
 
 
 class PullFailed(RuntimeError):
@@ -241,7 +241,8 @@ async def pull_snapshot(
     seal = Seal(manifest.chunk_bytes, manifest.digest)
     land = allocate(manifest)
     nchunks = manifest.nchunks
-    pending = collections.deque(range(i, min(i + PULL_RANGE, nchunks)) for i in range(0, nchunks, PULL_RANGE))
+    per_range = max(1, PULL_RANGE_BYTES // manifest.chunk_bytes)
+    pending = collections.deque(range(i, min(i + per_range, nchunks)) for i in range(0, nchunks, per_range))
     received = 0
     alive = list(links)
     corrupt_from: dict[int, list[str]] = {}  # chunk -> the holders it failed its check from
