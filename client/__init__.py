@@ -3,6 +3,8 @@
 ::
 
     from snapshotd.client import RNGState, Snapshotter
+
+Live mode (survivors of a node's loss keep their processes) is :mod:`snapshotd.client.live`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from .errors import (
     ConfigMismatch,
     IntegrityError,
     NotRecoverable,
+    PeerLost,
+    RecoveryFailed,
     ReplicaGroupError,
     RestoreFailed,
     SidecarRefused,
@@ -25,7 +29,9 @@ __all__ = [
     "ConfigMismatch",
     "IntegrityError",
     "NotRecoverable",
+    "PeerLost",
     "RNGState",
+    "RecoveryFailed",
     "ReplicaGroupError",
     "RestoreFailed",
     "SidecarRefused",

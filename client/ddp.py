@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from .errors import ConfigMismatch
 
-__all__ = ["DDP_KEY", "DDPBuckets", "find_ddp_modules"]
+__all__ = ["DDP_KEY", "DDPBuckets", "find_ddp_modules", "rebuild_reducer"]
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def _check_rebuildable(ddp: Any, where: str) -> None:
         raise ConfigMismatch(f"{where}: DDP with delay_all_reduce_named_params cannot have its bucket layout restored")
 
 
-def _rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
+def rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
     """Give ``ddp`` a new reducer whose buckets are ``layout`` (DDP's initial layout for None), as DDP's
     constructor builds one; comm hooks, static graph and mixed precision are carried over."""
     _check_rebuildable(ddp, where)
@@ -170,6 +170,11 @@ class DDPBuckets:
         self._modules = find_ddp_modules(state)
         self._known: dict[str, tuple[Any, bool, Layout | None]] = {}
         """where -> (reducer, whether DDP had rebuilt it, its layout) as last read or set."""
+
+    @property
+    def modules(self) -> dict[str, Any]:
+        """The DDP modules found (where in the state -> module), as of the last :meth:`rediscover`."""
+        return self._modules
 
     def rediscover(self) -> None:
         """Look for the state's DDP modules again (a model may have been wrapped since)."""
@@ -219,7 +224,7 @@ class DDPBuckets:
                     isinstance(b, list) and all(type(i) is int for i in b) for b in layout))):  # fmt: skip
                 raise ValueError(f"state[{where!r}]: malformed DDP bucket layout in the snapshot")
             if self._layout(where, ddp) != layout:
-                _rebuild_reducer(ddp, layout, f"state[{where!r}]")
+                rebuild_reducer(ddp, layout, f"state[{where!r}]")
                 self._known[where] = (ddp.reducer, False, layout)
                 log.info("%s: DDP gradient buckets set to the snapshot's layout (%s buckets)", where,
                          "initial" if layout is None else len(layout))  # fmt: skip

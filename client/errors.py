@@ -19,6 +19,10 @@ reaches it)::
           +-- ReplicaGroupError            with replicated=: another rank of the replica group failed its part
           |                                (also a RuntimeError)
           +-- SidecarRefused               the sidecar refused a request of this client (its code says why)
+          +-- PeerLost                     live mode: a collective failed because a peer died or hung; call
+          |                                recover()
+          +-- RecoveryFailed               live mode: recover() could not form the job's new group (the
+                                           replacement never came, or members kept dying while it formed)
 
 Arguments that make no sense (``every=0``, a rank outside the world size) and state values that cannot be
 snapshotted are the ``ValueError`` and ``TypeError`` that Python code expects, raised at once.
@@ -35,6 +39,8 @@ __all__ = [
     "ConfigMismatch",
     "IntegrityError",
     "NotRecoverable",
+    "PeerLost",
+    "RecoveryFailed",
     "ReplicaGroupError",
     "RestoreFailed",
     "SidecarRefused",
@@ -79,6 +85,17 @@ class ConfigMismatch(SnapshotdError, ValueError):
 class ReplicaGroupError(SnapshotdError, RuntimeError):
     """With ``replicated=``: another rank of the replica group could not restore its part, so no rank can load the
     replicated state whole (that rank raises its own error)."""
+
+
+class PeerLost(SnapshotdError):
+    """Live mode: a collective of the training step failed because a peer is gone (its connection closed) or hung
+    (the group's timeout passed); :meth:`Snapshotter.recover` brings the job back. The original error is the
+    ``__cause__``."""
+
+
+class RecoveryFailed(SnapshotdError):
+    """Live mode: the job's new process group did not form (no replacement within the join timeout, or members
+    died while it formed, every attempt); end the process and let its launcher restart it."""
 
 
 class SidecarRefused(SnapshotdError):

@@ -20,15 +20,17 @@ in :attr:`Snapshotter.stats`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from snapshotd.proto import (
     Announce,
@@ -49,8 +51,9 @@ from snapshotd.shm import Arena, attach_arena
 
 from .channel import Channel
 from .direct import direct_targets, writable_by
-from .errors import NotRecoverable, RestoreFailed, SnapshotdError
+from .errors import NotRecoverable, PeerLost, RestoreFailed, SnapshotdError
 from .identity import Identity
+from .live import LiveGroup, is_peer_failure, rebind_ddp
 from .load import restore_into
 from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
@@ -91,10 +94,20 @@ class Snapshotter:
             the group (see :mod:`snapshotd.client.replicas`). Every rank of the group must pass the same keys.
         replica_group: a gloo process group of the ranks holding ``replicated`` alike; default the whole world
             (which must then use gloo).
+        live: live mode (:mod:`snapshotd.client.live`): the :class:`~snapshotd.client.live.LiveGroup` that
+            :func:`~snapshotd.client.live.init_process_group` returned. A peer's loss then surfaces from
+            :meth:`guard` as :class:`~snapshotd.client.PeerLost`, and :meth:`recover` brings the job back
+            without restarting this process. ``replica_group`` is then the default group (the one live mode
+            forms anew).
 
     Raises:
         ValueError: missing job/rank/world size, or a bad argument.
     """
+
+    recovered: dict[str, Any]
+    """Live mode: what the last :meth:`recover` did: ``step``, ``epoch`` and the seconds of its phases
+    (``membership_s``: waiting for the job's new membership, ``group_s``: creating the group, ``ddp_s``: moving
+    the DDP modules onto it, ``restore_s``: the rollback)."""
 
     def __init__(
         self,
@@ -110,8 +123,16 @@ class Snapshotter:
         slots: int = 3,
         replicated: Sequence[str] = (),
         replica_group: Any = None,
+        live: LiveGroup | None = None,
     ) -> None:
         me = Identity.resolve(job, rank, world_size, sidecar)
+        if live is not None:
+            if (live.job, live.rank, live.world_size) != (me.job, me.rank, me.world_size):
+                raise ValueError(f"live={live!r} is not this Snapshotter's job {me.job!r}, rank {me.rank} of "
+                                 f"{me.world_size}")  # fmt: skip
+            if replica_group is not None:
+                raise ValueError("live mode forms the job's group anew after a loss: replica_group must be the "
+                                 "default group (leave it out)")  # fmt: skip
         self.job, self.rank, self.world_size, self.sidecar = me.job, me.rank, me.world_size, me.sidecar
         if every != "auto" and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be an int >= 1 or 'auto', got {every!r}")
@@ -155,6 +176,8 @@ class Snapshotter:
         self._steps_end = 0.0
         self._reported_errors: set[str] = set()
         self._closed = False
+        self._live = live
+        self.recovered = {}
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
         self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
@@ -218,6 +241,72 @@ class Snapshotter:
                  f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
         del arena
         return reply.step
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Live mode: run a training step; a collective failing because a peer died or hung leaves it as
+        :class:`~snapshotd.client.PeerLost` (any other exception leaves as it is).
+
+        A peer's death surfaces at once when its connections close (its process or node is gone), a hung peer's
+        after the live group's ``timeout``.
+        """
+        if self._live is None:
+            raise RuntimeError("guard() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
+        try:
+            yield
+        except Exception as exc:
+            if not is_peer_failure(exc):
+                raise
+            raise PeerLost(f"job {self.job!r} rank {self.rank}: a peer of epoch {self._live.epoch} was lost: "
+                           f"{str(exc).splitlines()[0][:300]}") from exc  # fmt: skip
+
+    def recover(self, timeout: float = 300.0) -> int:
+        """Live mode: bring the job back after :class:`~snapshotd.client.PeerLost`, in this process; the step
+        every rank resumes from.
+
+        Leaves the broken process group, waits for the job's new membership (the survivors and the replacement
+        ranks; at most the live group's ``join_timeout``), forms the new default group, moves every DDP module
+        of the state onto it, and restores in place as :meth:`restore` does (this rank's own copy, from its
+        node's shared memory: no tensor is reallocated). Every survivor calls it; a replacement rank calls
+        :meth:`restore` as any restarted rank does. :attr:`recovered` tells the phases' seconds.
+
+        A peer lost again while the new group moves DDP or restores (the replacement dying) starts over with the
+        next group, up to the live group's ``attempts``. A replacement that dies after its group formed but before
+        it asked for its restore leaves the survivors waiting for the restore's ``timeout``, which then raises.
+
+        Raises:
+            RecoveryFailed: the new group did not form (the replacement never came; members kept dying).
+            Whatever :meth:`restore` raises.
+        """
+        if self._live is None:
+            raise RuntimeError("recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
+        t0 = time.monotonic()
+        self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
+        for attempt in range(1, self._live.attempts + 1):
+            self._live.rejoin()
+            t1 = time.monotonic()
+            try:
+                if self._replica_group is not None:
+                    self._replica_group = dist.group.WORLD
+                    for value in self._snapshotted.values():
+                        if isinstance(value, ReplicaShard):
+                            value.group = dist.group.WORLD
+                if self._ddp is not None:
+                    self._ddp.rediscover()
+                    rebind_ddp(self._ddp.modules)
+                t2 = time.monotonic()
+                step = self.restore(timeout)
+                break
+            except Exception as exc:  # a member of the new group died too: form the next one
+                if not is_peer_failure(exc) or attempt == self._live.attempts:
+                    raise
+                log.warning("[job %s rank %d] a peer was lost again while recovering (epoch %d): %s", self.job,
+                            self.rank, self._live.epoch, str(exc).splitlines()[0][:200])  # fmt: skip
+        self.recovered = {"step": step, "epoch": self._live.epoch, **self._live.timings, "ddp_s": t2 - t1,
+                          "restore_s": time.monotonic() - t2, "seconds": time.monotonic() - t0}  # fmt: skip
+        log.info("[job %s rank %d] recovered in place at step %d (epoch %d) in %.2f s", self.job, self.rank, step,
+                 self._live.epoch, self.recovered["seconds"])  # fmt: skip
+        return step
 
     def _ask_restore(self, timeout: float) -> tuple[FlatState, RestoreReply]:
         """Register, ask the sidecar for the recoverable step and wait for its reply (the data is in place, or

@@ -222,6 +222,8 @@ def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_i
         pipe = connect_rank(ipc)
         try:
             assert snap.capture(1)  # rank 0's arena: 3 slots of 1 MB, one filled
+            _wait(lambda: (held := dep.sidecars["A"].state.rank(job, 0)) is not None and held.find(1) is not None,
+                  "the sidecar holding step 1")  # its copy and announce run in the background
             with open(os.path.join(small_shm, "someone-elses"), "wb") as f:
                 f.write(b"\1" * (4 << 20))  # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
             pipe.send_nowait(encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20)))

@@ -1,0 +1,143 @@
+"""A DDP training job in live mode, for the live-recovery test and ``snapshotd-bench live``.
+
+Each rank is a process (``python -m snapshotd.bench.live_trainer ...``, or a worker of a per-node ``torchrun``
+with ``--node-index``) that forms its gloo group with :func:`snapshotd.client.live.init_process_group` (the
+rendezvous store of ``--store``), trains the GPT of :mod:`.workloads` wrapped in ``DistributedDataParallel``
+exactly as :mod:`.trainer` does (the batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``), and
+snapshots every step. Its loop is the one the README shows for live mode::
+
+    while step < steps:
+        try:
+            with snap.guard():
+                train one step
+        except PeerLost:
+            step = snap.recover()   # (--on-loss exit: the process exits 3 instead, for its launcher to restart)
+            continue
+        step += 1
+        snap.capture(step)
+
+The rank writes a JSON result when done (losses, a SHA-256 over its final state, its pid, and one record per
+recovery: when the failure surfaced, the step recovered and the phases' seconds) and keeps a progress file
+(``--progress``: the last completed step, when it completed (``time.time()``) and the pid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .trainer import _train_step, _write_atomic, batch_for, build_state, state_digest
+
+__all__ = ["EXIT_PEER_LOST", "main"]
+
+EXIT_PEER_LOST = 3
+"""The exit code of a rank that met a peer's loss with ``--on-loss exit``."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, default=None, help="rank in the job (default: from --node-index)")
+    p.add_argument("--node-index", type=int, default=None,
+                   help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)")  # fmt: skip
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--store", required=True, help="the rendezvous store, host:port")
+    p.add_argument("--job", required=True, help="the job (snapshotd's, and the live group's in the store)")
+    p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--params", type=int, default=200_000)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=0.25)
+    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--pg-timeout", type=float, default=30.0, help="the group's collective timeout (a hung peer)")
+    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
+                   help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)")  # fmt: skip
+    p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
+                   help="recover in place (live mode), or exit for the launcher to restart every rank")  # fmt: skip
+    p.add_argument("--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)")
+    p.add_argument("--progress", default=None, help="progress file (a folder under torchrun: rank{R}.progress)")
+    args = p.parse_args(argv)
+    if (args.rank is None) == (args.node_index is None):
+        p.error("give exactly one of --rank and --node-index")
+    rank = args.rank
+    if rank is None:
+        rank = args.node_index * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+    out = os.path.join(args.out, f"rank{rank}.json") if os.path.isdir(args.out) else args.out
+    progress = args.progress
+    if progress is not None and os.path.isdir(progress):
+        progress = os.path.join(progress, f"rank{rank}.progress")
+
+    from snapshotd.client import PeerLost, Snapshotter, live
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    t_start = time.time()
+    group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
+                                    timeout=args.pg_timeout)  # fmt: skip
+    t_group = time.time()
+    cfg, state, trained = build_state(args.params, args.steps, args.seed, parallel="ddp", bucket_mb=args.bucket_mb)
+    opt, sched = state["optim"], state["sched"]
+    losses: dict[int, float] = {}
+    done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
+    recoveries: list[dict[str, Any]] = []
+    snap = Snapshotter(state, job=args.job, rank=rank, world_size=args.world, sidecar=args.sidecar,
+                       live=group) if args.snapshot else None  # fmt: skip
+    guard = snap.guard if snap is not None else contextlib.nullcontext
+    try:
+        t_restore = time.time()
+        step = start = snap.restore() if snap is not None else 0
+        started = {"process_start": t_start, "group_formed": t_group, "restore_start": t_restore,
+                   "restored": time.time(), "step": start, "epoch": group.epoch}  # fmt: skip
+        while step < args.steps:
+            try:
+                with guard():
+                    x, y = batch_for(cfg, args.batch, args.seed, rank, step)
+                    loss = _train_step(trained, opt, sched, x, y)
+            except PeerLost as exc:
+                assert snap is not None
+                failed_at = time.time()
+                if args.on_loss == "exit":
+                    print(f"rank {rank}: {exc}; exiting for the launcher to restart the job", flush=True)
+                    snap.close(unregister=False)  # a crash's exit: the arena stays for the restarted rank
+                    return EXIT_PEER_LOST
+                step = snap.recover()
+                recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "step": step,
+                                   "epoch": group.epoch, **snap.recovered})  # fmt: skip
+                continue
+            losses[step + 1] = float(loss.detach())
+            step += 1
+            done_at[step] = time.time()
+            if snap is not None:
+                snap.capture(step)
+            if progress:
+                _write_atomic(progress, json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}))
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        if snap is not None:
+            snap.wait(timeout=30)
+        result = {"rank": rank, "pid": os.getpid(), "start_step": start, "started": started, "losses": losses,
+                  "done_at": done_at, "recoveries": recoveries, "digest": state_digest(state), "epoch": group.epoch,
+                  "restored": snap.restored if snap is not None else {}}  # fmt: skip
+    except BaseException:
+        if snap is not None:
+            snap.close(unregister=False)  # as a crash leaves it: the arena stays for the restarted rank
+        raise
+    if snap is not None:
+        snap.close()
+    _write_atomic(out, json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Live recovery: the ranks that survive a node's loss keep their processes; only the lost ranks start anew.
+
+A job in live mode forms its process group with :func:`init_process_group` instead of
+``torch.distributed.init_process_group``, and gives the returned :class:`LiveGroup` to its
+:class:`~snapshotd.client.Snapshotter` (``live=``). When a peer dies, the survivors' next collective fails
+(at once when the peer's process or node is gone and its kernel closes the connections; after the group's
+``timeout`` when the peer hangs), :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` turns that
+failure into :class:`~snapshotd.client.PeerLost`, and :meth:`Snapshotter.recover
+<snapshotd.client.Snapshotter.recover>` leaves the broken group, waits here for the job's new membership, forms
+the new group, gives it to every DDP module and rolls the state back in place to the step every rank restores.
+The replacement ranks start as any restarted rank does: :func:`init_process_group`, the model, DDP, and
+``restore()``.
+
+Membership lives in a rendezvous store off the training nodes (a ``torch.distributed.TCPStore`` server such as
+``examples/torchrun_ddp/rdzv_store.py``; ``$SNAPSHOTD_STORE`` is its ``host:port``), under ``snapshotd/<job>/``.
+Each group the job forms is an *epoch* ``E`` with keys of its own (``e<E>/``), so nothing a failed attempt left
+behind is read by the next one:
+
+- ``epoch``: the newest epoch opened. A fresh process (the job's start, a replacement, a restarted rank) joins
+  it; a survivor whose group failed in epoch ``E`` opens ``E + 1`` (``compare_set``: the first to ask opens
+  it, the others find it open) or joins a newer one.
+- ``e<E>/rank<R>`` and ``e<E>/arrived`` count the arrivals. The arrival that makes ``arrived`` the world size
+  decides the epoch ``full`` (``e<E>/decided``); a rank arriving a second time (a replacement, or a restarted
+  rank, finding its earlier incarnation's arrival) decides it ``abandoned`` instead, unless it is decided
+  already, and opens the next. The first decision holds, and every member waits for it (``join_timeout``:
+  how long survivors wait for a replacement); members of an abandoned epoch open the next.
+- Then every member of a full epoch creates the gloo group on the store under ``e<E>/pg``; a member that died
+  meanwhile makes the others' creation time out (``timeout``), and they open the next epoch, up to
+  ``attempts`` failed creations.
+
+:func:`rebind_ddp` does what a survivor's DDP module needs in the new group: the reducer rebuilt for the new
+group, and the collectives that the replacement's ``DistributedDataParallel(...)`` constructor runs (its
+parameter shape check and the broadcast of the module's state from rank 0) run here too, so that both sides
+issue the same collectives. The restore that follows overwrites whatever the broadcast brought. The code a
+replacement runs between :func:`init_process_group` and ``restore()`` must therefore run no collective other
+than DDP's constructor (with ``init_sync=True``, the default), one DDP module per state value, in the order of
+the state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from .ddp import rebuild_reducer
+from .errors import RecoveryFailed
+from .identity import Identity
+
+__all__ = ["LiveGroup", "STORE_ENV", "init_process_group", "is_peer_failure", "rebind_ddp"]
+
+log = logging.getLogger(__name__)
+
+STORE_ENV = "SNAPSHOTD_STORE"
+"""The environment variable naming the rendezvous store, ``host:port``."""
+
+_TRANSPORT_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because a peer is gone or hung: a ``torch.distributed.DistError``,
+    or the ``RuntimeError`` gloo raises from its transport (a connection closed or reset, a wait timed out)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_MARKERS)
+
+
+class LiveGroup:
+    """A job's process group in live mode: the rank's place in it, and how to form the next one.
+
+    Use :func:`init_process_group` to make one. ``epoch`` is the epoch of the current group; ``timings`` the
+    seconds the last (re)join spent waiting for the membership (``membership_s``) and creating the group
+    (``group_s``).
+    """
+
+    def __init__(self, store: dist.Store, *, job: str, rank: int, world_size: int, backend: str,
+                 timeout: float, join_timeout: float, attempts: int) -> None:  # fmt: skip
+        self.store = dist.PrefixStore(f"snapshotd/{job}", store)
+        self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
+        self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
+        self.epoch = -1
+        self.timings: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
+
+    def join(self) -> None:
+        """Form the job's group as a fresh process (the job's start, a replacement, a restarted rank)."""
+        self._form(int(self.store.compare_set("epoch", "", "0")))
+
+    def rejoin(self) -> None:
+        """Leave the current (broken) group and form the next one with the job's new membership."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._form(self._open_after(self.epoch))
+
+    def _open_after(self, failed: int) -> int:
+        """Open the epoch after ``failed`` (or find it, or a newer one, opened by another rank)."""
+        return int(self.store.compare_set("epoch", str(failed), str(failed + 1)))
+
+    def _decide(self, epoch: int, outcome: str) -> str:
+        """Decide ``epoch`` ``full`` or ``abandoned``, unless it is decided already; the decision that holds."""
+        return self.store.compare_set(f"e{epoch}/decided", "", outcome).decode()
+
+    def _form(self, epoch: int) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.join_timeout
+        problems: list[str] = []
+        failures = 0
+        while failures < self.attempts:
+            if not self._arrive(epoch):
+                epoch = self._open_after(epoch)
+                continue
+            t1 = time.monotonic()
+            try:
+                self.store.wait([f"e{epoch}/decided"], datetime.timedelta(seconds=max(0.001, deadline - t1)))
+            except dist.DistError:
+                raise RecoveryFailed(
+                    f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
+                    f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
+                    "replacement node started?)"
+                ) from None
+            if self.store.get(f"e{epoch}/decided") != b"full":  # a rank came back in it: its old self is gone
+                epoch = self._open_after(epoch)
+                continue
+            t2 = time.monotonic()
+            try:
+                dist.init_process_group(self.backend, store=dist.PrefixStore(f"e{epoch}/pg", self.store),
+                                        rank=self.rank, world_size=self.world_size,
+                                        timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
+            except (RuntimeError, dist.DistError) as exc:  # a member died while the group formed
+                failures += 1
+                problems.append(f"epoch {epoch}: {str(exc).splitlines()[0][:200]}")
+                log.warning("[job %s rank %d] epoch %d did not form: %s", self.job, self.rank, epoch, exc)
+                _forget_failed_group()
+                epoch = self._open_after(epoch)
+                continue
+            self.epoch = epoch
+            self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
+            log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
+                     self.world_size)  # fmt: skip
+            return
+        raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: no process group formed in {self.attempts} "
+                             f"attempts: {'; '.join(problems)}")  # fmt: skip
+
+    def _arrive(self, epoch: int) -> bool:
+        """Count this rank into ``epoch``; False if the epoch cannot form with it (this rank arrived there
+        before, so that earlier arrival was an incarnation now gone): the epoch is then abandoned, unless it
+        was already full (its members find out when the group cannot form)."""
+        if self.store.add(f"e{epoch}/rank{self.rank}", 1) > 1:
+            self._decide(epoch, "abandoned")
+            return False
+        if self.store.add(f"e{epoch}/arrived", 1) == self.world_size:
+            self._decide(epoch, "full")
+        return True
+
+
+def _forget_failed_group() -> None:
+    """Undo what a failed ``init_process_group`` left: the default group, or torch's count of groups named.
+
+    torch names the default group by a per-process count (``_world.group_count``, reset to 0 only by
+    ``destroy_process_group``) and keys its store rendezvous by that name, so a process whose attempt failed
+    before the group existed would otherwise look for its peers under another name than a fresh process does.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._world.group_count = 0
+
+
+def init_process_group(
+    *, store: str | None = None, job: str | None = None, rank: int | None = None, world_size: int | None = None,
+    backend: str = "gloo", timeout: float = 60.0, join_timeout: float = 600.0, attempts: int = 3,
+) -> LiveGroup:
+    """Form the job's default process group in live mode (in place of ``torch.distributed.init_process_group``).
+
+    Args:
+        store: the rendezvous store's ``host:port``; default ``$SNAPSHOTD_STORE``.
+        job, rank, world_size: as for the Snapshotter (default ``$SNAPSHOTD_JOB`` or ``$TORCHELASTIC_RUN_ID``,
+            ``$RANK``, ``$WORLD_SIZE``). ``rank`` is the rank in the whole job, not on the node.
+        backend: ``gloo`` (the one live mode is tested with).
+        timeout: seconds for the group's collectives and its creation: a hung peer is noticed after this long.
+        join_timeout: seconds to wait for the whole membership (the survivors wait this long for a replacement).
+        attempts: epochs tried before giving up when members die while the group forms.
+
+    Raises:
+        ValueError: no store, or a malformed one; missing job, rank or world size.
+        RecoveryFailed: the membership did not fill within ``join_timeout``, or no group formed.
+    """
+    me = Identity.resolve(job, rank, world_size, None)
+    where = store if store is not None else os.environ.get(STORE_ENV, "")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"live mode needs the rendezvous store as host:port (store= or ${STORE_ENV}), got {where!r}")
+    if timeout <= 0 or join_timeout <= 0 or attempts < 1:
+        raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=max(timeout, 30.0)))  # fmt: skip
+    group = LiveGroup(client, job=me.job, rank=me.rank, world_size=me.world_size, backend=backend,
+                      timeout=timeout, join_timeout=join_timeout, attempts=attempts)  # fmt: skip
+    group.join()
+    return group
+
+
+def rebind_ddp(modules: Mapping[str, Any]) -> None:
+    """Move each DDP module of ``modules`` (where in the state -> module, in the state's order) onto the
+    current default group.
+
+    Each gets a new reducer (DDP's initial bucket layout: the restore that follows gives it the snapshot's) and
+    runs the collectives of DDP's constructor: the parameter shape check, then the broadcast of the module's
+    parameters and buffers from rank 0 (buffers as the module syncs them in its forward).
+    """
+    from torch.nn.parallel.distributed import _sync_module_states, _verify_param_shape_across_processes
+
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("rebind_ddp() needs the default process group formed")
+    for where, ddp in modules.items():
+        ddp.process_group = group
+        rebuild_reducer(ddp, None, f"state[{where!r}]")
+        params, _ = ddp._build_params_for_reducer()
+        _verify_param_shape_across_processes(group, params)
+        _sync_module_states(module=ddp.module, process_group=group, broadcast_bucket_size=ddp.broadcast_bucket_size,
+                            src=0, params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+                            broadcast_buffers=getattr(ddp, "forward_sync_buffers", True))  # fmt: skip

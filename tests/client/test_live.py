@@ -1,0 +1,97 @@
+"""Live mode's contracts without processes: which errors are a peer's loss, the epoch protocol on a real
+TCPStore, and the arguments refused. The whole story (real ranks, a node killed) is tests/integration/test_live.py."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snapshotd.client import PeerLost, Snapshotter, live
+
+
+def test_a_peer_failure_is_a_gloo_transport_error_or_a_dist_error_and_nothing_else() -> None:
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:5305. This is typically caused by a remote worker crashing.")  # fmt: skip
+    assert live.is_peer_failure(gloo)
+    assert live.is_peer_failure(RuntimeError("Connection reset by peer"))
+    assert live.is_peer_failure(dist.DistNetworkError("timed out"))
+    assert not live.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not live.is_peer_failure(ValueError("Connection closed by peer"))
+
+
+@pytest.fixture
+def store() -> Iterator[dist.TCPStore]:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    yield server
+
+
+def _group(store: dist.TCPStore, rank: int, world_size: int = 2, job: str = "j") -> live.LiveGroup:
+    return live.LiveGroup(store, job=job, rank=rank, world_size=world_size, backend="gloo", timeout=5.0,
+                          join_timeout=5.0, attempts=2)  # fmt: skip
+
+
+def test_an_epoch_is_full_when_every_rank_arrived_and_a_second_arrival_abandons_an_undecided_one(store) -> None:
+    a, b = _group(store, 0), _group(store, 1)
+    assert a._arrive(0) and b._arrive(0)
+    assert store.get("snapshotd/j/e0/decided") == b"full"
+    again = _group(store, 1)  # rank 1's replacement, arriving where its old self did
+    assert not again._arrive(0)
+    assert store.get("snapshotd/j/e0/decided") == b"full", "the first decision holds"
+    assert a._arrive(1) and not _group(store, 0)._arrive(1)
+    assert store.get("snapshotd/j/e1/decided") == b"abandoned"
+    assert b._arrive(1) and store.get("snapshotd/j/e1/decided") == b"abandoned", "an arrival never undoes it"
+
+
+def test_the_next_epoch_is_opened_once_however_many_ranks_ask(store) -> None:
+    a, b = _group(store, 0), _group(store, 1)
+    assert int(a.store.compare_set("epoch", "", "0")) == 0
+    assert a._open_after(0) == 1
+    assert b._open_after(0) == 1, "the second survivor finds the epoch open"
+    assert b._open_after(1) == 2
+    assert a._open_after(0) == 2, "a slow survivor joins the newest"
+
+
+def test_jobs_keep_their_membership_apart(store) -> None:
+    assert _group(store, 0, job="one")._arrive(0)
+    assert _group(store, 0, job="two")._arrive(0)
+    assert int(store.add("snapshotd/one/e0/arrived", 0)) == 1 and int(store.add("snapshotd/two/e0/arrived", 0)) == 1
+
+
+def test_bad_arguments_are_refused_by_name(store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(live.STORE_ENV, raising=False)
+    with pytest.raises(ValueError, match="host:port"):
+        live.init_process_group(job="j", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="host:port"):
+        live.init_process_group(store="no-port", job="j", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="timeout"):
+        live.init_process_group(store="127.0.0.1:1", job="j", rank=0, world_size=2, timeout=0)
+    group = _group(store, 1)
+    with pytest.raises(ValueError, match="not this Snapshotter"):
+        Snapshotter({"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc", live=group)
+    with pytest.raises(ValueError, match="replica_group"):
+        Snapshotter({"w": torch.zeros(2)}, job="j", rank=1, world_size=2, sidecar="/nonexistent.ipc", live=group,
+                    replica_group=object())  # fmt: skip
+
+
+def test_guard_and_recover_are_for_live_mode_and_guard_passes_other_errors_through(store) -> None:
+    plain = Snapshotter({"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc")
+    livesnap = Snapshotter({"w": torch.zeros(2)}, job="j", rank=1, world_size=2, sidecar="/nonexistent.ipc",
+                           live=_group(store, 1))  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="live mode"), plain.guard():
+            pass
+        with pytest.raises(RuntimeError, match="live mode"):
+            plain.recover()
+        with pytest.raises(PeerLost, match="Connection closed by peer") as caught, livesnap.guard():
+            raise RuntimeError("gloo/transport/tcp/pair.cc: Connection closed by peer")
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        with pytest.raises(ZeroDivisionError), livesnap.guard():
+            raise ZeroDivisionError
+    finally:
+        plain.close(unregister=False)
+        livesnap.close(unregister=False)
