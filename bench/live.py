@@ -23,17 +23,30 @@ replacement and forming the group), rollback or restore (the slowest rank's), an
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import datetime
 import json
 import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from snapshotd.local_cluster import held_interrupts
+import torch.distributed as dist
 
-__all__ = ["LiveRanks", "STORE_SCRIPT"]
+from snapshotd.demo import wait_for
+from snapshotd.local_cluster import LocalCluster, held_interrupts
+from snapshotd.status import fetch_status
+
+from .nodes import EmulatedNode, RendezvousStore
+from .report import Report, scratch_dir
+from .torchrun_trial import TORCHRUN_ENV
+
+__all__ = ["LiveConfig", "LiveRanks", "MODES", "STORE_SCRIPT", "add_arguments", "run", "run_trial"]
 
 STORE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchrun_ddp",
                             "rdzv_store.py")  # fmt: skip
@@ -121,3 +134,219 @@ class LiveRanks:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+
+
+# -- the benchmark
+
+
+MODES = ("restart", "live", "restart+spare", "live+spare")
+"""How the job meets the loss: the launcher restarts every rank, or the survivors recover live; ``+spare``: the
+replacement node was started ahead (a warm spare, its ranks waiting in the job's next epoch with their model
+built), else the scheduler starts it after the loss."""
+
+@dataclasses.dataclass(frozen=True)
+class LiveConfig:
+    """One benchmark run's parameters (see the module docstring)."""
+
+    ranks_per_node: tuple[int, ...] = (2, 4, 8)
+    modes: tuple[str, ...] = MODES
+    steps: int = 40
+    kill_after: int = 5
+    step_delay: float = 0.2
+    params: int = 200_000
+    timeout: float = 300.0
+
+    def check(self) -> None:
+        if not self.ranks_per_node or min(self.ranks_per_node) < 1:
+            raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
+        if not 2 <= self.kill_after < self.steps - 1:
+            raise ValueError(f"--kill-after must be in [2, steps - 1), got {self.kill_after} with {self.steps} steps")
+        if not self.modes or set(self.modes) - set(MODES) or not {"restart", "live"} <= set(self.modes):
+            raise ValueError(f"--modes must include restart and live, of {', '.join(MODES)}; got {self.modes}")
+        if self.step_delay < 0 or self.timeout <= 0:
+            raise ValueError("--step-delay must be >= 0 and --timeout > 0")
+
+
+_PHASES = ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds", "total_seconds")
+
+
+def _torchrun_node(cluster: LocalCluster, workdir: str, name: str, addr: str, *, index: int, per_node: int,
+                   script_args: list[str]) -> EmulatedNode:  # fmt: skip
+    """A node: its sidecar and a torchrun agent of its own (one node per torchrun job, as live mode runs)."""
+    torchrun_args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node), "--max-restarts", "3",
+                     "--monitor-interval", "0.1"]  # fmt: skip
+    return EmulatedNode(cluster, name, addr, torchrun_args=torchrun_args, script="-m",
+                        script_args=["snapshotd.bench.live_trainer", "--node-index", str(index), *script_args],
+                        env=dict(TORCHRUN_ENV), workdir=workdir)  # fmt: skip
+
+
+def _arrived(store: str, job: str, epoch: int) -> int:
+    """How many ranks arrived in ``epoch`` of ``job`` (live mode's membership count in the rendezvous store)."""
+    host, port = store.rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+    return int(client.add(f"snapshotd/{job}/e{epoch}/arrived", 0))
+
+
+def _read(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return dict(json.load(f))
+
+
+def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, *, mode: str, per_node: int,
+              tag: str) -> dict[str, Any]:  # fmt: skip
+    """Run the job on two torchrun nodes, lose the second at ``kill_after``, recover by ``mode``; the table row.
+
+    Raises:
+        TimeoutError: the job did not reach ``kill_after`` or did not finish within ``cfg.timeout``.
+        RuntimeError: an agent exited non-zero, or the recovered run is not bit-identical to its own ranks'
+            agreement (every rank must end at the same step with one epoch).
+    """
+    spare = mode.endswith("+spare")
+    name = f"{mode.replace('+', '-')}{per_node}-{tag}"
+    out = os.path.join(workdir, name)
+    os.makedirs(out)
+    world = 2 * per_node
+    job = f"live-{name}"
+    script_args = ["--world", str(world), "--store", store, "--job", job, "--steps", str(cfg.steps),
+                   "--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10",
+                   "--on-loss", "recover" if mode.startswith("live") else "exit", "--out", out, "--progress", out]  # fmt: skip
+    nodes = [_torchrun_node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", index=i, per_node=per_node,
+                            script_args=script_args) for i, x in enumerate("AB")]  # fmt: skip
+    try:
+
+        def progress(rank: int) -> int:
+            try:
+                return int(_read(os.path.join(out, f"rank{rank}.progress"))["step"])
+            except (OSError, ValueError, KeyError):
+                return 0
+
+        def durable() -> bool:
+            with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
+                jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
+                return any(j["job"] == job and j["durable"] >= cfg.kill_after - 1 for j in jobs)
+            return False
+
+        def reached_kill_point() -> bool:
+            for node in nodes:
+                if node.agent.poll() is not None:
+                    raise RuntimeError(f"{node.name}'s agent exited with {node.agent.returncode} before the kill")
+            return progress(world - 1) >= cfg.kill_after and durable()
+
+        def replacement() -> EmulatedNode:
+            node = _torchrun_node(cluster, workdir, f"{name}-C", "127.0.0.4", index=1, per_node=per_node,
+                                  script_args=script_args)  # fmt: skip
+            nodes.append(node)
+            return node
+
+        if spare:  # once the job runs (its first group formed), the spare's ranks wait in the next epoch
+            wait_for(lambda: progress(0) >= 1, cfg.timeout, "the job's first step")
+            replacement()
+            wait_for(lambda: _arrived(store, job, 1) >= per_node, cfg.timeout, "the spare waiting in epoch 1")
+        wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
+        pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
+        killed_at = nodes[1].kill()
+        if not spare:
+            replacement()
+        for node in (nodes[0], nodes[-1]):
+            code = node.wait(cfg.timeout)
+            if code != 0:
+                raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
+        results = [_read(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+    finally:
+        for node in nodes:
+            with contextlib.suppress(RuntimeError):
+                node.stop()
+    return _row(mode, per_node, results, pids, killed_at, out)
+
+
+def _row(mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int, int], killed_at: float,
+         out: str) -> dict[str, Any]:  # fmt: skip
+    """The phases of one recovery from the ranks' results (wall-clock times, every rank on one machine)."""
+    survivors, lost = results[:per_node], results[per_node:]
+    if mode.startswith("live"):
+        step = survivors[0]["recoveries"][-1]["step"]
+        failed = min(r["recoveries"][0]["failed_at"] for r in survivors)
+        recoveries = [r["recoveries"][-1] for r in survivors]
+        grouped = [rec["recovered_at"] - rec["restore_s"] - rec["ddp_s"] for rec in recoveries]
+        restored = [rec["recovered_at"] for rec in recoveries]
+        fresh = lost
+    else:
+        step = survivors[0]["start_step"]
+        failed = min(_read(os.path.join(out, f"rank{r}.json.lost"))["failed_at"] for r in range(per_node))
+        grouped, restored, fresh = [], [], results
+    grouped += [r["started"]["group_formed"] for r in fresh]
+    restored += [r["started"]["restored"] for r in fresh]
+    first = max(r["done_at"][str(step + 1)] for r in results)
+    steps = {len(r["losses"]) + r["start_step"] for r in results}
+    kept = sum(r["pid"] == pids[r["rank"]] for r in survivors)
+    row = {"mode": mode, "ranks_per_node": per_node, "step_restored": step, "survivors_kept": kept,
+           "detection_seconds": failed - killed_at, "group_seconds": max(grouped) - failed,
+           "restore_seconds": max(restored) - max(grouped), "first_step_seconds": first - max(restored),
+           "total_seconds": first - killed_at, "epochs": len({r["epoch"] for r in results})}  # fmt: skip
+    if mode.startswith("live"):
+        row["survivor_work_seconds"] = max(rec["ddp_s"] + rec["restore_s"] for rec in recoveries)
+    if len(steps) != 1 or row["epochs"] != 1:
+        raise RuntimeError(f"{mode} x{per_node}: the ranks ended apart (steps {steps}, {row['epochs']} epochs)")
+    return row
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``live`` subcommand's flags."""
+    d = LiveConfig()
+    parser.add_argument("--ranks-per-node", default=",".join(map(str, d.ranks_per_node)),
+                        help="comma-separated sizes, each run in both modes (default %(default)s)")  # fmt: skip
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES)
+                        + " (default all)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
+    parser.add_argument("--kill-after", type=int, default=d.kill_after,
+                        help="lose the second node once its last rank completed this step (and a spare waits) (default %(default)s)")  # fmt: skip
+    parser.add_argument("--step-delay", type=float, default=d.step_delay,
+                        help="idle seconds per step, the accelerator's share (default %(default)s)")  # fmt: skip
+    parser.add_argument("--params", type=int, default=d.params, help="model parameters (default %(default)s)")
+    parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
+    parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per job (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> Report:
+    """For each ``--ranks-per-node``, the job recovered by a full restart and then live; one row each.
+
+    Raises:
+        ValueError: bad arguments.
+        RuntimeError, TimeoutError: as :func:`run_trial`.
+    """
+    try:
+        sizes = tuple(int(x) for x in str(args.ranks_per_node).split(","))
+    except ValueError:
+        raise ValueError(f"--ranks-per-node must be comma-separated integers, got {args.ranks_per_node!r}") from None
+    cfg = LiveConfig(ranks_per_node=sizes, modes=tuple(str(args.modes).split(",")), steps=args.steps, kill_after=args.kill_after, step_delay=args.step_delay,
+                     params=args.params, timeout=args.timeout)  # fmt: skip
+    cfg.check()
+    tag = uuid.uuid4().hex[:6]
+    rows: list[dict[str, Any]] = []
+    with scratch_dir(args.workdir, prefix="snapshotd-live-") as workdir, \
+            LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:  # fmt: skip
+        cluster.start_coordinator()
+        store = RendezvousStore(STORE_SCRIPT, workdir)
+        try:
+            for per_node in sizes:
+                for mode in cfg.modes:
+                    rows.append(run_trial(cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node, tag=tag))
+        finally:
+            store.stop()
+    by = {(r["mode"], r["ranks_per_node"]): r for r in rows}
+    first = sizes[0]
+    full, live = by["restart", first]["total_seconds"], by["live", first]["total_seconds"]
+    summary: dict[str, Any] = {"ranks_per_node": first, "full_restart_seconds": full, "live_seconds": live,
+                               "live_speedup": full / live}  # fmt: skip
+    if {"restart+spare", "live+spare"} <= set(cfg.modes):
+        full_s, live_s = by["restart+spare", first]["total_seconds"], by["live+spare", first]["total_seconds"]
+        summary.update(full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s)
+    spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
+    work = [by[spare_mode, k]["survivor_work_seconds"] for k in sizes]
+    summary.update(survivor_work_mode=spare_mode, survivor_work_seconds=dict(zip(map(str, sizes), work, strict=True)),
+                   survivor_work_spread=max(work) / min(work) - 1 if min(work) > 0 else None,
+                   survivors_kept_live=all(r["survivors_kept"] == r["ranks_per_node"] for r in rows
+                                           if r["mode"].startswith("live")))  # fmt: skip
+    return Report("live", dataclasses.asdict(cfg), rows, summary,
+                  columns=["mode", "ranks_per_node", "step_restored", "survivors_kept", *_PHASES,
+                           "survivor_work_seconds", "epochs"])  # fmt: skip

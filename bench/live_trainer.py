@@ -16,6 +16,7 @@ snapshots every step. Its loop is the one the README shows for live mode::
         step += 1
         snap.capture(step)
 
+A rank that exits with ``--on-loss exit`` first writes when the failure surfaced to ``<result path>.lost``.
 The rank writes a JSON result when done (losses, a SHA-256 over its final state, its pid, and one record per
 recovery: when the failure surfaced, the step recovered and the phases' seconds) and keeps a progress file
 (``--progress``: the last completed step, when it completed (``time.time()``) and the pid).
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket-mb", type=float, default=0.25)
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--pg-timeout", type=float, default=30.0, help="the group's collective timeout (a hung peer)")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="seconds to wait for the whole membership (a spare started ahead waits this long)")  # fmt: skip
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                    help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)")  # fmt: skip
     p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
@@ -81,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
     torch.set_num_threads(1)
     t_start = time.time()
-    group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
-                                    timeout=args.pg_timeout)  # fmt: skip
-    t_group = time.time()
-    cfg, state, trained = build_state(args.params, args.steps, args.seed, parallel="ddp", bucket_mb=args.bucket_mb)
+    # the model first, the group after: a spare started ahead waits in the group with its model built
+    cfg, state, _ = build_state(args.params, args.steps, args.seed)
     opt, sched = state["optim"], state["sched"]
+    group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
+                                    timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
+    t_group = time.time()
+    trained = torch.nn.parallel.DistributedDataParallel(state["model"], bucket_cap_mb=args.bucket_mb)
     losses: dict[int, float] = {}
     done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
     recoveries: list[dict[str, Any]] = []
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed_at = time.time()
                 if args.on_loss == "exit":
                     print(f"rank {rank}: {exc}; exiting for the launcher to restart the job", flush=True)
+                    _write_atomic(out + ".lost", json.dumps({"failed_at": failed_at, "pid": os.getpid()}))
                     snap.close(unregister=False)  # a crash's exit: the arena stays for the restarted rank
                     return EXIT_PEER_LOST
                 step = snap.recover()

@@ -47,6 +47,7 @@ class Round:
     waiting_note: tuple[int, str] = (-1, "")  # (len(asked), wait reason), so a poll costs O(1)
     frozen_at: float = 0.0  # when the last rank asked (the coordinator's clock); set once frozen
     answered_at: float | None = None  # when the last rank was answered
+    opened: float = 0.0  # when its first request came (the coordinator's clock)
 
     def caps(self, recoverable: int, world_size: int) -> bool:
         """Whether D is capped at :attr:`step` while G is ``recoverable``: frozen, and training has not resumed
@@ -159,8 +160,14 @@ class Plans:
             if rnd is not None:
                 log.info("job %s: rank(s) %s asked again after their answer: new plan round", job.name,
                          listed(sorted(rnd.answered.intersection(ranks))))  # fmt: skip
-            rnd = job.round = Round()
+            rnd = job.round = Round(opened=now)
             job.watermark = None
+        if not rnd.frozen and now - rnd.opened < self._membership.death_timeout(now):
+            moved = self._moved_from_live_node(job, ranks, msg.node)
+            if moved is not None:
+                return _wait(msg, f"rank {moved[0]} asks from node {msg.node} while node {moved[1]}, which holds the "
+                                  "rank's own copies, has not been declared dead; waiting for it, at most the death "
+                                  "timeout")  # fmt: skip
         rnd.asked.update(ranks)
         if not rnd.frozen:
             if len(rnd.asked) < job.world_size:
@@ -178,6 +185,22 @@ class Plans:
             job.watermark = None  # the durable cap starts now
         self._answered(job, rnd, ranks, now)
         return self._answer(job, rnd.outcome, rnd.step, rnd.reason, msg)
+
+    def _moved_from_live_node(self, job: Job, ranks: tuple[int, ...], node: str) -> tuple[int, str] | None:
+        """A rank of ``ranks`` and a live node other than ``node`` holding that rank's own (local) copies, if any.
+
+        Such a rank restarts on a new node while its old node still counts as alive: most likely the old node
+        just died (a replacement that started within the death timeout, as a warm spare does). Its copies there
+        still count for G, so a round frozen now could name a step that only the dead node held; the request
+        waits (unrecorded, so the round cannot freeze) until the node is declared dead, at most the death timeout
+        from the round's first request (after which a live old node is taken at its word)."""
+        nodes = self._membership.nodes
+        for rank in ranks:
+            for holders in job.holders.get(rank, {}).values():
+                for holder, local in holders.items():
+                    if local and holder != node and (n := nodes.get(holder)) is not None and n.alive:
+                        return rank, holder
+        return None
 
     def draft(self, msg: PlanRequest) -> tuple[object, PlanAnswer] | None:
         """The answer a request that waits (and is held) gets if its round freezes with nothing changed.

@@ -215,7 +215,10 @@ class _Server:
 
     def expire(self, now: float) -> None:
         try:
+            live = self.state.membership.live
             self.state.expire(now)
+            if self.state.membership.live < live:  # a held request may have waited for a node's death
+                self.held.wake_all()
         except Exception:  # a bug must not stop failure detection for every other node
             self.complain("expiry", "expiry failed", exc_info=True)
 

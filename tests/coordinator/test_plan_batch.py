@@ -58,9 +58,11 @@ def test_a_request_for_several_ranks_waits_as_one_and_is_answered_per_rank() -> 
     register(st, "c")  # a replacement for b's ranks
     first = answer(st, ask("a", 0, 1), LATER)
     assert first.status == "wait" and first.plans == () and "2 of 4 ranks" in first.reason
-    last = answer(st, ask("c", 3, 2), LATER)  # in the request's order
+    waits = answer(st, ask("c", 3, 2), LATER)  # b holds their own copies and is not declared dead yet
+    assert waits.status == "wait" and "node b" in waits.reason
+    last = answer(st, ask("c", 3, 2), LATER + 3.1)  # in the request's order; b taken at its word after the timeout
     assert summary(last) == [(3, "ready", 5, False, (addr("a"), addr("b"))), (2, "ready", 5, False, (addr("a"), addr("b")))]
-    again = answer(st, ask("a", 0, 1), LATER, held=True)
+    again = answer(st, ask("a", 0, 1), LATER + 3.1, held=True)
     assert summary(again) == [(0, "ready", 5, True, (addr("b"),)), (1, "ready", 5, True, (addr("b"),))]
 
 

@@ -44,10 +44,27 @@ def test_plan_local_flag_and_sources() -> None:
     two_node_job(st)
     register(st, "c")  # a replacement node for rank 1
     plan(st, 0, "a")
-    on_c = plan(st, 1, "c")
+    on_c = plan(st, 1, "c")  # b, holding rank 1's own copies, is not declared dead: the round waits for it
+    assert on_c.status == "wait" and "node b" in on_c.reason and "declared dead" in on_c.reason, on_c.reason
+    on_c = plan(st, 1, "c", now=LATER + 3.1)  # but no longer than the death timeout: b is taken at its word
     assert (on_c.status, on_c.step, on_c.local, on_c.sources) == ("ready", 6, False, (addr("b"),))
-    on_a = plan(st, 0, "a")
+    on_a = plan(st, 0, "a", now=LATER + 3.1)
     assert (on_a.local, on_a.sources) == (True, ())
+
+
+def test_a_rank_asking_from_a_new_node_waits_for_its_old_nodes_death() -> None:
+    """A replacement that asks within the death timeout of its old node's loss (a warm spare) must not get a
+    step that only the dead node held: its request waits, unrecorded, until the node is declared dead."""
+    st = make()
+    two_node_job(st)
+    register(st, "c")
+    assert plan(st, 0, "a").status == "wait"
+    assert plan(st, 1, "c").status == "wait"
+    beat(st, "a", LATER + 0.4, ranks("j", 2, 0), inv("j", 0, 5, 6, local=True) + inv("j", 1, 5))
+    beat(st, "c", LATER + 0.4, ranks("j", 2, 1), ())
+    st.expire(LATER + 0.5)  # b's heartbeats stopped at T0: declared dead now
+    on_c = plan(st, 1, "c", now=LATER + 0.5)
+    assert on_c.status == "ready" and addr("b") not in on_c.sources, on_c
 
 
 def test_plan_sources_are_every_other_live_holder() -> None:

@@ -1,0 +1,66 @@
+"""A DDP job in snapshotd's live mode: when a node dies, the ranks on the other nodes keep their processes.
+
+Run one torchrun per node (``--standalone --nnodes 1``), each with this node's index; the job's ranks across
+nodes form one gloo group through the rendezvous store named by ``$SNAPSHOTD_STORE`` (see README.md here).
+The model is a small MLP on synthetic data; the batch of step ``s`` on rank ``r`` depends only on ``(r, s)``,
+so the data position is the step itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from snapshotd.client import PeerLost, RNGState, Snapshotter, live
+
+
+def batch(rank: int, step: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank * 1_000_003 + step)
+    x = torch.randn(size, 64, generator=gen)
+    return x, (x.sum(dim=1, keepdim=True) > 0).float()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--node-index", type=int, required=True, help="this node's index, 0 .. nodes - 1")
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--steps", type=int, default=1000)
+    args = p.parse_args()
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    rank = args.node_index * per_node + int(os.environ["LOCAL_RANK"])
+    world = args.nodes * per_node
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+
+    # live mode: the group comes from the rendezvous store, and the Snapshotter is told about it
+    group = live.init_process_group(rank=rank, world_size=world)
+    ddp = DDP(model)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState()}
+    with Snapshotter(state, rank=rank, world_size=world, live=group) as snap:
+        step = snap.restore()  # 0, or the step this (replacement) rank resumes from
+        while step < args.steps:
+            try:
+                with snap.guard():  # a collective failing because a peer died raises PeerLost
+                    x, y = batch(rank, step)
+                    loss = torch.nn.functional.binary_cross_entropy_with_logits(ddp(x), y)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+            except PeerLost:
+                step = snap.recover()  # new group with the replacement, state rolled back in place
+                continue
+            step += 1
+            snap.capture(step)
+            if rank == 0 and step % 100 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
