@@ -1,24 +1,31 @@
 """Live recovery against the launcher's full restart: ``snapshotd-bench live``.
 
-A job of :mod:`.live_trainer` runs on two emulated nodes (a sidecar each, ``--ranks-per-node`` rank processes
-each, a coordinator and the rendezvous store of ``examples/torchrun_ddp/rdzv_store.py`` beside them on
-loopback). Mid-run the second node dies (its sidecar and ranks SIGKILLed together, its shared memory gone) and a
-replacement node starts (a sidecar, then the same ranks, as a scheduler would start them). The same job runs
-twice in one invocation:
+A job of :mod:`.live_trainer` runs on two emulated nodes, each a sidecar and a torchrun agent of its own
+(``--standalone --nnodes 1``, ``--ranks-per-node`` workers), beside a coordinator and the rendezvous store of
+``examples/torchrun_ddp/rdzv_store.py`` on loopback. Mid-run the second node dies (its sidecar, agent and workers
+SIGKILLed together, its shared memory gone) and a replacement node takes its index. For each size the same job
+runs once per ``--modes``:
 
-- ``restart``: every rank meets the loss as a full restart does: the survivors exit (``--on-loss exit``) and
-  their launcher starts them again, as torchrun restarts every worker of a node; every rank then starts a
-  process, imports torch, forms the group, builds the model and restores.
+- ``restart``: the launcher's full restart. The survivors exit at the loss (``--on-loss exit``), their torchrun
+  restarts its workers, and every rank starts a process, imports torch, builds the model, forms the group and
+  restores.
 - ``live``: the survivors ``recover()`` in their processes; only the replacement's ranks start.
+- ``restart+spare`` / ``live+spare``: the same, with the replacement node started ahead for the node that is
+  lost (a warm spare: its ranks wait in the job's next epoch with their model built), which takes the
+  replacement's own start off the recovery; otherwise the replacement starts after the loss, as a scheduler
+  would start it.
 
-For each, the time from the kill to the first step every rank completed after recovery, split into detection
-(the kill to the first survivor's failure surfacing), membership and group (from there to the new group formed on
-every rank: in ``restart``, process start, imports and group formation; in ``live``, waiting for the
-replacement and forming the group), rollback or restore (the slowest rank's), and the first step. With
-``--ranks-per-node`` several sizes (2, 4, 8 by default) show how each phase grows with the survivors. The summary
-(``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size.
+Each row splits the time from the kill to the first step every rank completed after recovery into detection
+(the kill to the first survivor seeing the loss), group (from there to the new group formed on every rank: a
+full restart's process starts, imports and model builds, or waiting for the replacement), restore (the
+slowest rank's rollback or restore, DDP's set-up on the new group included) and the first step. With several
+``--ranks-per-node`` (2, 4, 8 by default) it shows how each phase grows with the survivors;
+``survivor_work_seconds`` is a survivor's own part of a live recovery (moving DDP and rolling back). The
+summary (``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size,
+and the same for the spare modes.
 
-:class:`LiveRanks` (the rank processes of one job, node by node) is also what the live-recovery test runs.
+:class:`LiveRanks` (the rank processes of one job, started directly, node by node) is what the live-recovery
+test runs.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,6 +53,8 @@ from snapshotd.status import fetch_status
 from .nodes import EmulatedNode, RendezvousStore
 from .report import Report, scratch_dir
 from .torchrun_trial import TORCHRUN_ENV
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LiveConfig", "LiveRanks", "MODES", "STORE_SCRIPT", "add_arguments", "run", "run_trial"]
 
@@ -151,6 +161,7 @@ class LiveConfig:
     ranks_per_node: tuple[int, ...] = (2, 4, 8)
     modes: tuple[str, ...] = MODES
     steps: int = 40
+    spare_steps: int = 200
     kill_after: int = 5
     step_delay: float = 0.2
     params: int = 200_000
@@ -207,7 +218,8 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
     os.makedirs(out)
     world = 2 * per_node
     job = f"live-{name}"
-    script_args = ["--world", str(world), "--store", store, "--job", job, "--steps", str(cfg.steps),
+    steps = max(cfg.steps, cfg.spare_steps) if spare else cfg.steps  # still running once the spare is ready
+    script_args = ["--world", str(world), "--store", store, "--job", job, "--steps", str(steps),
                    "--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10",
                    "--on-loss", "recover" if mode.startswith("live") else "exit", "--out", out, "--progress", out]  # fmt: skip
     nodes = [_torchrun_node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", index=i, per_node=per_node,
@@ -272,7 +284,9 @@ def _row(mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int
         fresh = lost
     else:
         step = survivors[0]["start_step"]
-        failed = min(_read(os.path.join(out, f"rank{r}.json.lost"))["failed_at"] for r in range(per_node))
+        # the first survivor to see the loss exits; torchrun then stops the others, which may not have seen it yet
+        lost_files = [os.path.join(out, f"rank{r}.json.lost") for r in range(per_node)]
+        failed = min(_read(p)["failed_at"] for p in lost_files if os.path.exists(p))
         grouped, restored, fresh = [], [], results
     grouped += [r["started"]["group_formed"] for r in fresh]
     restored += [r["started"]["restored"] for r in fresh]
@@ -298,6 +312,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES)
                         + " (default all)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
+    parser.add_argument("--spare-steps", type=int, default=d.spare_steps,
+                        help="training steps of the spare modes' jobs, which must outlast the spare's start "
+                             "(default %(default)s)")  # fmt: skip
     parser.add_argument("--kill-after", type=int, default=d.kill_after,
                         help="lose the second node once its last rank completed this step (and a spare waits) (default %(default)s)")  # fmt: skip
     parser.add_argument("--step-delay", type=float, default=d.step_delay,
@@ -319,7 +336,7 @@ def run(args: argparse.Namespace) -> Report:
     except ValueError:
         raise ValueError(f"--ranks-per-node must be comma-separated integers, got {args.ranks_per_node!r}") from None
     cfg = LiveConfig(ranks_per_node=sizes, modes=tuple(str(args.modes).split(",")), steps=args.steps, kill_after=args.kill_after, step_delay=args.step_delay,
-                     params=args.params, timeout=args.timeout)  # fmt: skip
+                     params=args.params, timeout=args.timeout, spare_steps=args.spare_steps)  # fmt: skip
     cfg.check()
     tag = uuid.uuid4().hex[:6]
     rows: list[dict[str, Any]] = []
@@ -330,11 +347,19 @@ def run(args: argparse.Namespace) -> Report:
         try:
             for per_node in sizes:
                 for mode in cfg.modes:
-                    rows.append(run_trial(cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node, tag=tag))
+                    try:
+                        rows.append(run_trial(cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node,
+                                              tag=tag))  # fmt: skip
+                    except (RuntimeError, TimeoutError, OSError, ValueError) as exc:  # a row, not the end of the run
+                        log.warning("live bench: %s x%d failed: %s", mode, per_node, exc)
+                        rows.append({"mode": mode, "ranks_per_node": per_node, "error": str(exc)[:300]})
         finally:
             store.stop()
-    by = {(r["mode"], r["ranks_per_node"]): r for r in rows}
+    by = {(r["mode"], r["ranks_per_node"]): r for r in rows if "error" not in r}
     first = sizes[0]
+    if ("restart", first) not in by or ("live", first) not in by:
+        failed = "; ".join(f"{r['mode']} x{r['ranks_per_node']}: {r['error']}" for r in rows if "error" in r)
+        raise RuntimeError(f"the first size's restart or live trial failed: {failed}")
     full, live = by["restart", first]["total_seconds"], by["live", first]["total_seconds"]
     summary: dict[str, Any] = {"ranks_per_node": first, "full_restart_seconds": full, "live_seconds": live,
                                "live_speedup": full / live}  # fmt: skip
@@ -342,11 +367,13 @@ def run(args: argparse.Namespace) -> Report:
         full_s, live_s = by["restart+spare", first]["total_seconds"], by["live+spare", first]["total_seconds"]
         summary.update(full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s)
     spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
-    work = [by[spare_mode, k]["survivor_work_seconds"] for k in sizes]
-    summary.update(survivor_work_mode=spare_mode, survivor_work_seconds=dict(zip(map(str, sizes), work, strict=True)),
-                   survivor_work_spread=max(work) / min(work) - 1 if min(work) > 0 else None,
+    work_of = {k: by[spare_mode, k]["survivor_work_seconds"] for k in sizes if (spare_mode, k) in by}
+    work = list(work_of.values())
+    summary.update(survivor_work_mode=spare_mode, survivor_work_seconds={str(k): v for k, v in work_of.items()},
+                   survivor_work_spread=max(work) / min(work) - 1 if work and min(work) > 0 else None,
+                   failed_trials=sum("error" in r for r in rows),
                    survivors_kept_live=all(r["survivors_kept"] == r["ranks_per_node"] for r in rows
                                            if r["mode"].startswith("live")))  # fmt: skip
     return Report("live", dataclasses.asdict(cfg), rows, summary,
                   columns=["mode", "ranks_per_node", "step_restored", "survivors_kept", *_PHASES,
-                           "survivor_work_seconds", "epochs"])  # fmt: skip
+                           "survivor_work_seconds", "epochs", "error"])  # fmt: skip

@@ -10,11 +10,11 @@ snapshots every step. Its loop is the one the README shows for live mode::
         try:
             with snap.guard():
                 train one step
+                snap.capture(step + 1)
         except PeerLost:
             step = snap.recover()   # (--on-loss exit: the process exits 3 instead, for its launcher to restart)
             continue
         step += 1
-        snap.capture(step)
 
 A rank that exits with ``--on-loss exit`` first writes when the failure surfaced to ``<result path>.lost``.
 The rank writes a JSON result when done (losses, a SHA-256 over its final state, its pid, and one record per
@@ -104,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                    "restored": time.time(), "step": start, "epoch": group.epoch}  # fmt: skip
         while step < args.steps:
             try:
-                with guard():
+                with guard():  # capture() too: its first call after DDP rebuilt its buckets runs a collective
                     x, y = batch_for(cfg, args.batch, args.seed, rank, step)
                     loss = _train_step(trained, opt, sched, x, y)
+                    if snap is not None:
+                        snap.capture(step + 1)
             except PeerLost as exc:
                 assert snap is not None
                 failed_at = time.time()
@@ -122,8 +124,6 @@ def main(argv: list[str] | None = None) -> int:
             losses[step + 1] = float(loss.detach())
             step += 1
             done_at[step] = time.time()
-            if snap is not None:
-                snap.capture(step)
             if progress:
                 _write_atomic(progress, json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}))
             if args.step_delay:

@@ -43,7 +43,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from .ddp import rebuild_reducer
 from .errors import RecoveryFailed
 from .identity import Identity
 
-__all__ = ["LiveGroup", "STORE_ENV", "init_process_group", "is_peer_failure", "rebind_ddp"]
+__all__ = ["LiveGroup", "STORE_ENV", "check_rebindable", "init_process_group", "is_peer_failure", "rebind_ddp"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class LiveGroup:
 
     def __init__(self, store: dist.Store, *, job: str, rank: int, world_size: int, backend: str,
                  timeout: float, join_timeout: float, attempts: int) -> None:  # fmt: skip
+        if timeout <= 0 or join_timeout <= 0 or attempts < 1:
+            raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
         self.store = dist.PrefixStore(f"snapshotd/{job}", store)
         self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
@@ -97,7 +99,7 @@ class LiveGroup:
         """Leave the current (broken) group and form the next one with the job's new membership."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._form(self._open_after(self.epoch))
+        self._form(self._next(self.epoch))
 
     def _open_after(self, failed: int) -> int:
         """Open the epoch after ``failed`` (or find it, or a newer one, opened by another rank)."""
@@ -113,8 +115,10 @@ class LiveGroup:
         problems: list[str] = []
         failures = 0
         while failures < self.attempts:
+            if time.monotonic() > deadline:
+                break
             if not self._arrive(epoch):
-                epoch = self._open_after(epoch)
+                epoch = self._next(epoch)
                 continue
             t1 = time.monotonic()
             try:
@@ -126,7 +130,7 @@ class LiveGroup:
                     "replacement node started?)"
                 ) from None
             if self.store.get(f"e{epoch}/decided") != b"full":  # a rank came back in it: its old self is gone
-                epoch = self._open_after(epoch)
+                epoch = self._next(epoch)
                 continue
             t2 = time.monotonic()
             try:
@@ -138,15 +142,28 @@ class LiveGroup:
                 problems.append(f"epoch {epoch}: {str(exc).splitlines()[0][:200]}")
                 log.warning("[job %s rank %d] epoch %d did not form: %s", self.job, self.rank, epoch, exc)
                 _forget_failed_group()
-                epoch = self._open_after(epoch)
+                epoch = self._next(epoch)
                 continue
             self.epoch = epoch
             self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
             log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
                      self.world_size)  # fmt: skip
             return
-        raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: no process group formed in {self.attempts} "
-                             f"attempts: {'; '.join(problems)}")  # fmt: skip
+        why = "; ".join(problems) or "every epoch tried was abandoned (a rank arrived twice)"
+        raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: no process group formed within "
+                             f"{self.join_timeout:.0f} s and {self.attempts} attempts: {why}")  # fmt: skip
+
+    def _next(self, failed: int) -> int:
+        """:meth:`_open_after`, checked: the epoch after ``failed`` or a newer one.
+
+        Raises:
+            RecoveryFailed: the store did not move past ``failed`` (it lost the job's keys: restarted?).
+        """
+        epoch = self._open_after(failed)
+        if epoch <= failed:
+            raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: the rendezvous store did not open the epoch "
+                                 f"after {failed} (its newest is {epoch}); was it restarted?")  # fmt: skip
+        return epoch
 
     def _arrive(self, epoch: int) -> bool:
         """Count this rank into ``epoch``; False if the epoch cannot form with it (this rank arrived there
@@ -197,7 +214,7 @@ def init_process_group(
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"live mode needs the rendezvous store as host:port (store= or ${STORE_ENV}), got {where!r}")
-    if timeout <= 0 or join_timeout <= 0 or attempts < 1:
+    if timeout <= 0 or join_timeout <= 0 or attempts < 1:  # before connecting; LiveGroup checks them too
         raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
     client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=max(timeout, 30.0)))  # fmt: skip
@@ -207,24 +224,45 @@ def init_process_group(
     return group
 
 
-def rebind_ddp(modules: Mapping[str, Any]) -> None:
-    """Move each DDP module of ``modules`` (where in the state -> module, in the state's order) onto the
-    current default group.
+def check_rebindable(ddp: Any, where: str) -> None:
+    """Refuse a DDP module whose constructor's collectives :func:`rebind_ddp` cannot repeat exactly.
+
+    Raises:
+        ValueError: DDP with mixed precision (its constructor broadcasts the buffers before casting them), or
+            with buffers and ``forward_sync_buffers`` off (the constructor then broadcast them or not depending
+            on which argument turned it off, which the module no longer tells).
+    """
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise ValueError(f"{where}: live mode does not support DDP with mixed_precision")
+    if not getattr(ddp, "forward_sync_buffers", True) and any(True for _ in ddp.module.buffers()):
+        raise ValueError(f"{where}: live mode needs DDP's default buffer sync (broadcast_buffers / "
+                         "forward_sync_buffers left on) for a model with buffers")  # fmt: skip
+
+
+def rebind_ddp(modules: Mapping[str, Any], order: Sequence[str]) -> None:
+    """Move each DDP module of ``modules`` (where in the state -> module) onto the current default group, in the
+    order of the state's keys ``order`` (the order a replacement's script constructs them in).
 
     Each gets a new reducer (DDP's initial bucket layout: the restore that follows gives it the snapshot's) and
-    runs the collectives of DDP's constructor: the parameter shape check, then the broadcast of the module's
-    parameters and buffers from rank 0 (buffers as the module syncs them in its forward).
+    runs the collectives of DDP's constructor (``init_sync=True``): the parameter shape check, then the
+    broadcast of the module's parameters and buffers from rank 0.
+
+    Raises:
+        ValueError: a module :func:`check_rebindable` refuses.
     """
     from torch.nn.parallel.distributed import _sync_module_states, _verify_param_shape_across_processes
 
     group = dist.group.WORLD
     if group is None:
         raise RuntimeError("rebind_ddp() needs the default process group formed")
-    for where, ddp in modules.items():
+    rank_of = {key: i for i, key in enumerate(order)}
+    for where in sorted(modules, key=lambda w: rank_of.get(w.split(".", 1)[0], len(rank_of))):
+        ddp = modules[where]
+        check_rebindable(ddp, f"state[{where!r}]")
         ddp.process_group = group
         rebuild_reducer(ddp, None, f"state[{where!r}]")
         params, _ = ddp._build_params_for_reducer()
         _verify_param_shape_across_processes(group, params)
         _sync_module_states(module=ddp.module, process_group=group, broadcast_bucket_size=ddp.broadcast_bucket_size,
                             src=0, params_and_buffers_to_ignore=ddp.parameters_to_ignore,
-                            broadcast_buffers=getattr(ddp, "forward_sync_buffers", True))  # fmt: skip
+                            broadcast_buffers=True)  # fmt: skip

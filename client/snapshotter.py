@@ -53,7 +53,7 @@ from .channel import Channel
 from .direct import direct_targets, writable_by
 from .errors import NotRecoverable, PeerLost, RestoreFailed, SnapshotdError
 from .identity import Identity
-from .live import LiveGroup, is_peer_failure, rebind_ddp
+from .live import LiveGroup, check_rebindable, is_peer_failure, rebind_ddp
 from .load import restore_into
 from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
@@ -177,6 +177,9 @@ class Snapshotter:
         self._reported_errors: set[str] = set()
         self._closed = False
         self._live = live
+        if live is not None and self._ddp is not None:
+            for where, ddp in self._ddp.modules.items():
+                check_rebindable(ddp, f"state[{where!r}]")
         self.recovered = {}
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
@@ -293,7 +296,7 @@ class Snapshotter:
                             value.group = dist.group.WORLD
                 if self._ddp is not None:
                     self._ddp.rediscover()
-                    rebind_ddp(self._ddp.modules)
+                    rebind_ddp(self._ddp.modules, list(self.state))
                 t2 = time.monotonic()
                 step = self.restore(timeout)
                 break

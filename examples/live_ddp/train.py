@@ -53,11 +53,11 @@ def main() -> None:
                     loss.backward()
                     opt.step()
                     sched.step()
+                    snap.capture(step + 1)  # inside the guard: right after a recovery it runs a DDP collective
             except PeerLost:
                 step = snap.recover()  # new group with the replacement, state rolled back in place
                 continue
             step += 1
-            snap.capture(step)
             if rank == 0 and step % 100 == 0:
                 print(f"step {step} loss {loss.item():.4f}", flush=True)
 

@@ -189,16 +189,21 @@ class Plans:
     def _moved_from_live_node(self, job: Job, ranks: tuple[int, ...], node: str) -> tuple[int, str] | None:
         """A rank of ``ranks`` and a live node other than ``node`` holding that rank's own (local) copies, if any.
 
-        Such a rank restarts on a new node while its old node still counts as alive: most likely the old node
-        just died (a replacement that started within the death timeout, as a warm spare does). Its copies there
-        still count for G, so a round frozen now could name a step that only the dead node held; the request
-        waits (unrecorded, so the round cannot freeze) until the node is declared dead, at most the death timeout
-        from the round's first request (after which a live old node is taken at its word)."""
+        Such a rank restarts on a new node while its old node still counts as alive and last reported the rank's
+        process running: most likely the old node just died (a replacement that started within the death
+        timeout, as a warm spare does). Its copies there still count for G, so a round frozen now could name a
+        step that only the dead node held; the request waits (unrecorded, so the round cannot freeze) until the
+        node is declared dead, at most the death timeout from the round's first request (after which a live old
+        node is taken at its word). A live old node whose report shows the rank's process gone (ranks moved
+        between nodes at a launcher's restart) holds nothing up."""
         nodes = self._membership.nodes
         for rank in ranks:
             for holders in job.holders.get(rank, {}).values():
                 for holder, local in holders.items():
-                    if local and holder != node and (n := nodes.get(holder)) is not None and n.alive:
+                    if not local or holder == node or (n := nodes.get(holder)) is None or not n.alive:
+                        continue
+                    info = n.ranks.get((job.name, rank))
+                    if info is not None and info.alive:  # its last report still has the rank's process running
                         return rank, holder
         return None
 

@@ -1,0 +1,45 @@
+"""``snapshotd-bench live``, short: one rank per node, a full restart and a live recovery of the same job, each on
+a torchrun per emulated node (the full sizes and the spare modes are ``snapshotd-bench live``'s defaults)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from snapshotd.bench import cli
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(400)
+def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, capsys) -> None:
+    json_path = tmp_path / "live.json"
+    status = cli.main(["live", "--ranks-per-node", "1", "--modes", "restart,live", "--steps", "14",
+                       "--kill-after", "4", "--step-delay", "0.1", "--json", str(json_path),
+                       "--workdir", str(tmp_path / "work")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0, out
+    doc = json.loads(json_path.read_text())
+    rows = {r["mode"]: r for r in doc["results"]}
+    assert set(rows) == {"restart", "live"}
+    assert rows["live"]["survivors_kept"] == 1 and rows["restart"]["survivors_kept"] == 0
+    for row in rows.values():
+        assert row["epochs"] == 1 and row["step_restored"] >= 4 - 1
+        phases = [row[k] for k in ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds")]
+        assert all(p >= 0 for p in phases) and 0 < row["detection_seconds"] < 5, row  # gloo sees the loss at once
+    assert rows["live"]["survivor_work_seconds"] > 0
+    s = doc["summary"]
+    assert s["live_speedup"] == pytest.approx(s["full_restart_seconds"] / s["live_seconds"])
+    assert s["survivors_kept_live"] is True and s["survivor_work_mode"] == "live"
+
+
+def test_bad_arguments_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="--ranks-per-node"):
+        cli.main(["live", "--ranks-per-node", "0"])
+    with pytest.raises(ValueError, match="comma-separated"):
+        cli.main(["live", "--ranks-per-node", "two"])
+    with pytest.raises(ValueError, match="--modes"):
+        cli.main(["live", "--modes", "live"])
+    with pytest.raises(ValueError, match="--kill-after"):
+        cli.main(["live", "--steps", "5", "--kill-after", "4"])
