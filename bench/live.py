@@ -3,17 +3,17 @@
 A job of :mod:`.live_trainer` runs on two emulated nodes, each a sidecar and a torchrun agent of its own
 (``--standalone --nnodes 1``, ``--ranks-per-node`` workers), beside a coordinator and the rendezvous store of
 ``examples/torchrun_ddp/rdzv_store.py`` on loopback. Mid-run the second node dies (its sidecar, agent and workers
-SIGKILLed together, its shared memory gone) and a replacement node takes its index. For each size the same job
-runs once per ``--modes``:
+SIGKILLed together, its shared memory gone) and a replacement node takes its seat: the first two nodes are placed
+by their index (``--node-index``), the replacement asks snapshotd for a seat (``--nodes``) and gets the lost one.
+For each size the same job runs once per ``--modes``:
 
 - ``restart``: the launcher's full restart. The survivors exit at the loss (``--on-loss exit``), their torchrun
   restarts its workers, and every rank starts a process, imports torch, builds the model, forms the group and
   restores.
 - ``live``: the survivors ``recover()`` in their processes; only the replacement's ranks start.
-- ``restart+spare`` / ``live+spare``: the same, with the replacement node started ahead for the node that is
-  lost (a warm spare: its ranks wait in the job's next epoch with their model built), which takes the
-  replacement's own start off the recovery; otherwise the replacement starts after the loss, as a scheduler
-  would start it.
+- ``restart+spare`` / ``live+spare``: the same, with the replacement node started ahead (a warm spare: its
+  ranks wait for a seat with their model built, and take whichever comes free), which takes the replacement's
+  own start off the recovery; otherwise the replacement starts after the loss, as a scheduler would start it.
 
 Each row splits the time from the kill to the first step every rank completed after recovery into detection
 (the kill to the first survivor seeing the loss), group (from there to the new group formed on every rank: a
@@ -33,7 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
+import glob
 import json
 import logging
 import os
@@ -43,8 +43,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
-
-import torch.distributed as dist
 
 from snapshotd.demo import wait_for
 from snapshotd.local_cluster import LocalCluster, held_interrupts
@@ -64,38 +62,50 @@ STORE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 
 class LiveRanks:
-    """The rank processes of one live-mode job: node ``i`` runs ranks ``i * per_node`` to ``(i + 1) * per_node - 1``.
+    """The rank processes of one live-mode job, started directly, node by node (each node has a label).
 
-    Each rank runs :mod:`.live_trainer` with ``flags`` (besides rank, world, store, job, sidecar, out and
-    progress); its output goes to ``workdir/<tag>-rank<R>.log``, its result to ``<tag>-rank<R>.json``. Starting a
-    node's ranks again (a replacement, or the launcher's restart) appends to the same log and result paths.
+    A node started with an ``index`` runs ranks ``index * per_node`` to ``(index + 1) * per_node - 1``; one
+    started without asks snapshotd for its seat (``--nodes``, with ``$LOCAL_RANK`` and ``$LOCAL_WORLD_SIZE`` set as
+    torchrun sets them). Each rank runs :mod:`.live_trainer` with ``flags`` (besides its placement, store, job,
+    sidecar, out and progress); its output goes to ``workdir/<tag>/<label>-<local rank>.log``, its result and
+    progress to ``workdir/<tag>/rank<R>.json`` and ``.progress``, so a replacement's ranks write where the lost
+    ones wrote.
     """
 
     def __init__(self, workdir: str, *, tag: str, job: str, store: str, nodes: int, per_node: int,
                  flags: Sequence[str] = ()) -> None:  # fmt: skip
-        self.workdir, self.tag, self.job, self.store = workdir, tag, job, store
+        self.dir = os.path.join(workdir, tag)
+        os.makedirs(self.dir, exist_ok=True)
+        self.tag, self.job, self.store = tag, job, store
         self.nodes, self.per_node, self.world = nodes, per_node, nodes * per_node
         self.flags = list(flags)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-
-    def ranks(self, node: int) -> range:
-        return range(node * self.per_node, (node + 1) * self.per_node)
+        self.procs: dict[str, list[subprocess.Popen[bytes]]] = {}  # label -> its ranks' processes, running or done
 
     def path(self, rank: int, kind: str) -> str:
-        return os.path.join(self.workdir, f"{self.tag}-rank{rank}.{kind}")
+        return os.path.join(self.dir, f"rank{rank}.{kind}")
 
-    def start_node(self, node: int, ipc: str) -> None:
-        """Start node ``node``'s ranks, talking to the sidecar at ``ipc``."""
-        for rank in self.ranks(node):
-            argv = [sys.executable, "-m", "snapshotd.bench.live_trainer", "--rank", str(rank), "--world",
-                    str(self.world), "--store", self.store, "--job", self.job, "--sidecar", ipc,
-                    "--out", self.path(rank, "json"), "--progress", self.path(rank, "progress"), *self.flags]  # fmt: skip
-            with open(self.path(rank, "log"), "ab") as log, held_interrupts():  # kill() stops what procs holds
-                self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                    stdin=subprocess.DEVNULL)  # fmt: skip
+    def start_node(self, label: str, ipc: str, index: int | None = None) -> None:
+        """Start node ``label``'s ranks, talking to the sidecar at ``ipc``: those of ``index``, or of the seat
+        snapshotd gives the node."""
+        self.procs[label] = []
+        for local in range(self.per_node):
+            place = ["--nodes", str(self.nodes)] if index is None else \
+                ["--rank", str(index * self.per_node + local), "--world", str(self.world)]  # fmt: skip
+            argv = [sys.executable, "-m", "snapshotd.bench.live_trainer", *place, "--store", self.store,
+                    "--job", self.job, "--sidecar", ipc, "--out", self.dir, "--progress", self.dir, *self.flags]  # fmt: skip
+            env = {**os.environ, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.per_node)}
+            with open(os.path.join(self.dir, f"{label}-{local}.log"), "ab") as log, held_interrupts():
+                self.procs[label].append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                                          stdin=subprocess.DEVNULL, env=env))  # fmt: skip
 
-    def node_procs(self, node: int) -> list[subprocess.Popen[bytes]]:
-        return [self.procs[r] for r in self.ranks(node)]
+    def lose(self, label: str) -> list[subprocess.Popen[bytes]]:
+        """Node ``label``'s processes, no longer waited for (the caller kills them with the node)."""
+        return self.procs.pop(label)
+
+    def ranks_of(self, label: str) -> list[int]:
+        """The ranks node ``label``'s processes run, as their progress files tell (after their first step)."""
+        pids = {p.pid for p in self.procs[label]}
+        return [r for r in range(self.world) if self.progress(r)["pid"] in pids]
 
     def progress(self, rank: int) -> dict[str, Any]:
         """The rank's last completed ``step``, when (``time``) and by which ``pid``; step 0 before any."""
@@ -105,34 +115,41 @@ class LiveRanks:
         except (OSError, ValueError):
             return {"step": 0, "time": 0.0, "pid": 0}
 
-    def log_tail(self, rank: int, lines: int = 30) -> str:
-        try:
-            with open(self.path(rank, "log"), errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+    def log_tail(self, label: str, lines: int = 30) -> str:
+        """The end of the logs of node ``label``'s ranks."""
+        out = []
+        for local in range(self.per_node):
+            try:
+                with open(os.path.join(self.dir, f"{label}-{local}.log"), errors="replace") as f:
+                    out.append(f"--- {label}-{local}\n" + "".join(f.readlines()[-lines:]))
+            except OSError:
+                pass
+        return "".join(out)
 
-    def failed(self) -> dict[int, int]:
-        """Ranks that exited non-zero, with their codes."""
-        return {r: p.returncode for r, p in self.procs.items() if p.poll() not in (None, 0)}
+    def failed(self) -> dict[str, list[int]]:
+        """Nodes with a rank that exited non-zero, with the exit codes."""
+        codes = {label: [p.returncode for p in procs if p.poll() not in (None, 0)] for label, procs in self.procs.items()}
+        return {label: c for label, c in codes.items() if c}
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         """Wait for every rank to finish; their results in rank order.
 
         Raises:
-            RuntimeError: a rank exited non-zero or did not finish in time (every rank killed; its log tail given).
+            RuntimeError: a rank exited non-zero or did not finish in time (every rank killed; its node's log tail
+                given).
         """
         deadline = time.monotonic() + timeout
-        for rank, proc in sorted(self.procs.items()):
-            try:
-                code = proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise RuntimeError(f"{self.tag}: rank {rank} did not finish within {timeout:.0f} s:\n"
-                                   f"{self.log_tail(rank)}") from None  # fmt: skip
-            if code != 0:
-                self.kill()
-                raise RuntimeError(f"{self.tag}: rank {rank} exited with {code}:\n{self.log_tail(rank)}")
+        for label, procs in sorted(self.procs.items()):
+            for proc in procs:
+                try:
+                    code = proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.kill()
+                    raise RuntimeError(f"{self.tag}: node {label} did not finish within {timeout:.0f} s:\n"
+                                       f"{self.log_tail(label)}") from None  # fmt: skip
+                if code != 0:
+                    self.kill()
+                    raise RuntimeError(f"{self.tag}: a rank of node {label} exited with {code}:\n{self.log_tail(label)}")
         results = []
         for rank in range(self.world):
             with open(self.path(rank, "json")) as f:
@@ -140,10 +157,11 @@ class LiveRanks:
         return results
 
     def kill(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
+        for procs in self.procs.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(10)
 
 
 # -- the benchmark
@@ -181,21 +199,16 @@ class LiveConfig:
 _PHASES = ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds", "total_seconds")
 
 
-def _torchrun_node(cluster: LocalCluster, workdir: str, name: str, addr: str, *, index: int, per_node: int,
+def _torchrun_node(cluster: LocalCluster, workdir: str, name: str, addr: str, *, index: int | None, per_node: int,
                    script_args: list[str]) -> EmulatedNode:  # fmt: skip
-    """A node: its sidecar and a torchrun agent of its own (one node per torchrun job, as live mode runs)."""
+    """A node: its sidecar and a torchrun agent of its own (one node per torchrun job, as live mode runs), its
+    ranks those of ``index`` or, None, of the seat snapshotd gives it."""
     torchrun_args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node), "--max-restarts", "3",
                      "--monitor-interval", "0.1"]  # fmt: skip
+    place = ["--nodes", "2"] if index is None else ["--node-index", str(index), "--world", str(2 * per_node)]
     return EmulatedNode(cluster, name, addr, torchrun_args=torchrun_args, script="-m",
-                        script_args=["snapshotd.bench.live_trainer", "--node-index", str(index), *script_args],
+                        script_args=["snapshotd.bench.live_trainer", *place, *script_args],
                         env=dict(TORCHRUN_ENV), workdir=workdir)  # fmt: skip
-
-
-def _arrived(store: str, job: str, epoch: int) -> int:
-    """How many ranks arrived in ``epoch`` of ``job`` (live mode's membership count in the rendezvous store)."""
-    host, port = store.rsplit(":", 1)
-    client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
-    return int(client.add(f"snapshotd/{job}/e{epoch}/arrived", 0))
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -219,7 +232,7 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
     world = 2 * per_node
     job = f"live-{name}"
     steps = max(cfg.steps, cfg.spare_steps) if spare else cfg.steps  # still running once the spare is ready
-    script_args = ["--world", str(world), "--store", store, "--job", job, "--steps", str(steps),
+    script_args = ["--store", store, "--job", job, "--steps", str(steps),
                    "--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10",
                    "--on-loss", "recover" if mode.startswith("live") else "exit", "--out", out, "--progress", out]  # fmt: skip
     nodes = [_torchrun_node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", index=i, per_node=per_node,
@@ -245,15 +258,16 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
             return progress(world - 1) >= cfg.kill_after and durable()
 
         def replacement() -> EmulatedNode:
-            node = _torchrun_node(cluster, workdir, f"{name}-C", "127.0.0.4", index=1, per_node=per_node,
+            node = _torchrun_node(cluster, workdir, f"{name}-C", "127.0.0.4", index=None, per_node=per_node,
                                   script_args=script_args)  # fmt: skip
             nodes.append(node)
             return node
 
-        if spare:  # once the job runs (its first group formed), the spare's ranks wait in the next epoch
+        if spare:  # once the job runs (its first group formed), the spare's ranks wait for a seat, model built
             wait_for(lambda: progress(0) >= 1, cfg.timeout, "the job's first step")
             replacement()
-            wait_for(lambda: _arrived(store, job, 1) >= per_node, cfg.timeout, "the spare waiting in epoch 1")
+            wait_for(lambda: len(glob.glob(os.path.join(out, "built.*"))) >= 3 * per_node, cfg.timeout,
+                     "the spare's ranks waiting for a seat, model built")  # fmt: skip
         wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
         pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
         killed_at = nodes[1].kill()

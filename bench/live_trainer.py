@@ -1,7 +1,7 @@
 """A DDP training job in live mode, for the live-recovery test and ``snapshotd-bench live``.
 
 Each rank is a process (``python -m snapshotd.bench.live_trainer ...``, or a worker of a per-node ``torchrun``
-with ``--node-index``) that forms its gloo group with :func:`snapshotd.client.live.init_process_group` (the
+with ``--node-index``, or with ``--nodes``: snapshotd gives the node its seat) that forms its gloo group with :func:`snapshotd.client.live.init_process_group` (the
 rendezvous store of ``--store``), trains the GPT of :mod:`.workloads` wrapped in ``DistributedDataParallel``
 exactly as :mod:`.trainer` does (the batch of step ``s`` on rank ``r`` depends only on ``(seed, r, s)``), and
 snapshots every step. Its loop is the one the README shows for live mode::
@@ -19,7 +19,8 @@ snapshots every step. Its loop is the one the README shows for live mode::
 A rank that exits with ``--on-loss exit`` first writes when the failure surfaced to ``<result path>.lost``.
 The rank writes a JSON result when done (losses, a SHA-256 over its final state, its pid, and one record per
 recovery: when the failure surfaced, the step recovered and the phases' seconds) and keeps a progress file
-(``--progress``: the last completed step, when it completed (``time.time()``) and the pid).
+(``--progress``: the last completed step, when it completed (``time.time()``) and the pid); given a folder as
+``--progress``, it also writes ``built.<pid>`` there once its model is built, before it asks for its group.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ EXIT_PEER_LOST = 3
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, default=None, help="rank in the job (default: from --node-index)")
+    p.add_argument("--rank", type=int, default=None, help="rank in the job (or --node-index, or --nodes)")
     p.add_argument("--node-index", type=int, default=None,
                    help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)")  # fmt: skip
-    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--nodes", type=int, default=None,
+                   help="the job's nodes: snapshotd gives this node a seat, rank = its first + $LOCAL_RANK")  # fmt: skip
+    p.add_argument("--world", type=int, default=None, help="the job's ranks (with --rank or --node-index)")
     p.add_argument("--store", required=True, help="the rendezvous store, host:port")
     p.add_argument("--job", required=True, help="the job (snapshotd's, and the live group's in the store)")
     p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
@@ -69,32 +72,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)")
     p.add_argument("--progress", default=None, help="progress file (a folder under torchrun: rank{R}.progress)")
     args = p.parse_args(argv)
-    if (args.rank is None) == (args.node_index is None):
-        p.error("give exactly one of --rank and --node-index")
+    if sum(x is not None for x in (args.rank, args.node_index, args.nodes)) != 1:
+        p.error("give exactly one of --rank, --node-index and --nodes")
+    if (args.world is None) != (args.nodes is not None):
+        p.error("--world goes with --rank and --node-index, not with --nodes")
     rank = args.rank
-    if rank is None:
+    if args.node_index is not None:
         rank = args.node_index * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+
+    from snapshotd.client import PeerLost, Snapshotter, live
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    t_start = time.time()
+    # the model first, the group after: a spare started ahead waits for its seat and group with its model built
+    cfg, state, _ = build_state(args.params, args.steps, args.seed)
+    opt, sched = state["optim"], state["sched"]
+    if args.progress is not None and os.path.isdir(args.progress):  # the model is built (a spare is now warm)
+        _write_atomic(os.path.join(args.progress, f"built.{os.getpid()}"), json.dumps({"time": time.time()}))
+    if args.nodes is not None:
+        group = live.init_process_group(store=args.store, job=args.job, nodes=args.nodes, sidecar=args.sidecar,
+                                        timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
+    else:
+        group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
+                                        timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
+    rank, world = group.rank, group.world_size
+    t_group = time.time()
     out = os.path.join(args.out, f"rank{rank}.json") if os.path.isdir(args.out) else args.out
     progress = args.progress
     if progress is not None and os.path.isdir(progress):
         progress = os.path.join(progress, f"rank{rank}.progress")
-
-    from snapshotd.client import PeerLost, Snapshotter, live
-
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(name)s: %(message)s")
-    torch.set_num_threads(1)
-    t_start = time.time()
-    # the model first, the group after: a spare started ahead waits in the group with its model built
-    cfg, state, _ = build_state(args.params, args.steps, args.seed)
-    opt, sched = state["optim"], state["sched"]
-    group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
-                                    timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
-    t_group = time.time()
     trained = torch.nn.parallel.DistributedDataParallel(state["model"], bucket_cap_mb=args.bucket_mb)
     losses: dict[int, float] = {}
     done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
     recoveries: list[dict[str, Any]] = []
-    snap = Snapshotter(state, job=args.job, rank=rank, world_size=args.world, sidecar=args.sidecar,
+    snap = Snapshotter(state, job=args.job, rank=rank, world_size=world, sidecar=args.sidecar,
                        live=group) if args.snapshot else None  # fmt: skip
     guard = snap.guard if snap is not None else contextlib.nullcontext
     try:

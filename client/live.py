@@ -39,15 +39,20 @@ the state.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from snapshotd.proto import SeatReply, SeatRequest
+
+from .channel import Channel
 from .ddp import rebuild_reducer
 from .errors import RecoveryFailed
 from .identity import Identity
@@ -87,6 +92,7 @@ class LiveGroup:
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
         self.epoch = -1
         self.timings: dict[str, float] = {}
+        self._links: dict[int, str] = {}  # the current group's connections: fd -> its socket's /proc link
 
     def __repr__(self) -> str:
         return f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
@@ -95,8 +101,22 @@ class LiveGroup:
         """Form the job's group as a fresh process (the job's start, a replacement, a restarted rank)."""
         self._form(int(self.store.compare_set("epoch", "", "0")))
 
+    def leave(self) -> None:
+        """Shut this rank's connections of the current group (its listener stays open, as gloo needs it).
+
+        A peer blocked in a collective waiting on this rank (not on the rank that died) would otherwise wait for
+        the group's ``timeout``: gloo closes neither on an error nor when the group is destroyed (DDP still holds
+        it), and a collective in flight cannot be aborted. Shut, the peer's collective fails at once ("Connection
+        closed by peer"), and it leaves too. The connections are those the process opened while the group formed
+        (TCP, Linux ``/proc``; elsewhere nothing is shut). Idempotent; :meth:`rejoin` calls it first.
+        """
+        for fd, link in self._links.items():
+            _shut(fd, link)
+        self._links = {}
+
     def rejoin(self) -> None:
         """Leave the current (broken) group and form the next one with the job's new membership."""
+        self.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
         self._form(self._next(self.epoch))
@@ -133,6 +153,7 @@ class LiveGroup:
                 epoch = self._next(epoch)
                 continue
             t2 = time.monotonic()
+            before = set(_sockets().values())
             try:
                 dist.init_process_group(self.backend, store=dist.PrefixStore(f"e{epoch}/pg", self.store),
                                         rank=self.rank, world_size=self.world_size,
@@ -144,6 +165,7 @@ class LiveGroup:
                 _forget_failed_group()
                 epoch = self._next(epoch)
                 continue
+            self._links = {fd: link for fd, link in _sockets().items() if link not in before}
             self.epoch = epoch
             self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
             log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
@@ -177,6 +199,35 @@ class LiveGroup:
         return True
 
 
+def _sockets() -> dict[int, str]:
+    """This process's sockets: fd -> its ``/proc/self/fd`` link (``socket:[inode]``); empty without ``/proc``."""
+    out: dict[int, str] = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                out[int(fd)] = link
+    return out
+
+
+def _shut(fd: int, link: str) -> None:
+    """``shutdown()`` the TCP connection at ``fd`` if it is still the socket ``link`` names and not a listener."""
+    with contextlib.suppress(OSError):
+        if os.readlink(f"/proc/self/fd/{fd}") != link:
+            return  # closed, and the number reused
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            inet = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
+            if inet and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
 def _forget_failed_group() -> None:
     """Undo what a failed ``init_process_group`` left: the default group, or torch's count of groups named.
 
@@ -192,36 +243,86 @@ def _forget_failed_group() -> None:
 
 def init_process_group(
     *, store: str | None = None, job: str | None = None, rank: int | None = None, world_size: int | None = None,
-    backend: str = "gloo", timeout: float = 60.0, join_timeout: float = 600.0, attempts: int = 3,
+    nodes: int | None = None, sidecar: str | None = None, backend: str = "gloo", timeout: float = 60.0,
+    join_timeout: float = 600.0, attempts: int = 3,
 ) -> LiveGroup:
     """Form the job's default process group in live mode (in place of ``torch.distributed.init_process_group``).
+
+    The rank comes from ``rank`` (or ``$RANK``), or, with ``nodes``, from snapshotd: the job then runs on
+    ``nodes`` nodes of ``$LOCAL_WORLD_SIZE`` ranks each, the coordinator gives this node a seat (a block of
+    ranks; see :mod:`snapshotd.coordinator.seats`) and this process takes rank ``first + $LOCAL_RANK`` of it.
+    A node started while every seat is held (a spare) waits, for at most ``join_timeout``, until a node of the
+    job dies, and takes its seat.
 
     Args:
         store: the rendezvous store's ``host:port``; default ``$SNAPSHOTD_STORE``.
         job, rank, world_size: as for the Snapshotter (default ``$SNAPSHOTD_JOB`` or ``$TORCHELASTIC_RUN_ID``,
             ``$RANK``, ``$WORLD_SIZE``). ``rank`` is the rank in the whole job, not on the node.
+        nodes: let snapshotd place this node's ranks, in a job of this many nodes (instead of ``rank`` and
+            ``world_size``).
+        sidecar: the node sidecar's ipc path (with ``nodes``), as for the Snapshotter.
         backend: ``gloo`` (the one live mode is tested with).
         timeout: seconds for the group's collectives and its creation: a hung peer is noticed after this long.
-        join_timeout: seconds to wait for the whole membership (the survivors wait this long for a replacement).
+        join_timeout: seconds to wait for the whole membership (the survivors wait this long for a replacement),
+            and for a seat.
         attempts: epochs tried before giving up when members die while the group forms.
 
     Raises:
-        ValueError: no store, or a malformed one; missing job, rank or world size.
-        RecoveryFailed: the membership did not fill within ``join_timeout``, or no group formed.
+        ValueError: no store, or a malformed one; missing job, rank or world size; ``nodes`` with ``rank`` or
+            ``world_size``, or without ``$LOCAL_RANK`` and ``$LOCAL_WORLD_SIZE``.
+        RecoveryFailed: no seat came free within ``join_timeout``; the membership did not fill within
+            ``join_timeout``, or no group formed.
+        SnapshotdError: the seat request failed (the sidecar or coordinator refused it, or did not answer).
     """
+    if timeout <= 0 or join_timeout <= 0 or attempts < 1:  # before connecting; LiveGroup checks them too
+        raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+    if nodes is not None:
+        if rank is not None or world_size is not None:
+            raise ValueError("give nodes= (snapshotd places the ranks) or rank= and world_size=, not both")
+        rank, world_size = _seat(job, nodes, sidecar, join_timeout)
     me = Identity.resolve(job, rank, world_size, None)
     where = store if store is not None else os.environ.get(STORE_ENV, "")
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"live mode needs the rendezvous store as host:port (store= or ${STORE_ENV}), got {where!r}")
-    if timeout <= 0 or join_timeout <= 0 or attempts < 1:  # before connecting; LiveGroup checks them too
-        raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
     client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=max(timeout, 30.0)))  # fmt: skip
     group = LiveGroup(client, job=me.job, rank=me.rank, world_size=me.world_size, backend=backend,
                       timeout=timeout, join_timeout=join_timeout, attempts=attempts)  # fmt: skip
     group.join()
     return group
+
+
+def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> tuple[int, int]:
+    """This process's rank and the world size, from the seat the coordinator gives this node (see
+    :func:`init_process_group`).
+
+    Raises:
+        ValueError: ``nodes`` < 1, ``$LOCAL_RANK`` or ``$LOCAL_WORLD_SIZE`` missing or inconsistent.
+        RecoveryFailed: every seat stayed held by a live node for ``timeout`` seconds.
+        SnapshotdError: the sidecar or coordinator refused the request or did not answer.
+    """
+    local_rank, per_node = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local_rank.isdigit() or not per_node.isdigit() or not 0 <= int(local_rank) < int(per_node):
+        raise ValueError("nodes= needs $LOCAL_RANK and $LOCAL_WORLD_SIZE (torchrun sets them), got "
+                         f"{local_rank!r} and {per_node!r}")  # fmt: skip
+    if nodes < 1:
+        raise ValueError(f"nodes must be >= 1, got {nodes}")
+    world_size = nodes * int(per_node)
+    me = Identity.resolve(job, 0, world_size, sidecar)  # the job's name and the sidecar; the rank comes from the seat
+    ask = SeatRequest(job=me.job, world_size=world_size, per_node=int(per_node), timeout_s=timeout)
+    channel = Channel(me.sidecar, lambda msg: None)
+    try:
+        reply = channel.request(ask, SeatReply.TYPE, timeout + 30.0)
+    finally:
+        channel.close()
+    assert isinstance(reply, SeatReply)
+    if reply.status != "given":
+        raise RecoveryFailed(f"job {me.job!r}: no seat for this node within {timeout:.0f} s: {reply.reason}")
+    rank = reply.first + int(local_rank)
+    log.info("[job %s] this node has seat %d: ranks %d-%d; this process is rank %d", me.job,
+             reply.first // int(per_node), reply.first, reply.first + int(per_node) - 1, rank)  # fmt: skip
+    return rank, world_size
 
 
 def check_rebindable(ddp: Any, where: str) -> None:

@@ -260,6 +260,7 @@ class Snapshotter:
         except Exception as exc:
             if not is_peer_failure(exc):
                 raise
+            self._live.leave()  # the peers blocked on this rank fail now, not after the group's timeout
             raise PeerLost(f"job {self.job!r} rank {self.rank}: a peer of epoch {self._live.epoch} was lost: "
                            f"{str(exc).splitlines()[0][:300]}") from exc  # fmt: skip
 

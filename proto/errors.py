@@ -89,7 +89,7 @@ class ErrorCode(enum.StrEnum):
 
     PLAN_TIMEOUT = "plan_timeout"
     """The sidecar got no recovery plan from the coordinator: none came in time, or the coordinator refused the
-    request (ipc, answering a restore request)."""
+    request (ipc, answering a restore request); or no answer to a seat request came in time."""
 
     NOT_RECOVERABLE = "not_recoverable"
     """No step is recoverable for every rank of the job: restore from a disk checkpoint (ipc, answering a

@@ -8,7 +8,7 @@ Three conversations use these messages:
 
 - ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
   :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreProgress`,
-  :class:`RestoreReply`.
+  :class:`RestoreReply`, and :class:`SeatRequest`, :class:`SeatReply` (also sidecar to coordinator).
 - data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
@@ -30,7 +30,7 @@ from . import limits as L
 from .errors import ErrorCode
 from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
 from .records import Assignment, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
-from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, spec_field
+from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, Str, spec_field
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -55,6 +55,8 @@ __all__ = [
     "RestoreProgress",
     "RestoreReply",
     "RestoreRequest",
+    "SeatReply",
+    "SeatRequest",
     "SidecarRegistered",
     "SlotUpdate",
     "StatusReply",
@@ -519,6 +521,32 @@ class HoldersReply(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SeatRequest(Message):
+    """Which seat of ``job`` sidecar ``node`` has: the block of ``per_node`` ranks its processes run, of a job of
+    ``world_size`` ranks placed by snapshotd (live mode with ``nodes=``; see :mod:`snapshotd.coordinator.seats`).
+
+    A rank asks its sidecar (ipc, ``node`` left empty: the sidecar names itself), which asks the coordinator
+    until it answers ``given`` or ``timeout_s`` seconds have passed."""
+
+    TYPE: ClassVar[str] = "seat_request"
+    world_size: int = spec_field(WORLD)
+    per_node: int = spec_field(Int(1, L.MAX_PLAN_RANKS))
+    node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
+    timeout_s: float = spec_field(SECONDS, default=0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SeatReply(Message):
+    """The answer to a :class:`SeatRequest`: ``given`` (the node runs ranks ``first`` up to ``first + per_node -
+    1``) or ``wait`` (every seat is held by a live node: ``reason`` says so; ask again)."""
+
+    TYPE: ClassVar[str] = "seat_reply"
+    status: str = spec_field(Enum(("given", "wait")))
+    first: int = spec_field(RANK, default=0)
+    reason: str = spec_field(TEXT, default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """A refusal: ``code`` says why for programs (see :class:`ErrorCode`), ``message`` for people.
 
@@ -538,6 +566,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreProgress, RestoreReply,
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
-        StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, Error,
+        StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, SeatRequest, SeatReply,
+        Error,
     )
 }  # fmt: skip

@@ -61,6 +61,7 @@ from snapshotd.proto import (
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
+    SeatRequest,
     StatusReply,
     StatusRequest,
     decode,
@@ -346,6 +347,8 @@ class _Server:
             return self.state.membership.member(msg)
         if isinstance(msg, HoldersQuery):
             return holders(self.state.jobs, self.state.membership, msg)
+        if isinstance(msg, SeatRequest):
+            return self.state.seats.ask(msg, now)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "

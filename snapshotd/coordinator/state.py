@@ -6,6 +6,7 @@ node this process does not know gets ``known=False`` and the sidecar registers a
 
 The parts: :mod:`.membership` (nodes, liveness, the heartbeat schedule), :mod:`.jobs` (the inventory index and
 the watermarks), :mod:`.reports` (heartbeat ingest), :mod:`.placement` (buddies), :mod:`.plans` (plan rounds),
+:mod:`.seats` (which ranks a node runs),
 :mod:`.replication` (the re-replication sweep) and :mod:`.status` (the status document). A request that concerns
 one part goes to it directly (``state.plans.plan(...)``, ``state.membership.member(...)``); this class answers
 those that concern several: registration, heartbeats and expiry.
@@ -33,6 +34,7 @@ from .placement import Placement
 from .plans import Plans
 from .replication import Sweep
 from .reports import Reports
+from .seats import Seats
 from .status import status_parts
 
 __all__ = ["CoordinatorState"]
@@ -61,6 +63,7 @@ class CoordinatorState:
         self.jobs = Jobs(cfg.replicas)
         self.placement = Placement(self.membership, cfg.replicas)
         self.plans = Plans(self.jobs, self.membership, now)
+        self.seats = Seats(self.jobs, self.membership, self.plans)
         self._reports = Reports(self.jobs, self.membership)
         self._sweep = Sweep(cfg, self.jobs, self.membership, self.placement, now)
         self._unreported: dict[str, float] = {}  # job -> since when no live node reports it
@@ -143,6 +146,7 @@ class CoordinatorState:
             elif now - self._unreported.setdefault(name, now) >= self.cfg.forget_jobs_after:
                 del self._unreported[name]
                 self.jobs.forget(name)
+                self.seats.forget(name)
                 log.info("job %s: no live node has reported it for %.0f s; forgotten", name, self.cfg.forget_jobs_after)
 
     def status(self, now: float) -> dict[str, Any]:

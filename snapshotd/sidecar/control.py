@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import TypeVar
 
 from snapshotd.proto import (
     Error,
@@ -19,6 +20,8 @@ from snapshotd.proto import (
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
+    SeatReply,
+    SeatRequest,
     SidecarRegistered,
     decode,
     encode,
@@ -40,6 +43,7 @@ PLAN_REQUEST_TIMEOUT = 5.0
 request that must wait (``CoordinatorConfig.plan_hold``, 3 s by default)."""
 
 _GroupKey = tuple[str, int, str]  # (job, world_size, node)
+_Reply = TypeVar("_Reply", bound=Message)
 
 
 class CoordinatorUnavailable(TimeoutError):
@@ -160,27 +164,60 @@ class CoordinatorClient:
     async def is_member(self, host: str, timeout: float) -> bool:
         """Whether ``host`` is the host of a live member's data address (see :class:`~snapshotd.proto.MemberQuery`).
 
-        Each question has a socket of its own, closed when answered: they are rare (a data-plane connection being
-        set up) and may overlap.
+        Each question has a socket of its own: they are rare (a data-plane connection being set up) and may
+        overlap.
 
         Raises:
             CoordinatorUnavailable: no answer within ``timeout``.
             ProtocolError: the coordinator refused the question or answered something else.
         """
+        try:
+            reply = await self._ask(MemberQuery(host=host), MemberReply, timeout)
+        except TimeoutError:
+            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
+        return reply.member
+
+    async def seat(self, req: SeatRequest, deadline: float) -> SeatReply:
+        """The node's seat in ``req.job`` (see :mod:`snapshotd.coordinator.seats`), asked again every
+        ``PLAN_POLL_SECONDS`` while the coordinator answers ``wait``, until ``deadline`` (monotonic); the last
+        ``wait`` when it passes.
+
+        Each request has a socket of its own (a node's ranks ask once, at their start).
+
+        Raises:
+            CoordinatorUnavailable: no answer before ``deadline``.
+            ProtocolError: the coordinator refused the request or answered something else.
+        """
+        while True:
+            try:
+                reply = await self._ask(req, SeatReply, max(0.0, min(deadline - time.monotonic(), PLAN_REQUEST_TIMEOUT)))
+            except TimeoutError:
+                if time.monotonic() < deadline:
+                    continue
+                raise self._timed_out(PLAN_REQUEST_TIMEOUT) from None
+            if reply.status == "given" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
+                return reply
+            await asyncio.sleep(PLAN_POLL_SECONDS)
+
+    async def _ask(self, msg: Message, answer: type[_Reply], timeout: float) -> _Reply:
+        """``msg``'s answer, asked on a socket of its own, closed when answered.
+
+        Raises:
+            TimeoutError: no answer within ``timeout``.
+            ProtocolError: the coordinator refused ``msg`` or answered something other than ``answer``.
+        """
         sock = self._socket()
         try:
             async with asyncio.timeout(timeout):
-                await sock.send(encode(MemberQuery(host=host)))
+                await sock.send(encode(msg))
                 reply = decode(await sock.recv(copy=True))
-        except TimeoutError:
-            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
         finally:
             sock.close()
         if isinstance(reply, Error):
-            raise ProtocolError(f"coordinator refused member_query: {reply.message}")
-        if not isinstance(reply, MemberReply):
-            raise ProtocolError(f"coordinator answered {reply.TYPE} to member_query")
-        return reply.member
+            raise ProtocolError(f"coordinator refused {msg.TYPE}: {reply.message}")
+        if not isinstance(reply, answer):
+            raise ProtocolError(f"coordinator answered {reply.TYPE} to {msg.TYPE}")
+        return reply
 
     async def plan(self, req: PlanRequest, deadline: float) -> PlanReply:
         """The recovery plan of ``req.rank`` (``req.ranks`` must be empty), asked for until it is not ``wait``.

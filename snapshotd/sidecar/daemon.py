@@ -108,7 +108,8 @@ class Sidecar:
             notices = RankNotices(ipc_out)
             streams = StreamService(self.state, cfg, links, self.pacer, self.tasks, notices.slots)
             restores = RestoreService(self.state, cfg, control, links, ipc_out, notices.slots)
-            ingest = IngestService(self.state, notices, streams, restores, self.tasks, self.pacer, cfg.chunk_bytes)
+            ingest = IngestService(self.state, notices, streams, restores, self.tasks, self.pacer, cfg.chunk_bytes,
+                                   control)  # fmt: skip
             serve = ServeService(self.state, data_out, self.tasks)
             heartbeat = ControlService(self.state, cfg, control, streams, serve,
                                        ReplicateService(self.state, links), self.tasks, notices.slots)  # fmt: skip

@@ -1,30 +1,37 @@
 """The ipc endpoint's side of the sidecar: requests from the node's training ranks.
 
 A rank registers (the sidecar creates its shared-memory arena), announces each staged slot (the slot becomes a
-valid copy and starts streaming to the rank's buddies), asks to restore, and unregisters when it closes. The
+valid copy and starts streaming to the rank's buddies), asks to restore, and unregisters when it closes. A rank whose job lets snapshotd place its ranks asks which
+seat its node has first (:class:`~snapshotd.proto.SeatRequest`, passed on to the coordinator). The
 sidecar answers each request and, whenever the slots a rank may write into change, tells it with a
 :class:`~snapshotd.proto.SlotUpdate` (:class:`RankNotices`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import time
 
 from snapshotd.logs import fields
 from snapshotd.proto import (
     Announce,
+    Error,
+    ErrorCode,
     Message,
     ProtocolError,
     RankRegistered,
     RegisterRank,
     RestoreRequest,
+    SeatRequest,
     SlotUpdate,
     UnregisterRank,
 )
 from snapshotd.shm import SHM_DIR, create_arena
 
+from .control import CoordinatorClient, CoordinatorUnavailable
 from .integrity import Seal
 from .local import LocalRank, SlotState
 from .node import NodeState
@@ -93,11 +100,13 @@ class IngestService:
         tasks: the sidecar's task tree (a restore runs as its own task).
         pacer: the node's pacer, told each announced step, its duration and its bytes.
         block_bytes: the block size of the seals of announced slots (the node's chunk size).
+        control: the coordinator client (seat requests).
     """
 
     def __init__(self, state: NodeState, notices: RankNotices, streams: StreamService, restores: RestoreService,
-                 tasks: TaskTree, pacer: Pacer, block_bytes: int) -> None:  # fmt: skip
+                 tasks: TaskTree, pacer: Pacer, block_bytes: int, control: CoordinatorClient) -> None:  # fmt: skip
         self.block_bytes = block_bytes
+        self.control = control
         self.state = state
         self.notices = notices
         self.streams = streams
@@ -119,8 +128,26 @@ class IngestService:
             self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
         elif isinstance(msg, UnregisterRank):
             self._unregister(msg.job, msg.rank)
+        elif isinstance(msg, SeatRequest):
+            self.tasks.spawn(self._seat(ident, msg), f"seat request of {msg.job}")
         else:
             raise ProtocolError(f"{msg.TYPE} is not an ipc request")
+
+    async def _seat(self, ident: bytes, msg: SeatRequest) -> None:
+        """Ask the coordinator for this node's seat in ``msg.job`` until it is given or ``msg.timeout_s`` passes;
+        answer the rank with the coordinator's last reply, or an error: ``bad_message`` (the coordinator refused the
+        request: it says why), ``plan_timeout`` (no answer), ``internal``."""
+        req = dataclasses.replace(msg, node=self.state.node)
+        try:
+            reply: Message = await self.control.seat(req, time.monotonic() + msg.timeout_s)
+        except CoordinatorUnavailable as exc:
+            reply = Error(job=msg.job, code=ErrorCode.PLAN_TIMEOUT, message=str(exc))
+        except ProtocolError as exc:
+            reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, message=str(exc))
+        except Exception as exc:
+            log.exception("seat request of %s failed", msg.job)
+            reply = Error(job=msg.job, code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+        self.notices.reply(ident, reply)
 
     def _register(self, ident: bytes, msg: RegisterRank) -> None:
         if msg.rank >= msg.world_size:

@@ -4,11 +4,15 @@ TCPStore, and the arguments refused. The whole story (real ranks, a node killed)
 from __future__ import annotations
 
 import datetime
+import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from snapshotd.client import PeerLost, Snapshotter, live
 
@@ -70,6 +74,15 @@ def test_bad_arguments_are_refused_by_name(store, monkeypatch: pytest.MonkeyPatc
         live.init_process_group(store="no-port", job="j", rank=0, world_size=2)
     with pytest.raises(ValueError, match="timeout"):
         live.init_process_group(store="127.0.0.1:1", job="j", rank=0, world_size=2, timeout=0)
+    with pytest.raises(ValueError, match="nodes= .* or rank= and world_size=, not both"):
+        live.init_process_group(store="127.0.0.1:1", job="j", rank=0, nodes=2)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ValueError, match=r"nodes= needs \$LOCAL_RANK and \$LOCAL_WORLD_SIZE"):
+        live.init_process_group(store="127.0.0.1:1", job="j", nodes=2)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="nodes must be >= 1"):
+        live.init_process_group(store="127.0.0.1:1", job="j", nodes=0)
     group = _group(store, 1)
     with pytest.raises(ValueError, match="not this Snapshotter"):
         Snapshotter({"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc", live=group)
@@ -95,3 +108,46 @@ def test_guard_and_recover_are_for_live_mode_and_guard_passes_other_errors_throu
     finally:
         plain.close(unregister=False)
         livesnap.close(unregister=False)
+
+
+def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
+    """Rank 2 dies; rank 1 fails on it and leaves; rank 0, waiting on rank 1 only, must fail when rank 1 leaves."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    group = live.LiveGroup(store, job="blocked", rank=rank, world_size=3, backend="gloo", timeout=30.0,
+                           join_timeout=30.0, attempts=1)  # fmt: skip
+    group.join()
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    if rank == 2:
+        os._exit(0)  # dies: its connections close
+    t0 = time.monotonic()
+    try:
+        dist.recv(t, src=1 if rank == 0 else 2)
+        outcome = "received"
+    except Exception as exc:  # noqa: BLE001 - what it was is the result
+        outcome = "peer failure" if live.is_peer_failure(exc) else repr(exc)
+        if rank == 1:
+            group.leave()
+    Path(out, f"rank{rank}").write_text(f"{outcome} after {time.monotonic() - t0:.2f}")
+    if rank == 0:
+        store.set("rank 0 done", "1")
+    else:  # alive, group not destroyed, until rank 0 is done: only leave() can have woken it
+        store.wait(["rank 0 done"], datetime.timedelta(seconds=60))
+    os._exit(0)
+
+
+def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(tmp_path: Path, store: dist.TCPStore) -> None:
+    ctx = mp.start_processes(_blocked_on_a_survivor, args=(store.port, str(tmp_path)), nprocs=3, join=False,
+                             start_method="spawn")  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not ctx.join(timeout=0.5):
+            assert time.monotonic() < deadline, "the ranks did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    outcome = {r: Path(tmp_path, f"rank{r}").read_text().split(" after ") for r in (0, 1)}
+    assert outcome[1][0] == "peer failure" and outcome[0][0] == "peer failure", outcome
+    assert float(outcome[0][1]) < 15.0, f"rank 0 waited {outcome[0][1]} s: for its 30 s timeout, not rank 1's leaving"

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
+from snapshotd.client import RecoveryFailed, SidecarRefused, live
 from snapshotd.demo import wait_for
 from snapshotd.status import fetch_status
 
@@ -39,8 +40,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory, store: str) -> list[dict
     ref = LiveRanks(workdir, tag="ref", job=f"ref-{uuid.uuid4().hex[:8]}", store=store, nodes=2, per_node=2,
                     flags=[*FLAGS, "--no-snapshot"])  # fmt: skip
     try:
-        ref.start_node(0, "unused")
-        ref.start_node(1, "unused")
+        ref.start_node("A", "unused", 0)
+        ref.start_node("B", "unused", 1)
         return ref.wait(180)
     finally:
         ref.kill()
@@ -60,28 +61,41 @@ def _arrived(store: str, job: str, epoch: int) -> int:
     return int(client.add(f"snapshotd/{job}/e{epoch}/arrived", 0))
 
 
-def _run_to_loss(tmp_path, cluster: Cluster, store: str) -> tuple[LiveRanks, dict[int, int], int]:
-    """Start the job and SIGKILL node B (sidecar and ranks 2, 3) once step 3 is durable; the job, the pids
-    before the loss and the newest step any rank had completed."""
+def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False,
+                 spare: str | None = None) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
+    """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
+    the ranks of node ``spare`` (seated) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
+    is durable. The job, every rank's pid before the loss, the newest step any rank had completed, and the ranks
+    that survive (node A's)."""
     job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
                     flags=[*FLAGS, "--step-delay", "0.3"])  # fmt: skip
-    job.start_node(0, cluster.ipc("A"))
-    job.start_node(1, cluster.ipc("B"))
+    for i, label in enumerate("AB"):
+        job.start_node(label, cluster.ipc(label), None if seated else i)
+    wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1), 120,
+             "the job's first step")  # fmt: skip
+    if spare is not None:
+        cluster.start(spare)
+        job.start_node(spare, cluster.ipc(spare))
     wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 4 and _durable(cluster, job.job, 3)), 120,
              "step 4, with step 3 durable")  # fmt: skip
-    assert not job.failed(), job.log_tail(min(job.failed()))
-    pids = {r: p.pid for r, p in job.procs.items()}
+    assert not job.failed(), job.failed()
+    pids = {r: job.progress(r)["pid"] for r in range(job.world)}
+    survivors = job.ranks_of("A")
+    assert len(survivors) == 2 and (seated or survivors == [0, 1])
     reached = max(job.progress(r)["step"] for r in range(job.world))
-    cluster.lose_node(cluster.sidecar("B"), job.node_procs(1))
-    return job, pids, reached
+    cluster.lose_node(cluster.sidecar("B"), job.lose("B"))
+    return job, pids, reached, survivors
 
 
-def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int) -> None:
+def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int,
+           survivors: list[int]) -> None:  # fmt: skip
     for r, res in enumerate(results):
+        assert res["rank"] == r
         assert res["digest"] == reference[r]["digest"], f"rank {r}: final state differs from the failure-free run"
         assert all(reference[r]["losses"][k] == v for k, v in res["losses"].items()), f"rank {r}: losses differ"
-    survivors, replacements = results[:2], results[2:]
-    for res in survivors:
+    kept = [res for res in results if res["rank"] in survivors]
+    replacements = [res for res in results if res["rank"] not in survivors]
+    for res in kept:
         assert res["pid"] == pids[res["rank"]], "a survivor's process was restarted"
         assert res["start_step"] == 0 and len(res["recoveries"]) >= 1
         step = res["recoveries"][-1]["step"]
@@ -89,7 +103,7 @@ def _check(results: list[dict], reference: list[dict], pids: dict[int, int], rea
         assert res["restored"]["source"] == "local"
     for res in replacements:
         assert res["pid"] != pids[res["rank"]]
-        assert res["start_step"] == survivors[0]["recoveries"][-1]["step"]
+        assert res["start_step"] == kept[0]["recoveries"][-1]["step"]
         assert res["restored"]["source"] in ("replica", "pull")
     assert len({res["epoch"] for res in results}) == 1
 
@@ -99,35 +113,59 @@ def test_survivors_recover_in_place_and_the_run_stays_bit_identical(tmp_path, cl
                                                                     reference: list[dict]) -> None:  # fmt: skip
     cluster.start("A")
     cluster.start("B")
-    job, pids, reached = _run_to_loss(tmp_path, cluster, store)
+    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store)
     try:
         cluster.start("C")  # the replacement node: its sidecar, then the lost ranks, as the scheduler starts them
-        job.start_node(1, cluster.ipc("C"))
+        job.start_node("C", cluster.ipc("C"), 1)
         results = job.wait(180)
     finally:
         job.kill()
-    _check(results, reference, pids, reached)
+    _check(results, reference, pids, reached, survivors)
     recovery = results[0]["recoveries"][-1]
     assert recovery["epoch"] == 1 and recovery["restore_s"] < 5
 
 
 @pytest.mark.timeout(400)
-def test_a_replacement_that_dies_while_joining_is_replaced_and_recovery_completes(
+def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does(
     tmp_path, cluster: Cluster, store: str, reference: list[dict]
 ) -> None:
-    """The first replacement node dies while the group forms (its ranks SIGKILLed once one has arrived); the
-    survivors' attempt fails on every rank, and with the next replacement the job completes, bit-identical."""
+    """Every node is seated by snapshotd. A spare node started while the job runs waits for a seat; when node B
+    dies it takes B's seat, and dies itself while the group forms (its ranks SIGKILLed once one has arrived):
+    the survivors' attempt fails on every rank, the next node started takes the seat once the spare is declared
+    dead, and the job completes, bit-identical."""
     cluster.start("A")
     cluster.start("B")
-    job, pids, reached = _run_to_loss(tmp_path, cluster, store)
+    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C")
     try:
-        first = cluster.start("C")
-        job.start_node(1, cluster.ipc("C"))
-        wait_for(lambda: _arrived(store, job.job, 1) >= 3, 60, "the first replacement arriving in epoch 1")
-        cluster.lose_node(first, job.node_procs(1))
+        wait_for(lambda: bool(job.failed()) or _arrived(store, job.job, 1) >= 3, 60,
+                 "the spare taking the lost seat and arriving in epoch 1")  # fmt: skip
+        assert not job.failed(), job.failed()
+        cluster.lose_node(cluster.sidecar("C"), job.lose("C"))
         cluster.start("D")
-        job.start_node(1, cluster.ipc("D"))
+        job.start_node("D", cluster.ipc("D"))
         results = job.wait(240)
     finally:
         job.kill()
-    _check(results, reference, pids, reached)
+    _check(results, reference, pids, reached, survivors)
+    assert sorted(job.ranks_of("D")) == sorted(set(range(4)) - set(survivors))
+
+
+def test_seats_through_real_sidecars_are_kept_per_node_a_spare_waits_and_bad_requests_are_named(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for label in "ABC":
+        cluster.start(label)
+    job = cluster.job("seats")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert live._seat(job, 2, cluster.ipc("B"), 30) == (0, 4)  # the first node to ask gets seat 0
+    assert live._seat(job, 2, cluster.ipc("A"), 30) == (2, 4)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert live._seat(job, 2, cluster.ipc("B"), 30) == (1, 4)  # the node's other rank: the same seat
+    with pytest.raises(RecoveryFailed, match=r"no seat for this node within 1 s: all 2 seats of job .* are held"):
+        live._seat(job, 2, cluster.ipc("C"), 1.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(SidecarRefused, match="asked for seats of 2 of 4 ranks, this one for 4 of 8"):
+        live._seat(job, 2, cluster.ipc("C"), 5.0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert live._seat(job, 2, cluster.ipc("A"), 30) == (3, 4), "a refused request changed nothing"

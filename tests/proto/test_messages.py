@@ -41,6 +41,8 @@ from snapshotd.proto import (
     RestoreProgress,
     RestoreReply,
     RestoreRequest,
+    SeatReply,
+    SeatRequest,
     SidecarRegistered,
     SlotUpdate,
     StatusReply,
@@ -158,6 +160,8 @@ def sample_messages() -> list[Message]:
         HoldersQuery(job="run-42", step=16, first=0, count=2),
         HoldersReply(job="run-42", step=16, world_size=2, recoverable=17, durable=16, first=0,
                      sources=((ADDR, "tcp://10.0.0.3:41000"), ())),
+        SeatRequest(job="run-42", world_size=16, per_node=8, node="node-a", timeout_s=600.0),
+        SeatReply(job="run-42", status="given", first=8),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
     ]
 

@@ -1,0 +1,96 @@
+"""Seats: a node keeps its block of ranks, a new node takes the lowest free one, a spare waits for a node's death."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapshotd.coordinator import CoordinatorState
+from snapshotd.proto import SeatReply, SeatRequest
+
+from .scenario import LATER, T0, beat, keep_alive, make, ranks, register
+
+
+def seat(st: CoordinatorState, node: str, now: float = LATER, world: int = 4, per_node: int = 2,
+         job: str = "j") -> SeatReply:  # fmt: skip
+    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node), now)
+
+
+def test_nodes_take_seats_in_order_of_asking_and_keep_them() -> None:
+    st = make()
+    for n in "abc":
+        register(st, n)
+    assert (seat(st, "b").status, seat(st, "b").first) == ("given", 0)
+    assert seat(st, "a").first == 2
+    assert seat(st, "b").first == 0 and seat(st, "a").first == 2  # asking again: the same seat
+    spare = seat(st, "c")
+    assert spare.status == "wait" and "all 2 seats of job j are held by live nodes" in spare.reason
+
+
+def test_a_spare_takes_the_seat_of_the_node_that_died_and_the_others_keep_theirs() -> None:
+    st = make()
+    for n in "abc":
+        register(st, n)
+    seat(st, "a")
+    seat(st, "b")
+    beat(st, "a", T0, ranks("j", 4, 0, 1))
+    beat(st, "b", T0, ranks("j", 4, 2, 3))
+    assert seat(st, "c", now=LATER).status == "wait"
+    for n in "ac":
+        beat(st, n, LATER - 1, changed=False)
+    st.expire(LATER)  # b silent since T0: dead past the 3 s timeout
+    assert not st.membership.nodes["b"].alive
+    assert (seat(st, "c").status, seat(st, "c").first) == ("given", 2)
+    assert seat(st, "a").first == 0
+    register(st, "b", now=LATER + 1, inc="i2")  # b comes back: its seat is taken
+    assert seat(st, "b", now=LATER + 1).status == "wait"
+
+
+def test_seats_held_by_reported_ranks_count_after_a_coordinator_restart() -> None:
+    st = make()
+    for n in "abc":
+        register(st, n)
+    beat(st, "a", T0, ranks("j", 4, 2, 3))  # a node placed by its own index, or seated by the last coordinator
+    during = seat(st, "c", now=T0 + 1)
+    assert during.status == "wait" and "restarted" in during.reason  # the rebuild window: reports still coming
+    keep_alive(st, T0 + 2, "a", "b", "c")
+    assert seat(st, "a").first == 2  # the seat of the ranks it reports
+    assert seat(st, "c").first == 0
+    assert seat(st, "b").status == "wait"
+
+
+@pytest.mark.parametrize(
+    ("kw", "problem"),
+    [
+        ({"world": 5, "per_node": 2}, "world size 5 is not a multiple of the 2 ranks per node"),
+        ({"world": 6}, "job j's nodes asked for seats of 2 of 4 ranks, this one for 2 of 6"),
+        ({"per_node": 4}, "this one for 4 of 4"),
+    ],
+)
+def test_inconsistent_requests_are_refused_by_name_and_seats_kept(kw: dict[str, int], problem: str) -> None:
+    st = make()
+    for n in "ab":
+        register(st, n)
+    assert seat(st, "a").first == 0
+    with pytest.raises(ValueError, match=problem):
+        seat(st, "b", **kw)
+    assert seat(st, "a").first == 0 and seat(st, "b").first == 2
+
+
+def test_unknown_nodes_and_world_sizes_other_than_the_jobs_are_refused() -> None:
+    st = make()
+    register(st, "a")
+    with pytest.raises(ValueError, match="node 'ghost' is not a live node"):
+        seat(st, "ghost")
+    beat(st, "a", T0, ranks("j", 8, 0))
+    with pytest.raises(ValueError, match="job j has 8 ranks, not 4"):
+        seat(st, "a")
+
+
+def test_a_forgotten_jobs_seats_are_dropped() -> None:
+    st = make()
+    for n in "ab":
+        register(st, n)
+    seat(st, "a")
+    seat(st, "b")
+    st.seats.forget("j")
+    assert seat(st, "b").first == 0
