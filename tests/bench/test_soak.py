@@ -1,5 +1,7 @@
-"""The soak, short: four trials of a real training job, one of each kind of fault that the other tests leave out
-(a node's loss alone is the pressure test here and tests/integration's), each ending bit-identical (``make soak`` runs a hundred drawn ones; see :mod:`snapshotd.bench.soak`)."""
+"""The soak, short: two trials of a real training job, each with a fault that the other tests leave out (the
+coordinator killed while a recovery round is open; a sidecar stopped past the death timeout), each ending
+bit-identical. ``make soak`` runs a hundred trials drawn from every fault (see :mod:`snapshotd.bench.soak`); a
+node's loss alone is the pressure test here and tests/integration's."""
 
 from __future__ import annotations
 
@@ -12,13 +14,13 @@ from snapshotd.client.schedule import max_steps_lost
 
 pytestmark = pytest.mark.integration
 
-FAULTS = ("coordinator-in-recovery", "sidecar-stop", "coordinator-stop", "rank-stop")
+FAULTS = ("coordinator-in-recovery", "sidecar-stop")
 
 
 @pytest.mark.timeout(400)
-def test_four_faults_each_end_in_a_bit_identical_restore(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_faults_each_end_in_a_bit_identical_restore(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "soak.json"
-    status = main(["soak", "--trials", "4", "--seed", "24", "--cycle", "--faults", ",".join(FAULTS), "--steps", "12",
+    status = main(["soak", "--trials", "2", "--seed", "24", "--cycle", "--faults", ",".join(FAULTS), "--steps", "12",
                    "--step-delay", "0.05", "--max-hang", "2.0", "--json", str(json_path),
                    "--workdir", str(tmp_path / "work")])  # fmt: skip
     out = capsys.readouterr().out
@@ -27,11 +29,11 @@ def test_four_faults_each_end_in_a_bit_identical_restore(tmp_path, capsys: pytes
     rows = report["results"]
     assert [r["fault"] for r in rows] == list(FAULTS)
     assert all(r["passed"] for r in rows), rows
-    assert report["summary"]["trials"] == report["summary"]["passed"] == 4
+    assert report["summary"]["trials"] == report["summary"]["passed"] == 2
     # at least one process stayed stopped past the coordinator's death timeout (1.5 s), and nothing was lost to it
     assert any(r["hang_s"] > 1.5 for r in rows if r["fault"].endswith("-stop")), rows
     assert all(r["steps_lost"] <= max_steps_lost(r["stride"]) for r in rows), rows
-    assert "seed: 24" in out and "passed: 4" in out
+    assert "seed: 24" in out and "passed: 2" in out
 
 
 @pytest.mark.timeout(300)
