@@ -84,17 +84,20 @@ class LiveRanks:
     def path(self, rank: int, kind: str) -> str:
         return os.path.join(self.dir, f"rank{rank}.{kind}")
 
-    def start_node(self, label: str, ipc: str, index: int | None = None) -> None:
+    def start_node(self, label: str, ipc: str, index: int | None = None, *, local: Sequence[int] | None = None,
+                   flags: Sequence[str] = ()) -> None:  # fmt: skip
         """Start node ``label``'s ranks, talking to the sidecar at ``ipc``: those of ``index``, or of the seat
-        snapshotd gives the node."""
+        snapshotd gives the node; only the local ranks ``local`` (default all), with ``flags`` besides the job's
+        (one of a node's processes restarted, or given a fault, runs as a label of its own)."""
         self.procs[label] = []
-        for local in range(self.per_node):
+        for local_rank in range(self.per_node) if local is None else local:
             place = ["--nodes", str(self.nodes)] if index is None else \
-                ["--rank", str(index * self.per_node + local), "--world", str(self.world)]  # fmt: skip
+                ["--rank", str(index * self.per_node + local_rank), "--world", str(self.world)]  # fmt: skip
             argv = [sys.executable, "-m", "snapshotd.bench.live_trainer", *place, "--store", self.store,
-                    "--job", self.job, "--sidecar", ipc, "--out", self.dir, "--progress", self.dir, *self.flags]  # fmt: skip
-            env = {**os.environ, "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(self.per_node)}
-            with open(os.path.join(self.dir, f"{label}-{local}.log"), "ab") as log, held_interrupts():
+                    "--job", self.job, "--sidecar", ipc, "--out", self.dir, "--progress", self.dir, *self.flags,
+                    *flags]  # fmt: skip
+            env = {**os.environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node)}
+            with open(os.path.join(self.dir, f"{label}-{local_rank}.log"), "ab") as log, held_interrupts():
                 self.procs[label].append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                                           stdin=subprocess.DEVNULL, env=env))  # fmt: skip
 
@@ -118,12 +121,9 @@ class LiveRanks:
     def log_tail(self, label: str, lines: int = 30) -> str:
         """The end of the logs of node ``label``'s ranks."""
         out = []
-        for local in range(self.per_node):
-            try:
-                with open(os.path.join(self.dir, f"{label}-{local}.log"), errors="replace") as f:
-                    out.append(f"--- {label}-{local}\n" + "".join(f.readlines()[-lines:]))
-            except OSError:
-                pass
+        for path in sorted(glob.glob(os.path.join(self.dir, f"{label}-*.log"))):
+            with open(path, errors="replace") as f:
+                out.append(f"--- {os.path.basename(path)}\n" + "".join(f.readlines()[-lines:]))
         return "".join(out)
 
     def failed(self) -> dict[str, list[int]]:

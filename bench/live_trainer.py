@@ -30,7 +30,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for the whole membership (a spare started ahead waits this long)")  # fmt: skip
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                    help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)")  # fmt: skip
+    p.add_argument("--die-in-rollback", action="store_true",
+                   help="a survivor dying during its rollback: 0.2 s into its first recovery's restore, SIGKILL itself")  # fmt: skip
     p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
                    help="recover in place (live mode), or exit for the launcher to restart every rank")  # fmt: skip
     p.add_argument("--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)")
@@ -109,6 +113,16 @@ def main(argv: list[str] | None = None) -> int:
     snap = Snapshotter(state, job=args.job, rank=rank, world_size=world, sidecar=args.sidecar,
                        live=group) if args.snapshot else None  # fmt: skip
     guard = snap.guard if snap is not None else contextlib.nullcontext
+    recovering = False  # inside recover(): --die-in-rollback's restore dies
+    if args.die_in_rollback and snap is not None:
+        restore = snap.restore
+
+        def restore_and_die(timeout: float = 300.0) -> int:
+            if recovering:
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            return restore(timeout)
+
+        snap.restore = restore_and_die  # type: ignore[method-assign]
     try:
         t_restore = time.time()
         step = start = snap.restore() if snap is not None else 0
@@ -129,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     _write_atomic(out + ".lost", json.dumps({"failed_at": failed_at, "pid": os.getpid()}))
                     snap.close(unregister=False)  # a crash's exit: the arena stays for the restarted rank
                     return EXIT_PEER_LOST
+                recovering = True
                 step = snap.recover()
+                recovering = False
                 recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "step": step,
                                    "epoch": group.epoch, **snap.recovered})  # fmt: skip
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import signal
 import uuid
 from collections.abc import Iterator
 
@@ -61,16 +62,21 @@ def _arrived(store: str, job: str, epoch: int) -> int:
     return int(client.add(f"snapshotd/{job}/e{epoch}/arrived", 0))
 
 
-def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False,
-                 spare: str | None = None) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
+def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False, spare: str | None = None,
+                 dying: bool = False) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
     """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
     the ranks of node ``spare`` (seated) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
-    is durable. The job, every rank's pid before the loss, the newest step any rank had completed, and the ranks
-    that survive (node A's)."""
+    is durable. ``dying``: rank 1 runs as label ``A1``, with ``--die-in-rollback``. The job, every rank's pid
+    before the loss, the newest step any rank had completed, and the ranks that survive (node A's)."""
     job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
                     flags=[*FLAGS, "--step-delay", "0.3"])  # fmt: skip
-    for i, label in enumerate("AB"):
-        job.start_node(label, cluster.ipc(label), None if seated else i)
+    if dying:
+        job.start_node("A", cluster.ipc("A"), 0, local=[0])
+        job.start_node("A1", cluster.ipc("A"), 0, local=[1], flags=["--die-in-rollback"])
+        job.start_node("B", cluster.ipc("B"), 1)
+    else:
+        for i, label in enumerate("AB"):
+            job.start_node(label, cluster.ipc(label), None if seated else i)
     wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1), 120,
              "the job's first step")  # fmt: skip
     if spare is not None:
@@ -80,7 +86,7 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
              "step 4, with step 3 durable")  # fmt: skip
     assert not job.failed(), job.failed()
     pids = {r: job.progress(r)["pid"] for r in range(job.world)}
-    survivors = job.ranks_of("A")
+    survivors = sorted(job.ranks_of("A") + (job.ranks_of("A1") if dying else []))
     assert len(survivors) == 2 and (seated or survivors == [0, 1])
     reached = max(job.progress(r)["step"] for r in range(job.world))
     cluster.lose_node(cluster.sidecar("B"), job.lose("B"))
@@ -88,7 +94,10 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
 
 
 def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int,
-           survivors: list[int]) -> None:  # fmt: skip
+           survivors: list[int], restarted: tuple[int, ...] = ()) -> None:  # fmt: skip
+    """Every rank ended bit-identical to the failure-free run in one epoch; the ``survivors`` kept their processes
+    and rolled back at most one step from their own memory; the others (the lost node's ranks, and ``restarted``:
+    survivors that died later and restarted on their node) are new processes that restored the same step."""
     for r, res in enumerate(results):
         assert res["rank"] == r
         assert res["digest"] == reference[r]["digest"], f"rank {r}: final state differs from the failure-free run"
@@ -104,7 +113,7 @@ def _check(results: list[dict], reference: list[dict], pids: dict[int, int], rea
     for res in replacements:
         assert res["pid"] != pids[res["rank"]]
         assert res["start_step"] == kept[0]["recoveries"][-1]["step"]
-        assert res["restored"]["source"] in ("replica", "pull")
+        assert res["restored"]["source"] in (("local",) if res["rank"] in restarted else ("replica", "pull"))
     assert len({res["epoch"] for res in results}) == 1
 
 
@@ -149,6 +158,28 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     _check(results, reference, pids, reached, survivors)
     assert sorted(job.ranks_of("D")) == sorted(set(range(4)) - set(survivors))
 
+
+@pytest.mark.timeout(400)
+def test_a_survivor_that_dies_during_its_rollback_is_restarted_and_recovery_completes(
+    tmp_path, cluster: Cluster, store: str, reference: list[dict]
+) -> None:
+    """Node B dies; survivor rank 1 kills itself 0.2 s into its rollback (``--die-in-rollback``) and is restarted
+    on its node, as a launcher restarts a worker; rank 0 and the replacement's ranks find it gone at their next
+    collective and recover again with it; the job completes, bit-identical, in one epoch."""
+    cluster.start("A")
+    cluster.start("B")
+    job, pids, reached, _ = _run_to_loss(tmp_path, cluster, store, dying=True)
+    try:
+        cluster.start("C")
+        job.start_node("C", cluster.ipc("C"), 1)
+        (dead,) = job.lose("A1")
+        assert dead.wait(120) == -signal.SIGKILL, job.log_tail("A1")
+        job.start_node("A2", cluster.ipc("A"), 0, local=[1])  # its launcher's restart
+        results = job.wait(240)
+    finally:
+        job.kill()
+    _check(results, reference, pids, reached, [0], restarted=(1,))
+    assert len(results[0]["recoveries"]) >= 2, "rank 0 recovered once more, with the restarted rank 1"
 
 def test_seats_through_real_sidecars_are_kept_per_node_a_spare_waits_and_bad_requests_are_named(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
