@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 STORE_ENV = "SNAPSHOTD_STORE"
 """The environment variable naming the rendezvous store, ``host:port``."""
 
+SEAT_ASK_S = 10.0
+"""How long the sidecar asks the coordinator for a seat on one request of a rank (which asks again until its own
+deadline)."""
+
 _TRANSPORT_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
@@ -217,15 +221,19 @@ def _sockets() -> dict[int, str]:
 def _shut(fd: int, link: str) -> None:
     """``shutdown()`` the TCP connection at ``fd`` if it is still the socket ``link`` names and not a listener."""
     with contextlib.suppress(OSError):
-        if os.readlink(f"/proc/self/fd/{fd}") != link:
-            return  # closed, and the number reused
-        sock = socket.socket(fileno=os.dup(fd))
+        dup = os.dup(fd)
         try:
+            if f"socket:[{os.fstat(dup).st_ino}]" != link:
+                return  # closed, and the number reused
+            sock = socket.socket(fileno=dup)
+            dup = -1  # the socket owns it now
+        finally:
+            if dup >= 0:
+                os.close(dup)
+        with sock:
             inet = sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM
             if inet and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.close()
 
 
 def _forget_failed_group() -> None:
@@ -310,13 +318,18 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     world_size = nodes * int(per_node)
     me = Identity.resolve(job, 0, world_size, sidecar)  # the job's name and the sidecar; the rank comes from the seat
-    ask = SeatRequest(job=me.job, world_size=world_size, per_node=int(per_node), timeout_s=timeout)
+    deadline = time.monotonic() + timeout
     channel = Channel(me.sidecar, lambda msg: None)
     try:
-        reply = channel.request(ask, SeatReply.TYPE, timeout + 30.0)
+        while True:  # short requests: a sidecar whose rank died stops asking within SEAT_ASK_S
+            left = max(0.0, min(SEAT_ASK_S, deadline - time.monotonic()))
+            ask = SeatRequest(job=me.job, world_size=world_size, per_node=int(per_node), timeout_s=left)
+            reply = channel.request(ask, SeatReply.TYPE, left + 10.0)
+            assert isinstance(reply, SeatReply)
+            if reply.status == "given" or time.monotonic() >= deadline:
+                break
     finally:
         channel.close()
-    assert isinstance(reply, SeatReply)
     if reply.status != "given":
         raise RecoveryFailed(f"job {me.job!r}: no seat for this node within {timeout:.0f} s: {reply.reason}")
     rank = reply.first + int(local_rank)

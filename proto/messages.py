@@ -526,13 +526,15 @@ class SeatRequest(Message):
     ``world_size`` ranks placed by snapshotd (live mode with ``nodes=``; see :mod:`snapshotd.coordinator.seats`).
 
     A rank asks its sidecar (ipc, ``node`` left empty: the sidecar names itself), which asks the coordinator
-    until it answers ``given`` or ``timeout_s`` seconds have passed."""
+    until it answers ``given`` or ``timeout_s`` seconds have passed. ``held``: the first rank of the seat the
+    sidecar was given in this job before (-1: none), so that a restarted coordinator gives it the same one."""
 
     TYPE: ClassVar[str] = "seat_request"
     world_size: int = spec_field(WORLD)
     per_node: int = spec_field(Int(1, L.MAX_PLAN_RANKS))
     node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
     timeout_s: float = spec_field(SECONDS, default=0.0)
+    held: int = spec_field(Int(-1, L.MAX_RANKS - 1), default=-1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,8 +14,9 @@ A job of ``world_size`` ranks on nodes of ``per_node`` ranks each has ``world_si
   need not be known in advance: the spare takes whichever seat comes free first.
 
 Seats are soft state, like everything here: in the rebuild window after the coordinator's start every request
-waits, and then the seats are read from what the nodes report. A job's seats are forgotten with the job (no live
-node reported it for ``forget_jobs_after``).
+waits; then a node's seat is the one its sidecar says it was given (``held``: each sidecar remembers its seat per
+job), else the one of the ranks it reports. A node not registered (yet) waits too. A job's seats are forgotten
+with the job (no live node reported it for ``forget_jobs_after``).
 
 Cost model: a node asking again costs O(1); a node's first request costs O(the seats before the one it gets,
 times ``per_node``), once per node.
@@ -66,41 +67,51 @@ class Seats:
     def ask(self, msg: SeatRequest, now: float) -> SeatReply:
         """The seat of node ``msg.node`` in ``msg.job``: ``given`` (its first rank) or ``wait``.
 
+        The node's seat is, in this order: the one it was given here; the one its sidecar says it was given
+        (``msg.held``: by this coordinator before a restart); the one of the ranks it reports; the lowest free
+        one. The last three only while no other live node holds that seat: a node declared dead that comes back
+        does not take its seat back from the node seated since.
+
         Raises:
             ValueError: the world size is not a multiple of ``per_node``, or disagrees with the job's (its ranks'
-                reports, or earlier seat requests); ``per_node`` disagrees with earlier seat requests; the node
-                is not a live node registered here.
+                reports, or earlier seat requests); ``per_node`` disagrees with earlier seat requests.
         """
         if msg.world_size % msg.per_node:
             raise ValueError(f"job {msg.job}: world size {msg.world_size} is not a multiple of the {msg.per_node} "
                              "ranks per node")  # fmt: skip
-        node = self._membership.nodes.get(msg.node)
-        if node is None or not node.alive:
-            raise ValueError(f"node {msg.node!r} is not a live node of this coordinator (its sidecar must register)")
         job = self._jobs.get(msg.job)
         if job is not None and job.world_size and job.world_size != msg.world_size:
             raise ValueError(f"job {msg.job} has {job.world_size} ranks, not {msg.world_size}")
         seats = self._seats.get(msg.job)
-        if seats is None:
-            seats = self._seats[msg.job] = _JobSeats(msg.per_node, msg.world_size)
-        elif (seats.per_node, seats.world_size) != (msg.per_node, msg.world_size):
+        if seats is not None and (seats.per_node, seats.world_size) != (msg.per_node, msg.world_size):
             raise ValueError(f"job {msg.job}'s nodes asked for seats of {seats.per_node} of {seats.world_size} ranks, "
                              f"this one for {msg.per_node} of {msg.world_size}")  # fmt: skip
         if self._plans.rebuilding(now):
-            return SeatReply(job=msg.job, status="wait", reason="the coordinator restarted and is hearing from the "
-                                                                "nodes again")  # fmt: skip
+            return self._wait(msg, "the coordinator restarted and is hearing from the nodes again")
+        if not self._alive(msg.node):
+            return self._wait(msg, f"node {msg.node!r} is not registered with the coordinator (yet)")
+        if seats is None:
+            seats = self._seats[msg.job] = _JobSeats(msg.per_node, msg.world_size)
         mine = seats.seat_of.get(msg.node)
         if mine is None:
-            mine = self._reported_seat(msg.job, msg.node, seats.per_node)
+            claims = [msg.held // msg.per_node] if msg.held >= 0 and msg.held % msg.per_node == 0 else []
+            claims += self._reported_seats(msg.job, msg.node, msg.per_node)
+            mine = next((c for c in claims if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c,
+                                                                                                 msg.node)), None)  # fmt: skip
         if mine is None:
-            mine = self._free_seat(msg.job, seats)
+            mine = next((c for c in range(msg.world_size // msg.per_node) if self._free(msg.job, seats, c, msg.node)),
+                        None)  # fmt: skip
             if mine is None:
-                return SeatReply(job=msg.job, status="wait", reason=f"all {msg.world_size // msg.per_node} seats of "
-                                 f"job {msg.job} are held by live nodes")  # fmt: skip
+                return self._wait(msg, f"all {msg.world_size // msg.per_node} seats of job {msg.job} are held by live "
+                                       "nodes")  # fmt: skip
             log.info("job %s: node %s takes seat %d (ranks %d-%d)", msg.job, msg.node, mine, mine * seats.per_node,
                      (mine + 1) * seats.per_node - 1)  # fmt: skip
         seats.give(mine, msg.node)
         return SeatReply(job=msg.job, status="given", first=mine * seats.per_node)
+
+    @staticmethod
+    def _wait(msg: SeatRequest, reason: str) -> SeatReply:
+        return SeatReply(job=msg.job, status="wait", reason=reason)
 
     def forget(self, job: str) -> None:
         """Drop ``job``'s seats (the job itself was forgotten)."""
@@ -110,20 +121,16 @@ class Seats:
         node = self._membership.nodes.get(name)
         return node is not None and node.alive
 
-    def _reported_seat(self, job: str, name: str, per_node: int) -> int | None:
-        """The seat of the ranks of ``job`` that node ``name`` reports (the lowest, if it reports several), if any."""
-        ranks = [rank for (j, rank) in self._membership.nodes[name].ranks if j == job]
-        return min(ranks) // per_node if ranks else None
+    def _reported_seats(self, job: str, name: str, per_node: int) -> list[int]:
+        """The seats of the ranks of ``job`` that node ``name`` reports, lowest first."""
+        return sorted({rank // per_node for (j, rank) in self._membership.nodes[name].ranks if j == job})
 
-    def _free_seat(self, job: str, seats: _JobSeats) -> int | None:
-        """The lowest seat neither given to a live node nor holding a rank a live node reports."""
+    def _free(self, job: str, seats: _JobSeats, seat: int, name: str) -> bool:
+        """Whether node ``name`` may take ``seat``: not given to another live node, and none of its ranks reported
+        by another live node."""
+        holder = seats.node_of.get(seat)
+        if holder is not None and holder != name and self._alive(holder):
+            return False
         homes = self._jobs[job].homes if self._jobs.get(job) is not None else {}
         per = seats.per_node
-        for seat in range(seats.world_size // per):
-            holder = seats.node_of.get(seat)
-            if holder is not None and self._alive(holder):
-                continue
-            if any(homes.get(rank) is not None for rank in range(seat * per, (seat + 1) * per)):
-                continue
-            return seat
-        return None
+        return all(homes.get(rank) in (None, name) for rank in range(seat * per, (seat + 1) * per))

@@ -194,7 +194,8 @@ class CoordinatorClient:
             except TimeoutError:
                 if time.monotonic() < deadline:
                     continue
-                raise self._timed_out(PLAN_REQUEST_TIMEOUT) from None
+                raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer the seat request of job "
+                                             f"{req.job} within {req.timeout_s:.0f} s") from None  # fmt: skip
             if reply.status == "given" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
             await asyncio.sleep(PLAN_POLL_SECONDS)

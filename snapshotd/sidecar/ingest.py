@@ -25,6 +25,7 @@ from snapshotd.proto import (
     RankRegistered,
     RegisterRank,
     RestoreRequest,
+    SeatReply,
     SeatRequest,
     SlotUpdate,
     UnregisterRank,
@@ -137,9 +138,11 @@ class IngestService:
         """Ask the coordinator for this node's seat in ``msg.job`` until it is given or ``msg.timeout_s`` passes;
         answer the rank with the coordinator's last reply, or an error: ``bad_message`` (the coordinator refused the
         request: it says why), ``plan_timeout`` (no answer), ``internal``."""
-        req = dataclasses.replace(msg, node=self.state.node)
+        req = dataclasses.replace(msg, node=self.state.node, held=self.state.seats.get(msg.job, -1))
         try:
             reply: Message = await self.control.seat(req, time.monotonic() + msg.timeout_s)
+            if isinstance(reply, SeatReply) and reply.status == "given":
+                self.state.seats[msg.job] = reply.first
         except CoordinatorUnavailable as exc:
             reply = Error(job=msg.job, code=ErrorCode.PLAN_TIMEOUT, message=str(exc))
         except ProtocolError as exc:

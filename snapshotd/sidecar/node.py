@@ -152,6 +152,8 @@ class NodeState:
         """Tells the coordinator a restarted sidecar from the one it knew under the same node name."""
         self.data_addr = ""
         """The data-plane address other sidecars reach this one at (set once bound)."""
+        self.seats: dict[str, int] = {}
+        """Per job, the first rank of the seat the coordinator gave this node (see :class:`~snapshotd.proto.SeatRequest`)."""
         self.changed = Signal()
         self.assigned = Signal()
         self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire,

@@ -10,9 +10,9 @@ from snapshotd.proto import SeatReply, SeatRequest
 from .scenario import LATER, T0, beat, keep_alive, make, ranks, register
 
 
-def seat(st: CoordinatorState, node: str, now: float = LATER, world: int = 4, per_node: int = 2,
-         job: str = "j") -> SeatReply:  # fmt: skip
-    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node), now)
+def seat(st: CoordinatorState, node: str, now: float = LATER, world: int = 4, per_node: int = 2, job: str = "j",
+         held: int = -1) -> SeatReply:  # fmt: skip
+    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node, held=held), now)
 
 
 def test_nodes_take_seats_in_order_of_asking_and_keep_them() -> None:
@@ -43,6 +43,20 @@ def test_a_spare_takes_the_seat_of_the_node_that_died_and_the_others_keep_theirs
     assert seat(st, "a").first == 0
     register(st, "b", now=LATER + 1, inc="i2")  # b comes back: its seat is taken
     assert seat(st, "b", now=LATER + 1).status == "wait"
+    beat(st, "c", LATER + 1, ranks("j", 4, 2, 3), inc="i1")
+    beat(st, "b", LATER + 1, ranks("j", 4, 2, 3), inc="i2")  # its old processes still report ranks 2 and 3
+    assert seat(st, "b", now=LATER + 1, held=2).status == "wait", "it does not take the seat back"
+    assert seat(st, "c", now=LATER + 1).first == 2
+
+
+def test_after_a_coordinator_restart_a_node_gets_the_seat_its_sidecar_holds() -> None:
+    st = make()
+    for n in "ab":
+        register(st, n)
+    assert seat(st, "b", now=T0 + 1, held=2).status == "wait"  # the rebuild window
+    assert seat(st, "b", held=2).first == 2  # its ranks have not registered yet: the sidecar remembers
+    assert seat(st, "a").first == 0
+    assert seat(st, "a", held=3).first == 0, "a hint that is no seat's first rank is ignored"
 
 
 def test_seats_held_by_reported_ranks_count_after_a_coordinator_restart() -> None:
@@ -76,11 +90,11 @@ def test_inconsistent_requests_are_refused_by_name_and_seats_kept(kw: dict[str, 
     assert seat(st, "a").first == 0 and seat(st, "b").first == 2
 
 
-def test_unknown_nodes_and_world_sizes_other_than_the_jobs_are_refused() -> None:
+def test_an_unknown_node_waits_and_a_world_size_other_than_the_jobs_is_refused() -> None:
     st = make()
     register(st, "a")
-    with pytest.raises(ValueError, match="node 'ghost' is not a live node"):
-        seat(st, "ghost")
+    ghost = seat(st, "ghost")  # a sidecar whose registration has not reached this coordinator yet
+    assert ghost.status == "wait" and "node 'ghost' is not registered with the coordinator" in ghost.reason
     beat(st, "a", T0, ranks("j", 8, 0))
     with pytest.raises(ValueError, match="job j has 8 ranks, not 4"):
         seat(st, "a")
