@@ -3,12 +3,13 @@
 Two emulated nodes of two DDP workers each (4 gloo ranks), every node with its own sidecar and torchrun agent
 (c10d rendezvous on a store of its own, ``--max-restarts``). Node B (agent, workers, sidecar) is SIGKILLed
 after step 11, part-way through the second epoch, and a replacement node C starts; the surviving agent
-restarts its workers, and the job runs to the end. Against a failure-free run of the same job: every step's
-loss and the final state are bit-identical.
+restarts its workers, and the job runs to the end. Against a failure-free run of the same job (run at the same
+time, on nodes of its own): every step's loss and the final state are bit-identical.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -23,13 +24,17 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> None:
     # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 11, in epoch 2; each run takes about
-    # 20 s here and stops itself after 90 s, so the test's timeout leaves room for the runs' own cleanup
+    # 20 s here and stops itself after 90 s, so the test's timeout leaves room for the runs' own cleanup. The
+    # failure-free reference runs beside the trial: another job on nodes of its own, as on a shared cluster.
     cfg = TrialConfig(timeout=90)
     t0 = time.monotonic()
-    reference = run_trial(cluster, str(tmp_path), cfg, job=cluster.job("reference"), fail=False,
-                          node_names=[cluster.node(f"{x}0") for x in "ABC"])  # fmt: skip
-    trial = run_trial(cluster, str(tmp_path), cfg, job=cluster.job("trial"), fail=True,
-                      node_names=[cluster.node(f"{x}1") for x in "ABC"])  # fmt: skip
+    for name in ("reference", "trial"):
+        (tmp_path / name).mkdir()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {name: pool.submit(run_trial, cluster, str(tmp_path / name), cfg, job=cluster.job(name),
+                                  fail=name == "trial", node_names=[cluster.node(f"{x}{i}") for x in "ABC"])
+                for i, name in enumerate(("reference", "trial"))}  # fmt: skip
+        reference, trial = (runs[name].result() for name in ("reference", "trial"))
     elapsed = time.monotonic() - t0
 
     assert all(len(reference.losses[r]) == cfg.steps for r in range(4)), reference.losses
