@@ -218,9 +218,10 @@ def _last_step(path: str) -> int:
 
 
 def _coordinator_dead_at(log_path: str, node: str) -> float | None:
-    """When the coordinator's log declared ``node`` dead (its ``asctime``: local time, milliseconds)."""
+    """When the coordinator's log declared ``node`` dead (its heartbeats missed, or a probe refused; its
+    ``asctime``: local time, milliseconds)."""
     pattern = re.compile(
-        rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*node {re.escape(node)} missed heartbeats"
+        rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*node {re.escape(node)} .*: declared dead"
     )
     with contextlib.suppress(FileNotFoundError), open(log_path, errors="replace") as f:
         for line in f:

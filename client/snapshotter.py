@@ -35,6 +35,7 @@ import torch.distributed as dist
 from snapshotd.proto import (
     Announce,
     Message,
+    PeerLostReport,
     RankRegistered,
     RegisterRank,
     RestoreProgress,
@@ -251,7 +252,9 @@ class Snapshotter:
         :class:`~snapshotd.client.PeerLost` (any other exception leaves as it is).
 
         A peer's death surfaces at once when its connections close (its process or node is gone), a hung peer's
-        after the live group's ``timeout``.
+        after the live group's ``timeout``. The rank then tells its sidecar, which tells the coordinator: it probes
+        the job's nodes, and declares a node whose sidecar is gone dead at once instead of after the death timeout
+        (see :mod:`snapshotd.coordinator.probes`), so that a replacement or spare gets its seat sooner.
         """
         if self._live is None:
             raise RuntimeError("guard() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
@@ -261,6 +264,7 @@ class Snapshotter:
             if not is_peer_failure(exc):
                 raise
             self._live.leave()  # the peers blocked on this rank fail now, not after the group's timeout
+            self._channel.send(PeerLostReport(job=self.job, rank=self.rank))  # the coordinator probes the job's nodes
             raise PeerLost(f"job {self.job!r} rank {self.rank}: a peer of epoch {self._live.epoch} was lost: "
                            f"{str(exc).splitlines()[0][:300]}") from exc  # fmt: skip
 

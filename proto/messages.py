@@ -8,7 +8,8 @@ Three conversations use these messages:
 
 - ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
   :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreProgress`,
-  :class:`RestoreReply`, and :class:`SeatRequest`, :class:`SeatReply` (also sidecar to coordinator).
+  :class:`RestoreReply`, and :class:`SeatRequest`, :class:`SeatReply`, :class:`PeerLostReport`, :class:`PeerLostReply`
+  (also sidecar to coordinator).
 - data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
@@ -45,6 +46,8 @@ __all__ = [
     "MemberQuery",
     "MemberReply",
     "Message",
+    "PeerLostReport",
+    "PeerLostReply",
     "PlanReply",
     "PlanRequest",
     "PullManifest",
@@ -549,6 +552,27 @@ class SeatReply(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PeerLostReport(Message):
+    """Live mode: rank ``rank`` of ``job`` saw a collective fail because a peer's connection closed (its process
+    or node is gone). A rank tells its sidecar (ipc, ``node`` left empty: the sidecar names itself), which tells
+    the coordinator; the coordinator then probes the job's other nodes at once instead of waiting for their
+    heartbeats to stop (see :mod:`snapshotd.coordinator.probes`)."""
+
+    TYPE: ClassVar[str] = "peer_lost_report"
+    rank: int = spec_field(RANK)
+    node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PeerLostReply(Message):
+    """The coordinator's answer to a :class:`PeerLostReport`: ``probed`` nodes of the job are being probed (0: none
+    live besides the sender, or all were probed moments ago)."""
+
+    TYPE: ClassVar[str] = "peer_lost_reply"
+    probed: int = spec_field(Int(0, L.MAX_RANKS), default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """A refusal: ``code`` says why for programs (see :class:`ErrorCode`), ``message`` for people.
 
@@ -569,6 +593,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
         StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, SeatRequest, SeatReply,
-        Error,
+        PeerLostReport, PeerLostReply, Error,
     )
 }  # fmt: skip

@@ -1,7 +1,8 @@
 """Membership: the nodes, which of them are live, their ring and failure domains, and the heartbeat schedule.
 
 Pure logic with no clock and no sockets: every entry point takes ``now`` (seconds, monotonic). A node that
-registers is live until it is silent for :meth:`Membership.death_timeout`; a dead node stays listed (the status
+registers is live until it is silent for :meth:`Membership.death_timeout`, or until a probe finds its sidecar
+gone (:meth:`Membership.suspect`, :mod:`.probes`); a dead node stays listed (the status
 document shows it) until it registers again. Every change of the live set bumps :attr:`Membership.epoch`, which
 tells placement and plan drafts that what they computed may no longer hold.
 
@@ -63,6 +64,7 @@ class Node:
     out_bps: float = 0.0
     in_bps: float = 0.0
     pacer: tuple[int, float, float] = (0, 0.0, 0.0)  # its pacer's rate (0: unpaced), step budget and slowdown
+    probed: float = -math.inf  # when it was last queued for a probe (see Membership.suspect)
 
     @property
     def host(self) -> str:
@@ -105,6 +107,7 @@ class Membership:
         self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
         self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
+        self.suspects: dict[str, str] = {}  # live nodes to probe, oldest first -> why each is suspected
 
     @property
     def live(self) -> int:
@@ -158,12 +161,38 @@ class Membership:
             node = self.nodes[next(iter(self._live))]
             if node.last_seen > deadline:
                 break
-            log.warning("node %s missed heartbeats for %.1f s: declared dead", node.name, now - node.last_seen,
-                        extra=fields(event="node_dead"))  # fmt: skip
-            self._remove_live(node)
-            node.alive = False
+            self.declare_dead(node, f"missed heartbeats for {now - node.last_seen:.1f} s")
             dead.append(node)
         return dead
+
+    def declare_dead(self, node: Node, why: str) -> None:
+        """``node`` (live) is dead because of ``why`` (logged as "node NAME WHY: declared dead")."""
+        log.warning("node %s %s: declared dead", node.name, why, extra=fields(event="node_dead"))
+        self._remove_live(node)
+        node.alive = False
+        self.suspects.pop(node.name, None)
+
+    def suspect(self, name: str, why: str, now: float) -> bool:
+        """Something points at live node ``name``'s death before its heartbeats have stopped for the death
+        timeout (``why`` says what): queue it for a probe (see :mod:`.probes`), unless it was queued within the
+        last heartbeat interval. True if it was queued now."""
+        node = self.nodes.get(name)
+        if node is None or not node.alive or name in self.suspects or now < node.probed + self.heartbeat_interval():
+            return False
+        node.probed = now
+        self.suspects[name] = why
+        return True
+
+    def take_suspects(self, most: int) -> list[tuple[Node, str]]:
+        """Up to ``most`` queued suspects (oldest first) that are still live, with why each is suspected."""
+        taken: list[tuple[Node, str]] = []
+        while self.suspects and len(taken) < most:
+            name = next(iter(self.suspects))
+            why = self.suspects.pop(name)
+            node = self.nodes[name]
+            if node.alive:
+                taken.append((node, why))
+        return taken
 
     def member(self, msg: MemberQuery) -> MemberReply:
         """Whether ``msg.host`` is the IPv4 host of a live node's data address (any node registered here: one

@@ -165,9 +165,11 @@ class Plans:
         if not rnd.frozen and now - rnd.opened < self._membership.death_timeout(now):
             moved = self._moved_from_live_node(job, ranks, msg.node)
             if moved is not None:
+                self._membership.suspect(moved[1], f"(rank {moved[0]} of job {job.name} asks from node {msg.node})",
+                                         now)  # fmt: skip
                 return _wait(msg, f"rank {moved[0]} asks from node {msg.node} while node {moved[1]}, which holds the "
-                                  "rank's own copies, has not been declared dead; waiting for it, at most the death "
-                                  "timeout")  # fmt: skip
+                                  "rank's own copies, has not been declared dead; waiting for it to be declared dead (it is "
+                                  "probed now), at most the death timeout")  # fmt: skip
         rnd.asked.update(ranks)
         if not rnd.frozen:
             if len(rnd.asked) < job.world_size:
@@ -194,7 +196,7 @@ class Plans:
         timeout, as a warm spare does). Its copies there still count for G, so a round frozen now could name a
         step that only the dead node held; the request waits (unrecorded, so the round cannot freeze) until the
         node is declared dead, at most the death timeout from the round's first request (after which a live old
-        node is taken at its word). A live old node whose report shows the rank's process gone (ranks moved
+        node is taken at its word); the old node is probed meanwhile (see :mod:`.probes`). A live old node whose report shows the rank's process gone (ranks moved
         between nodes at a launcher's restart) holds nothing up."""
         nodes = self._membership.nodes
         for rank in ranks:

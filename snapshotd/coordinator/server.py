@@ -22,7 +22,8 @@ build that it would hold up every heartbeat and plan answer queued behind it. So
 :mod:`.status`), for up to ``_STATUS_SLICE_S`` per pass of the loop, and sent once complete; at most
 ``_STATUS_BUILDS`` are built at once, and a request beyond gets an ``Error`` with code ``busy``.
 
-Failure detection runs in the same loop, and only once the loop has caught up: after a batch that emptied the
+Failure detection runs in the same loop: the probes of nodes suspected dead (:mod:`.probes`) at every pass, and
+expiry only once the loop has caught up: after a batch that emptied the
 socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
 waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
 exactly when the coordinator is busiest, and their re-registrations would make it busier still.
@@ -58,6 +59,7 @@ from snapshotd.proto import (
     HoldersQuery,
     MemberQuery,
     Message,
+    PeerLostReport,
     PlanRequest,
     ProtocolError,
     RegisterSidecar,
@@ -75,6 +77,7 @@ from .gc_policy import GcPolicy
 from .held import MAX_HELD, Held, HeldPlans
 from .holders import holders
 from .plans import PlanAnswer
+from .probes import Prober
 from .replies import HeartbeatReplies, PlanReplies
 from .state import CoordinatorState
 
@@ -172,6 +175,7 @@ class _Server:
         self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
         self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
+        self.prober = Prober(state, held.wake_all)
 
     async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
         """Answer requests in batches until ``stop``; then answer what already arrived and return.
@@ -206,9 +210,11 @@ class _Server:
                     self.expire(now)
                     gc_policy.tick(now, busy=len(self.held) > 0)
                     next_expiry = now + expire_every
+                self.prober.start()
                 await asyncio.sleep(0)
         finally:
             gc_policy.close()
+            await self.prober.close()
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
@@ -349,6 +355,8 @@ class _Server:
             return holders(self.state.jobs, self.state.membership, msg)
         if isinstance(msg, SeatRequest):
             return self.state.seats.ask(msg, now)
+        if isinstance(msg, PeerLostReport):
+            return self.state.peer_lost(msg, now)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "

@@ -9,7 +9,7 @@ the watermarks), :mod:`.reports` (heartbeat ingest), :mod:`.placement` (buddies)
 :mod:`.seats` (which ranks a node runs),
 :mod:`.replication` (the re-replication sweep) and :mod:`.status` (the status document). A request that concerns
 one part goes to it directly (``state.plans.plan(...)``, ``state.membership.member(...)``); this class answers
-those that concern several: registration, heartbeats and expiry.
+those that concern several: registration, heartbeats, expiry and probes (a lost peer reported, a node found gone).
 
 Cost model: a heartbeat costs O(ranks and inventory of that node) (see :mod:`.reports` and :mod:`.jobs`);
 placement is cached per node until membership changes; the re-replication sweep, the only O(ranks of all jobs)
@@ -25,11 +25,18 @@ from typing import Any
 
 import msgpack
 
-from snapshotd.proto import Heartbeat, HeartbeatReply, RegisterSidecar, SidecarRegistered
+from snapshotd.proto import (
+    Heartbeat,
+    HeartbeatReply,
+    PeerLostReply,
+    PeerLostReport,
+    RegisterSidecar,
+    SidecarRegistered,
+)
 
 from .config import CoordinatorConfig
 from .jobs import Jobs
-from .membership import Membership
+from .membership import Membership, Node
 from .placement import Placement
 from .plans import Plans
 from .replication import Sweep
@@ -129,13 +136,40 @@ class CoordinatorState:
         else: its inventory leaves the index, its ranks lose their home, its pending tasks are dropped.
         """
         for node in self.membership.expire(now):
-            shown = node.ranks
-            self._reports.drop(node)
-            node.ranks = shown
+            self._drop_dead(node)
         self._sweep.run(now)
         if now >= self._next_forget:
             self._forget_unreported_jobs(now)
             self._next_forget = now + min(10.0, self.cfg.forget_jobs_after / 4)
+
+    def peer_lost(self, msg: PeerLostReport, now: float) -> PeerLostReply:
+        """A rank of ``msg.job`` lost a peer: queue every other live node running the job's ranks for a probe
+        (see :mod:`.probes`); the reply counts those queued now.
+
+        Cost: O(the job's ranks).
+        """
+        job = self.jobs.get(msg.job)
+        if job is None:
+            return PeerLostReply(job=msg.job, probed=0)
+        why = f"(rank {msg.rank} of job {msg.job} on node {msg.node} lost a peer)"
+        queued = sum(self.membership.suspect(name, why, now) for name in sorted(set(job.homes.values()) - {msg.node}))
+        return PeerLostReply(job=msg.job, probed=queued)
+
+    def lose(self, node: Node, incarnation: str, why: str) -> bool:
+        """A probe found node ``node``'s sidecar (``incarnation``) gone: declare it dead now, as :meth:`expire`
+        would once its heartbeats were missing for the death timeout. False (nothing changes) when the node is
+        dead already or registered again as another incarnation since."""
+        if not node.alive or node.incarnation != incarnation:
+            return False
+        self.membership.declare_dead(node, why)
+        self._drop_dead(node)
+        return True
+
+    def _drop_dead(self, node: Node) -> None:
+        """Drop what a node just declared dead held; the status document still shows the ranks it last reported."""
+        shown = node.ranks
+        self._reports.drop(node)
+        node.ranks = shown
 
     def _forget_unreported_jobs(self, now: float) -> None:
         """Forget every job no live node has reported for ``forget_jobs_after`` seconds (see its docstring)."""

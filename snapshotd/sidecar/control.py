@@ -16,6 +16,8 @@ from snapshotd.proto import (
     MemberQuery,
     MemberReply,
     Message,
+    PeerLostReply,
+    PeerLostReport,
     PlanReply,
     PlanRequest,
     ProtocolError,
@@ -199,6 +201,18 @@ class CoordinatorClient:
             if reply.status == "given" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
             await asyncio.sleep(PLAN_POLL_SECONDS)
+
+    async def peer_lost(self, msg: PeerLostReport, timeout: float) -> PeerLostReply:
+        """Tell the coordinator that a rank of this node lost a peer (it probes the job's other nodes).
+
+        Raises:
+            CoordinatorUnavailable: no answer within ``timeout``.
+            ProtocolError: the coordinator refused it or answered something else.
+        """
+        try:
+            return await self._ask(msg, PeerLostReply, timeout)
+        except TimeoutError:
+            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
 
     async def _ask(self, msg: Message, answer: type[_Reply], timeout: float) -> _Reply:
         """``msg``'s answer, asked on a socket of its own, closed when answered.

@@ -2,7 +2,8 @@
 
 A rank registers (the sidecar creates its shared-memory arena), announces each staged slot (the slot becomes a
 valid copy and starts streaming to the rank's buddies), asks to restore, and unregisters when it closes. A rank whose job lets snapshotd place its ranks asks which
-seat its node has first (:class:`~snapshotd.proto.SeatRequest`, passed on to the coordinator). The
+seat its node has first (:class:`~snapshotd.proto.SeatRequest`, passed on to the coordinator); in live mode a
+rank that lost a peer says so (:class:`~snapshotd.proto.PeerLostReport`, passed on too, unanswered). The
 sidecar answers each request and, whenever the slots a rank may write into change, tells it with a
 :class:`~snapshotd.proto.SlotUpdate` (:class:`RankNotices`).
 """
@@ -21,6 +22,7 @@ from snapshotd.proto import (
     Error,
     ErrorCode,
     Message,
+    PeerLostReport,
     ProtocolError,
     RankRegistered,
     RegisterRank,
@@ -45,6 +47,9 @@ from .tasks import TaskTree
 __all__ = ["MAX_LOCAL_RANKS", "ArenaRefused", "IngestService", "RankNotices"]
 
 log = logging.getLogger(__name__)
+
+PEER_LOST_TIMEOUT = 5.0
+"""Seconds the coordinator has to acknowledge a :class:`~snapshotd.proto.PeerLostReport` passed on to it."""
 
 MAX_LOCAL_RANKS = 4096
 """Ranks one sidecar holds arenas for (a node runs a few; a peer registering without end is refused)."""
@@ -131,6 +136,8 @@ class IngestService:
             self._unregister(msg.job, msg.rank)
         elif isinstance(msg, SeatRequest):
             self.tasks.spawn(self._seat(ident, msg), f"seat request of {msg.job}")
+        elif isinstance(msg, PeerLostReport):
+            self.tasks.spawn(self._peer_lost(msg), f"lost peer report of {msg.job} rank {msg.rank}")
         else:
             raise ProtocolError(f"{msg.TYPE} is not an ipc request")
 
@@ -151,6 +158,17 @@ class IngestService:
             log.exception("seat request of %s failed", msg.job)
             reply = Error(job=msg.job, code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
         self.notices.reply(ident, reply)
+
+    async def _peer_lost(self, msg: PeerLostReport) -> None:
+        """Tell the coordinator that a rank here lost a peer (it probes the job's other nodes); the rank expects no
+        answer, so a failure is only logged."""
+        try:
+            reply = await self.control.peer_lost(dataclasses.replace(msg, node=self.state.node), PEER_LOST_TIMEOUT)
+        except (CoordinatorUnavailable, ProtocolError) as exc:
+            log.warning("rank %d of job %s lost a peer; telling the coordinator failed: %s", msg.rank, msg.job, exc)
+            return
+        log.info("rank %d of job %s lost a peer: the coordinator probes %d node(s)", msg.rank, msg.job, reply.probed,
+                 extra=fields(msg.job, msg.rank, event="peer_lost"))  # fmt: skip
 
     def _register(self, ident: bytes, msg: RegisterRank) -> None:
         if msg.rank >= msg.world_size:

@@ -60,6 +60,9 @@ def test_a_rank_asking_from_a_new_node_waits_for_its_old_nodes_death() -> None:
     register(st, "c")
     assert plan(st, 0, "a").status == "wait"
     assert plan(st, 1, "c").status == "wait"
+    assert [(n.name, why) for n, why in st.membership.take_suspects(8)] == [
+        ("b", "(rank 1 of job j asks from node c)")
+    ]  # b is probed meanwhile (see test_probes)
     beat(st, "a", LATER + 0.4, ranks("j", 2, 0), inv("j", 0, 5, 6, local=True) + inv("j", 1, 5))
     beat(st, "c", LATER + 0.4, ranks("j", 2, 1), ())
     st.expire(LATER + 0.5)  # b's heartbeats stopped at T0: declared dead now

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import re
 import signal
 import uuid
 from collections.abc import Iterator
@@ -142,6 +143,9 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     _check(results, reference, pids, reached, survivors)
     assert sorted(job.ranks_of("D")) == sorted(set(range(4)) - set(survivors))
     assert results[survivors[0]]["recoveries"][-1]["restore_s"] < 5
+    # B was declared dead by the probe a survivor's lost-peer report started, not after the death timeout
+    assert re.search(rf"node {cluster.node('B')} refused a connection to its data address .* lost a peer\): declared "
+                     "dead", cluster.tail(cluster.coordinator, 400)), cluster.tail(cluster.coordinator)  # fmt: skip
 
 
 @pytest.mark.timeout(400)

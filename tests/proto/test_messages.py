@@ -28,6 +28,8 @@ from snapshotd.proto import (
     MemberQuery,
     MemberReply,
     Message,
+    PeerLostReply,
+    PeerLostReport,
     PlanReply,
     PlanRequest,
     PullManifest,
@@ -162,6 +164,8 @@ def sample_messages() -> list[Message]:
                      sources=((ADDR, "tcp://10.0.0.3:41000"), ())),
         SeatRequest(job="run-42", world_size=16, per_node=8, node="node-a", timeout_s=600.0),
         SeatReply(job="run-42", status="given", first=8),
+        PeerLostReport(job="run-42", rank=3, node="node-a"),
+        PeerLostReply(job="run-42", probed=2),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
     ]
 

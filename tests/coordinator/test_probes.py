@@ -1,0 +1,113 @@
+"""Probes of nodes suspected dead: the state's queue, the probe itself on real sockets, and a real coordinator
+that declares a node dead at once when a rank reports a lost peer and that node's data port refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+from snapshotd.coordinator.probes import probe
+from snapshotd.proto import (
+    Heartbeat,
+    PeerLostReply,
+    PeerLostReport,
+    RankInfo,
+    RegisterSidecar,
+    SidecarRegistered,
+)
+from snapshotd.status import fetch_status
+
+from .scenario import LATER, T0, beat, make, ranks, register
+from .test_server import TIMEOUT, ask, dealer, start  # noqa: F401 - fixtures
+
+
+@contextlib.contextmanager
+def _listening() -> Iterator[str]:
+    """A TCP port something listens on (without ever accepting: the kernel completes the handshake)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _closed_port() -> str:
+    """A TCP port nothing listens on (bound once, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_the_state_queues_the_other_nodes_of_the_job_once_per_heartbeat_interval() -> None:
+    st = make()
+    for n in "abcd":
+        register(st, n)
+    for n, r in zip("abc", range(3), strict=True):
+        beat(st, n, T0, ranks("j", 3, r))  # d runs no rank of j
+    reply = st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER)
+    assert reply.probed == 2 and sorted(st.membership.suspects) == ["b", "c"]
+    assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.1).probed == 0  # queued already
+    assert st.peer_lost(PeerLostReport(job="nope", rank=0, node="a"), LATER).probed == 0  # an unknown job
+    taken = st.membership.take_suspects(8)
+    assert [n.name for n, _ in taken] == ["b", "c"] and "rank 0 of job j on node a lost a peer" in taken[0][1]
+    # b is found gone: dead at once, its ranks' home dropped; a stale probe of another incarnation changes nothing
+    b = st.membership.nodes["b"]
+    assert not st.lose(b, "another incarnation", "refused")
+    assert st.lose(b, "i1", "refused a connection") and not b.alive and st.membership.live == 3
+    assert not st.lose(b, "i1", "refused again")
+    assert 1 not in st.jobs["j"].homes
+    assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.2).probed == 0  # c: within the interval
+    assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.6).probed == 1  # c again, not b
+
+
+def test_a_probe_tells_an_open_port_a_refused_one_and_what_it_cannot_know(tmp_path) -> None:
+    async def main() -> None:
+        with _listening() as open_addr:
+            assert await probe(open_addr, 1.0) is True
+        assert await probe(_closed_port(), 1.0) is False
+        with socket.socket(socket.AF_UNIX) as u:
+            path = os.path.join(tmp_path, "data.sock")
+            u.bind(path)
+            u.listen()
+            assert await probe(f"ipc://{path}", 1.0) is True
+        os.unlink(path)
+        assert await probe(f"ipc://{path}", 1.0) is False  # the socket file is gone
+        assert await probe("mem://node-a", 1.0) is None
+        assert await probe("tcp://not-a-host.invalid:1", 1.0) is None
+
+    asyncio.run(main())
+
+
+def _join(sock, node: str, data_addr: str, rank: int) -> None:
+    assert isinstance(ask(sock, RegisterSidecar(node=node, data_addr=data_addr, incarnation="i1")), SidecarRegistered)
+    info = RankInfo(job="j", rank=rank, world_size=3, pid=100 + rank, alive=True)
+    assert ask(sock, Heartbeat(node=node, incarnation="i1", ranks=(info,))).known
+
+
+def test_a_lost_peer_gets_a_node_whose_sidecar_is_gone_declared_dead_at_once(start, dealer) -> None:  # noqa: F811
+    """Nodes a and c have live data ports, b's refuses (its sidecar is gone, its host up). Rank 0 on a reports a
+    lost peer: b is declared dead within a probe, not after the death timeout (30 s); a and c stay live."""
+    coord = start(heartbeat_timeout=30.0, heartbeat_interval=0.1)
+    socks = {n: dealer(coord.endpoint) for n in "abc"}
+    with _listening() as addr_a, _listening() as addr_c:
+        for rank, (node, addr) in enumerate((("a", addr_a), ("b", _closed_port()), ("c", addr_c))):
+            _join(socks[node], node, addr, rank)
+        t0 = time.monotonic()
+        reply = ask(socks["a"], PeerLostReport(job="j", rank=0, node="a"))
+        assert isinstance(reply, PeerLostReply) and reply.probed == 2
+        alive: dict[str, bool] = {}
+        while alive.get("b", True):
+            assert time.monotonic() - t0 < TIMEOUT, alive
+            alive = {n["node"]: n["alive"] for n in fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["nodes"]}
+        assert alive == {"a": True, "b": False, "c": True}
+        assert time.monotonic() - t0 < 3.0  # a probe's time, not the death timeout's
+        assert not ask(socks["b"], Heartbeat(node="b", incarnation="i1")).known  # b must register again
+
+
+def test_a_report_for_a_job_nobody_runs_probes_nothing(start, dealer) -> None:  # noqa: F811
+    coord = start()
+    reply = ask(dealer(coord.endpoint), PeerLostReport(job="unknown", rank=0, node="a"))
+    assert isinstance(reply, PeerLostReply) and reply.probed == 0
