@@ -3,8 +3,9 @@
 A job in live mode forms its process group with :func:`init_process_group` instead of
 ``torch.distributed.init_process_group``, and gives the returned :class:`LiveGroup` to its
 :class:`~snapshotd.client.Snapshotter` (``live=``). When a peer dies, the survivors' next collective fails
-(at once when the peer's process or node is gone and its kernel closes the connections; after the group's
-``timeout`` when the peer hangs), :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` turns that
+(at once when the peer's process or node is gone and its kernel closes the connections; when the peer hangs,
+once the job opens its next epoch for the peer's replacement, which the watchdog of :meth:`LiveGroup.watch` sees,
+or else after the group's ``timeout``), :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` turns that
 failure into :class:`~snapshotd.client.PeerLost`, and :meth:`Snapshotter.recover
 <snapshotd.client.Snapshotter.recover>` leaves the broken group, waits here for the job's new membership, forms
 the new group, gives it to every DDP module and rolls the state back in place to the step every rank restores.
@@ -44,8 +45,9 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -57,7 +59,7 @@ from .ddp import rebuild_reducer
 from .errors import RecoveryFailed
 from .identity import Identity
 
-__all__ = ["LiveGroup", "STORE_ENV", "check_rebindable", "init_process_group", "is_peer_failure", "rebind_ddp"]
+__all__ = ["HANG_CHECK_S", "LiveGroup", "STORE_ENV", "check_rebindable", "init_process_group", "is_peer_failure", "rebind_ddp"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ STORE_ENV = "SNAPSHOTD_STORE"
 SEAT_ASK_S = 10.0
 """How long the sidecar asks the coordinator for a seat on one request of a rank (which asks again until its own
 deadline)."""
+
+HANG_CHECK_S = 1.0
+"""How long a guarded step runs before the watchdog starts looking for a newer epoch, and how often it looks
+then (see :meth:`LiveGroup.watch`)."""
 
 _TRANSPORT_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -88,15 +94,22 @@ class LiveGroup:
     """
 
     def __init__(self, store: dist.Store, *, job: str, rank: int, world_size: int, backend: str,
-                 timeout: float, join_timeout: float, attempts: int) -> None:  # fmt: skip
+                 timeout: float, join_timeout: float, attempts: int,
+                 seat: tuple[int, str | None] | None = None) -> None:  # fmt: skip
         if timeout <= 0 or join_timeout <= 0 or attempts < 1:
             raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
         self.store = dist.PrefixStore(f"snapshotd/{job}", store)
         self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
+        self.seat = seat  # (nodes, sidecar) when snapshotd seated this node (init_process_group's nodes=)
         self.epoch = -1
         self.timings: dict[str, float] = {}
+        self.left_behind = False  # the watchdog left the group: the job formed a newer one while a step hung
         self._links: dict[int, str] = {}  # the current group's connections: fd -> its socket's /proc link
+        self._links_lock = threading.Lock()
+        self._step_since: float | None = None  # when the guarded step running now began (monotonic)
+        self._watching: threading.Event | None = None  # set to stop the watchdog
+        self._watchdog: threading.Thread | None = None
 
     def __repr__(self) -> str:
         return f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
@@ -114,16 +127,81 @@ class LiveGroup:
         closed by peer"), and it leaves too. The connections are those the process opened while the group formed
         (TCP, Linux ``/proc``; elsewhere nothing is shut). Idempotent; :meth:`rejoin` calls it first.
         """
-        for fd, link in self._links.items():
+        with self._links_lock:
+            links, self._links = self._links, {}
+        for fd, link in links.items():
             _shut(fd, link)
-        self._links = {}
 
     def rejoin(self) -> None:
-        """Leave the current (broken) group and form the next one with the job's new membership."""
+        """Leave the current (broken) group and form the next one with the job's new membership.
+
+        A seated node (``nodes=``) first asks for its seat again: if the coordinator gave it to another node
+        meanwhile (this node was declared dead while it hung or was cut off, and a spare or replacement took its
+        place), this process must not join: :class:`~snapshotd.client.RecoveryFailed` says so.
+        """
         self.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.left_behind = False
+        if self.seat is not None:
+            nodes, sidecar = self.seat
+            rank, _ = _seat(self.job, nodes, sidecar, self.join_timeout)
+            if rank != self.rank:
+                raise RecoveryFailed(f"job {self.job!r}: this node's seat now gives rank {rank}, not this process's "
+                                     f"rank {self.rank}")  # fmt: skip
         self._form(self._next(self.epoch))
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Mark a training step (the block :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` runs) for
+        the watchdog (see :meth:`watch`)."""
+        self._step_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._step_since = None
+
+    def watch(self) -> None:
+        r"""Start the watchdog thread (idempotent): while a step has run for more than :data:`HANG_CHECK_S`, it
+        reads the job's newest epoch from the store every :data:`HANG_CHECK_S`, on a connection of its own.
+
+        A newer epoch than this rank's group means the job is forming its next group: a rank arrived whose
+        earlier incarnation was a member (a replacement or spare for a node the coordinator declared dead, which
+        hung or was cut off), or a survivor opened it. This rank's collective, blocked on a member that will not
+        answer, would otherwise wait for the group's ``timeout``; the watchdog :meth:`leave`\ s the group
+        instead, the collective fails at once, and ``guard()`` raises ``PeerLost`` (:attr:`left_behind` is set).
+        """
+        if self._watchdog is not None:
+            return
+        self._watching = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, args=(self.store.clone(), self._watching),  # type: ignore[attr-defined]
+                                          name=f"snapshotd-live-watchdog-{self.rank}", daemon=True)  # fmt: skip
+        self._watchdog.start()
+
+    def unwatch(self, timeout: float = 5.0) -> None:
+        """Stop the watchdog thread (idempotent), waiting up to ``timeout`` seconds for it."""
+        if self._watchdog is None or self._watching is None:
+            return
+        self._watching.set()
+        self._watchdog.join(timeout)
+        self._watchdog = self._watching = None
+
+    def _watch(self, store: dist.Store, stop: threading.Event) -> None:
+        while not stop.wait(HANG_CHECK_S):
+            since, epoch = self._step_since, self.epoch
+            if since is None or epoch < 0 or time.monotonic() - since < HANG_CHECK_S:
+                continue
+            try:
+                newest = int(store.get("epoch"))
+            except Exception as exc:  # the store is away: the group's timeout still ends a hung collective
+                log.debug("[job %s rank %d] watchdog: cannot read the store: %s", self.job, self.rank, exc)
+                continue
+            if newest > epoch and self._step_since == since and self.epoch == epoch:
+                log.warning("[job %s rank %d] a step of epoch %d has run %.1f s and the job opened epoch %d: a "
+                            "member hung and is being replaced; leaving the group", self.job, self.rank, epoch,
+                            time.monotonic() - since, newest)  # fmt: skip
+                self.left_behind = True
+                self.leave()
 
     def _open_after(self, failed: int) -> int:
         """Open the epoch after ``failed`` (or find it, or a newer one, opened by another rank)."""
@@ -169,7 +247,8 @@ class LiveGroup:
                 _forget_failed_group()
                 epoch = self._next(epoch)
                 continue
-            self._links = {fd: link for fd, link in _sockets().items() if link not in before}
+            with self._links_lock:
+                self._links = {fd: link for fd, link in _sockets().items() if link not in before}
             self.epoch = epoch
             self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
             log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
@@ -278,16 +357,19 @@ def init_process_group(
     Raises:
         ValueError: no store, or a malformed one; missing job, rank or world size; ``nodes`` with ``rank`` or
             ``world_size``, or without ``$LOCAL_RANK`` and ``$LOCAL_WORLD_SIZE``.
-        RecoveryFailed: no seat came free within ``join_timeout``; the membership did not fill within
+        RecoveryFailed: no seat came free within ``join_timeout``, or this node's seat was given to another node
+            (it was declared dead: hung, or cut off); the membership did not fill within
             ``join_timeout``, or no group formed.
         SnapshotdError: the seat request failed (the sidecar or coordinator refused it, or did not answer).
     """
     if timeout <= 0 or join_timeout <= 0 or attempts < 1:  # before connecting; LiveGroup checks them too
         raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+    seat = None
     if nodes is not None:
         if rank is not None or world_size is not None:
             raise ValueError("give nodes= (snapshotd places the ranks) or rank= and world_size=, not both")
         rank, world_size = _seat(job, nodes, sidecar, join_timeout)
+        seat = (nodes, sidecar)
     me = Identity.resolve(job, rank, world_size, None)
     where = store if store is not None else os.environ.get(STORE_ENV, "")
     host, _, port = where.rpartition(":")
@@ -296,7 +378,7 @@ def init_process_group(
     client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                            timeout=datetime.timedelta(seconds=max(timeout, 30.0)))  # fmt: skip
     group = LiveGroup(client, job=me.job, rank=me.rank, world_size=me.world_size, backend=backend,
-                      timeout=timeout, join_timeout=join_timeout, attempts=attempts)  # fmt: skip
+                      timeout=timeout, join_timeout=join_timeout, attempts=attempts, seat=seat)  # fmt: skip
     group.join()
     return group
 
@@ -307,7 +389,8 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
 
     Raises:
         ValueError: ``nodes`` < 1, ``$LOCAL_RANK`` or ``$LOCAL_WORLD_SIZE`` missing or inconsistent.
-        RecoveryFailed: every seat stayed held by a live node for ``timeout`` seconds.
+        RecoveryFailed: every seat stayed held by a live node for ``timeout`` seconds; the seat this node had was
+            given to another node (``taken``: this node was declared dead meanwhile).
         SnapshotdError: the sidecar or coordinator refused the request or did not answer.
     """
     local_rank, per_node = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -326,10 +409,12 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
             ask = SeatRequest(job=me.job, world_size=world_size, per_node=int(per_node), timeout_s=left)
             reply = channel.request(ask, SeatReply.TYPE, left + 10.0)
             assert isinstance(reply, SeatReply)
-            if reply.status == "given" or time.monotonic() >= deadline:
+            if reply.status != "wait" or time.monotonic() >= deadline:
                 break
     finally:
         channel.close()
+    if reply.status == "taken":
+        raise RecoveryFailed(f"job {me.job!r}: {reply.reason}")
     if reply.status != "given":
         raise RecoveryFailed(f"job {me.job!r}: no seat for this node within {timeout:.0f} s: {reply.reason}")
     rank = reply.first + int(local_rank)

@@ -187,6 +187,8 @@ class Snapshotter:
         self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
         self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
+        if live is not None:
+            live.watch()  # stopped by close()
 
     # ------------------------------------------------------------------------------------------ public
 
@@ -251,17 +253,19 @@ class Snapshotter:
         """Live mode: run a training step; a collective failing because a peer died or hung leaves it as
         :class:`~snapshotd.client.PeerLost` (any other exception leaves as it is).
 
-        A peer's death surfaces at once when its connections close (its process or node is gone), a hung peer's
-        after the live group's ``timeout``. The rank then tells its sidecar, which tells the coordinator: it probes
+        A peer's death surfaces at once when its connections close (its process or node is gone); a hung peer's
+        once the job opens its next epoch for the peer's replacement (the live group's watchdog, see
+        :meth:`LiveGroup.watch <snapshotd.client.live.LiveGroup.watch>`), else after the live group's ``timeout``. The rank then tells its sidecar, which tells the coordinator: it probes
         the job's nodes, and declares a node whose sidecar is gone dead at once instead of after the death timeout
         (see :mod:`snapshotd.coordinator.probes`), so that a replacement or spare gets its seat sooner.
         """
         if self._live is None:
             raise RuntimeError("guard() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
         try:
-            yield
+            with self._live.step():
+                yield
         except Exception as exc:
-            if not is_peer_failure(exc):
+            if not is_peer_failure(exc) and not self._live.left_behind:
                 raise
             self._live.leave()  # the peers blocked on this rank fail now, not after the group's timeout
             self._channel.send(PeerLostReport(job=self.job, rank=self.rank))  # the coordinator probes the job's nodes
@@ -435,6 +439,8 @@ class Snapshotter:
         if self._closed:
             return
         self._closed = True
+        if self._live is not None:
+            self._live.unwatch()
         self._stager.fence(timeout=self.timeout)
         self._stager.remove_hooks()
         if unregister:

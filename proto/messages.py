@@ -543,10 +543,12 @@ class SeatRequest(Message):
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class SeatReply(Message):
     """The answer to a :class:`SeatRequest`: ``given`` (the node runs ranks ``first`` up to ``first + per_node -
-    1``) or ``wait`` (every seat is held by a live node: ``reason`` says so; ask again)."""
+    1``), ``wait`` (every seat is held by a live node: ``reason`` says so; ask again) or ``taken`` (the seat the
+    node had, its ``held``, was given to another live node after this one was declared dead: its processes must
+    not join the job; final)."""
 
     TYPE: ClassVar[str] = "seat_reply"
-    status: str = spec_field(Enum(("given", "wait")))
+    status: str = spec_field(Enum(("given", "wait", "taken")))
     first: int = spec_field(RANK, default=0)
     reason: str = spec_field(TEXT, default="")
 

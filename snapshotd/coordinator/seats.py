@@ -10,8 +10,12 @@ A job of ``world_size`` ranks on nodes of ``per_node`` ranks each has ``world_si
   lives, and while a live node reports one of its ranks (a node placed by its own index, or one whose seat this
   coordinator has not seen given: it restarted);
 - with no seat free the answer is ``wait``: a spare node started ahead waits until a node of the job is declared
-  dead (its heartbeats stopped for the death timeout) and then takes that node's seat. Which node's ranks are lost
-  need not be known in advance: the spare takes whichever seat comes free first.
+  dead (its heartbeats stopped for the death timeout, or a probe found its sidecar gone) and then takes that
+  node's seat. Which node's ranks are lost need not be known in advance: the spare takes whichever seat comes
+  free first;
+- a node that had a seat (its sidecar says which, ``held``) given since to another live node is answered
+  ``taken``: it was declared dead (it hung, or was cut off) and replaced, and its processes, which may have
+  woken up, must not rejoin the job (they would take ranks the replacement runs).
 
 Seats are soft state, like everything here: in the rebuild window after the coordinator's start every request
 waits; then a node's seat is the one its sidecar says it was given (``held``: each sidecar remembers its seat per
@@ -94,10 +98,16 @@ class Seats:
             seats = self._seats[msg.job] = _JobSeats(msg.per_node, msg.world_size)
         mine = seats.seat_of.get(msg.node)
         if mine is None:
-            claims = [msg.held // msg.per_node] if msg.held >= 0 and msg.held % msg.per_node == 0 else []
-            claims += self._reported_seats(msg.job, msg.node, msg.per_node)
+            held = [msg.held // msg.per_node] if msg.held >= 0 and msg.held % msg.per_node == 0 else []
+            claims = held + self._reported_seats(msg.job, msg.node, msg.per_node)
             mine = next((c for c in claims if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c,
                                                                                                  msg.node)), None)  # fmt: skip
+            holder = seats.node_of.get(held[0]) if held else None
+            if mine is None and holder is not None and holder != msg.node and self._alive(holder):
+                return SeatReply(job=msg.job, status="taken",
+                                 reason=f"seat {held[0]} (ranks {msg.held}-{msg.held + msg.per_node - 1}) of job "
+                                        f"{msg.job}, which node {msg.node} had, was given to node {holder} after "
+                                        f"{msg.node} was declared dead; its processes must not rejoin")  # fmt: skip
         if mine is None:
             mine = next((c for c in range(msg.world_size // msg.per_node) if self._free(msg.job, seats, c, msg.node)),
                         None)  # fmt: skip

@@ -182,7 +182,7 @@ class CoordinatorClient:
     async def seat(self, req: SeatRequest, deadline: float) -> SeatReply:
         """The node's seat in ``req.job`` (see :mod:`snapshotd.coordinator.seats`), asked again every
         ``PLAN_POLL_SECONDS`` while the coordinator answers ``wait``, until ``deadline`` (monotonic); the last
-        ``wait`` when it passes.
+        ``wait`` when it passes. ``given`` and ``taken`` are final.
 
         Each request has a socket of its own (a node's ranks ask once, at their start).
 
@@ -198,7 +198,7 @@ class CoordinatorClient:
                     continue
                 raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer the seat request of job "
                                              f"{req.job} within {req.timeout_s:.0f} s") from None  # fmt: skip
-            if reply.status == "given" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
+            if reply.status != "wait" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
             await asyncio.sleep(PLAN_POLL_SECONDS)
 

@@ -45,7 +45,9 @@ def test_a_spare_takes_the_seat_of_the_node_that_died_and_the_others_keep_theirs
     assert seat(st, "b", now=LATER + 1).status == "wait"
     beat(st, "c", LATER + 1, ranks("j", 4, 2, 3), inc="i1")
     beat(st, "b", LATER + 1, ranks("j", 4, 2, 3), inc="i2")  # its old processes still report ranks 2 and 3
-    assert seat(st, "b", now=LATER + 1, held=2).status == "wait", "it does not take the seat back"
+    taken = seat(st, "b", now=LATER + 1, held=2)  # its sidecar remembers seat 1: its woken processes are told
+    assert taken.status == "taken", "it does not take the seat back"
+    assert "seat 1 (ranks 2-3) of job j, which node b had, was given to node c" in taken.reason, taken.reason
     assert seat(st, "c", now=LATER + 1).first == 2
 
 

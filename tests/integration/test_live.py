@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import re
 import signal
+import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -64,13 +67,14 @@ def _arrived(store: str, job: str, epoch: int) -> int:
 
 
 def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False, spare: str | None = None,
-                 dying: bool = False) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
+                 dying: bool = False, hang: bool = False) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
     """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
     the ranks of node ``spare`` (seated) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
-    is durable. ``dying``: rank 1 runs as label ``A1``, with ``--die-in-rollback``. The job, every rank's pid
-    before the loss, the newest step any rank had completed, and the ranks that survive (node A's)."""
+    is durable; ``hang``: SIGSTOP them instead, in a job whose group timeout is 120 s. ``dying``: rank 1 runs as
+    label ``A1``, with ``--die-in-rollback``. The job, every rank's pid before the loss, the newest step any rank
+    had completed, and the ranks that survive (node A's)."""
     job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
-                    flags=[*FLAGS, "--step-delay", "0.3"])  # fmt: skip
+                    flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else [])])  # fmt: skip
     if dying:
         job.start_node("A", cluster.ipc("A"), 0, local=[0])
         job.start_node("A1", cluster.ipc("A"), 0, local=[1], flags=["--die-in-rollback"])
@@ -90,8 +94,18 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
     survivors = sorted(job.ranks_of("A") + (job.ranks_of("A1") if dying else []))
     assert len(survivors) == 2 and (seated or survivors == [0, 1])
     reached = max(job.progress(r)["step"] for r in range(job.world))
-    cluster.lose_node(cluster.sidecar("B"), job.lose("B"))
+    if hang:
+        _signal_node(cluster, job, "B", signal.SIGSTOP)
+    else:
+        cluster.lose_node(cluster.sidecar("B"), job.lose("B"))
     return job, pids, reached, survivors
+
+
+def _signal_node(cluster: Cluster, job: LiveRanks, label: str, sig: signal.Signals) -> None:
+    """Send ``sig`` to node ``label``'s sidecar and ranks."""
+    for pid in [cluster.sidecar(label).proc.pid, *(p.pid for p in job.procs.get(label, ()))]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int,
@@ -146,6 +160,43 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     # B was declared dead by the probe a survivor's lost-peer report started, not after the death timeout
     assert re.search(rf"node {cluster.node('B')} refused a connection to its data address .* lost a peer\): declared "
                      "dead", cluster.tail(cluster.coordinator, 400)), cluster.tail(cluster.coordinator)  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are_refused_when_they_wake(
+    tmp_path, cluster: Cluster, store: str, reference: list[dict]
+) -> None:
+    """Node B hangs (its sidecar and ranks SIGSTOPped) in a job whose group timeout is 120 s, the survivors blocked
+    in a collective on it. The coordinator declares B dead after its death timeout (1.5 s), the spare takes B's
+    seat and opens the job's next epoch, and the survivors' watchdogs see it and leave the old group: they
+    recover with the spare within seconds. When B wakes (SIGCONT), its ranks find their group gone and their seat
+    taken, and exit with an error that says so; the job completes, bit-identical."""
+    cluster.start("A")
+    cluster.start("B")
+    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C", hang=True)
+    hung_at = time.time()
+    woken: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_for(lambda: bool(job.failed()) or all(job.progress(r)["step"] > reached for r in range(4)), 60,
+                 "the survivors and the spare training past the step reached before the hang")  # fmt: skip
+        assert not job.failed(), job.failed()
+        _signal_node(cluster, job, "B", signal.SIGCONT)
+        woken = job.lose("B")  # not waited for with the job's ranks
+        for proc in woken:
+            assert proc.wait(60) != 0, job.log_tail("B")
+        assert "was given to node" in job.log_tail("B") and "must not rejoin" in job.log_tail("B"), job.log_tail("B")
+        results = job.wait(240)
+    finally:
+        _signal_node(cluster, job, "B", signal.SIGCONT)  # whatever happened, nothing stays stopped
+        for proc in woken:
+            proc.kill()
+            proc.wait(10)
+        job.kill()
+    _check(results, reference, pids, reached, survivors)
+    assert sorted(job.ranks_of("C")) == sorted(set(range(4)) - set(survivors))
+    for r in survivors:
+        recovery = results[r]["recoveries"][-1]
+        assert recovery["failed_at"] - hung_at < 20, recovery  # the watchdog's doing: the group timeout is 120 s
 
 
 @pytest.mark.timeout(400)
