@@ -74,6 +74,10 @@ HANG_CHECK_S = 1.0
 """How long a guarded step runs before the watchdog starts looking for a newer epoch, and how often it looks
 then (see :meth:`LiveGroup.watch`)."""
 
+SEAT_ASK_MIN_S = 0.5
+"""The shortest seat request a rank sends: with less time left before its deadline it stops asking (a request of a
+few milliseconds would time out at the sidecar before the coordinator could answer it)."""
+
 _TRANSPORT_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
@@ -405,11 +409,11 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
     channel = Channel(me.sidecar, lambda msg: None)
     try:
         while True:  # short requests: a sidecar whose rank died stops asking within SEAT_ASK_S
-            left = max(0.0, min(SEAT_ASK_S, deadline - time.monotonic()))
+            left = max(SEAT_ASK_MIN_S, min(SEAT_ASK_S, deadline - time.monotonic()))
             ask = SeatRequest(job=me.job, world_size=world_size, per_node=int(per_node), timeout_s=left)
             reply = channel.request(ask, SeatReply.TYPE, left + 10.0)
             assert isinstance(reply, SeatReply)
-            if reply.status != "wait" or time.monotonic() >= deadline:
+            if reply.status != "wait" or deadline - time.monotonic() < SEAT_ASK_MIN_S:
                 break
     finally:
         channel.close()

@@ -190,16 +190,20 @@ class CoordinatorClient:
             CoordinatorUnavailable: no answer before ``deadline``.
             ProtocolError: the coordinator refused the request or answered something else.
         """
+        last: SeatReply | None = None
         while True:
             try:
                 reply = await self._ask(req, SeatReply, max(0.0, min(deadline - time.monotonic(), PLAN_REQUEST_TIMEOUT)))
             except TimeoutError:
                 if time.monotonic() < deadline:
                     continue
+                if last is not None:  # answered before: the last answer stands
+                    return last
                 raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer the seat request of job "
                                              f"{req.job} within {req.timeout_s:.0f} s") from None  # fmt: skip
             if reply.status != "wait" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
+            last = reply
             await asyncio.sleep(PLAN_POLL_SECONDS)
 
     async def peer_lost(self, msg: PeerLostReport, timeout: float) -> PeerLostReply:
