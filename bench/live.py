@@ -20,7 +20,9 @@ Each row splits the time from the kill to the first step every rank completed af
 full restart's process starts, imports and model builds, or waiting for the replacement), restore (the
 slowest rank's rollback or restore, DDP's set-up on the new group included) and the first step. With several
 ``--ranks-per-node`` (2, 4, 8 by default) it shows how each phase grows with the survivors;
-``survivor_work_seconds`` is a survivor's own part of a live recovery (moving DDP and rolling back). The
+``survivor_work_seconds`` is a survivor's own part of a live recovery (moving DDP and rolling back: the slowest
+survivor's wall time, waits for the other ranks included) and ``survivor_cpu_seconds`` the CPU time its process
+spent in ``recover()`` (every thread: what the live path costs a survivor by itself, without the waits). The
 summary (``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size,
 and the same for the spare modes.
 
@@ -313,6 +315,7 @@ def _row(mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int
            "total_seconds": first - killed_at, "epochs": len({r["epoch"] for r in results})}  # fmt: skip
     if mode.startswith("live"):
         row["survivor_work_seconds"] = max(rec["ddp_s"] + rec["restore_s"] for rec in recoveries)
+        row["survivor_cpu_seconds"] = max(rec["cpu_s"] for rec in recoveries)
     if len(steps) != 1 or row["epochs"] != 1:
         raise RuntimeError(f"{mode} x{per_node}: the ranks ended apart (steps {steps}, {row['epochs']} epochs)")
     return row
@@ -382,12 +385,15 @@ def run(args: argparse.Namespace) -> Report:
         summary.update(full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s)
     spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
     work_of = {k: by[spare_mode, k]["survivor_work_seconds"] for k in sizes if (spare_mode, k) in by}
-    work = list(work_of.values())
+    cpu_of = {k: by[spare_mode, k]["survivor_cpu_seconds"] for k in sizes if (spare_mode, k) in by}
+    work, cpu = list(work_of.values()), list(cpu_of.values())
     summary.update(survivor_work_mode=spare_mode, survivor_work_seconds={str(k): v for k, v in work_of.items()},
                    survivor_work_spread=max(work) / min(work) - 1 if work and min(work) > 0 else None,
+                   survivor_cpu_seconds={str(k): v for k, v in cpu_of.items()},
+                   survivor_cpu_spread=max(cpu) / min(cpu) - 1 if cpu and min(cpu) > 0 else None,
                    failed_trials=sum("error" in r for r in rows),
                    survivors_kept_live=all(r["survivors_kept"] == r["ranks_per_node"] for r in rows
                                            if r["mode"].startswith("live")))  # fmt: skip
     return Report("live", dataclasses.asdict(cfg), rows, summary,
                   columns=["mode", "ranks_per_node", "step_restored", "survivors_kept", *_PHASES,
-                           "survivor_work_seconds", "epochs", "error"])  # fmt: skip
+                           "survivor_work_seconds", "survivor_cpu_seconds", "epochs", "error"])  # fmt: skip

@@ -144,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
                     snap.close(unregister=False)  # a crash's exit: the arena stays for the restarted rank
                     return EXIT_PEER_LOST
                 recovering = True
+                cpu = time.process_time()
                 step = snap.recover()
                 recovering = False
                 recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "step": step,
-                                   "epoch": group.epoch, **snap.recovered})  # fmt: skip
+                                   "epoch": group.epoch, "cpu_s": time.process_time() - cpu,
+                                   **snap.recovered})  # fmt: skip
                 continue
             losses[step + 1] = float(loss.detach())
             step += 1
