@@ -97,11 +97,12 @@ class LiveGroup:
     (``group_s``).
     """
 
-    def __init__(self, store: dist.Store, *, job: str, rank: int, world_size: int, backend: str,
+    def __init__(self, store: dist.TCPStore, *, job: str, rank: int, world_size: int, backend: str,
                  timeout: float, join_timeout: float, attempts: int,
                  seat: tuple[int, str | None] | None = None) -> None:  # fmt: skip
         if timeout <= 0 or join_timeout <= 0 or attempts < 1:
             raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+        self._address = (store.host, store.port)  # the watchdog opens a connection of its own there
         self.store = dist.PrefixStore(f"snapshotd/{job}", store)
         self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
@@ -110,7 +111,8 @@ class LiveGroup:
         self.timings: dict[str, float] = {}
         self.left_behind = False  # the watchdog left the group: the job formed a newer one while a step hung
         self._links: dict[int, str] = {}  # the current group's connections: fd -> its socket's /proc link
-        self._links_lock = threading.Lock()
+        # held over changes of the group (epoch, links), of the step running, and the watchdog's check and leave
+        self._lock = threading.Lock()
         self._step_since: float | None = None  # when the guarded step running now began (monotonic)
         self._watching: threading.Event | None = None  # set to stop the watchdog
         self._watchdog: threading.Thread | None = None
@@ -131,8 +133,12 @@ class LiveGroup:
         closed by peer"), and it leaves too. The connections are those the process opened while the group formed
         (TCP, Linux ``/proc``; elsewhere nothing is shut). Idempotent; :meth:`rejoin` calls it first.
         """
-        with self._links_lock:
-            links, self._links = self._links, {}
+        with self._lock:
+            self._leave()
+
+    def _leave(self) -> None:
+        """:meth:`leave`, with ``_lock`` held."""
+        links, self._links = self._links, {}
         for fd, link in links.items():
             _shut(fd, link)
 
@@ -142,70 +148,90 @@ class LiveGroup:
         A seated node (``nodes=``) first asks for its seat again: if the coordinator gave it to another node
         meanwhile (this node was declared dead while it hung or was cut off, and a spare or replacement took its
         place), this process must not join: :class:`~snapshotd.client.RecoveryFailed` says so.
+        The seat request and the membership share one deadline, ``join_timeout`` from now.
+
+        Raises:
+            RecoveryFailed: the seat was given to another node; the membership did not fill, or no group formed,
+                before the deadline.
+            SnapshotdError: the seat request failed (the sidecar or coordinator refused it, or did not answer).
         """
+        deadline = time.monotonic() + self.join_timeout
         self.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.left_behind = False
         if self.seat is not None:
             nodes, sidecar = self.seat
-            rank, _ = _seat(self.job, nodes, sidecar, self.join_timeout)
+            rank, _ = _seat(self.job, nodes, sidecar, max(SEAT_ASK_MIN_S, deadline - time.monotonic()))
             if rank != self.rank:
                 raise RecoveryFailed(f"job {self.job!r}: this node's seat now gives rank {rank}, not this process's "
                                      f"rank {self.rank}")  # fmt: skip
-        self._form(self._next(self.epoch))
+        self._form(self._next(self.epoch), deadline)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         """Mark a training step (the block :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` runs) for
         the watchdog (see :meth:`watch`)."""
-        self._step_since = time.monotonic()
+        with self._lock:
+            self._step_since, self.left_behind = time.monotonic(), False
         try:
             yield
         finally:
-            self._step_since = None
+            with self._lock:
+                self._step_since = None
 
     def watch(self) -> None:
         r"""Start the watchdog thread (idempotent): while a step has run for more than :data:`HANG_CHECK_S`, it
-        reads the job's newest epoch from the store every :data:`HANG_CHECK_S`, on a connection of its own.
+        reads the job's newest epoch from the store every :data:`HANG_CHECK_S`, on a connection of its own (opened
+        then, and again after it failed).
 
         A newer epoch than this rank's group means the job is forming its next group: a rank arrived whose
         earlier incarnation was a member (a replacement or spare for a node the coordinator declared dead, which
         hung or was cut off), or a survivor opened it. This rank's collective, blocked on a member that will not
         answer, would otherwise wait for the group's ``timeout``; the watchdog :meth:`leave`\ s the group
-        instead, the collective fails at once, and ``guard()`` raises ``PeerLost`` (:attr:`left_behind` is set).
+        instead, the collective fails at once (gloo: its connections are shut), and ``guard()`` raises
+        ``PeerLost`` (:attr:`left_behind` is set).
         """
         if self._watchdog is not None:
             return
         self._watching = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, args=(self.store.clone(), self._watching),  # type: ignore[attr-defined]
-                                          name=f"snapshotd-live-watchdog-{self.rank}", daemon=True)  # fmt: skip
+        self._watchdog = threading.Thread(target=self._watch, args=(self._watching,), daemon=True,
+                                          name=f"snapshotd-live-watchdog-{self.rank}")  # fmt: skip
         self._watchdog.start()
 
     def unwatch(self, timeout: float = 5.0) -> None:
-        """Stop the watchdog thread (idempotent), waiting up to ``timeout`` seconds for it."""
+        """Stop the watchdog thread (idempotent), waiting up to ``timeout`` seconds for it (a thread still
+        blocked reading the store then ends, a daemon, within the store's timeout)."""
         if self._watchdog is None or self._watching is None:
             return
         self._watching.set()
         self._watchdog.join(timeout)
         self._watchdog = self._watching = None
 
-    def _watch(self, store: dist.Store, stop: threading.Event) -> None:
+    def _watch(self, stop: threading.Event) -> None:
+        store: dist.Store | None = None
         while not stop.wait(HANG_CHECK_S):
             since, epoch = self._step_since, self.epoch
             if since is None or epoch < 0 or time.monotonic() - since < HANG_CHECK_S:
                 continue
             try:
+                if store is None:
+                    host, port = self._address
+                    store = dist.PrefixStore(f"snapshotd/{self.job}", dist.TCPStore(
+                        host, port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=max(HANG_CHECK_S, 5.0))))  # fmt: skip
                 newest = int(store.get("epoch"))
             except Exception as exc:  # the store is away: the group's timeout still ends a hung collective
                 log.debug("[job %s rank %d] watchdog: cannot read the store: %s", self.job, self.rank, exc)
+                store = None
                 continue
-            if newest > epoch and self._step_since == since and self.epoch == epoch:
+            with self._lock:
+                if newest <= epoch or self._step_since != since or self.epoch != epoch or stop.is_set():
+                    continue
                 log.warning("[job %s rank %d] a step of epoch %d has run %.1f s and the job opened epoch %d: a "
                             "member hung and is being replaced; leaving the group", self.job, self.rank, epoch,
                             time.monotonic() - since, newest)  # fmt: skip
                 self.left_behind = True
-                self.leave()
+                self._leave()
 
     def _open_after(self, failed: int) -> int:
         """Open the epoch after ``failed`` (or find it, or a newer one, opened by another rank)."""
@@ -215,9 +241,11 @@ class LiveGroup:
         """Decide ``epoch`` ``full`` or ``abandoned``, unless it is decided already; the decision that holds."""
         return self.store.compare_set(f"e{epoch}/decided", "", outcome).decode()
 
-    def _form(self, epoch: int) -> None:
+    def _form(self, epoch: int, deadline: float | None = None) -> None:
+        """Form the group of ``epoch`` or a later one, by ``deadline`` (monotonic; default ``join_timeout`` from
+        now)."""
         t0 = time.monotonic()
-        deadline = t0 + self.join_timeout
+        deadline = t0 + self.join_timeout if deadline is None else deadline
         problems: list[str] = []
         failures = 0
         while failures < self.attempts:
@@ -251,9 +279,9 @@ class LiveGroup:
                 _forget_failed_group()
                 epoch = self._next(epoch)
                 continue
-            with self._links_lock:
+            with self._lock:
                 self._links = {fd: link for fd, link in _sockets().items() if link not in before}
-            self.epoch = epoch
+                self.epoch = epoch
             self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
             log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
                      self.world_size)  # fmt: skip

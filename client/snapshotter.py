@@ -287,7 +287,10 @@ class Snapshotter:
         it asked for its restore leaves the survivors waiting for the restore's ``timeout``, which then raises.
 
         Raises:
-            RecoveryFailed: the new group did not form (the replacement never came; members kept dying).
+            RecoveryFailed: the new group did not form (the replacement never came; members kept dying), or this
+                node's seat was given to another node (it was declared dead: it hung, or was cut off).
+            SnapshotdError: a seated node's seat request failed (the sidecar or coordinator refused it, or did not
+                answer).
             Whatever :meth:`restore` raises.
         """
         if self._live is None:

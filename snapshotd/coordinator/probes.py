@@ -8,33 +8,56 @@ queued (:meth:`~.membership.Membership.suspect`, at most once per heartbeat inte
 loop opens a connection to each one's data address (:class:`Prober`):
 
 - refused (nothing listens there, but the host answers: the sidecar's process is gone, as when a node's
-  processes are killed, a container is deleted or preempted, or the sidecar crashed): the node is declared dead
-  at once (:meth:`~.state.CoordinatorState.lose`);
+  processes are killed, a container is deleted or preempted, or the sidecar crashed), and the node has also
+  missed a heartbeat (silent for :data:`SILENCE_INTERVALS` of the intervals it was given; the probe is repeated
+  once that long after its last heartbeat if need be): the node is declared dead at once
+  (:meth:`~.state.CoordinatorState.lose`). A sidecar that still heartbeats is never declared dead by a probe,
+  whatever its data address answers (a firewall's reset, a listener not open yet);
 - opened (the sidecar lives: the suspicion was wrong), timed out or unreachable (the host itself is gone or cut
   off, and cannot answer): nothing changes, and the death timeout decides, as without a probe.
 
 The probe sends nothing: the connection is closed as soon as it opens, before any handshake, so a data plane with
 a secret or a member check sees a peer that left. The coordinator must be able to reach the nodes' data addresses
-(they are what buddies connect to); a firewall that rejects its connections with a reset, rather than dropping
-them, would make a suspected node look dead.
+(they are what buddies connect to). A data address only its own host can reach (loopback, ``ipc://``) is probed
+only by a coordinator bound to one itself (every sidecar that reaches it then shares its host); else it is not
+probed and the death timeout decides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from .membership import Node
 from .state import CoordinatorState
 
-__all__ = ["MAX_PROBES", "Prober", "probe"]
+__all__ = ["MAX_PROBES", "Prober", "SILENCE_INTERVALS", "host_local", "probe"]
 
 log = logging.getLogger(__name__)
 
 MAX_PROBES = 64
 """Probes in flight at once; suspects beyond wait in the queue."""
+
+SILENCE_INTERVALS = 1.5
+"""How many of its heartbeat intervals a node whose data address refused must also have been silent for before
+it is declared dead (it missed a heartbeat)."""
+
+
+def host_local(addr: str) -> bool:
+    """Whether ``addr`` (an endpoint) can be reached from its own host only: ``ipc://``, ``mem://``, or TCP on a
+    loopback address or ``localhost``."""
+    if not addr.startswith("tcp://"):
+        return addr.startswith(("ipc://", "mem://"))
+    host = (urlsplit(addr).hostname or "").strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def probe(data_addr: str, timeout: float) -> bool | None:
@@ -64,14 +87,16 @@ class Prober:
     """Runs the probes of the suspects the state queues, and declares dead the nodes found gone.
 
     Args:
-        state: the coordinator's state (its membership holds the queue).
+        state: the coordinator's state (its membership holds the queue; its configuration's ``bind`` tells
+            whether host-local data addresses can be probed, see :func:`host_local`).
         on_death: called after a node was declared dead (the server re-plans held requests).
     """
 
     def __init__(self, state: CoordinatorState, on_death: Callable[[], None]) -> None:
         self.state = state
         self.on_death = on_death
-        self._running: set[asyncio.Task[None]] = set()
+        self.shares_host = host_local(state.cfg.bind)
+        self._running: set[asyncio.Task[bool]] = set()
 
     def start(self) -> None:
         """Start a probe for each queued suspect, up to :data:`MAX_PROBES` in flight."""
@@ -80,19 +105,36 @@ class Prober:
             return
         timeout = min(1.0, self.state.cfg.heartbeat_timeout / 2)
         for node, why in membership.take_suspects(MAX_PROBES - len(self._running)):
-            task = asyncio.get_running_loop().create_task(self._probe(node, node.incarnation, why, timeout))
+            if host_local(node.data_addr) and not self.shares_host:
+                continue  # another host's loopback: this one's would answer
+            task = asyncio.get_running_loop().create_task(self.check(node, node.incarnation, why, timeout))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _probe(self, node: Node, incarnation: str, why: str, timeout: float) -> None:
+    async def check(self, node: Node, incarnation: str, why: str, timeout: float) -> bool:
+        """Probe ``node`` (as ``incarnation``) and declare it dead if its data address refuses and it missed a
+        heartbeat (see the module docstring); True if it was declared dead here. Returns within ``timeout``
+        twice plus :data:`SILENCE_INTERVALS` heartbeat intervals."""
         try:
-            found = await probe(node.data_addr, timeout)
-            if found is False and self.state.lose(
-                node, incarnation, f"refused a connection to its data address {node.data_addr} {why}"
-            ):
-                self.on_death()
+            for _ in range(2):
+                if await probe(node.data_addr, timeout) is not False:
+                    return False
+                wait = node.last_seen + SILENCE_INTERVALS * node.told - time.monotonic()
+                if wait <= 0.01:  # (a timer may fire a little early)
+                    break
+                await asyncio.sleep(wait)  # then probe again: still refused, and still silent?
+                if not node.alive or node.incarnation != incarnation:
+                    return False
+            else:
+                return False  # it heartbeated while refusing
+            if not self.state.lose(node, incarnation, f"refused a connection to its data address {node.data_addr} "
+                                   f"and was silent for {time.monotonic() - node.last_seen:.1f} s {why}"):  # fmt: skip
+                return False
+            self.on_death()
+            return True
         except Exception:  # a bug must not end the coordinator's loop: the death timeout still decides
             log.exception("probe of node %s failed", node.name)
+            return False
 
     async def close(self) -> None:
         """Cancel the probes in flight and wait for them."""

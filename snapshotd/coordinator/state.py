@@ -19,6 +19,7 @@ pass, runs in slices (see :mod:`.replication`); a plan request costs O(its ranks
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -74,6 +75,7 @@ class CoordinatorState:
         self._reports = Reports(self.jobs, self.membership)
         self._sweep = Sweep(cfg, self.jobs, self.membership, self.placement, now)
         self._unreported: dict[str, float] = {}  # job -> since when no live node reports it
+        self._peer_lost_at: dict[str, float] = {}  # job -> when a lost peer's report last queued its nodes
         self._next_forget = now
 
     def register(self, msg: RegisterSidecar, now: float) -> SidecarRegistered:
@@ -144,13 +146,15 @@ class CoordinatorState:
 
     def peer_lost(self, msg: PeerLostReport, now: float) -> PeerLostReply:
         """A rank of ``msg.job`` lost a peer: queue every other live node running the job's ranks for a probe
-        (see :mod:`.probes`); the reply counts those queued now.
+        (see :mod:`.probes`); the reply counts those queued now. A job's nodes are queued at most once per
+        heartbeat interval: the reports of its other ranks within it (every survivor reports) change nothing.
 
-        Cost: O(the job's ranks).
+        Cost: O(the job's ranks), once per job and interval; O(1) for the other reports.
         """
         job = self.jobs.get(msg.job)
-        if job is None:
-            return PeerLostReply(job=msg.job, probed=0)
+        if job is None or now < self._peer_lost_at.get(msg.job, -math.inf) + self.membership.heartbeat_interval():
+            return PeerLostReply(job=msg.job, probed=0)  # unknown, or its nodes were queued within the interval
+        self._peer_lost_at[msg.job] = now
         why = f"(rank {msg.rank} of job {msg.job} on node {msg.node} lost a peer)"
         queued = sum(self.membership.suspect(name, why, now) for name in sorted(set(job.homes.values()) - {msg.node}))
         return PeerLostReply(job=msg.job, probed=queued)
@@ -181,6 +185,7 @@ class CoordinatorState:
                 del self._unreported[name]
                 self.jobs.forget(name)
                 self.seats.forget(name)
+                self._peer_lost_at.pop(name, None)
                 log.info("job %s: no live node has reported it for %.0f s; forgotten", name, self.cfg.forget_jobs_after)
 
     def status(self, now: float) -> dict[str, Any]:

@@ -119,6 +119,7 @@ class IngestService:
         self.restores = restores
         self.tasks = tasks
         self.pacer = pacer
+        self._reporting: set[str] = set()  # jobs whose lost peer report is with the coordinator now
 
     def handle(self, ident: bytes, msg: Message) -> None:
         """Act on one request from the rank at ``ident``.
@@ -137,7 +138,9 @@ class IngestService:
         elif isinstance(msg, SeatRequest):
             self.tasks.spawn(self._seat(ident, msg), f"seat request of {msg.job}")
         elif isinstance(msg, PeerLostReport):
-            self.tasks.spawn(self._peer_lost(msg), f"lost peer report of {msg.job} rank {msg.rank}")
+            if msg.job not in self._reporting:  # the node's other ranks that lost the peer too add nothing
+                self._reporting.add(msg.job)
+                self.tasks.spawn(self._peer_lost(msg), f"lost peer report of {msg.job} rank {msg.rank}")
         else:
             raise ProtocolError(f"{msg.TYPE} is not an ipc request")
 
@@ -161,12 +164,15 @@ class IngestService:
 
     async def _peer_lost(self, msg: PeerLostReport) -> None:
         """Tell the coordinator that a rank here lost a peer (it probes the job's other nodes); the rank expects no
-        answer, so a failure is only logged."""
+        answer, so a failure is only logged. One report per job is in flight at a time: the reports of the
+        node's other ranks meanwhile are dropped."""
         try:
             reply = await self.control.peer_lost(dataclasses.replace(msg, node=self.state.node), PEER_LOST_TIMEOUT)
         except (CoordinatorUnavailable, ProtocolError) as exc:
             log.warning("rank %d of job %s lost a peer; telling the coordinator failed: %s", msg.rank, msg.job, exc)
             return
+        finally:
+            self._reporting.discard(msg.job)
         log.info("rank %d of job %s lost a peer: the coordinator probes %d node(s)", msg.rank, msg.job, reply.probed,
                  extra=fields(msg.job, msg.rank, event="peer_lost"))  # fmt: skip
 

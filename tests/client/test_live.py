@@ -66,6 +66,22 @@ def test_jobs_keep_their_membership_apart(store) -> None:
     assert int(store.add("snapshotd/one/e0/arrived", 0)) == 1 and int(store.add("snapshotd/two/e0/arrived", 0)) == 1
 
 
+def test_a_step_starts_with_the_watchdogs_verdict_cleared_and_the_watchdog_stops(store) -> None:
+    """``left_behind`` (set by the watchdog when it left a hung group) is the verdict on one step only; the
+    watchdog thread starts once and stops on unwatch()."""
+    group = _group(store, 0)
+    group.left_behind = True
+    with group.step():
+        assert not group.left_behind and group._step_since is not None
+    assert group._step_since is None
+    group.watch()
+    thread = group._watchdog
+    group.watch()
+    assert group._watchdog is thread and thread is not None and thread.is_alive()
+    group.unwatch()
+    assert not thread.is_alive() and group._watchdog is None
+
+
 def test_bad_arguments_are_refused_by_name(store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(live.STORE_ENV, raising=False)
     with pytest.raises(ValueError, match="host:port"):

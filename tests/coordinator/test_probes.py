@@ -10,7 +10,8 @@ import socket
 import time
 from collections.abc import Iterator
 
-from snapshotd.coordinator.probes import probe
+from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
+from snapshotd.coordinator.probes import SILENCE_INTERVALS, Prober, host_local, probe
 from snapshotd.proto import (
     Heartbeat,
     PeerLostReply,
@@ -81,6 +82,61 @@ def test_a_probe_tells_an_open_port_a_refused_one_and_what_it_cannot_know(tmp_pa
     asyncio.run(main())
 
 
+def _refusing_node(st: CoordinatorState, name: str = "b"):
+    """A node registered now whose data address refuses connections."""
+    st.register(RegisterSidecar(node=name, data_addr=_closed_port(), incarnation="i1"), time.monotonic())
+    return st.membership.nodes[name]
+
+
+def test_a_refusing_node_is_declared_dead_only_once_it_also_missed_a_heartbeat() -> None:
+    """A refusal alone is not enough: the node must be silent for SILENCE_INTERVALS of its heartbeat interval too.
+    One that keeps heartbeating (a firewall resets the coordinator's connections; its listener is not open yet)
+    stays live; a silent one is declared dead as soon as that silence is reached."""
+
+    async def main() -> None:
+        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic())
+        deaths: list[str] = []
+        prober = Prober(st, lambda: deaths.append("b"))
+        b = _refusing_node(st)
+
+        async def heartbeats(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                st.membership.seen(b, time.monotonic())
+                await asyncio.sleep(0.02)
+
+        stop = asyncio.Event()
+        beating = asyncio.create_task(heartbeats(stop))
+        assert not await prober.check(b, "i1", "(test)", 1.0)
+        stop.set()
+        await beating
+        assert b.alive and not deaths
+        t0 = time.monotonic()
+        assert await prober.check(b, "i1", "(test)", 1.0)  # silent now: dead once silent long enough
+        assert not b.alive and deaths == ["b"]
+        assert time.monotonic() - b.last_seen >= SILENCE_INTERVALS * 0.1 - 0.01
+        assert time.monotonic() - t0 < 10.0
+
+    asyncio.run(main())
+
+
+def test_another_hosts_loopback_address_is_not_probed() -> None:
+    assert host_local("tcp://127.0.0.1:1") and host_local("tcp://localhost:1") and host_local("ipc:///tmp/x")
+    assert host_local("tcp://[::1]:1") and not host_local("tcp://10.0.0.5:1") and not host_local("tcp://node-a:1")
+
+    async def main() -> None:
+        st = CoordinatorState(CoordinatorConfig(bind="tcp://0.0.0.0:7070", heartbeat_interval=0.1,
+                                                heartbeat_timeout=30.0), now=time.monotonic())  # fmt: skip
+        prober = Prober(st, lambda: None)
+        b = _refusing_node(st)
+        b.last_seen = time.monotonic() - 1.0
+        assert st.membership.suspect("b", "(test)", time.monotonic())
+        prober.start()  # on another host than the coordinator's: not probed
+        assert not st.membership.suspects and not prober._running and b.alive
+        await prober.close()
+
+    asyncio.run(main())
+
+
 def _join(sock, node: str, data_addr: str, rank: int) -> None:
     assert isinstance(ask(sock, RegisterSidecar(node=node, data_addr=data_addr, incarnation="i1")), SidecarRegistered)
     info = RankInfo(job="j", rank=rank, world_size=3, pid=100 + rank, alive=True)
@@ -103,7 +159,7 @@ def test_a_lost_peer_gets_a_node_whose_sidecar_is_gone_declared_dead_at_once(sta
             assert time.monotonic() - t0 < TIMEOUT, alive
             alive = {n["node"]: n["alive"] for n in fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["nodes"]}
         assert alive == {"a": True, "b": False, "c": True}
-        assert time.monotonic() - t0 < 3.0  # a probe's time, not the death timeout's
+        assert time.monotonic() - t0 < 15.0  # a probe's time, not the death timeout's (30 s)
         assert not ask(socks["b"], Heartbeat(node="b", incarnation="i1")).known  # b must register again
 
 
