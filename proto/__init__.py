@@ -25,6 +25,7 @@ from .messages import *  # noqa: F403
 from .messages import __all__ as _messages_all
 from .records import (
     Assignment,
+    HeldSeat,
     InventoryItem,
     RankInfo,
     RankPlan,
@@ -43,6 +44,7 @@ __all__ = [
     "CodecError",
     "ErrorCode",
     "FramePacker",
+    "HeldSeat",
     "InventoryItem",
     "LimitExceeded",
     "MalformedMessage",

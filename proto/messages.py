@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 from . import limits as L
 from .errors import ErrorCode
 from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
-from .records import Assignment, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
+from .records import Assignment, HeldSeat, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
 from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, Str, spec_field
 
 __all__ = [
@@ -387,6 +387,8 @@ class Heartbeat(Message):
     """The pacer's step-time budget, parts per million (0: none told)."""
     step_slowdown_ppm: int = spec_field(Int(-1_000_000, 1 << 40), default=0)
     """The slowdown of the local ranks' steps the pacer measures now, parts per million."""
+    seats: tuple[HeldSeat, ...] = spec_field(ListOf(Record(HeldSeat), L.MAX_LIST_ITEMS), factory=tuple)
+    """With ``changed``: the seats this node was given (so that a restarted coordinator knows who holds each)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -530,7 +532,8 @@ class SeatRequest(Message):
 
     A rank asks its sidecar (ipc, ``node`` left empty: the sidecar names itself), which asks the coordinator
     until it answers ``given`` or ``timeout_s`` seconds have passed. ``held``: the first rank of the seat the
-    sidecar was given in this job before (-1: none), so that a restarted coordinator gives it the same one."""
+    sidecar was given in this job before (-1: none), so that a restarted coordinator gives it the same one;
+    ``held_granted``: when it was given (:attr:`SeatReply.granted`)."""
 
     TYPE: ClassVar[str] = "seat_request"
     world_size: int = spec_field(WORLD)
@@ -538,6 +541,7 @@ class SeatRequest(Message):
     node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
     timeout_s: float = spec_field(SECONDS, default=0.0)
     held: int = spec_field(Int(-1, L.MAX_RANKS - 1), default=-1)
+    held_granted: int = spec_field(Int(0, 1 << 62), default=0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -545,12 +549,14 @@ class SeatReply(Message):
     """The answer to a :class:`SeatRequest`: ``given`` (the node runs ranks ``first`` up to ``first + per_node -
     1``), ``wait`` (every seat is held by a live node: ``reason`` says so; ask again) or ``taken`` (the seat the
     node had, its ``held``, was given to another live node after this one was declared dead: its processes must
-    not join the job; final)."""
+    not join the job; final). ``granted``, with ``given``: when the seat was given to the node (the
+    coordinator's wall clock, microseconds since the epoch; see :class:`~snapshotd.proto.HeldSeat`)."""
 
     TYPE: ClassVar[str] = "seat_reply"
     status: str = spec_field(Enum(("given", "wait", "taken")))
     first: int = spec_field(RANK, default=0)
     reason: str = spec_field(TEXT, default="")
+    granted: int = spec_field(Int(0, 1 << 62), default=0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -6,10 +6,10 @@ import dataclasses
 
 from . import limits as L
 from .fields import ADDR, JOB, PID, RANK, STEP, STEP_OR_NONE, TEXT, WORLD
-from .schema import Bool, Enum, ListOf, spec_field
+from .schema import Bool, Enum, Int, ListOf, spec_field
 
 __all__ = [
-    "PLAN_STATUSES", "Assignment", "InventoryItem", "RankInfo", "RankPlan", "RankPlanFields", "ReplicateTask",
+    "PLAN_STATUSES", "Assignment", "HeldSeat", "InventoryItem", "RankInfo", "RankPlan", "RankPlanFields", "ReplicateTask",
     "Watermark",
 ]  # fmt: skip
 
@@ -26,6 +26,19 @@ class RankInfo:
     world_size: int = spec_field(WORLD)
     pid: int = spec_field(PID)
     alive: bool = spec_field(Bool())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldSeat:
+    """A seat a sidecar's node was given (see :mod:`snapshotd.coordinator.seats`): ranks ``first`` up to
+    ``first + per_node - 1`` of ``job`` (of ``world_size`` ranks), given at ``granted`` (the coordinator's wall
+    clock, microseconds since the epoch: of two nodes claiming one seat, the later grant holds it)."""
+
+    job: str = spec_field(JOB)
+    first: int = spec_field(RANK)
+    per_node: int = spec_field(Int(1, L.MAX_PLAN_RANKS))
+    world_size: int = spec_field(WORLD)
+    granted: int = spec_field(Int(0, 1 << 62))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

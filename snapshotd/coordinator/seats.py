@@ -17,10 +17,14 @@ A job of ``world_size`` ranks on nodes of ``per_node`` ranks each has ``world_si
   ``taken``: it was declared dead (it hung, or was cut off) and replaced, and its processes, which may have
   woken up, must not rejoin the job (they would take ranks the replacement runs).
 
-Seats are soft state, like everything here: in the rebuild window after the coordinator's start every request
-waits; then a node's seat is the one its sidecar says it was given (``held``: each sidecar remembers its seat per
-job), else the one of the ranks it reports. A node not registered (yet) waits too. A job's seats are forgotten
-with the job (no live node reported it for ``forget_jobs_after``).
+Each grant is stamped with the coordinator's wall clock (:attr:`~snapshotd.proto.SeatReply.granted`), and the
+sidecar remembers its seat and stamp per job (:class:`~snapshotd.proto.HeldSeat`). Seats are soft state, like
+everything here: each sidecar reports its seats with its ranks (:meth:`Seats.report`, on every heartbeat that
+reports them: the first after a registration does), and of two nodes claiming one seat the later grant holds it,
+so a restarted coordinator, which every request waits for during its rebuild window, knows again which node
+holds which seat, and a node declared dead before the restart that comes back is still answered ``taken``. A
+node not registered (yet) waits too. A job's seats are forgotten with the job (no live node reported it for
+``forget_jobs_after``).
 
 Cost model: a node asking again costs O(1); a node's first request costs O(the seats before the one it gets,
 times ``per_node``), once per node.
@@ -29,8 +33,10 @@ times ``per_node``), once per node.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 
-from snapshotd.proto import SeatReply, SeatRequest
+from snapshotd.proto import HeldSeat, SeatReply, SeatRequest
 
 from .jobs import Jobs
 from .membership import Membership
@@ -42,21 +48,27 @@ log = logging.getLogger(__name__)
 
 
 class _JobSeats:
-    """One job's seats: its ``per_node``, and which node each seat was given to (both ways)."""
+    """One job's seats: its ``per_node``, which node each seat was given to (both ways) and when."""
 
-    __slots__ = ("per_node", "world_size", "node_of", "seat_of")
+    __slots__ = ("per_node", "world_size", "node_of", "seat_of", "granted")
 
     def __init__(self, per_node: int, world_size: int) -> None:
         self.per_node, self.world_size = per_node, world_size
         self.node_of: dict[int, str] = {}
         self.seat_of: dict[str, int] = {}
+        self.granted: dict[int, int] = {}  # seat -> when it was given to node_of[seat] (see HeldSeat)
 
-    def give(self, seat: int, node: str) -> None:
+    def give(self, seat: int, node: str, granted: int) -> None:
         old = self.node_of.get(seat)
         if old is not None:
             self.seat_of.pop(old, None)
+        mine = self.seat_of.get(node)
+        if mine is not None and mine != seat:
+            self.node_of.pop(mine, None)
+            self.granted.pop(mine, None)
         self.node_of[seat] = node
         self.seat_of[node] = seat
+        self.granted[seat] = granted
 
 
 class Seats:
@@ -97,11 +109,13 @@ class Seats:
         if seats is None:
             seats = self._seats[msg.job] = _JobSeats(msg.per_node, msg.world_size)
         mine = seats.seat_of.get(msg.node)
+        granted = seats.granted.get(mine, 0) if mine is not None else 0
         if mine is None:
             held = [msg.held // msg.per_node] if msg.held >= 0 and msg.held % msg.per_node == 0 else []
             claims = held + self._reported_seats(msg.job, msg.node, msg.per_node)
             mine = next((c for c in claims if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c,
                                                                                                  msg.node)), None)  # fmt: skip
+            granted = msg.held_granted if held and mine == held[0] else 0
             holder = seats.node_of.get(held[0]) if held else None
             if mine is None and holder is not None and holder != msg.node and self._alive(holder):
                 return SeatReply(job=msg.job, status="taken",
@@ -116,8 +130,33 @@ class Seats:
                                        "nodes")  # fmt: skip
             log.info("job %s: node %s takes seat %d (ranks %d-%d)", msg.job, msg.node, mine, mine * seats.per_node,
                      (mine + 1) * seats.per_node - 1)  # fmt: skip
-        seats.give(mine, msg.node)
-        return SeatReply(job=msg.job, status="given", first=mine * seats.per_node)
+        granted = granted or max(time.time_ns() // 1000, seats.granted.get(mine, 0) + 1)
+        seats.give(mine, msg.node, granted)
+        return SeatReply(job=msg.job, status="given", first=mine * seats.per_node, granted=granted)
+
+    def report(self, name: str, held: Iterable[HeldSeat]) -> None:
+        """Node ``name`` (live) reports the seats its sidecar was given, of the jobs it reports ranks of: each is
+        recorded as its, unless another live node holds that seat by a later grant (then the report is stale: the
+        node was replaced). A claim that disagrees with the job's seats (another ``per_node`` or world size, a
+        first rank off a seat's start) is ignored.
+
+        Cost: O(the seats reported).
+        """
+        jobs = {job for (job, _) in self._membership.nodes[name].ranks}
+        for h in held:
+            if h.job not in jobs or h.first % h.per_node or h.first >= h.world_size:
+                continue
+            seats = self._seats.get(h.job)
+            if seats is None:
+                seats = self._seats[h.job] = _JobSeats(h.per_node, h.world_size)
+            elif (seats.per_node, seats.world_size) != (h.per_node, h.world_size):
+                continue
+            seat = h.first // h.per_node
+            holder = seats.node_of.get(seat)
+            if holder == name or holder is None or not self._alive(holder) or h.granted > seats.granted.get(seat, 0):
+                if holder not in (None, name):
+                    log.info("job %s: node %s holds seat %d by a later grant than node %s", h.job, name, seat, holder)
+                seats.give(seat, name, max(h.granted, seats.granted.get(seat, 0)) if holder == name else h.granted)
 
     @staticmethod
     def _wait(msg: SeatRequest, reason: str) -> SeatReply:

@@ -117,6 +117,7 @@ class CoordinatorState:
         node.measure(msg, now)
         if msg.changed:
             self._reports.apply(node, msg)
+            self.seats.report(node.name, msg.seats)
         tasks, node.tasks = node.tasks, []
         interval = self.membership.heartbeat_interval()
         tell = interval != self.cfg.heartbeat_interval or node.told != interval

@@ -94,6 +94,7 @@ class ControlService:
                         pace_Bps=0 if math.isinf(pace.rate) else int(pace.rate),
                         step_budget_ppm=round(pace.budget * 1e6),
                         step_slowdown_ppm=round(min(1e9, max(-1e6, pace.slowdown * 1e6))),
+                        seats=tuple(self.state.seats.values()) if news else (),
                     )  # fmt: skip
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))

@@ -21,6 +21,7 @@ from snapshotd.proto import (
     Announce,
     Error,
     ErrorCode,
+    HeldSeat,
     Message,
     PeerLostReport,
     ProtocolError,
@@ -148,11 +149,13 @@ class IngestService:
         """Ask the coordinator for this node's seat in ``msg.job`` until it is given or ``msg.timeout_s`` passes;
         answer the rank with the coordinator's last reply, or an error: ``bad_message`` (the coordinator refused the
         request: it says why), ``plan_timeout`` (no answer), ``internal``."""
-        req = dataclasses.replace(msg, node=self.state.node, held=self.state.seats.get(msg.job, -1))
+        held = self.state.seats.get(msg.job)
+        req = dataclasses.replace(msg, node=self.state.node, held=-1 if held is None else held.first,
+                                  held_granted=0 if held is None else held.granted)  # fmt: skip
         try:
             reply: Message = await self.control.seat(req, time.monotonic() + msg.timeout_s)
             if isinstance(reply, SeatReply) and reply.status == "given":
-                self.state.seats[msg.job] = reply.first
+                self.state.seats[msg.job] = HeldSeat(msg.job, reply.first, msg.per_node, msg.world_size, reply.granted)
         except CoordinatorUnavailable as exc:
             reply = Error(job=msg.job, code=ErrorCode.PLAN_TIMEOUT, message=str(exc))
         except ProtocolError as exc:

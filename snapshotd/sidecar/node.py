@@ -21,7 +21,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable, Iterator
 
-from snapshotd.proto import InventoryItem, RankInfo
+from snapshotd.proto import HeldSeat, InventoryItem, RankInfo
 
 from .config import SidecarConfig
 from .local import LocalRank
@@ -152,8 +152,9 @@ class NodeState:
         """Tells the coordinator a restarted sidecar from the one it knew under the same node name."""
         self.data_addr = ""
         """The data-plane address other sidecars reach this one at (set once bound)."""
-        self.seats: dict[str, int] = {}
-        """Per job, the first rank of the seat the coordinator gave this node (see :class:`~snapshotd.proto.SeatRequest`)."""
+        self.seats: dict[str, HeldSeat] = {}
+        """Per job, the seat the coordinator gave this node (see :class:`~snapshotd.proto.SeatRequest`); heartbeats
+        that report the ranks tell them too."""
         self.changed = Signal()
         self.assigned = Signal()
         self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire,

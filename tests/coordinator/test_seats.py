@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from snapshotd.coordinator import CoordinatorState
-from snapshotd.proto import SeatReply, SeatRequest
+from snapshotd.proto import HeldSeat, SeatReply, SeatRequest
 
 from .scenario import LATER, T0, beat, keep_alive, make, ranks, register
 
 
 def seat(st: CoordinatorState, node: str, now: float = LATER, world: int = 4, per_node: int = 2, job: str = "j",
-         held: int = -1) -> SeatReply:  # fmt: skip
-    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node, held=held), now)
+         held: int = -1, held_granted: int = 0) -> SeatReply:  # fmt: skip
+    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node, held=held,
+                                    held_granted=held_granted), now)  # fmt: skip
 
 
 def test_nodes_take_seats_in_order_of_asking_and_keep_them() -> None:
@@ -72,6 +73,48 @@ def test_seats_held_by_reported_ranks_count_after_a_coordinator_restart() -> Non
     assert seat(st, "a").first == 2  # the seat of the ranks it reports
     assert seat(st, "c").first == 0
     assert seat(st, "b").status == "wait"
+
+
+@pytest.mark.parametrize("order", ["replacement first", "woken node first"])
+def test_a_restarted_coordinator_learns_seats_from_heartbeats_and_the_later_grant_holds(order: str) -> None:
+    """b held seat 1, was declared dead and replaced by c (a later grant); the coordinator restarts; b wakes up.
+    Both sidecars report seat 1 with their ranks, in either order: c keeps it, and b's processes asking again
+    are told it was taken (not given it back, and not made to wait as a spare)."""
+    first = make()
+    for n in "abc":
+        register(first, n)
+    a, b = seat(first, "a"), seat(first, "b")
+    assert b.first == 2 and b.granted > 0 and a.granted > 0
+    for n in "ac":
+        beat(first, n, LATER - 1, changed=False)
+    first.expire(LATER)  # b silent since T0: dead
+    c = seat(first, "c")
+    assert c.first == 2 and c.granted > b.granted
+
+    st = make()  # the coordinator restarts: every sidecar registers again and reports its seats with its ranks
+    for n in "abc":
+        register(st, n)
+    held = {"a": HeldSeat("j", 0, 2, 4, a.granted), "b": HeldSeat("j", 2, 2, 4, b.granted),
+            "c": HeldSeat("j", 2, 2, 4, c.granted)}  # fmt: skip
+    rank_of = {"a": (0, 1), "b": (2, 3), "c": (2, 3)}  # b's woken processes still report ranks 2 and 3
+    for n in ("a", "c", "b") if order == "replacement first" else ("a", "b", "c"):
+        beat(st, n, T0 + 1, ranks("j", 4, *rank_of[n]), seats=(held[n],))
+    keep_alive(st, T0 + 3.5, "a", "b", "c")
+    taken = seat(st, "b", held=2, held_granted=b.granted)
+    assert taken.status == "taken" and "was given to node c" in taken.reason, taken
+    again = seat(st, "c", held=2, held_granted=c.granted)
+    assert (again.status, again.first, again.granted) == ("given", 2, c.granted)
+    assert seat(st, "a", held=0, held_granted=a.granted).granted == a.granted
+
+
+def test_a_seat_report_that_disagrees_with_the_job_or_reports_no_rank_of_it_is_ignored() -> None:
+    st = make()
+    for n in "ab":
+        register(st, n)
+    assert seat(st, "a").first == 0
+    beat(st, "b", T0 + 1, ranks("j", 4, 2), seats=(HeldSeat("j", 2, 4, 8, 5), HeldSeat("j", 1, 2, 4, 5),
+                                                   HeldSeat("other", 0, 2, 4, 5)))  # fmt: skip
+    assert st.seats._seats["j"].node_of == {0: "a"} and "other" not in st.seats._seats
 
 
 @pytest.mark.parametrize(
