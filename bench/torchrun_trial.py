@@ -221,7 +221,7 @@ def _coordinator_dead_at(log_path: str, node: str) -> float | None:
     """When the coordinator's log declared ``node`` dead (its heartbeats missed, or a probe refused; its
     ``asctime``: local time, milliseconds)."""
     pattern = re.compile(
-        rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*node {re.escape(node)} .*: declared dead"
+        rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*node {re.escape(node)} (missed|refused) .*: declared dead"
     )
     with contextlib.suppress(FileNotFoundError), open(log_path, errors="replace") as f:
         for line in f:

@@ -9,11 +9,11 @@ loop opens a connection to each one's data address (:class:`Prober`):
 
 - refused (nothing listens there, but the host answers: the sidecar's process is gone, as when a node's
   processes are killed, a container is deleted or preempted, or the sidecar crashed), and the node has also
-  missed a heartbeat (silent for :data:`SILENCE_INTERVALS` of the intervals it was given; the probe is repeated
-  once that long after its last heartbeat if need be): the node is declared dead at once
+  missed a heartbeat (silent for :data:`SILENCE_INTERVALS` of the intervals it was given, waited for if need
+  be): the node is declared dead at once
   (:meth:`~.state.CoordinatorState.lose`). A sidecar that still heartbeats is never declared dead by a probe,
   whatever its data address answers (a firewall's reset, a listener not open yet);
-- opened (the sidecar lives: the suspicion was wrong), timed out or unreachable (the host itself is gone or cut
+- opened twice, a heartbeat interval apart (the sidecar lives: the suspicion was wrong), timed out or unreachable (the host itself is gone or cut
   off, and cannot answer): nothing changes, and the death timeout decides, as without a probe.
 
 The probe sends nothing: the connection is closed as soon as it opens, before any handshake, so a data plane with
@@ -113,25 +113,32 @@ class Prober:
 
     async def check(self, node: Node, incarnation: str, why: str, timeout: float) -> bool:
         """Probe ``node`` (as ``incarnation``) and declare it dead if its data address refuses and it missed a
-        heartbeat (see the module docstring); True if it was declared dead here. Returns within ``timeout``
-        twice plus :data:`SILENCE_INTERVALS` heartbeat intervals."""
+        heartbeat (see the module docstring); True if it was declared dead here.
+
+        A probe that opens is repeated once, a heartbeat interval later: the sidecar of a node whose processes
+        are all being killed may close its listener a little after the ranks whose loss was reported. Returns
+        within twice ``timeout`` plus :data:`SILENCE_INTERVALS` heartbeat intervals.
+        """
         try:
-            for _ in range(2):
-                if await probe(node.data_addr, timeout) is not False:
+            for attempt in range(2):
+                found = await probe(node.data_addr, timeout)
+                if found is None or (found and attempt):
                     return False
-                wait = node.last_seen + SILENCE_INTERVALS * node.told - time.monotonic()
-                if wait <= 0.01:  # (a timer may fire a little early)
-                    break
-                await asyncio.sleep(wait)  # then probe again: still refused, and still silent?
+                silent_at = node.last_seen + SILENCE_INTERVALS * node.told
+                await asyncio.sleep(node.told if found else max(0.0, silent_at - time.monotonic()))
                 if not node.alive or node.incarnation != incarnation:
                     return False
-            else:
-                return False  # it heartbeated while refusing
-            if not self.state.lose(node, incarnation, f"refused a connection to its data address {node.data_addr} "
-                                   f"and was silent for {time.monotonic() - node.last_seen:.1f} s {why}"):  # fmt: skip
-                return False
-            self.on_death()
-            return True
+                if found:
+                    continue
+                if time.monotonic() < node.last_seen + SILENCE_INTERVALS * node.told - 0.01:
+                    return False  # it heartbeated while its data address refused
+                if not self.state.lose(node, incarnation, f"refused a connection to its data address "
+                                       f"{node.data_addr} and was silent for {time.monotonic() - node.last_seen:.1f} "
+                                       f"s {why}"):  # fmt: skip
+                    return False
+                self.on_death()
+                return True
+            return False
         except Exception:  # a bug must not end the coordinator's loop: the death timeout still decides
             log.exception("probe of node %s failed", node.name)
             return False

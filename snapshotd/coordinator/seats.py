@@ -81,7 +81,8 @@ class Seats:
         self._seats: dict[str, _JobSeats] = {}
 
     def ask(self, msg: SeatRequest, now: float) -> SeatReply:
-        """The seat of node ``msg.node`` in ``msg.job``: ``given`` (its first rank) or ``wait``.
+        """The seat of node ``msg.node`` in ``msg.job``: ``given`` (its first rank, and when it was given), ``wait``,
+        or ``taken`` (the seat the node says it held was given to another live node).
 
         The node's seat is, in this order: the one it was given here; the one its sidecar says it was given
         (``msg.held``: by this coordinator before a restart); the one of the ranks it reports; the lowest free

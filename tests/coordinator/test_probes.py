@@ -119,6 +119,30 @@ def test_a_refusing_node_is_declared_dead_only_once_it_also_missed_a_heartbeat()
     asyncio.run(main())
 
 
+def test_a_node_whose_listener_closes_just_after_the_first_probe_is_declared_dead_by_the_second() -> None:
+    """The node's ranks were killed with it and reported lost, but its sidecar's listener was still open at the
+    first probe: one heartbeat interval later the second probe is refused."""
+
+    async def main() -> None:
+        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic())
+        probed = asyncio.Event()
+
+        def first_probe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            server.close()  # the sidecar's process ends: nothing listens any more
+            writer.close()
+            probed.set()
+
+        server = await asyncio.start_server(first_probe, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        st.register(RegisterSidecar(node="b", data_addr=f"tcp://127.0.0.1:{port}", incarnation="i1"),
+                    time.monotonic())  # fmt: skip
+        b = st.membership.nodes["b"]
+        assert await Prober(st, lambda: None).check(b, "i1", "(test)", 1.0)
+        assert probed.is_set() and not b.alive
+
+    asyncio.run(main())
+
+
 def test_another_hosts_loopback_address_is_not_probed() -> None:
     assert host_local("tcp://127.0.0.1:1") and host_local("tcp://localhost:1") and host_local("ipc:///tmp/x")
     assert host_local("tcp://[::1]:1") and not host_local("tcp://10.0.0.5:1") and not host_local("tcp://node-a:1")

@@ -109,13 +109,18 @@ def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
         sidecars = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("B")}
         # the failure-free reference runs beside the snapshotted run (it needs no sidecar)
         reference_job = TrainingJob(str(tmp_path), "ref", world=2, steps=STEPS, params=PARAMS, job=None, sidecars={})
-        first = TrainingJob(str(tmp_path), "a1", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars,
-                            step_delay=0.2)  # fmt: skip
-        _wait(lambda: first.progress(0) >= 4, 60, "step 4")
-        first.kill()
-        second = TrainingJob(str(tmp_path), "a2", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars)
-        results = second.wait(120)
-        reference = reference_job.wait(120)
+        try:
+            first = TrainingJob(str(tmp_path), "a1", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars,
+                                step_delay=0.2)  # fmt: skip
+            try:
+                _wait(lambda: first.progress(0) >= 4, 60, "step 4")
+            finally:
+                first.kill()
+            second = TrainingJob(str(tmp_path), "a2", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars)
+            results = second.wait(120)
+            reference = reference_job.wait(120)
+        finally:
+            reference_job.kill()
     starts = {r["start_step"] for r in results}
     assert len(starts) == 1 and starts.pop() >= 3
     for r, ref in zip(results, reference, strict=True):
