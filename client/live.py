@@ -172,7 +172,7 @@ class LiveGroup:
         """Mark a training step (the block :meth:`Snapshotter.guard <snapshotd.client.Snapshotter.guard>` runs) for
         the watchdog (see :meth:`watch`)."""
         with self._lock:
-            self._step_since, self.left_behind = time.monotonic(), False
+            self._step_since = time.monotonic()
         try:
             yield
         finally:
@@ -246,10 +246,13 @@ class LiveGroup:
         now)."""
         t0 = time.monotonic()
         deadline = t0 + self.join_timeout if deadline is None else deadline
+        first = epoch
         problems: list[str] = []
         failures = 0
         while failures < self.attempts:
             if time.monotonic() > deadline:
+                seat = " (the seat request took the time)" if self.seat is not None and epoch == first else ""
+                problems.append(f"the deadline passed before this rank arrived in epoch {epoch}{seat}")
                 break
             if not self._arrive(epoch):
                 epoch = self._next(epoch)
@@ -281,7 +284,7 @@ class LiveGroup:
                 continue
             with self._lock:
                 self._links = {fd: link for fd, link in _sockets().items() if link not in before}
-                self.epoch = epoch
+                self.epoch, self.left_behind = epoch, False
             self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
             log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
                      self.world_size)  # fmt: skip

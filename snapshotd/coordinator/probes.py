@@ -11,8 +11,9 @@ loop opens a connection to each one's data address (:class:`Prober`):
   processes are killed, a container is deleted or preempted, or the sidecar crashed), and the node has also
   missed a heartbeat (silent for :data:`SILENCE_INTERVALS` of the intervals it was given, waited for if need
   be): the node is declared dead at once
-  (:meth:`~.state.CoordinatorState.lose`). A sidecar that still heartbeats is never declared dead by a probe,
-  whatever its data address answers (a firewall's reset, a listener not open yet);
+  (:meth:`~.state.CoordinatorState.lose`). A sidecar whose heartbeats keep coming (no gap of
+  :data:`SILENCE_INTERVALS` intervals) is not declared dead by a probe, whatever its data address answers (a
+  firewall's reset, a listener not open yet);
 - opened twice, a heartbeat interval apart (the sidecar lives: the suspicion was wrong), timed out or unreachable (the host itself is gone or cut
   off, and cannot answer): nothing changes, and the death timeout decides, as without a probe.
 
@@ -41,7 +42,8 @@ __all__ = ["MAX_PROBES", "Prober", "SILENCE_INTERVALS", "host_local", "probe"]
 log = logging.getLogger(__name__)
 
 MAX_PROBES = 64
-"""Probes in flight at once; suspects beyond wait in the queue."""
+"""Connection attempts in flight at once; the others wait their turn (a check waiting between its probes holds
+none)."""
 
 SILENCE_INTERVALS = 1.5
 """How many of its heartbeat intervals a node whose data address refused must also have been silent for before
@@ -97,14 +99,16 @@ class Prober:
         self.on_death = on_death
         self.shares_host = host_local(state.cfg.bind)
         self._running: set[asyncio.Task[bool]] = set()
+        self._connecting = asyncio.Semaphore(MAX_PROBES)
 
     def start(self) -> None:
-        """Start a probe for each queued suspect, up to :data:`MAX_PROBES` in flight."""
+        """Start a check (:meth:`check`) of each queued suspect (at most one per live node: the queue holds each
+        once per heartbeat interval)."""
         membership = self.state.membership
-        if not membership.suspects or len(self._running) >= MAX_PROBES:
+        if not membership.suspects:
             return
         timeout = min(1.0, self.state.cfg.heartbeat_timeout / 2)
-        for node, why in membership.take_suspects(MAX_PROBES - len(self._running)):
+        for node, why in membership.take_suspects(len(membership.suspects)):
             if host_local(node.data_addr) and not self.shares_host:
                 continue  # another host's loopback: this one's would answer
             task = asyncio.get_running_loop().create_task(self.check(node, node.incarnation, why, timeout))
@@ -117,11 +121,13 @@ class Prober:
 
         A probe that opens is repeated once, a heartbeat interval later: the sidecar of a node whose processes
         are all being killed may close its listener a little after the ranks whose loss was reported. Returns
-        within twice ``timeout`` plus :data:`SILENCE_INTERVALS` heartbeat intervals.
+        within twice ``timeout`` plus 2.5 heartbeat intervals, and the wait for a connection slot
+        (:data:`MAX_PROBES`).
         """
         try:
             for attempt in range(2):
-                found = await probe(node.data_addr, timeout)
+                async with self._connecting:
+                    found = await probe(node.data_addr, timeout)
                 if found is None or (found and attempt):
                     return False
                 silent_at = node.last_seen + SILENCE_INTERVALS * node.told

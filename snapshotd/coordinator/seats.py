@@ -116,7 +116,8 @@ class Seats:
             claims = held + self._reported_seats(msg.job, msg.node, msg.per_node)
             mine = next((c for c in claims if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c,
                                                                                                  msg.node)), None)  # fmt: skip
-            granted = msg.held_granted if held and mine == held[0] else 0
+            if held and mine == held[0] and msg.held_granted >= seats.granted.get(mine, 0):
+                granted = msg.held_granted  # its grant, which this coordinator knows of no later one to outrank
             holder = seats.node_of.get(held[0]) if held else None
             if mine is None and holder is not None and holder != msg.node and self._alive(holder):
                 return SeatReply(job=msg.job, status="taken",
@@ -136,28 +137,35 @@ class Seats:
         return SeatReply(job=msg.job, status="given", first=mine * seats.per_node, granted=granted)
 
     def report(self, name: str, held: Iterable[HeldSeat]) -> None:
-        """Node ``name`` (live) reports the seats its sidecar was given, of the jobs it reports ranks of: each is
-        recorded as its, unless another live node holds that seat by a later grant (then the report is stale: the
-        node was replaced). A claim that disagrees with the job's seats (another ``per_node`` or world size, a
-        first rank off a seat's start) is ignored.
+        """Node ``name`` (live) reports the seats its sidecar was given: each seat whose ranks it reports is
+        recorded as its, unless that seat was given (to any node, live or dead) by a later grant than the one it
+        reports (then the report is stale: the node was replaced; asking, it gets a fresh grant if the seat is
+        free). A claim that disagrees with the job (its world size, or the ``per_node`` its nodes asked with) is
+        ignored.
 
-        Cost: O(the seats reported).
+        Cost: O(the seats reported, times ``per_node``).
         """
-        jobs = {job for (job, _) in self._membership.nodes[name].ranks}
         for h in held:
-            if h.job not in jobs or h.first % h.per_node or h.first >= h.world_size:
+            if h.world_size % h.per_node or h.first % h.per_node or h.first >= h.world_size:
                 continue
+            job = self._jobs.get(h.job)
             seats = self._seats.get(h.job)
-            if seats is None:
-                seats = self._seats[h.job] = _JobSeats(h.per_node, h.world_size)
-            elif (seats.per_node, seats.world_size) != (h.per_node, h.world_size):
+            if (job is not None and job.world_size and job.world_size != h.world_size) or (
+                seats is not None and (seats.per_node, seats.world_size) != (h.per_node, h.world_size)
+            ):
                 continue
             seat = h.first // h.per_node
-            holder = seats.node_of.get(seat)
-            if holder == name or holder is None or not self._alive(holder) or h.granted > seats.granted.get(seat, 0):
-                if holder not in (None, name):
+            if seat not in self._reported_seats(h.job, name, h.per_node):
+                continue
+            if seats is None:
+                seats = self._seats[h.job] = _JobSeats(h.per_node, h.world_size)
+            holder, recorded = seats.node_of.get(seat), seats.granted.get(seat, 0)
+            if holder == name:
+                seats.give(seat, name, max(h.granted, recorded))
+            elif holder is None or h.granted > recorded:
+                if holder is not None:
                     log.info("job %s: node %s holds seat %d by a later grant than node %s", h.job, name, seat, holder)
-                seats.give(seat, name, max(h.granted, seats.granted.get(seat, 0)) if holder == name else h.granted)
+                seats.give(seat, name, h.granted)
 
     @staticmethod
     def _wait(msg: SeatRequest, reason: str) -> SeatReply:

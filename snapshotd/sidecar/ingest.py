@@ -141,7 +141,11 @@ class IngestService:
         elif isinstance(msg, PeerLostReport):
             if msg.job not in self._reporting:  # the node's other ranks that lost the peer too add nothing
                 self._reporting.add(msg.job)
-                self.tasks.spawn(self._peer_lost(msg), f"lost peer report of {msg.job} rank {msg.rank}")
+                try:
+                    self.tasks.spawn(self._peer_lost(msg), f"lost peer report of {msg.job} rank {msg.rank}")
+                except BaseException:
+                    self._reporting.discard(msg.job)
+                    raise
         else:
             raise ProtocolError(f"{msg.TYPE} is not an ipc request")
 

@@ -66,14 +66,20 @@ def test_jobs_keep_their_membership_apart(store) -> None:
     assert int(store.add("snapshotd/one/e0/arrived", 0)) == 1 and int(store.add("snapshotd/two/e0/arrived", 0)) == 1
 
 
-def test_a_step_starts_with_the_watchdogs_verdict_cleared_and_the_watchdog_stops(store) -> None:
-    """``left_behind`` (set by the watchdog when it left a hung group) is the verdict on one step only; the
-    watchdog thread starts once and stops on unwatch()."""
-    group = _group(store, 0)
-    group.left_behind = True
-    with group.step():
-        assert not group.left_behind and group._step_since is not None
-    assert group._step_since is None
+def test_the_watchdogs_verdict_holds_until_the_next_group_forms_and_the_watchdog_stops(store) -> None:
+    """``left_behind`` (set by the watchdog when it left a hung group) holds for every step of that group and
+    is cleared when the next group forms; the watchdog thread starts once and stops on unwatch()."""
+    group = _group(store, 0, world_size=1)
+    group.join()
+    try:
+        group.left_behind = True
+        with group.step():
+            assert group.left_behind and group._step_since is not None
+        assert group._step_since is None
+        group.rejoin()
+        assert not group.left_behind and group.epoch == 1
+    finally:
+        dist.destroy_process_group()
     group.watch()
     thread = group._watchdog
     group.watch()

@@ -113,8 +113,39 @@ def test_a_seat_report_that_disagrees_with_the_job_or_reports_no_rank_of_it_is_i
         register(st, n)
     assert seat(st, "a").first == 0
     beat(st, "b", T0 + 1, ranks("j", 4, 2), seats=(HeldSeat("j", 2, 4, 8, 5), HeldSeat("j", 1, 2, 4, 5),
-                                                   HeldSeat("other", 0, 2, 4, 5)))  # fmt: skip
+                                                   HeldSeat("j", 0, 2, 4, 9), HeldSeat("other", 0, 2, 4, 5)))  # fmt: skip
     assert st.seats._seats["j"].node_of == {0: "a"} and "other" not in st.seats._seats
+    assert seat(st, "a").first == 0 and seat(st, "b").first == 2  # nothing the reports said broke the job's seats
+
+
+def test_a_node_given_back_a_seat_a_later_node_had_gets_a_fresh_grant_that_outranks_the_later_node() -> None:
+    """a holds seat 0, dies, c takes it, dies too; a comes back and takes seat 0 again, then c comes back and
+    reports seat 0 by its grant, which is later than a's first: a keeps the seat (its new grant is later still)
+    and c is told it was taken."""
+    st = make()
+    for n in "abc":
+        register(st, n)
+    first = seat(st, "a")
+    assert seat(st, "b").first == 2
+    beat(st, "a", T0, ranks("j", 4, 0, 1))
+    for n in "bc":
+        beat(st, n, LATER - 1, changed=False)
+    st.expire(LATER)  # a dead
+    taken_over = seat(st, "c")
+    assert taken_over.first == 0 and taken_over.granted > first.granted
+    register(st, "a", now=LATER + 1, inc="i2")
+    beat(st, "b", LATER + 4, changed=False)
+    beat(st, "a", LATER + 4, changed=False, inc="i2")
+    st.expire(LATER + 4.5)  # c dead (silent since its registration at T0)
+    assert not st.membership.nodes["c"].alive and st.membership.nodes["a"].alive
+    back = seat(st, "a", now=LATER + 4.5, held=0, held_granted=first.granted)
+    assert back.first == 0 and back.granted > taken_over.granted, "a fresh grant, not a's old one"
+    register(st, "c", now=LATER + 5, inc="i2")
+    beat(st, "a", LATER + 5, ranks("j", 4, 0, 1), inc="i2", seats=(HeldSeat("j", 0, 2, 4, back.granted),))
+    beat(st, "c", LATER + 5, ranks("j", 4, 0, 1), inc="i2", seats=(HeldSeat("j", 0, 2, 4, taken_over.granted),))
+    assert st.seats._seats["j"].node_of[0] == "a"
+    told = seat(st, "c", now=LATER + 5, held=0, held_granted=taken_over.granted)
+    assert told.status == "taken" and "was given to node a" in told.reason, told
 
 
 @pytest.mark.parametrize(
