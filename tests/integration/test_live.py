@@ -69,12 +69,15 @@ def _arrived(store: str, job: str, epoch: int) -> int:
 def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False, spare: str | None = None,
                  dying: bool = False, hang: bool = False) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
     """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
-    the ranks of node ``spare`` (seated) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
+    the ranks of node ``spare`` (seated; its sidecar runs from the start, as a spare node's would, so the buddies
+    placed on it do not change while the job runs) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
     is durable; ``hang``: SIGSTOP them instead, in a job whose group timeout is 120 s. ``dying``: rank 1 runs as
     label ``A1``, with ``--die-in-rollback``. The job, every rank's pid before the loss, the newest step any rank
     had completed, and the ranks that survive (node A's)."""
     job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
                     flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else [])])  # fmt: skip
+    if spare is not None:
+        cluster.start(spare)
     if dying:
         job.start_node("A", cluster.ipc("A"), 0, local=[0])
         job.start_node("A1", cluster.ipc("A"), 0, local=[1], flags=["--die-in-rollback"])
@@ -85,7 +88,6 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
     wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1), 120,
              "the job's first step")  # fmt: skip
     if spare is not None:
-        cluster.start(spare)
         job.start_node(spare, cluster.ipc(spare))
     wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 4 and _durable(cluster, job.job, 3)), 120,
              "step 4, with step 3 durable")  # fmt: skip
