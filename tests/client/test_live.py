@@ -88,6 +88,30 @@ def test_the_watchdogs_verdict_holds_until_the_next_group_forms_and_the_watchdog
     assert not thread.is_alive() and group._watchdog is None
 
 
+def test_the_watchdog_leaves_a_hung_step_once_the_job_opens_a_newer_epoch(store) -> None:
+    """A step that runs past HANG_CHECK_S while the store says the job opened the next epoch (a replacement
+    arrived): the watchdog, on a store connection of its own, sets ``left_behind`` and shuts the group's
+    connections; a step shorter than HANG_CHECK_S is left alone."""
+    group = _group(store, 0, world_size=1)
+    group.join()
+    group.watch()
+    try:
+        store.set("snapshotd/j/epoch", "1")  # the job moved on without this rank
+        with group.step():
+            pass  # a short step: over before the watchdog looks
+        assert not group.left_behind
+        deadline = time.monotonic() + 30
+        with group.step():
+            while not group.left_behind:  # the step "hangs" until the watchdog acts
+                assert time.monotonic() < deadline, "the watchdog never left the group"
+                time.sleep(0.05)
+            assert time.monotonic() - group._step_since >= live.HANG_CHECK_S  # type: ignore[operator]
+        assert group._links == {} and group.epoch == 0
+    finally:
+        group.unwatch()
+        dist.destroy_process_group()
+
+
 def test_bad_arguments_are_refused_by_name(store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(live.STORE_ENV, raising=False)
     with pytest.raises(ValueError, match="host:port"):
