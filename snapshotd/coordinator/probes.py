@@ -14,8 +14,9 @@ loop opens a connection to each one's data address (:class:`Prober`):
   (:meth:`~.state.CoordinatorState.lose`). A sidecar whose heartbeats keep coming (no gap of
   :data:`SILENCE_INTERVALS` intervals) is not declared dead by a probe, whatever its data address answers (a
   firewall's reset, a listener not open yet);
-- opened twice, a heartbeat interval apart (the sidecar lives: the suspicion was wrong), timed out or unreachable (the host itself is gone or cut
-  off, and cannot answer): nothing changes, and the death timeout decides, as without a probe.
+- opened twice, a heartbeat interval apart (the sidecar lives: the suspicion was wrong), timed out or
+  unreachable (the host itself is gone or cut off, and cannot answer): nothing changes, and the death timeout
+  decides, as without a probe.
 
 The probe sends nothing: the connection is closed as soon as it opens, before any handshake, so a data plane with
 a secret or a member check sees a peer that left. The coordinator must be able to reach the nodes' data addresses
