@@ -96,6 +96,7 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
     survivors = sorted(job.ranks_of("A") + (job.ranks_of("A1") if dying else []))
     assert len(survivors) == 2 and (seated or survivors == [0, 1])
     reached = max(job.progress(r)["step"] for r in range(job.world))
+    assert reached < STEPS, f"the job reached its last step ({reached}) before step 3 was durable: nothing to lose"
     if hang:
         _signal_node(cluster, job, "B", signal.SIGSTOP)
     else:
