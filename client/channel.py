@@ -28,14 +28,15 @@ log = logging.getLogger(__name__)
 
 class Channel:
     """A connection to the sidecar's ipc endpoint (a :class:`~snapshotd.transport.ThreadPipe`), serviced by one
-    daemon thread.
+    daemon thread, which sleeps until a message arrives or a job is submitted (the pipe's ``wake()``).
 
     Args:
         sidecar: the sidecar's ipc path (``mem://NAME`` for one in this process).
         on_message: called on the channel thread with each message that answers no request.
     """
 
-    POLL_MS = 5
+    IDLE_WAIT_S = 1.0
+    """The longest the channel thread sleeps between two looks at its queue (a wake is what it waits for)."""
     WAIT_TICK = 0.1
     """Seconds between two ``on_wait`` calls of a :meth:`request`."""
 
@@ -54,6 +55,7 @@ class Channel:
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the channel thread, after every job submitted before it."""
         self._jobs.put(job)
+        self._pipe.wake()
 
     def send(self, msg: Message) -> None:
         """Send a one-way message from the channel thread (after the jobs submitted before it)."""
@@ -96,6 +98,7 @@ class Channel:
     def close(self, timeout: float = 5.0) -> None:
         """Finish queued jobs (up to ``timeout``), then stop the thread and close the socket."""
         self._jobs.put(None)
+        self._pipe.wake()
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("snapshotd client thread did not stop within %.0f s", timeout)
@@ -110,11 +113,11 @@ class Channel:
 
     def _run(self) -> None:
         while True:
-            try:
-                job = self._jobs.get(timeout=self.POLL_MS / 1000)
-            except queue.Empty:
-                pass
-            else:
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
                 if job is None:
                     return
                 try:
@@ -123,6 +126,8 @@ class Channel:
                     log.exception("snapshotd background job failed")
             while (frames := self._pipe.recv_nowait()) is not None:
                 self._receive(frames)
+            if self._jobs.empty():
+                self._pipe.wait(self.IDLE_WAIT_S)  # until a message or a job (submit() wakes it)
 
     def _receive(self, frames: Frames) -> None:
         try:

@@ -127,7 +127,13 @@ class ThreadPipe(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, timeout: float) -> bool:
-        """Block until a message is waiting (True) or ``timeout`` seconds passed (False)."""
+        """Block until a message is waiting (True), :meth:`wake` was called, or ``timeout`` seconds passed (then
+        False unless a message is waiting)."""
+
+    @abc.abstractmethod
+    def wake(self) -> None:
+        """Make the :meth:`wait` in progress, or else the next one, return at once; from any thread, also after
+        :meth:`close` (then it does nothing)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -41,6 +41,7 @@ class _Mailbox:
         self._cond = threading.Condition()
         self._loop_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self.closed = False
+        self._woken = False  # wake() was called since the last wait() returned
 
     def put(self, frames: Frames) -> bool:
         with self._cond:
@@ -69,7 +70,15 @@ class _Mailbox:
 
     def wait(self, timeout: float) -> bool:
         with self._cond:
-            return self._cond.wait_for(lambda: bool(self._items) or self.closed, timeout) and bool(self._items)
+            self._cond.wait_for(lambda: bool(self._items) or self.closed or self._woken, timeout)
+            self._woken = False
+            return bool(self._items)
+
+    def wake(self) -> None:
+        """Make a plain thread's :meth:`wait` in progress, or else its next one, return at once."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
 
     async def wait_async(self, timeout: float | None = None) -> bool:
         loop = asyncio.get_running_loop()
@@ -221,6 +230,9 @@ class MemoryPipe(Pipe, ThreadPipe):
 
     def wait(self, timeout: float) -> bool:
         return self._inbox.wait(timeout)
+
+    def wake(self) -> None:
+        self._inbox.wake()
 
     def _flush_held(self) -> None:
         """Deliver a client's messages held for its server, as far as the server's mailbox has room."""

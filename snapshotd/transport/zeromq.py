@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -186,7 +187,8 @@ class ZmqNetwork(Network):
 
 
 class ZmqThreadPipe(ThreadPipe):
-    """A blocking DEALER on a context of its own (a CURVE client with ``secret``).
+    """A blocking DEALER on a context of its own (a CURVE client with ``secret``); :meth:`wait` polls it beside
+    the read end of an OS pipe that :meth:`wake` writes a byte to.
 
     Raises:
         ValueError: ``address`` is not an endpoint.
@@ -197,6 +199,11 @@ class ZmqThreadPipe(ThreadPipe):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._waker = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # (read end, write end)
+        self._waker_lock = threading.Lock()  # wake() never writes to a descriptor close() released
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._waker[0], zmq.POLLIN)
         secure_client(self._sock, secret)
         try:
             self._sock.connect(address)
@@ -218,11 +225,28 @@ class ZmqThreadPipe(ThreadPipe):
             return None
 
     def wait(self, timeout: float) -> bool:
-        return bool(self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN))
+        ready = dict(self._poller.poll(max(0, int(timeout * 1000))))
+        if self._waker[0] in ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._waker[0], 4096):  # every wake() so far is answered by this return
+                    pass
+        return self._sock in ready
+
+    def wake(self) -> None:
+        with self._waker_lock:
+            if self._waker[1] >= 0:
+                with contextlib.suppress(BlockingIOError):  # full: a wake is pending already
+                    os.write(self._waker[1], b"\0")
 
     def close(self) -> None:
         self._sock.close(linger=0)
         self._ctx.term()
+        with self._waker_lock:
+            read_end, write_end = self._waker
+            self._waker = (-1, -1)
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
 
 
 def _bind_owner_only(sock: zmq.asyncio.Socket, address: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -111,6 +112,29 @@ def test_a_client_may_send_before_its_server_is_bound(kind: str) -> None:
                     server.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_process_pipe_wait_ends_on_a_wake_from_another_thread(kind: str, tmp_path) -> None:
+    """wake() ends a wait() in progress at once (False: no message), or the next one when none is in progress;
+    several wakes make one; after close() it does nothing."""
+    sidecar = f"mem://ipc-{uuid.uuid4().hex[:8]}" if kind == "memory" else f"{tmp_path}/nobody.ipc"
+    pipe = connect_rank(sidecar)
+    try:
+        pipe.wake()
+        pipe.wake()
+        t0 = time.monotonic()
+        assert not pipe.wait(30) and time.monotonic() - t0 < 10  # the pending wakes end it
+        assert not pipe.wait(0.01)  # both were answered by that return
+        waiting = threading.Thread(target=lambda: ended.append(pipe.wait(30)))
+        ended: list[bool] = []
+        waiting.start()
+        pipe.wake()
+        waiting.join(10)
+        assert ended == [False] and not waiting.is_alive()
+    finally:
+        pipe.close()
+    pipe.wake()  # closed: nothing happens
 
 
 @pytest.mark.parametrize("kind", KINDS)
