@@ -416,6 +416,11 @@ class PlanRequest(Message):
     ``rank`` and ``ranks`` (none by default) are every rank of the node asking at once, each at most once: a
     sidecar asks for all its restoring ranks in one request and gets one reply, so that the coordinator's load
     grows with the number of sidecars, not ranks.
+
+    ``attempt`` (0: none) names the rank calls the request asks for: the sidecar draws a new one when a call joins
+    and sends the same one again when it repeats the request (no reply in time, or a ``wait``). A rank the current
+    round answered under the same ``attempt`` gets that answer again (its reply was lost or late), where a rank
+    asking after its answer under another one restarted and opens a new round.
     """
 
     TYPE: ClassVar[str] = "plan_request"
@@ -423,6 +428,7 @@ class PlanRequest(Message):
     world_size: int = spec_field(WORLD)
     node: str = spec_field(NAME)
     ranks: tuple[int, ...] = spec_field(ListOf(RANK, L.MAX_PLAN_RANKS - 1), default=())
+    attempt: int = spec_field(Int(0, 1 << 62), default=0)
 
     @property
     def all_ranks(self) -> tuple[int, ...]:

@@ -33,13 +33,16 @@ class Round:
 
     Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
     ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
-    after its answer restarted again and opens a new round. Once frozen, the round caps D at ``step`` (so that
+    after its answer restarted again and opens a new round, unless it asks under the ``attempt`` it was answered
+    under (:attr:`attempts`: the request repeated, its reply lost or late). Once frozen, the round caps D at ``step`` (so that
     buddies keep what the plan needs) until every rank was answered and G moved past ``step``: training resumed
     (see :meth:`caps`). Before the freeze there is no plan step yet and no cap is needed (D <= G always).
     """
 
     asked: set[int] = dataclasses.field(default_factory=set)
     answered: set[int] = dataclasses.field(default_factory=set)
+    attempts: dict[int, int] = dataclasses.field(default_factory=dict)
+    """The ``attempt`` each answered rank was answered under (a rank answered under none is not listed)."""
     frozen: bool = False
     outcome: str = ""
     step: int = -1
@@ -53,6 +56,13 @@ class Round:
         """Whether D is capped at :attr:`step` while G is ``recoverable``: frozen, and training has not resumed
         past the step yet (some rank still unanswered, or G not past it)."""
         return self.frozen and not (len(self.answered) >= world_size and recoverable > self.step)
+
+    def repeated(self, ranks: tuple[int, ...], attempt: int) -> bool:
+        """Whether a request for ``ranks`` under ``attempt`` belongs to this round: none of them was answered, or
+        each answered one was answered under ``attempt`` (the request repeated)."""
+        if self.answered.isdisjoint(ranks):
+            return True
+        return attempt != 0 and all(self.attempts.get(r) == attempt for r in ranks if r in self.answered)
 
     def resized(self, world_size: int) -> Round | None:
         """This round once the job has ``world_size`` ranks: abandoned (None) if frozen, else without the ranks
@@ -156,7 +166,7 @@ class Plans:
             return _wait(msg, f"the coordinator started {now - self._started:.1f} s ago; waiting "
                               f"{self._membership.death_timeout(now):g} s for sidecars to report their snapshots")  # fmt: skip
         rnd = job.round
-        if rnd is None or (not held and not rnd.answered.isdisjoint(ranks)):
+        if rnd is None or (not held and not rnd.repeated(ranks, msg.attempt)):
             if rnd is not None:
                 log.info("job %s: rank(s) %s asked again after their answer: new plan round", job.name,
                          listed(sorted(rnd.answered.intersection(ranks))))  # fmt: skip
@@ -185,7 +195,7 @@ class Plans:
                 job.fork(g)
             log.info("job %s: every rank asked; plan %s at step %d", job.name, rnd.outcome, rnd.step)
             job.watermark = None  # the durable cap starts now
-        self._answered(job, rnd, ranks, now)
+        self._answered(job, rnd, msg, now)
         return self._answer(job, rnd.outcome, rnd.step, rnd.reason, msg)
 
     def _moved_from_live_node(self, job: Job, ranks: tuple[int, ...], node: str) -> tuple[int, str] | None:
@@ -236,15 +246,18 @@ class Plans:
             return False
         if self._token(job, rnd, rnd.step) != token:
             return False
-        self._answered(job, rnd, msg.all_ranks, now)
+        self._answered(job, rnd, msg, now)
         return True
 
     def _token(self, job: Job, rnd: Round, step: int) -> tuple[object, ...]:
         return (rnd, job.world_size, job.version, self._membership.epoch, step)
 
     @staticmethod
-    def _answered(job: Job, rnd: Round, ranks: tuple[int, ...], now: float) -> None:
+    def _answered(job: Job, rnd: Round, msg: PlanRequest, now: float) -> None:
+        ranks = msg.all_ranks
         rnd.answered.update(ranks)
+        if msg.attempt:
+            rnd.attempts.update(dict.fromkeys(ranks, msg.attempt))
         if len(rnd.answered) == job.world_size:
             if rnd.answered_at is None:
                 rnd.answered_at = now

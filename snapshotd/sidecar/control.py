@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import secrets
 import time
 from typing import TypeVar
 
@@ -61,16 +62,20 @@ class _Group:
     node: str
     waiters: dict[int, list[asyncio.Future[PlanReply]]] = dataclasses.field(default_factory=dict)
     dirty: bool = False  # ranks joined since the last request: send one for all of them now
+    attempt: int = 0  # names the waiting calls in the requests (PlanRequest.attempt); 0: draw one at the next send
     first: int = -1  # the first rank of the last request (a ``wait`` reply names only that one)
     resend_at: float = math.inf  # when to ask again (the last request timed out, or was answered ``wait``)
     answered: bool = False  # the last request was answered (``wait``)
     last: str = "no answer from the coordinator"  # why it still waits, for the timeout's message
 
     def request(self) -> list[PlanRequest]:
-        """Requests for every waiting rank (one, unless the node has more than ``MAX_PLAN_RANKS`` waiting)."""
+        """Requests for every waiting rank (one, unless the node has more than ``MAX_PLAN_RANKS`` waiting), under
+        the :attr:`attempt` of the waiting calls (drawn now if a call joined since the last request)."""
         ranks = sorted(self.waiters)
+        if not self.attempt:
+            self.attempt = secrets.randbits(62) or 1
         return [PlanRequest(job=self.job, rank=part[0], world_size=self.world_size, node=self.node,
-                            ranks=tuple(part[1:]))
+                            ranks=tuple(part[1:]), attempt=self.attempt)
                 for part in (ranks[i:i + MAX_PLAN_RANKS] for i in range(0, len(ranks), MAX_PLAN_RANKS))]  # fmt: skip
 
 
@@ -83,7 +88,9 @@ class CoordinatorClient:
     request for every rank still waiting, which replaces the held one at the coordinator), and the coordinator
     answers it with one reply covering them all, handed out to each call. The coordinator holds a request that
     must wait (long-polling) and answers it the moment the job's round is decided. The task reading plan replies
-    and asking again after a timeout or a ``wait`` runs only while some :meth:`plan` call runs.
+    and asking again after a timeout or a ``wait`` runs only while some :meth:`plan` call runs; a request asked
+    again carries the ``attempt`` of the first, so that a rank whose reply was lost or late gets its answer again
+    instead of opening a new round (see :class:`~snapshotd.proto.PlanRequest`).
 
     The plan socket is connected from the start, and replaced by a fresh connected one when the last
     :meth:`plan` call ends: a recovery round is when the coordinator is busiest, and every sidecar of the fleet
@@ -255,7 +262,7 @@ class CoordinatorClient:
             group = self._groups[key] = _Group(req.job, req.world_size, req.node)
         answer: asyncio.Future[PlanReply] = asyncio.get_running_loop().create_future()
         group.waiters.setdefault(req.rank, []).append(answer)
-        group.dirty = True
+        group.dirty, group.attempt = True, 0
         if self._pump is None or self._pump.done():
             self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
         try:

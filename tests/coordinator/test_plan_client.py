@@ -177,6 +177,7 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
         late = asyncio.ensure_future(client.plan(_ask(0, 8), deadline))
         envelope, second = await receive()
         assert second.all_ranks == (0, 1, 3, 5)  # replaces the first one, which the coordinator holds
+        assert 0 != first.attempt != second.attempt != 0  # another set of calls
         plans = tuple(RankPlan(r, "ready", 7, r == 3, ("tcp://b:1",), "") for r in second.all_ranks)
         reply = PlanReply(job="j", rank=0, status="ready", step=7, local=False, sources=("tcp://b:1",), plans=plans[1:])
         await router.send_multipart([*envelope, *encode(reply)])
@@ -201,6 +202,37 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
             assert (await call).step == 9
 
     scripted.run(calls_and_replies)
+
+
+def test_a_request_asked_again_keeps_its_attempt_until_a_call_joins(scripted: _Scripted) -> None:
+    """After a ``wait`` the same calls are asked for under the same ``attempt`` (so that a coordinator that
+    answered them already answers them again); a call that joins makes a new one."""
+    router, client = scripted.router, scripted.client
+
+    async def receive() -> tuple[list[bytes], PlanRequest]:
+        async with asyncio.timeout(TIMEOUT):
+            frames = await router.recv_multipart()
+        msg = decode(frames[1:])
+        assert isinstance(msg, PlanRequest)
+        return frames[:1], msg
+
+    async def wait_then_join() -> None:
+        deadline = time.monotonic() + TIMEOUT
+        call = asyncio.ensure_future(client.plan(_ask(2), deadline))
+        envelope, first = await receive()
+        await router.send_multipart([*envelope, *encode(PlanReply(job="j", rank=2, status="wait", reason="1 of 4"))])
+        envelope, again = await receive()
+        assert again.all_ranks == (2,) and again.attempt == first.attempt != 0
+        late = asyncio.ensure_future(client.plan(_ask(0), deadline))
+        envelope, joined = await receive()
+        assert joined.all_ranks == (0, 2) and joined.attempt not in (0, first.attempt)
+        plans = (RankPlan(2, "ready", 7, True, (), ""),)
+        reply = PlanReply(job="j", rank=0, status="ready", step=7, local=True, plans=plans)
+        await router.send_multipart([*envelope, *encode(reply)])
+        async with asyncio.timeout(TIMEOUT):
+            assert [p.step for p in await asyncio.gather(call, late)] == [7, 7]
+
+    scripted.run(wait_then_join)
 
 
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)

@@ -149,6 +149,23 @@ def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answer
     assert (again.status, again.step) == ("ready", step)  # ... its held request: the same answer, no new round
 
 
+def test_a_request_repeated_under_its_attempt_gets_its_answer_again_and_another_attempt_opens_a_round() -> None:
+    st = make()
+    two_node_job(st)
+
+    def ask(rank: int, node: str, attempt: int) -> tuple[str, int]:
+        reply = st.plans.plan(PlanRequest(job="j", rank=rank, world_size=2, node=node, attempt=attempt), LATER).reply()
+        return reply.status, reply.step
+
+    assert ask(0, "a", 11)[0] == "wait"
+    step = ask(1, "b", 22)[1]
+    assert ask(0, "a", 11) == ("ready", step)  # answered under 11
+    assert ask(0, "a", 11) == ("ready", step)  # its reply was lost: asked again under 11, the same answer
+    assert ask(1, "b", 22) == ("ready", step)  # no new round was opened: rank 1's repeat is answered too
+    assert ask(0, "a", 33)[0] == "wait"  # a new call (rank 0 restarted): a new round, which waits for rank 1
+    assert ask(1, "b", 22) == ("ready", step)  # rank 1 was not answered in it: its ask completes the round
+
+
 def test_world_size_change_is_a_plan_change() -> None:
     st = make()
     two_node_job(st)
