@@ -24,6 +24,8 @@ from snapshotd.status import fetch_status
 
 from .conftest import Cluster
 
+pytestmark = pytest.mark.integration
+
 STEPS = 10
 FLAGS = ["--steps", str(STEPS), "--pg-timeout", "5"]
 
