@@ -126,6 +126,8 @@ def _bucket_assignment(params: list[torch.Tensor], layout: Layout) -> Iterator[N
 
 
 def _check_rebuildable(ddp: Any, where: str) -> None:
+    if ddp.logger is None:  # released (DDPBuckets.release); its reducer was built, so checked, before
+        return
     hook_name = ddp._get_ddp_logging_data().get("comm_hook")
     if hook_name and not ddp._comm_hooks:
         raise ConfigMismatch(f"{where}: DDP has the built-in comm hook {hook_name}, which snapshotd cannot carry over to "
@@ -136,7 +138,8 @@ def _check_rebuildable(ddp: Any, where: str) -> None:
 
 def rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
     """Give ``ddp`` a new reducer whose buckets are ``layout`` (DDP's initial layout for None), as DDP's
-    constructor builds one; comm hooks, static graph and mixed precision are carried over."""
+    constructor builds one; comm hooks, static graph and mixed precision are carried over. ``ddp`` may have no
+    reducer (see :meth:`DDPBuckets.release`)."""
     _check_rebuildable(ddp, where)
     params, sparse = ddp._build_params_for_reducer()
     if layout is not None:
@@ -145,7 +148,8 @@ def rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
             raise ConfigMismatch(f"{where}: the snapshot's DDP bucket layout covers parameters {flat[:8]}... but the "
                              f"live reducer has {len(params)} parameters: not the same model")  # fmt: skip
     names = ddp._build_debug_param_to_name_mapping(params)
-    ddp.reducer._remove_autograd_hooks()
+    if ddp.reducer is not None:
+        ddp.reducer._remove_autograd_hooks()
     with _bucket_assignment(params, layout) if layout is not None else contextlib.nullcontext():
         ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)
     if ddp.static_graph:
@@ -175,6 +179,21 @@ class DDPBuckets:
     def modules(self) -> dict[str, Any]:
         """The DDP modules found (where in the state -> module), as of the last :meth:`rediscover`."""
         return self._modules
+
+    def release(self) -> None:
+        """Let go of the process group: forget the reducers read, and drop each DDP module's reducer (its autograd
+        hooks removed) and logger, which hold the group alive, until :func:`rebuild_reducer` builds new ones.
+
+        A gloo group's connections close only when the group is destroyed, and its event loop spins on a
+        connection shut while bytes it has not asked for wait on it (a hang-up cannot be masked out of
+        ``epoll``): kept alive, a broken group costs a live-mode survivor a core for as long as it waits for the
+        new membership.
+        """
+        self._known.clear()
+        for ddp in self._modules.values():
+            if ddp.reducer is not None:
+                ddp.reducer._remove_autograd_hooks()
+            ddp.reducer = ddp.logger = ddp.process_group = None
 
     def rediscover(self) -> None:
         """Look for the state's DDP modules again (a model may have been wrapped since)."""

@@ -121,15 +121,22 @@ class LiveGroup:
         return f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
 
     def join(self) -> None:
-        """Form the job's group as a fresh process (the job's start, a replacement, a restarted rank)."""
+        """Form the job's group as a fresh process (the job's start, a replacement, a restarted rank).
+
+        ``torch._dynamo`` is imported first (DDP's constructor imports it anyway): importing it while a group
+        exists keeps that group alive for good (torch 2.13), and a survivor must be able to destroy its broken
+        group (see :meth:`DDPBuckets.release <snapshotd.client.ddp.DDPBuckets.release>`).
+        """
+        import torch._dynamo  # noqa: F401
+
         self._form(int(self.store.compare_set("epoch", "", "0")))
 
     def leave(self) -> None:
         """Shut this rank's connections of the current group (its listener stays open, as gloo needs it).
 
         A peer blocked in a collective waiting on this rank (not on the rank that died) would otherwise wait for
-        the group's ``timeout``: gloo closes neither on an error nor when the group is destroyed (DDP still holds
-        it), and a collective in flight cannot be aborted. Shut, the peer's collective fails at once ("Connection
+        the group's ``timeout``: gloo closes its connections neither on an error nor before the group object is
+        gone (``recover()`` drops DDP's hold on it only then), and a collective in flight cannot be aborted. Shut, the peer's collective fails at once ("Connection
         closed by peer"), and it leaves too. The connections are those the process opened while the group formed
         (TCP, Linux ``/proc``; elsewhere nothing is shut). Idempotent; :meth:`rejoin` calls it first.
         """

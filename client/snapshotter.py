@@ -298,6 +298,8 @@ class Snapshotter:
         t0 = time.monotonic()
         self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
         for attempt in range(1, self._live.attempts + 1):
+            if self._ddp is not None:
+                self._ddp.release()  # the broken group is destroyed once nothing holds it
             self._live.rejoin()
             t1 = time.monotonic()
             try:

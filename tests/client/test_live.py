@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -182,11 +182,12 @@ def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(tmp_path: Path, store: dist.TCPStore) -> None:
-    ctx = mp.start_processes(_blocked_on_a_survivor, args=(store.port, str(tmp_path)), nprocs=3, join=False,
-                             start_method="spawn")  # fmt: skip
+def _spawn(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 100.0) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh processes and wait for them, at most ``timeout`` seconds (a
+    process that failed fails the test); every process is gone when this returns."""
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while not ctx.join(timeout=0.5):
             assert time.monotonic() < deadline, "the ranks did not finish"
     finally:
@@ -194,6 +195,46 @@ def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(tmp_path: Path
             if p.is_alive():
                 p.kill()
             p.join(10)
+
+
+def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(tmp_path: Path, store: dist.TCPStore) -> None:
+    _spawn(_blocked_on_a_survivor, (store.port, str(tmp_path)), nprocs=3)
     outcome = {r: Path(tmp_path, f"rank{r}").read_text().split(" after ") for r in (0, 1)}
     assert outcome[1][0] == "peer failure" and outcome[0][0] == "peer failure", outcome
     assert float(outcome[0][1]) < 15.0, f"rank 0 waited {outcome[0][1]} s: for its 30 s timeout, not rank 1's leaving"
+
+
+def _group_outlives_ddp(rank: int, port: int, out: str, via_live: bool) -> None:
+    """Form a one-rank group (through live mode, or torch's own call), build DDP on it and train a step, destroy
+    the group and release DDP's hold as ``recover()`` does; write whether the group object still lives."""
+    import gc
+    import weakref
+
+    from snapshotd.client.ddp import DDPBuckets
+
+    if via_live:
+        live.init_process_group(store=f"127.0.0.1:{port}", job="outlives", rank=0, world_size=1, timeout=10)
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    model = torch.nn.Linear(4, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(2, 4)).sum().backward()
+    buckets = DDPBuckets({"model": model})
+    assert buckets.state_dict() == {"model": [[1, 0]]}  # the reducer was read (and cached)
+    group = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    buckets.release()
+    gc.collect()
+    Path(out).write_text("alive" if group() is not None else "gone")
+
+
+@pytest.mark.parametrize("via_live", [True, False], ids=["live", "torch"])
+def test_a_released_group_is_destroyed_only_if_formed_after_dynamo_was_imported(
+    tmp_path: Path, store: dist.TCPStore, via_live: bool
+) -> None:
+    """A survivor's broken group must go (its gloo loop spins on connections shut with bytes unread while it
+    lives): live mode imports ``torch._dynamo`` before forming its first group, because DDP's constructor
+    imports it and the import keeps the group of that moment alive for good, as the control shows."""
+    out = tmp_path / "outcome"
+    _spawn(_group_outlives_ddp, (store.port, str(out), via_live), nprocs=1)
+    assert out.read_text() == ("gone" if via_live else "alive")
