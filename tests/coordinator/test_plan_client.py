@@ -89,6 +89,14 @@ class _Scripted:
     client: CoordinatorClient
     tasks: TaskTree
 
+    async def receive(self) -> tuple[list[bytes], PlanRequest]:
+        """The next plan request the ROUTER gets: its envelope, and the request."""
+        async with asyncio.timeout(TIMEOUT):
+            frames = await self.router.recv_multipart()
+        msg = decode(frames[1:])
+        assert isinstance(msg, PlanRequest)
+        return frames[:1], msg
+
     def run(self, body: Callable[[], Awaitable[None]]) -> None:
         """Run ``body`` with the client's plan pump in a task tree, as in the sidecar."""
 
@@ -161,21 +169,14 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
                 await monitor.recv_multipart()
         assert not await monitor.poll(100)
 
-    async def receive() -> tuple[list[bytes], PlanRequest]:
-        async with asyncio.timeout(TIMEOUT):
-            frames = await router.recv_multipart()
-        msg = decode(frames[1:])
-        assert isinstance(msg, PlanRequest)
-        return frames[:1], msg
-
     async def calls_and_replies() -> None:
         await handshakes(2)  # the heartbeat and plan sockets, before any plan is asked for
         deadline = time.monotonic() + TIMEOUT
         calls = [asyncio.ensure_future(client.plan(_ask(r, 8), deadline)) for r in (5, 1, 3)]
-        envelope, first = await receive()
+        envelope, first = await scripted.receive()
         assert (first.rank, first.ranks, first.world_size, first.node) == (1, (3, 5), 8, "a")
         late = asyncio.ensure_future(client.plan(_ask(0, 8), deadline))
-        envelope, second = await receive()
+        envelope, second = await scripted.receive()
         assert second.all_ranks == (0, 1, 3, 5)  # replaces the first one, which the coordinator holds
         assert 0 != first.attempt != second.attempt != 0  # another set of calls
         plans = tuple(RankPlan(r, "ready", 7, r == 3, ("tcp://b:1",), "") for r in second.all_ranks)
@@ -193,7 +194,7 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
         stale = PlanReply(job="j", rank=1, status="ready", step=3, local=False, sources=("tcp://old:1",))
         await router.send_multipart([*envelope, *encode(stale)])  # an answer to the replaced request, sent late
         call = asyncio.ensure_future(client.plan(_ask(1, 8), time.monotonic() + TIMEOUT))
-        fresh, third = await receive()
+        fresh, third = await scripted.receive()
         assert fresh != envelope and third.all_ranks == (1,)  # a new peer to the coordinator
         await asyncio.sleep(0.2)
         assert not call.done()  # the late answer went to the closed socket
@@ -209,22 +210,15 @@ def test_a_request_asked_again_keeps_its_attempt_until_a_call_joins(scripted: _S
     answered them already answers them again); a call that joins makes a new one."""
     router, client = scripted.router, scripted.client
 
-    async def receive() -> tuple[list[bytes], PlanRequest]:
-        async with asyncio.timeout(TIMEOUT):
-            frames = await router.recv_multipart()
-        msg = decode(frames[1:])
-        assert isinstance(msg, PlanRequest)
-        return frames[:1], msg
-
     async def wait_then_join() -> None:
         deadline = time.monotonic() + TIMEOUT
         call = asyncio.ensure_future(client.plan(_ask(2), deadline))
-        envelope, first = await receive()
+        envelope, first = await scripted.receive()
         await router.send_multipart([*envelope, *encode(PlanReply(job="j", rank=2, status="wait", reason="1 of 4"))])
-        envelope, again = await receive()
+        envelope, again = await scripted.receive()
         assert again.all_ranks == (2,) and again.attempt == first.attempt != 0
         late = asyncio.ensure_future(client.plan(_ask(0), deadline))
-        envelope, joined = await receive()
+        envelope, joined = await scripted.receive()
         assert joined.all_ranks == (0, 2) and joined.attempt not in (0, first.attempt)
         plans = (RankPlan(2, "ready", 7, True, (), ""),)
         reply = PlanReply(job="j", rank=0, status="ready", step=7, local=True, plans=plans)
