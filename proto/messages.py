@@ -419,8 +419,8 @@ class PlanRequest(Message):
 
     ``attempt`` (0: none) names the rank calls the request asks for: the sidecar draws a new one when a call joins
     and sends the same one again when it repeats the request (no reply in time, or a ``wait``). A rank the current
-    round answered under the same ``attempt`` gets that answer again (its reply was lost or late), where a rank
-    asking after its answer under another one restarted and opens a new round.
+    round answered under the same ``attempt`` gets that answer again (its reply was lost or late); a rank that
+    asks again after its answer under another attempt (or none) has restarted: it opens a new round.
     """
 
     TYPE: ClassVar[str] = "plan_request"

@@ -34,9 +34,9 @@ class Round:
     Ranks ask until every rank ``0 .. world_size - 1`` has asked; the last ask freezes the outcome (``fresh``,
     ``none`` or ``ready`` at ``step``) and every rank of the round gets that same answer. A rank that asks again
     after its answer restarted again and opens a new round, unless it asks under the ``attempt`` it was answered
-    under (:attr:`attempts`: the request repeated, its reply lost or late). Once frozen, the round caps D at ``step`` (so that
-    buddies keep what the plan needs) until every rank was answered and G moved past ``step``: training resumed
-    (see :meth:`caps`). Before the freeze there is no plan step yet and no cap is needed (D <= G always).
+    under (:attr:`attempts`: the request repeated, its reply lost or late). Once frozen, the round caps D at
+    ``step`` (so that buddies keep what the plan needs) until every rank was answered and G moved past ``step``:
+    training resumed (see :meth:`caps`). Before the freeze there is no plan step yet and no cap is needed (D <= G always).
     """
 
     asked: set[int] = dataclasses.field(default_factory=set)
@@ -57,7 +57,7 @@ class Round:
         past the step yet (some rank still unanswered, or G not past it)."""
         return self.frozen and not (len(self.answered) >= world_size and recoverable > self.step)
 
-    def repeated(self, ranks: tuple[int, ...], attempt: int) -> bool:
+    def continues(self, ranks: tuple[int, ...], attempt: int) -> bool:
         """Whether a request for ``ranks`` under ``attempt`` belongs to this round: none of them was answered, or
         each answered one was answered under ``attempt`` (the request repeated)."""
         if self.answered.isdisjoint(ranks):
@@ -166,7 +166,7 @@ class Plans:
             return _wait(msg, f"the coordinator started {now - self._started:.1f} s ago; waiting "
                               f"{self._membership.death_timeout(now):g} s for sidecars to report their snapshots")  # fmt: skip
         rnd = job.round
-        if rnd is None or (not held and not rnd.repeated(ranks, msg.attempt)):
+        if rnd is None or (not held and not rnd.continues(ranks, msg.attempt)):
             if rnd is not None:
                 log.info("job %s: rank(s) %s asked again after their answer: new plan round", job.name,
                          listed(sorted(rnd.answered.intersection(ranks))))  # fmt: skip
@@ -256,8 +256,11 @@ class Plans:
     def _answered(job: Job, rnd: Round, msg: PlanRequest, now: float) -> None:
         ranks = msg.all_ranks
         rnd.answered.update(ranks)
-        if msg.attempt:
-            rnd.attempts.update(dict.fromkeys(ranks, msg.attempt))
+        for r in ranks:
+            if msg.attempt:
+                rnd.attempts[r] = msg.attempt
+            else:
+                rnd.attempts.pop(r, None)
         if len(rnd.answered) == job.world_size:
             if rnd.answered_at is None:
                 rnd.answered_at = now
