@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for the whole membership (a spare started ahead waits this long)")  # fmt: skip
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                    help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)")  # fmt: skip
+    p.add_argument("--replicated", default="", help="state keys snapshotted once across the ranks (replicated=), "
+                   "comma-separated")
     p.add_argument("--die-in-rollback", action="store_true",
                    help="a survivor dying during its rollback: 0.2 s into its first recovery's restore, SIGKILL itself")  # fmt: skip
     p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
@@ -110,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     losses: dict[int, float] = {}
     done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
     recoveries: list[dict[str, Any]] = []
-    snap = Snapshotter(state, job=args.job, rank=rank, world_size=world, sidecar=args.sidecar,
-                       live=group) if args.snapshot else None  # fmt: skip
+    replicated = [key for key in args.replicated.split(",") if key]
+    snap = Snapshotter(state, job=args.job, rank=rank, world_size=world, sidecar=args.sidecar, live=group,
+                       replicated=replicated) if args.snapshot else None  # fmt: skip
     guard = snap.guard if snap is not None else contextlib.nullcontext
     recovering = False  # inside recover(): --die-in-rollback's restore dies
     if args.die_in_rollback and snap is not None:

@@ -297,17 +297,18 @@ class Snapshotter:
             raise RuntimeError("recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
         t0 = time.monotonic()
         self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
+        replicated = self._replica_group is not None
         for attempt in range(1, self._live.attempts + 1):
+            # the broken group is destroyed once nothing holds it (its gloo loop spins while it lives)
             if self._ddp is not None:
-                self._ddp.release()  # the broken group is destroyed once nothing holds it
+                self._ddp.release()
+            if replicated:
+                self._replicate_over(None)
             self._live.rejoin()
             t1 = time.monotonic()
             try:
-                if self._replica_group is not None:
-                    self._replica_group = dist.group.WORLD
-                    for value in self._snapshotted.values():
-                        if isinstance(value, ReplicaShard):
-                            value.group = dist.group.WORLD
+                if replicated:
+                    self._replicate_over(dist.group.WORLD)
                 if self._ddp is not None:
                     self._ddp.rediscover()
                     rebind_ddp(self._ddp.modules, list(self.state))
@@ -324,6 +325,13 @@ class Snapshotter:
         log.info("[job %s rank %d] recovered in place at step %d (epoch %d) in %.2f s", self.job, self.rank, step,
                  self._live.epoch, self.recovered["seconds"])  # fmt: skip
         return step
+
+    def _replicate_over(self, group: Any) -> None:
+        """Make ``group`` the replica group of every ``replicated=`` value (None: no group, between two)."""
+        self._replica_group = group
+        for value in self._snapshotted.values():
+            if isinstance(value, ReplicaShard):
+                value.group = group
 
     def _ask_restore(self, timeout: float) -> tuple[FlatState, RestoreReply]:
         """Register, ask the sidecar for the recoverable step and wait for its reply (the data is in place, or

@@ -92,11 +92,12 @@ class CoordinatorClient:
     again carries the ``attempt`` of the first, so that a rank whose reply was lost or late gets its answer again
     instead of opening a new round (see :class:`~snapshotd.proto.PlanRequest`).
 
-    The plan socket is connected from the start, and replaced by a fresh connected one when the last
-    :meth:`plan` call ends: a recovery round is when the coordinator is busiest, and every sidecar of the fleet
-    asks then, so none of them should make it set up a connection first (at 10,000 sidecars that is 10,000 TCP
-    and ZMTP handshakes, CURVE ones with a secret, inside the round). The fresh socket is a new peer to the
-    coordinator, so a reply to a request whose calls gave up (or that a later request replaced) can never reach
+    The plan socket is connected from the start, and replaced by a fresh connected one when the last :meth:`plan`
+    call of a job ends (the jobs still waiting ask again on it, under their attempts): a recovery round is when the
+    coordinator is busiest, and every sidecar of the fleet asks then, so none of them should make it set up a
+    connection first (at 10,000 sidecars that is 10,000 TCP and ZMTP handshakes, CURVE ones with a secret, inside
+    the round). The fresh socket is a new peer to the coordinator, so a reply to a request whose calls gave up, were
+    answered already (a request asked again after a timeout has two answers) or were asked for again can never reach
     a later call. Between restores a sidecar holds two connections to the coordinator: both idle but for the
     heartbeats.
     """
@@ -279,21 +280,30 @@ class CoordinatorClient:
         return reply
 
     def _forget(self, group: _Group, rank: int, answer: asyncio.Future[PlanReply]) -> None:
-        """``answer`` is no longer awaited; with the last call, stop reading plan replies and replace the plan
-        socket (see the class docstring)."""
+        """``answer`` is no longer awaited; with the last call of its group, replace the plan socket (see the
+        class docstring), and ask again on the fresh one for the groups still waiting, or, with none, stop
+        reading plan replies."""
         waiting = group.waiters.get(rank)
         if waiting is not None and answer in waiting:
             waiting.remove(answer)
             if not waiting:
                 del group.waiters[rank]
-        if not group.waiters and self._groups.get((group.job, group.world_size, group.node)) is group:
-            del self._groups[(group.job, group.world_size, group.node)]
-        if not self._groups and self._pump is not None:
-            self._pump.cancel()
-            self._pump = None
-            self._plan.close()
-            if not self._closed:
-                self._plan = self._socket()
+        key = (group.job, group.world_size, group.node)
+        if group.waiters or self._groups.get(key) is not group:
+            return
+        del self._groups[key]
+        if self._pump is None:
+            return
+        self._pump.cancel()
+        self._pump = None
+        self._plan.close()
+        if self._closed:
+            return
+        self._plan = self._socket()
+        if self._groups:  # the others ask again, under their attempts, on the fresh socket
+            for other in self._groups.values():
+                other.dirty, other.answered, other.resend_at = True, True, -math.inf  # answered: not a timeout
+            self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
 
     async def _flush(self, group: _Group) -> None:
         """Send one request for all of ``group``'s waiting ranks if any joined since the last one."""

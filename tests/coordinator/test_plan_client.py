@@ -25,6 +25,7 @@ from snapshotd.proto import (
     decode,
     encode,
 )
+from snapshotd.sidecar import control
 from snapshotd.sidecar.control import CoordinatorClient, CoordinatorUnavailable
 from snapshotd.sidecar.node import Counters
 from snapshotd.sidecar.tasks import TaskTree
@@ -227,6 +228,58 @@ def test_a_request_asked_again_keeps_its_attempt_until_a_call_joins(scripted: _S
             assert [p.step for p in await asyncio.gather(call, late)] == [7, 7]
 
     scripted.run(wait_then_join)
+
+
+def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
+    scripted: _Scripted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request asked again after a timeout can be answered twice. When the first answer ends a job's calls
+    while another job's calls still wait, the plan socket is replaced all the same, and the waiting job asks again
+    on the fresh one under its attempt: the second answer, sent late, cannot settle the call of a rank of the first
+    job that restarted and asks anew (it would restore the step of a round that is over)."""
+    monkeypatch.setattr(control, "PLAN_REQUEST_TIMEOUT", 0.3)
+    router, client = scripted.router, scripted.client
+
+    attempts: dict[str, int] = {}
+
+    async def next_of(job: str, *, not_on: tuple[list[bytes], ...] = ()) -> tuple[list[bytes], PlanRequest]:
+        """The next request of ``job`` not sent on a socket of ``not_on``; repeats of other requests (asked again
+        every 0.3 s) are passed over."""
+        while True:
+            envelope, req = await scripted.receive()
+            if req.job == job and envelope not in not_on:
+                return envelope, req
+            assert req.attempt == attempts[req.job]
+
+    async def answered_twice() -> None:
+        deadline = time.monotonic() + TIMEOUT
+        first_j = asyncio.ensure_future(client.plan(_ask(1), deadline))
+        waiting_k = asyncio.ensure_future(client.plan(dataclasses.replace(_ask(0), job="k"), deadline))
+        for job in ("j", "k"):
+            attempts[job] = (await next_of(job))[1].attempt
+        old, j_again = await next_of("j")  # no answer within the request timeout: asked again, same attempt
+        assert j_again.attempt == attempts["j"]
+        await router.send_multipart([*old, *encode(PlanReply(job="j", rank=1, status="ready", step=7))])
+        async with asyncio.timeout(TIMEOUT):
+            assert (await first_j).step == 7
+        fresh, k_again = await next_of("k", not_on=(old,))  # k, on the fresh socket, under its attempt
+        assert k_again.attempt == attempts["k"]
+        restarted = asyncio.ensure_future(client.plan(_ask(1), time.monotonic() + TIMEOUT))
+        _, anew = await next_of("j")
+        assert anew.attempt not in (0, attempts["j"])
+        await router.send_multipart([*old, *encode(PlanReply(job="j", rank=1, status="ready", step=7))])
+        await asyncio.sleep(0.2)
+        assert not restarted.done()  # the second answer went to the closed socket
+        await router.send_multipart([*fresh, *encode(PlanReply(job="j", rank=1, status="ready", step=9))])
+        async with asyncio.timeout(TIMEOUT):
+            assert (await restarted).step == 9
+        newest, k_last = await next_of("k", not_on=(old, fresh))  # j's calls ended: another socket, k asks again
+        assert k_last.attempt == attempts["k"]
+        await router.send_multipart([*newest, *encode(PlanReply(job="k", rank=0, status="ready", step=4))])
+        async with asyncio.timeout(TIMEOUT):
+            assert (await waiting_k).step == 4
+
+    scripted.run(answered_twice)
 
 
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)

@@ -69,15 +69,16 @@ def _arrived(store: str, job: str, epoch: int) -> int:
 
 
 def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False, spare: str | None = None,
-                 dying: bool = False, hang: bool = False) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
+                 dying: bool = False, hang: bool = False,
+                 flags: tuple[str, ...] = ()) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
     """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
     the ranks of node ``spare`` (seated; its sidecar runs from the start, as a spare node's would, so the buddies
     placed on it do not change while the job runs) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
     is durable; ``hang``: SIGSTOP them instead, in a job whose group timeout is 120 s. ``dying``: rank 1 runs as
-    label ``A1``, with ``--die-in-rollback``. The job, every rank's pid before the loss, the newest step any rank
+    label ``A1``, with ``--die-in-rollback``. ``flags``: more of the trainer's flags. The job, every rank's pid before the loss, the newest step any rank
     had completed, and the ranks that survive (node A's)."""
     job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
-                    flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else [])])  # fmt: skip
+                    flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else []), *flags])  # fmt: skip
     if spare is not None:
         cluster.start(spare)
     if dying:
@@ -175,10 +176,12 @@ def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are
     in a collective on it. The coordinator declares B dead after its death timeout (1.5 s), the spare takes B's
     seat and opens the job's next epoch, and the survivors' watchdogs see it and leave the old group: they
     recover with the spare within seconds. When B wakes (SIGCONT), its ranks find their group gone and their seat
-    taken, and exit with an error that says so; the job completes, bit-identical."""
+    taken, and exit with an error that says so; the job completes, bit-identical. The optimizer is snapshotted
+    once across the ranks (``replicated=``): the replica group moves to the new group with DDP."""
     cluster.start("A")
     cluster.start("B")
-    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C", hang=True)
+    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C", hang=True,
+                                                 flags=("--replicated", "optim"))  # fmt: skip
     hung_at = time.time()
     woken: list[subprocess.Popen[bytes]] = []
     try:
