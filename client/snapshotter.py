@@ -408,6 +408,9 @@ class Snapshotter:
             if not due:
                 return False
             flat = flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
+            # at every step due, not only at the aligned ones: a registration retried in the background (the
+            # sidecar restarted) goes on while the stride is long
+            registered = self._ensure_registered(flat.data_bytes)
             if self._aligned is not None:
                 with self._lock:
                     slot_free = bool(self._free) or self._arena is None
@@ -417,6 +420,9 @@ class Snapshotter:
                 if not aligned:  # passed over so that this rank skips the steps the others skip
                     self.stats.skipped += 1
                     return False
+            if not registered:
+                self.stats.skipped += 1
+                return False
             started = self._start(step, flat)
             return started
         finally:
@@ -537,15 +543,20 @@ class Snapshotter:
         return self._arena
 
     def _start(self, step: int, flat: FlatState) -> bool:
-        if not self._ensure_registered(flat.data_bytes):
-            self.stats.skipped += 1
-            return False
+        """Stage and announce a snapshot of ``step`` into a free slot (the rank is registered for ``flat``'s size);
+        whether one was free."""
         slot = self._take_slot(step)
         if slot is None:
             self.stats.skipped += 1
             if time.monotonic() - self._last_update > self.timeout:
-                # every slot busy and no word from the sidecar for long: it restarted and forgot us
+                # every slot busy and no word from the sidecar for long: it restarted and forgot us, and with it
+                # the steps it had seen. Every announce goes out before the registration does; the update after
+                # its reply says which slots are free.
                 self._problem(f"no slot update from the sidecar for {self.timeout:.0f} s; registering again")
+                self._stager.fence(timeout=self.timeout)
+                with self._lock:
+                    self._inflight.clear()
+                    self._free.clear()
                 self._registered_bytes = -1
                 self._sidecar_ok = False
                 self._last_update = time.monotonic()
@@ -597,7 +608,9 @@ class Snapshotter:
 
     def _on_message(self, msg: Message) -> None:
         """Channel thread: slot updates and errors about announces."""
-        if isinstance(msg, RankRegistered):
+        if isinstance(msg, RankRegistered):  # a registration retried in the background was answered
+            with self._lock:  # free slots come from the sidecar's update after its reply, not from earlier ones
+                self._free.clear()
             self._pending_registration = msg
         elif isinstance(msg, SlotUpdate):
             self._last_update = time.monotonic()

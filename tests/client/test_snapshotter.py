@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -158,6 +159,47 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
                 snap.wait(0.5)
                 assert time.monotonic() < deadline, snap.stats
             assert snap.stats.errors >= 1
+
+
+def test_snapshots_resume_after_the_sidecar_restarts_while_the_rank_waits_for_every_slot(tmp_path) -> None:
+    """The sidecar restarts while it holds every slot of the rank (its buddy is stopped, so no step becomes
+    durable and each copy is kept): the restarted sidecar frees the slots in its first update, which knows none of
+    the steps the rank had announced, and snapshots resume."""
+    job = f"full-{uuid.uuid4().hex[:6]}"
+    with _cluster(tmp_path, "A", "B") as cluster:
+        node_a, node_b = cluster.sidecars["A"], cluster.sidecars["B"]
+        w = torch.zeros(1 << 12)
+        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=2) as snap:
+            assert snap.restore(timeout=20) == 0
+            step = 0
+
+            def capture() -> bool:
+                nonlocal step
+                step += 1
+                w.fill_(step)
+                return snap.capture(step)
+
+            deadline = time.monotonic() + 20
+            while snap.stats.last_durable_step < 1:
+                capture()
+                snap.wait(2)
+                assert time.monotonic() < deadline
+            os.kill(node_b.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while capture() or capture():  # until two in a row start nothing: every slot held
+                    assert time.monotonic() < deadline, snap.stats
+                    time.sleep(0.05)
+                assert cluster.stop(node_a) == 0
+            finally:
+                os.kill(node_b.pid, signal.SIGCONT)
+            cluster.start_sidecar("A")
+            restarted_at = step
+            deadline = time.monotonic() + 30
+            while snap.stats.last_durable_step <= restarted_at:
+                capture()
+                snap.wait(0.1)
+                assert time.monotonic() < deadline, snap.stats
 
 
 @pytest.mark.integration
