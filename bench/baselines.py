@@ -1,13 +1,16 @@
 """What snapshotd is measured against: the plain ways of moving the same bytes.
 
 :func:`raw_socket_transfer` is the ceiling for the transport: one TCP connection between two real processes,
-a preallocated buffer on each side, ``sendall`` and ``recv_into``, nothing else.
+a preallocated buffer on each side, ``sendall`` and ``recv_into``, nothing else. By default each side reuses one
+``chunk``-sized buffer, which stays in the CPU's caches: the kernel's copies alone. With ``whole`` each side
+holds all ``nbytes`` (every page written first, as live tensors' are) and moves them from and into that memory,
+as a restore moves a state: the kernel's copies and the memory traffic of the state.
 
 This module is also the program those processes run::
 
-    python -m snapshotd.bench.baselines recv --host H --nbytes N [--repeat R] [--chunk C] [--timeout T]
+    python -m snapshotd.bench.baselines recv --host H --nbytes N [--repeat R] [--chunk C] [--timeout T] [--whole]
     python -m snapshotd.bench.baselines send --host H --port P --nbytes N [--repeat R] [--chunk C]
-        [--timeout T]
+        [--timeout T] [--whole]
 
 The receiver prints ``port <P>`` once it listens, and at the end one JSON line ``{"rates": [...]}``.
 
@@ -40,9 +43,22 @@ log = logging.getLogger(__name__)
 _GO = b"g"
 
 
-def _receive(host: str, nbytes: int, repeat: int, chunk: int, timeout: float) -> None:
+def _buffer(nbytes: int, chunk: int, whole: bool) -> memoryview:
+    """A side's buffer: ``chunk`` bytes of random data, or with ``whole`` ``nbytes`` of them, every page written (a
+    fresh allocation's pages are not backed yet, and reading them reads one shared zero page)."""
+    pattern = os.urandom(chunk)
+    if not whole:
+        return memoryview(bytearray(pattern))
+    buf = memoryview(bytearray(nbytes))
+    for off in range(0, nbytes, chunk):
+        n = min(chunk, nbytes - off)
+        buf[off : off + n] = pattern[:n]
+    return buf
+
+
+def _receive(host: str, nbytes: int, repeat: int, chunk: int, timeout: float, whole: bool) -> None:
     """Receiver process: listen, then per repeat ask for ``nbytes`` and time them; print the rates."""
-    buf = memoryview(bytearray(chunk))
+    buf = _buffer(nbytes, chunk, whole)
     rates = []
     with socket.create_server((host, 0)) as server:
         server.settimeout(timeout)
@@ -56,7 +72,7 @@ def _receive(host: str, nbytes: int, repeat: int, chunk: int, timeout: float) ->
             start = time.perf_counter()
             got = first
             while got < nbytes:
-                k = conn.recv_into(buf, min(chunk, nbytes - got))
+                k = conn.recv_into(buf[got:] if whole else buf, min(chunk, nbytes - got))
                 if k == 0:
                     raise ConnectionError(f"sender closed after {got} of {nbytes} bytes")
                 got += k
@@ -68,18 +84,18 @@ def _receive(host: str, nbytes: int, repeat: int, chunk: int, timeout: float) ->
     print(json.dumps({"rates": rates}), flush=True)
 
 
-def _send(host: str, port: int, nbytes: int, repeat: int, chunk: int, timeout: float) -> None:
+def _send(host: str, port: int, nbytes: int, repeat: int, chunk: int, timeout: float, whole: bool) -> None:
     """Sender process: connect, then per go-byte send ``nbytes`` from one preallocated buffer."""
-    buf = memoryview(os.urandom(chunk))
+    buf = _buffer(nbytes, chunk, whole)
     with socket.create_connection((host, port), timeout=timeout) as conn:
         for _ in range(repeat):
             if conn.recv(1) != _GO:
                 raise ConnectionError("receiver closed before asking for data")
-            left = nbytes
-            while left:
-                n = min(chunk, left)
-                conn.sendall(buf[:n])
-                left -= n
+            sent = 0
+            while sent < nbytes:
+                n = min(chunk, nbytes - sent)
+                conn.sendall(buf[sent : sent + n] if whole else buf[:n])
+                sent += n
         conn.shutdown(socket.SHUT_WR)
         if conn.recv(1):
             raise ConnectionError("receiver sent unexpected data")
@@ -107,14 +123,17 @@ def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
 
 
 def raw_socket_transfer(
-    nbytes: int, *, chunk: int = 1 << 20, repeat: int = 1, link: Link | None = None, timeout: float = 120
+    nbytes: int, *, chunk: int = 1 << 20, repeat: int = 1, link: Link | None = None, timeout: float = 120,
+    whole: bool = False,
 ) -> float:
     """Move ``nbytes`` over one plain TCP connection between two fresh processes; return bytes per second.
 
     The receiver (in ``link.ns_b``, listening on ``link.addr_b``; or on 127.0.0.1 without a link) and the
     sender (in ``link.ns_a``) are real Python processes. One connection carries all repeats; before each, the
     receiver sends one byte and the sender answers with ``nbytes`` from a preallocated ``chunk``-sized buffer
-    (``sendall``), which the receiver reads with ``recv_into`` into its own preallocated buffer.
+    (``sendall``), which the receiver reads with ``recv_into`` into its own preallocated buffer. With ``whole``
+    the buffers on both sides are ``nbytes`` long, written through before the first repeat, and the bytes go
+    from the sender's whole buffer into the receiver's, ``chunk`` at a time (see the module docstring).
 
     The rate of one repeat is measured at the receiver: the bytes after its first ``recv`` divided by the time
     from that ``recv``'s return to the last byte, so connection setup and process start-up are excluded.
@@ -136,7 +155,8 @@ def raw_socket_transfer(
         raise ValueError(f"nbytes, chunk and repeat must be positive (got {nbytes}, {chunk}, {repeat})")
     deadline = time.monotonic() + timeout
     host = link.addr_b if link else "127.0.0.1"
-    common = [f"--nbytes={nbytes}", f"--repeat={repeat}", f"--chunk={chunk}", f"--timeout={timeout}"]
+    common = [f"--nbytes={nbytes}", f"--repeat={repeat}", f"--chunk={chunk}", f"--timeout={timeout}",
+              *(["--whole"] if whole else [])]  # fmt: skip
     base = [sys.executable, "-m", __name__]
     recv_argv = [*base, "recv", "--host", host, *common]
     procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -332,11 +352,12 @@ def _main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=1 << 20)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--whole", action="store_true")
     args = parser.parse_args(argv)
     if args.role == "recv":
-        _receive(args.host, args.nbytes, args.repeat, args.chunk, args.timeout)
+        _receive(args.host, args.nbytes, args.repeat, args.chunk, args.timeout, args.whole)
     else:
-        _send(args.host, args.port, args.nbytes, args.repeat, args.chunk, args.timeout)
+        _send(args.host, args.port, args.nbytes, args.repeat, args.chunk, args.timeout, args.whole)
     return 0
 
 

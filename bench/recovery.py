@@ -25,9 +25,12 @@ timed (``torch_load_seconds``, cold cache; a second, warm-cache load is a row of
 ``torchft`` package is importable, its ``HTTPTransport`` moves the same tensors from one process to another
 (``torchft_seconds``: the receiver's ``recv_checkpoint`` only, median of N; ``torchft_ratio`` is that over
 ``restore_seconds``); otherwise that row says it was skipped. A plain TCP socket between two processes moves
-the same number of bytes over loopback (:func:`~.baselines.raw_socket_transfer`, median of 3):
-``raw_socket_GBps``, and ``restore_vs_raw`` and ``pull_vs_raw``, the restore's rate (end to end, in the rank)
-and the pull's (the sidecar's share) over it.
+the same number of bytes over loopback (:func:`~.baselines.raw_socket_transfer`, median of 3), each side reusing
+one 1 MiB buffer that stays in the CPU's caches: ``raw_socket_GBps``, and ``restore_vs_raw`` and ``pull_vs_raw``,
+the restore's rate (end to end, in the rank) and the pull's (the sidecar's share) over it. A restore reads its
+bytes from the holders' memory and writes them into the rank's tensors, which no cache holds at that size, so the
+socket moves them once more from and into buffers of the state's size, every page written first
+(``whole=True``): ``raw_state_GBps``, and ``restore_vs_raw_state``.
 
 Expected time lost per failure (``--interval`` N, ``--step-seconds`` T, ``--restart-seconds`` S, the launcher
 relaunching the processes, the same for both): snapshotd = detection + S + restore + 1 step (the usual loss
@@ -39,8 +42,8 @@ The data plane runs without ``SNAPSHOTD_SECRET`` (plaintext on loopback, as ``tr
 
 Summary: ``state_bytes``, ``detection_seconds``, ``restore_seconds``, ``restore_GBps``, ``torch_load_seconds``,
 ``torch_load_GBps``, ``restore_speedup`` (torch.load / restore), ``pull_seconds``, ``restore_source``,
-``re_replication_seconds``, ``raw_socket_GBps``, ``restore_vs_raw``, ``pull_vs_raw``, and ``torchft_seconds``
-and ``torchft_ratio`` when torchft ran.
+``re_replication_seconds``, ``raw_socket_GBps``, ``restore_vs_raw``, ``pull_vs_raw``, ``raw_state_GBps``,
+``restore_vs_raw_state``, and ``torchft_seconds`` and ``torchft_ratio`` when torchft ran.
 
 The rank roles run as ``python -m snapshotd.bench.recovery snapshot|restore|torchft-send|torchft-recv``.
 """
@@ -272,6 +275,7 @@ def run(args: argparse.Namespace) -> Report:
         loss = _node_loss(workdir, args, lambda: bar.advance(task))
         torchft_each = _torchft(workdir, args)
         raw = raw_socket_transfer(size, repeat=3, timeout=args.timeout)
+        raw_state = raw_socket_transfer(size, repeat=3, timeout=args.timeout, whole=True)
     restore, load = loss["seconds"], disk["cold_seconds"]
     torchft = statistics.median_low(torchft_each) if torchft_each else None
     pulled = loss["restored"]
@@ -284,7 +288,9 @@ def run(args: argparse.Namespace) -> Report:
         {"path": "torch.load, page cache (warm)", "time_seconds": disk["warm_seconds"], "state_bytes": size,
          "rate_Bps": size / disk["warm_seconds"], "note": "the same file, read again"},
         {"path": "raw TCP socket, loopback", "time_seconds": size / raw, "state_bytes": size, "rate_Bps": raw,
-         "note": "two processes, sendall / recv_into, median of 3"},
+         "note": "two processes, sendall / recv_into, one 1 MiB buffer each (in cache), median of 3"},
+        {"path": "raw TCP socket, loopback, state to state", "time_seconds": size / raw_state, "state_bytes": size,
+         "rate_Bps": raw_state, "note": "the same, from and into buffers of the state's size, median of 3"},
         {"path": "torchft HTTPTransport", "time_seconds": torchft, "state_bytes": size,
          "rate_Bps": size / torchft if torchft else None,
          "note": f"recv_checkpoint, process to process{_median_of(args.repeat, (min(torchft_each), max(torchft_each)))}"
@@ -311,6 +317,8 @@ def run(args: argparse.Namespace) -> Report:
         "raw_socket_GBps": raw / 1e9,
         "restore_vs_raw": size / restore / raw,
         "pull_vs_raw": size / pulled["seconds"] / raw,
+        "raw_state_GBps": raw_state / 1e9,
+        "restore_vs_raw_state": size / restore / raw_state,
     }
     if torchft is not None:
         summary["torchft_seconds"] = torchft
