@@ -48,7 +48,7 @@ from snapshotd.proto import (
     match_entries,
 )
 from snapshotd.proto import limits as L
-from snapshotd.shm import Arena, attach_arena
+from snapshotd.shm import Arena, attach_arena, pid_alive
 
 from .channel import Channel
 from .direct import direct_targets, writable_by
@@ -157,6 +157,7 @@ class Snapshotter:
         self._sidecar_ok = True
         self._pending_registration: RankRegistered | None = None
         self._sidecar_pid = 0
+        self._sidecar_seen = False  # this process can see the sidecar's pid (they share a pid namespace)
         self._last_failed_step = -1
         self._registration_sent = -1e9
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
@@ -501,6 +502,7 @@ class Snapshotter:
     def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
         self._sidecar_pid = reply.pid
+        self._sidecar_seen = pid_alive(reply.pid)
         self._registered_bytes = reply.slot_bytes
         self._table_sent = False
         self._sidecar_ok = True
@@ -548,11 +550,13 @@ class Snapshotter:
         slot = self._take_slot(step)
         if slot is None:
             self.stats.skipped += 1
-            if time.monotonic() - self._last_update > self.timeout:
-                # every slot busy and no word from the sidecar for long: it restarted and forgot us, and with it
-                # the steps it had seen. Every announce goes out before the registration does; the update after
-                # its reply says which slots are free.
-                self._problem(f"no slot update from the sidecar for {self.timeout:.0f} s; registering again")
+            gone = self._sidecar_seen and not pid_alive(self._sidecar_pid)
+            if gone or time.monotonic() - self._last_update > self.timeout:
+                # every slot busy, and the sidecar's process gone or no word from it for long: it restarted and
+                # forgot us, and with it the steps it had seen. Every announce goes out before the registration
+                # does; the update after its reply says which slots are free.
+                self._problem(f"the sidecar (pid {self._sidecar_pid}) is gone; registering again" if gone else
+                              f"no slot update from the sidecar for {self.timeout:.0f} s; registering again")  # fmt: skip
                 self._stager.fence(timeout=self.timeout)
                 with self._lock:
                     self._inflight.clear()

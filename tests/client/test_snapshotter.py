@@ -163,13 +163,14 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
 
 def test_snapshots_resume_after_the_sidecar_restarts_while_the_rank_waits_for_every_slot(tmp_path) -> None:
     """The sidecar restarts while it holds every slot of the rank (its buddy is stopped, so no step becomes
-    durable and each copy is kept): the restarted sidecar frees the slots in its first update, which knows none of
-    the steps the rank had announced, and snapshots resume."""
+    durable and each copy is kept): the rank sees the sidecar's process gone at its next capture, long before its
+    30 s timeout, and registers again; the restarted sidecar frees the slots in its first update, which knows none
+    of the steps the rank had announced, and snapshots resume."""
     job = f"full-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path, "A", "B") as cluster:
         node_a, node_b = cluster.sidecars["A"], cluster.sidecars["B"]
         w = torch.zeros(1 << 12)
-        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=2) as snap:
+        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A")) as snap:
             assert snap.restore(timeout=20) == 0
             step = 0
 
