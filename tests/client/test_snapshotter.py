@@ -7,7 +7,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -125,6 +125,16 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
 
 
 @pytest.mark.integration
+def _durable_past(snap: Snapshotter, capture: Callable[[], bool], step: int, *, seconds: float, pause: float) -> None:
+    """Call ``capture()`` (one step and its snapshot), waiting up to ``pause`` after each, until a step after
+    ``step`` is durable; at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while snap.stats.last_durable_step <= step:
+        capture()
+        snap.wait(pause)
+        assert time.monotonic() < deadline, snap.stats
+
+
 def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
     """A sidecar restart during training degrades snapshots for a moment; capture() never raises."""
     job = f"restart-{uuid.uuid4().hex[:6]}"
@@ -144,20 +154,10 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
                 step += 1
                 return snap.capture(step)
 
-            deadline = time.monotonic() + 20
-            while snap.stats.last_durable_step < 3:
-                train_and_capture()
-                snap.wait(2)
-                assert time.monotonic() < deadline
+            _durable_past(snap, train_and_capture, 2, seconds=20, pause=2)
             assert cluster.stop(node_a) == 0
             cluster.start_sidecar("A")
-            restarted_at = step
-            deadline = time.monotonic() + 30
-            while snap.stats.last_durable_step <= restarted_at:
-                train_and_capture()
-                time.sleep(0.1)
-                snap.wait(0.5)
-                assert time.monotonic() < deadline, snap.stats
+            _durable_past(snap, train_and_capture, step, seconds=30, pause=0.5)
             assert snap.stats.errors >= 1
 
 
@@ -180,11 +180,7 @@ def test_snapshots_resume_after_the_sidecar_restarts_while_the_rank_waits_for_ev
                 w.fill_(step)
                 return snap.capture(step)
 
-            deadline = time.monotonic() + 20
-            while snap.stats.last_durable_step < 1:
-                capture()
-                snap.wait(2)
-                assert time.monotonic() < deadline
+            _durable_past(snap, capture, 0, seconds=20, pause=2)
             os.kill(node_b.pid, signal.SIGSTOP)
             try:
                 deadline = time.monotonic() + 20
@@ -195,12 +191,7 @@ def test_snapshots_resume_after_the_sidecar_restarts_while_the_rank_waits_for_ev
             finally:
                 os.kill(node_b.pid, signal.SIGCONT)
             cluster.start_sidecar("A")
-            restarted_at = step
-            deadline = time.monotonic() + 30
-            while snap.stats.last_durable_step <= restarted_at:
-                capture()
-                snap.wait(0.1)
-                assert time.monotonic() < deadline, snap.stats
+            _durable_past(snap, capture, step, seconds=30, pause=0.1)
 
 
 @pytest.mark.integration
