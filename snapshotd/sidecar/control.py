@@ -30,7 +30,7 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto.limits import MAX_PLAN_RANKS
-from snapshotd.transport import Network, Pipe, Role
+from snapshotd.transport import Network, Pipe, Role, TransportError
 
 from .tasks import TaskTree
 
@@ -93,13 +93,14 @@ class CoordinatorClient:
     instead of opening a new round (see :class:`~snapshotd.proto.PlanRequest`).
 
     The plan socket is connected from the start, and replaced by a fresh connected one when the last :meth:`plan`
-    call of a job ends (the jobs still waiting ask again on it, under their attempts): a recovery round is when the
-    coordinator is busiest, and every sidecar of the fleet asks then, so none of them should make it set up a
-    connection first (at 10,000 sidecars that is 10,000 TCP and ZMTP handshakes, CURVE ones with a secret, inside
-    the round). The fresh socket is a new peer to the coordinator, so a reply to a request whose calls gave up, were
-    answered already (a request asked again after a timeout has two answers) or were asked for again can never reach
-    a later call. Between restores a sidecar holds two connections to the coordinator: both idle but for the
-    heartbeats.
+    call ends: a recovery round is when the coordinator is busiest, and every sidecar of the fleet asks then, so
+    none of them should make it set up a connection first (at 10,000 sidecars that is 10,000 TCP and ZMTP
+    handshakes, CURVE ones with a secret, inside the round). The fresh socket is a new peer to the coordinator, so a
+    reply to a request whose calls gave up, or that a later request replaced, can never reach a later call. A
+    request asked again after a timeout may be answered twice: once a call ends after that, the socket is replaced
+    even while other calls wait (they ask again on the fresh one, under their attempts), so that the second answer
+    cannot settle a later call of the rank the first one answered. Between restores a sidecar holds two connections
+    to the coordinator: both idle but for the heartbeats.
     """
 
     def __init__(self, network: Network, endpoint: str, *, tasks: TaskTree) -> None:
@@ -107,7 +108,8 @@ class CoordinatorClient:
         self.endpoint = endpoint
         self.tasks = tasks
         self._hb = self._socket()
-        self._plan = self._socket()  # replaced when the last plan call ends
+        self._plan = self._socket()  # replaced when the last plan call ends (see _forget)
+        self._tainted = False  # a request on the plan socket was asked again after a timeout: two answers may come
         self._closed = False
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
@@ -280,27 +282,35 @@ class CoordinatorClient:
         return reply
 
     def _forget(self, group: _Group, rank: int, answer: asyncio.Future[PlanReply]) -> None:
-        """``answer`` is no longer awaited; with the last call of its group, replace the plan socket (see the
-        class docstring), and ask again on the fresh one for the groups still waiting, or, with none, stop
-        reading plan replies."""
+        """``answer`` is no longer awaited. With the last call, replace the plan socket and stop reading plan
+        replies (see the class docstring). While other calls wait, replace it only if a request on it was asked
+        again after a timeout: its second answer could otherwise settle a later call of a rank answered by the
+        first (restarted, asking anew); the waiting calls ask again on the fresh socket, under their attempts."""
         waiting = group.waiters.get(rank)
         if waiting is not None and answer in waiting:
             waiting.remove(answer)
             if not waiting:
                 del group.waiters[rank]
         key = (group.job, group.world_size, group.node)
-        if group.waiters or self._groups.get(key) is not group:
-            return
-        del self._groups[key]
-        if self._pump is None:
-            return
-        self._pump.cancel()
-        self._pump = None
-        self._plan.close()
+        last = False
+        if not group.waiters and self._groups.get(key) is group:
+            del self._groups[key]
+            last = not self._groups
+        if last or (self._tainted and self._groups):
+            self._replace_plan_socket()
+
+    def _replace_plan_socket(self) -> None:
+        """Close the plan socket and its reader, and connect a fresh one: a new peer to the coordinator, which no
+        reply to a request sent on the old one can reach. The groups still waiting ask again on it at once, under
+        their attempts (their requests are held by the coordinator for the old peer, and answered to it)."""
         if self._closed:
             return
-        self._plan = self._socket()
-        if self._groups:  # the others ask again, under their attempts, on the fresh socket
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+        self._plan.close()
+        self._plan, self._tainted = self._socket(), False
+        if self._groups:
             for other in self._groups.values():
                 other.dirty, other.answered, other.resend_at = True, True, -math.inf  # answered: not a timeout
             self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
@@ -316,14 +326,22 @@ class CoordinatorClient:
         requests = group.request()
         group.first, group.answered = requests[0].rank, False
         group.resend_at = time.monotonic() + PLAN_REQUEST_TIMEOUT
-        for req in requests:
-            await self._plan.send(encode(req))
+        sock = self._plan
+        try:
+            for req in requests:
+                await sock.send(encode(req))
+        except (asyncio.CancelledError, TransportError):
+            task = asyncio.current_task()
+            if sock is self._plan or (task is not None and task.cancelling()):
+                raise
+            # the socket was replaced under this send (closing it ended the send): the group asks on the fresh one
+            group.dirty, group.answered, group.resend_at = True, True, -math.inf
 
     async def _read_plans(self, sock: Pipe) -> None:
         """Route every reply on the plan socket; ask again for groups whose request timed out or must wait.
 
-        Runs until cancelled (with the last plan call); a bug fails every waiting call instead of leaving it to
-        its deadline.
+        Runs until cancelled (with the socket's replacement, see :meth:`_forget`); a bug fails every waiting call
+        instead of leaving it to its deadline.
         """
         try:
             while True:
@@ -332,6 +350,7 @@ class CoordinatorClient:
                     if now >= group.resend_at:
                         if not group.answered:
                             self._timed_out(PLAN_REQUEST_TIMEOUT)  # logged once
+                            self._tainted = True  # the first request may still be answered, then this one
                         group.dirty = True
                         await self._flush(group)
                 soonest = min((g.resend_at for g in self._groups.values()), default=math.inf)

@@ -124,7 +124,6 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
             assert snap.stats.auto_interval == 8 and snap.stats.durable == 3 and snap.stats.skipped == 0
 
 
-@pytest.mark.integration
 def _durable_past(snap: Snapshotter, capture: Callable[[], bool], step: int, *, seconds: float, pause: float) -> None:
     """Call ``capture()`` (one step and its snapshot), waiting up to ``pause`` after each, until a step after
     ``step`` is durable; at most ``seconds``."""
@@ -135,6 +134,7 @@ def _durable_past(snap: Snapshotter, capture: Callable[[], bool], step: int, *, 
         assert time.monotonic() < deadline, snap.stats
 
 
+@pytest.mark.integration
 def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
     """A sidecar restart during training degrades snapshots for a moment; capture() never raises."""
     job = f"restart-{uuid.uuid4().hex[:6]}"
@@ -161,6 +161,7 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
             assert snap.stats.errors >= 1
 
 
+@pytest.mark.integration
 def test_snapshots_resume_after_the_sidecar_restarts_while_the_rank_waits_for_every_slot(tmp_path) -> None:
     """The sidecar restarts while it holds every slot of the rank (its buddy is stopped, so no step becomes
     durable and each copy is kept): the rank sees the sidecar's process gone at its next capture, long before its

@@ -233,10 +233,10 @@ def test_a_request_asked_again_keeps_its_attempt_until_a_call_joins(scripted: _S
 def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
     scripted: _Scripted, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A request asked again after a timeout can be answered twice. When the first answer ends a job's calls
-    while another job's calls still wait, the plan socket is replaced all the same, and the waiting job asks again
-    on the fresh one under its attempt: the second answer, sent late, cannot settle the call of a rank of the first
-    job that restarted and asks anew (it would restore the step of a round that is over)."""
+    """A request asked again after a timeout can be answered twice. When the first answer ends a call while
+    other calls (here another job's) still wait, the plan socket is replaced all the same, and the waiting calls
+    ask again on the fresh one under their attempts: the second answer, sent late, cannot settle the call of the
+    rank that restarted and asks anew (it would restore the step of a round that is over)."""
     monkeypatch.setattr(control, "PLAN_REQUEST_TIMEOUT", 0.3)
     router, client = scripted.router, scripted.client
 
@@ -265,15 +265,16 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
         fresh, k_again = await next_of("k", not_on=(old,))  # k, on the fresh socket, under its attempt
         assert k_again.attempt == attempts["k"]
         restarted = asyncio.ensure_future(client.plan(_ask(1), time.monotonic() + TIMEOUT))
-        _, anew = await next_of("j")
+        _, anew = await next_of("j", not_on=(old,))
         assert anew.attempt not in (0, attempts["j"])
+        attempts["j"] = anew.attempt
         await router.send_multipart([*old, *encode(PlanReply(job="j", rank=1, status="ready", step=7))])
-        await asyncio.sleep(0.2)
+        await next_of("k", not_on=(old,))  # k asked again on the fresh socket: it timed out there too
         assert not restarted.done()  # the second answer went to the closed socket
         await router.send_multipart([*fresh, *encode(PlanReply(job="j", rank=1, status="ready", step=9))])
         async with asyncio.timeout(TIMEOUT):
             assert (await restarted).step == 9
-        newest, k_last = await next_of("k", not_on=(old, fresh))  # j's calls ended: another socket, k asks again
+        newest, k_last = await next_of("k", not_on=(old, fresh))  # a call ended after a timeout: another socket
         assert k_last.attempt == attempts["k"]
         await router.send_multipart([*newest, *encode(PlanReply(job="k", rank=0, status="ready", step=4))])
         async with asyncio.timeout(TIMEOUT):
