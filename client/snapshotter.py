@@ -68,6 +68,9 @@ __all__ = ["Snapshotter"]
 
 log = logging.getLogger(__name__)
 
+SIDECAR_CHECK_S = 1.0
+"""With ``when_busy="block"``, how often a capture waiting for a free slot checks that the sidecar still runs."""
+
 
 class Snapshotter:
     """Snapshot a rank's training state after every step to buddy nodes' memory, and restore it after a failure.
@@ -143,6 +146,7 @@ class Snapshotter:
             raise ValueError(f"slots must be 1-16, got {slots}")
         self.state = state
         self._snapshotted, self._replica_group, self._ddp = snapshot_view(state, replicated, replica_group)
+        self._replicated = self._replica_group is not None  # the group itself is None while recover() forms one
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self._aligned = AlignedStride(every) if isinstance(every, int) and when_busy == "skip" else None
@@ -298,7 +302,7 @@ class Snapshotter:
             raise RuntimeError("recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
         t0 = time.monotonic()
         self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
-        replicated = self._replica_group is not None
+        replicated = self._replicated
         for attempt in range(1, self._live.attempts + 1):
             # the broken group is destroyed once nothing holds it (its gloo loop spins while it lives)
             if self._ddp is not None:
@@ -413,8 +417,8 @@ class Snapshotter:
             # sidecar restarted) goes on while the stride is long
             registered = self._ensure_registered(flat.data_bytes)
             if self._aligned is not None:
-                with self._lock:
-                    slot_free = bool(self._free) or self._arena is None
+                with self._lock:  # unregistered, the rank has no slots to wait for: its stride stays as it was
+                    slot_free = bool(self._free) or self._arena is None or not registered
                 aligned = self._aligned.due(step)
                 self._aligned.record(step, slot_free=slot_free)
                 self.stats.stride = self._aligned.stride
@@ -550,7 +554,7 @@ class Snapshotter:
         slot = self._take_slot(step)
         if slot is None:
             self.stats.skipped += 1
-            gone = self._sidecar_seen and not pid_alive(self._sidecar_pid)
+            gone = self._sidecar_gone()
             if gone or time.monotonic() - self._last_update > self.timeout:
                 # every slot busy, and the sidecar's process gone or no word from it for long: it restarted and
                 # forgot us, and with it the steps it had seen. Every announce goes out before the registration
@@ -597,11 +601,17 @@ class Snapshotter:
                 if left <= 0:
                     self._problem(f"no free slot within {self.timeout:.0f} s (is the sidecar streaming?)")
                     return None
-                self._lock.wait(left)
+                if self._sidecar_gone():
+                    return None
+                self._lock.wait(min(left, SIDECAR_CHECK_S))
             slot = min(self._free)
             self._free.discard(slot)
             self._inflight[slot] = step
             return slot
+
+    def _sidecar_gone(self) -> bool:
+        """Whether the sidecar this rank registered with has exited (known only when its pid is visible here)."""
+        return self._sidecar_seen and not pid_alive(self._sidecar_pid)
 
     def _release(self, slot: int) -> None:
         """A staged slot that was never announced (its copy was abandoned) is ours to reuse."""
