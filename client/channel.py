@@ -61,10 +61,11 @@ class Channel:
         """Send a one-way message from the channel thread (after the jobs submitted before it)."""
         self.submit(lambda: self.send_now(msg))
 
-    def request(self, msg: Message, reply_type: str, timeout: float,
-                on_wait: Callable[[], None] | None = None) -> Message:  # fmt: skip
+    def request(self, msg: Message, reply_type: str, timeout: float, on_wait: Callable[[], None] | None = None,
+                on_reply: Callable[[Message], None] | None = None) -> Message:  # fmt: skip
         """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it; ``on_wait`` is called on
-        the waiting thread every :attr:`WAIT_TICK` seconds meanwhile (what ``restore()`` draws its progress with).
+        the waiting thread every :attr:`WAIT_TICK` seconds meanwhile (what ``restore()`` draws its progress with),
+        ``on_reply`` with the reply on the channel thread, before it handles the next message from the sidecar.
 
         Raises:
             SidecarUnavailable: no answer within ``timeout`` seconds.
@@ -75,6 +76,8 @@ class Channel:
             if reply_type in self._waiting:
                 raise RuntimeError(f"a {reply_type} request is already waiting")
             self._waiting[reply_type] = fut
+        if on_reply is not None:
+            fut.add_done_callback(lambda done: on_reply(done.result()))
         self.send(msg)
         deadline = time.monotonic() + timeout
         try:

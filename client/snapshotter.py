@@ -496,12 +496,18 @@ class Snapshotter:
         with self._lock:
             self._free.clear()
             self._inflight.clear()
-            seen = self._updates
-        reply = self._channel.request(self._registration(data_bytes), "rank_registered", timeout)
+        replied: list[int] = []  # the count of slot updates when the reply came
+
+        def on_reply(_: Message) -> None:  # on the channel thread, before it reads the next message
+            with self._lock:  # updates sent before the reply may name slots that announces since then took
+                self._free.clear()
+                replied.append(self._updates)
+
+        reply = self._channel.request(self._registration(data_bytes), "rank_registered", timeout, on_reply=on_reply)
         assert isinstance(reply, RankRegistered)
         self._adopt(reply)
         with self._lock:  # the sidecar sends the free slots right after its reply
-            self._lock.wait_for(lambda: self._updates > seen, timeout=min(timeout, 5.0))
+            self._lock.wait_for(lambda: bool(replied) and self._updates > replied[0], timeout=min(timeout, 5.0))
 
     def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
