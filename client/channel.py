@@ -65,19 +65,20 @@ class Channel:
                 on_reply: Callable[[Message], None] | None = None) -> Message:  # fmt: skip
         """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it; ``on_wait`` is called on
         the waiting thread every :attr:`WAIT_TICK` seconds meanwhile (what ``restore()`` draws its progress with),
-        ``on_reply`` with the reply on the channel thread, before it handles the next message from the sidecar.
+        ``on_reply`` with the reply (or the error) on the channel thread, before it handles the next message from the
+        sidecar.
 
         Raises:
             SidecarUnavailable: no answer within ``timeout`` seconds.
             SnapshotdError: the sidecar answered with an error (:func:`~.errors.from_reply` says which).
         """
         fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
+        if on_reply is not None:  # before the future can be found: the channel thread runs it when it sets it
+            fut.add_done_callback(lambda done: on_reply(done.result()))
         with self._lock:
             if reply_type in self._waiting:
                 raise RuntimeError(f"a {reply_type} request is already waiting")
             self._waiting[reply_type] = fut
-        if on_reply is not None:
-            fut.add_done_callback(lambda done: on_reply(done.result()))
         self.send(msg)
         deadline = time.monotonic() + timeout
         try:

@@ -417,7 +417,7 @@ class Snapshotter:
             # sidecar restarted) goes on while the stride is long
             registered = self._ensure_registered(flat.data_bytes)
             if self._aligned is not None:
-                with self._lock:  # unregistered, the rank has no slots to wait for: its stride stays as it was
+                with self._lock:  # unregistered, the rank has no slots to wait for: its stride does not grow
                     slot_free = bool(self._free) or self._arena is None or not registered
                 aligned = self._aligned.due(step)
                 self._aligned.record(step, slot_free=slot_free)

@@ -95,12 +95,12 @@ class CoordinatorClient:
     The plan socket is connected from the start, and replaced by a fresh connected one when the last :meth:`plan`
     call ends: a recovery round is when the coordinator is busiest, and every sidecar of the fleet asks then, so
     none of them should make it set up a connection first (at 10,000 sidecars that is 10,000 TCP and ZMTP
-    handshakes, CURVE ones with a secret, inside the round). The fresh socket is a new peer to the coordinator, so a
-    reply to a request whose calls gave up, or that a later request replaced, can never reach a later call. A
-    request asked again after a timeout may be answered twice: once a call ends after that, the socket is replaced
-    even while other calls wait (they ask again on the fresh one, under their attempts), so that the second answer
-    cannot settle a later call of the rank the first one answered. Between restores a sidecar holds two connections
-    to the coordinator: both idle but for the heartbeats.
+    handshakes, CURVE ones with a secret, inside the round). The fresh socket is a new peer to the coordinator, so
+    no answer to a request sent on the old one can reach a later call. An answer may still be due while other calls
+    wait: to a request asked again after a timeout (answered twice), or to one whose call gave up. Once that
+    happened, the next call that ends replaces the socket even while others wait (they ask again on the fresh one,
+    under their attempts), so that the answer still due cannot settle a later call of the same rank. Between
+    restores a sidecar holds two connections to the coordinator: both idle but for the heartbeats.
     """
 
     def __init__(self, network: Network, endpoint: str, *, tasks: TaskTree) -> None:
@@ -108,7 +108,7 @@ class CoordinatorClient:
         self.endpoint = endpoint
         self.tasks = tasks
         self._hb = self._socket()
-        self._plan = self._socket()  # replaced when the last plan call ends (see _forget)
+        self._plan = self._socket()  # replaced when the last plan call ends, or one ends after a timeout (_forget)
         self._tainted = False  # a request on the plan socket was asked again after a timeout: two answers may come
         self._closed = False
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
@@ -284,13 +284,16 @@ class CoordinatorClient:
     def _forget(self, group: _Group, rank: int, answer: asyncio.Future[PlanReply]) -> None:
         """``answer`` is no longer awaited. With the last call, replace the plan socket and stop reading plan
         replies (see the class docstring). While other calls wait, replace it only if a request on it was asked
-        again after a timeout: its second answer could otherwise settle a later call of a rank answered by the
-        first (restarted, asking anew); the waiting calls ask again on the fresh socket, under their attempts."""
+        again after a timeout, or a call gave up: an answer still to come could otherwise settle a later call of
+        the same rank (restarted, asking anew); the waiting calls ask again on the fresh socket, under their
+        attempts."""
         waiting = group.waiters.get(rank)
         if waiting is not None and answer in waiting:
             waiting.remove(answer)
             if not waiting:
                 del group.waiters[rank]
+        if not answer.done() or answer.cancelled():  # gave up: the coordinator may still answer its request
+            self._tainted = True
         key = (group.job, group.world_size, group.node)
         last = False
         if not group.waiters and self._groups.get(key) is group:
@@ -309,19 +312,26 @@ class CoordinatorClient:
             self._pump.cancel()
             self._pump = None
         self._plan.close()
-        self._plan, self._tainted = self._socket(), False
-        if self._groups:
-            for other in self._groups.values():
-                other.dirty, other.answered, other.resend_at = True, True, -math.inf  # answered: not a timeout
-            self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
+        try:
+            self._plan, self._tainted = self._socket(), False
+            if self._groups:
+                for other in self._groups.values():
+                    other.dirty, other.answered, other.resend_at = True, True, -math.inf  # answered: not a timeout
+                self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
+        except Exception as exc:  # shutting down (the context or the task tree is gone): the calls end with it
+            log.debug("no fresh plan socket to coordinator %s: %s", self.endpoint, exc)
 
-    async def _flush(self, group: _Group) -> None:
-        """Send one request for all of ``group``'s waiting ranks if any joined since the last one."""
+    async def _flush(self, group: _Group, *, timed_out: bool = False) -> None:
+        """Send one request for all of ``group``'s waiting ranks if any joined since the last one (or, with
+        ``timed_out``, again: the last one went unanswered)."""
         if not group.waiters:  # every call was answered: nothing to ask again (the group goes with its last call)
             group.resend_at = math.inf
             return
         if not group.dirty:
             return
+        if timed_out:
+            self._timed_out(PLAN_REQUEST_TIMEOUT)  # logged once
+            self._tainted = True  # the first request may still be answered, and then this one
         group.dirty = False
         requests = group.request()
         group.first, group.answered = requests[0].rank, False
@@ -348,11 +358,8 @@ class CoordinatorClient:
                 now = time.monotonic()
                 for group in list(self._groups.values()):
                     if now >= group.resend_at:
-                        if not group.answered:
-                            self._timed_out(PLAN_REQUEST_TIMEOUT)  # logged once
-                            self._tainted = True  # the first request may still be answered, then this one
                         group.dirty = True
-                        await self._flush(group)
+                        await self._flush(group, timed_out=not group.answered)
                 soonest = min((g.resend_at for g in self._groups.values()), default=math.inf)
                 wait_ms = math.ceil(max(0.0, min(1.0, soonest - time.monotonic())) * 1e3)
                 if await sock.poll(wait_ms / 1e3):
