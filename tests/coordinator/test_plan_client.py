@@ -283,6 +283,36 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
     scripted.run(answered_twice)
 
 
+def test_an_answer_to_a_call_that_gave_up_never_reaches_the_next_call_of_its_rank(scripted: _Scripted) -> None:
+    """A call that gives up (its deadline passed) leaves its request with the coordinator, which may still
+    answer it. The plan socket is then replaced although another job's call waits (it asks again on the fresh
+    one, under its attempt), so that the late answer cannot settle the rank's next call."""
+    router, client = scripted.router, scripted.client
+
+    async def gives_up() -> None:
+        waiting_k = asyncio.ensure_future(client.plan(dataclasses.replace(_ask(0), job="k"), time.monotonic() + TIMEOUT))
+        old, first_k = await scripted.receive()
+        gave_up = asyncio.ensure_future(client.plan(_ask(1), time.monotonic() + 0.3))
+        _, first_j = await scripted.receive()
+        assert (first_k.job, first_j.job) == ("k", "j")
+        with pytest.raises(CoordinatorUnavailable):
+            await gave_up
+        fresh, k_again = await scripted.receive()  # k, on a fresh socket, under its attempt
+        assert fresh != old and (k_again.job, k_again.attempt) == ("k", first_k.attempt)
+        again = asyncio.ensure_future(client.plan(_ask(1), time.monotonic() + TIMEOUT))
+        _, j_again = await scripted.receive()
+        assert j_again.job == "j" and j_again.attempt not in (0, first_j.attempt)
+        await router.send_multipart([*old, *encode(PlanReply(job="j", rank=1, status="ready", step=3))])
+        await asyncio.sleep(0.2)
+        assert not again.done()  # the late answer went to the closed socket
+        for job, rank, step in (("j", 1, 9), ("k", 0, 4)):
+            await router.send_multipart([*fresh, *encode(PlanReply(job=job, rank=rank, status="ready", step=step))])
+        async with asyncio.timeout(TIMEOUT):
+            assert [(await again).step, (await waiting_k).step] == [9, 4]
+
+    scripted.run(gives_up)
+
+
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)
 def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(coordinator: Coordinator) -> None:
     async def body(client: CoordinatorClient) -> None:
