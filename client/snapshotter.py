@@ -48,7 +48,7 @@ from snapshotd.proto import (
     match_entries,
 )
 from snapshotd.proto import limits as L
-from snapshotd.shm import Arena, attach_arena, pid_alive
+from snapshotd.shm import Arena, attach_arena, pid_alive, process_started
 
 from .channel import Channel
 from .direct import direct_targets, writable_by
@@ -161,7 +161,7 @@ class Snapshotter:
         self._sidecar_ok = True
         self._pending_registration: RankRegistered | None = None
         self._sidecar_pid = 0
-        self._sidecar_seen = False  # this process can see the sidecar's pid (they share a pid namespace)
+        self._sidecar_started: int | None = None  # when the sidecar started, if this process can see it
         self._last_failed_step = -1
         self._registration_sent = -1e9
         self._inflight: dict[int, int] = {}  # slot -> step staged or announced, until a newer update frees it
@@ -512,7 +512,7 @@ class Snapshotter:
     def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
         self._sidecar_pid = reply.pid
-        self._sidecar_seen = pid_alive(reply.pid)
+        self._sidecar_started = process_started(reply.pid)
         self._registered_bytes = reply.slot_bytes
         self._table_sent = False
         self._sidecar_ok = True
@@ -616,8 +616,11 @@ class Snapshotter:
             return slot
 
     def _sidecar_gone(self) -> bool:
-        """Whether the sidecar this rank registered with has exited (known only when its pid is visible here)."""
-        return self._sidecar_seen and not pid_alive(self._sidecar_pid)
+        """Whether the sidecar this rank registered with has exited (known only when its pid is visible here; a
+        process started since under the same pid is not it)."""
+        started = self._sidecar_started
+        pid = self._sidecar_pid
+        return started is not None and (not pid_alive(pid) or process_started(pid) != started)
 
     def _release(self, slot: int) -> None:
         """A staged slot that was never announced (its copy was abandoned) is ours to reuse."""

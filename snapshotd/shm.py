@@ -17,7 +17,8 @@ import os
 import re
 import uuid
 
-__all__ = ["SHM_DIR", "Arena", "attach_arena", "create_arena", "default_ipc_path", "pid_alive", "sweep_stale_arenas"]
+__all__ = ["SHM_DIR", "Arena", "attach_arena", "create_arena", "default_ipc_path", "pid_alive",
+           "process_started", "sweep_stale_arenas"]
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +144,15 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(b") ", 1)[1][:1] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+def process_started(pid: int) -> int | None:
+    """When local process ``pid`` started (clock ticks after boot, ``/proc/PID/stat``'s 22nd field), or None when
+    it is gone or cannot be read. With the pid, it names one process even after the pid is reused."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().split(b") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None

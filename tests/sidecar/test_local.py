@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from snapshotd.proto import ProtocolError, TensorEntry, encode_table
-from snapshotd.shm import create_arena, pid_alive
+from snapshotd.shm import create_arena, pid_alive, process_started
 from snapshotd.sidecar.local import LocalRank, SlotState, dominant_elem
 
 
@@ -139,3 +139,15 @@ def test_pid_alive() -> None:
     finally:
         assert child.wait(30) == 0
     assert not pid_alive(child.pid)  # reaped: gone
+
+
+def test_process_started_names_one_process() -> None:
+    with open("/proc/self/stat", "rb") as f:
+        mine = int(f.read().split(b") ", 1)[1].split()[19])
+    assert process_started(os.getpid()) == mine > 0
+    assert process_started(1) is not None and process_started(1) <= mine  # init started first
+    assert process_started(0) is None and process_started(-5) is None
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = process_started(child.pid)
+    assert child.wait(30) == 0
+    assert started is not None and started >= mine and process_started(child.pid) is None  # reaped: gone
