@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                    "comma-separated")
     p.add_argument("--die-in-rollback", action="store_true",
                    help="a survivor dying during its rollback: 0.2 s into its first recovery's restore, SIGKILL itself")  # fmt: skip
+    p.add_argument("--die-before-restore", action="store_true",
+                   help="a replacement dying after its group formed: SIGKILL itself after DDP's constructor, before "
+                   "restore()")  # fmt: skip
     p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
                    help="recover in place (live mode), or exit for the launcher to restart every rank")  # fmt: skip
     p.add_argument("--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)")
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             return restore(timeout)
 
         snap.restore = restore_and_die  # type: ignore[method-assign]
+    if args.die_before_restore:
+        os.kill(os.getpid(), signal.SIGKILL)
     try:
         t_restore = time.time()
         step = start = snap.restore() if snap is not None else 0

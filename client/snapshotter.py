@@ -52,7 +52,7 @@ from snapshotd.shm import Arena, attach_arena, pid_alive, process_started
 
 from .channel import Channel
 from .direct import direct_targets, writable_by
-from .errors import NotRecoverable, PeerLost, RestoreFailed, SnapshotdError
+from .errors import NotRecoverable, PeerLost, RecoveryFailed, RestoreFailed, SnapshotdError
 from .identity import Identity
 from .live import LiveGroup, check_rebindable, is_peer_failure, rebind_ddp
 from .load import restore_into
@@ -212,6 +212,8 @@ class Snapshotter:
             ConfigMismatch: the snapshot does not match this state (different keys, shapes or dtypes).
             ReplicaGroupError: with ``replicated``, another rank of the replica group failed.
             SidecarRefused: the sidecar refused the request (its ``code`` says why).
+            RecoveryFailed: live mode: the job opened a newer group while this rank waited (a member of its group
+                died before it asked); end the process for its launcher to restart it.
         """
         shards = [v for v in self._snapshotted.values() if isinstance(v, ReplicaShard)]
         for shard in shards:
@@ -289,7 +291,10 @@ class Snapshotter:
 
         A peer lost again while the new group moves DDP or restores (the replacement dying) starts over with the
         next group, up to the live group's ``attempts``. A replacement that dies after its group formed but before
-        it asked for its restore leaves the survivors waiting for the restore's ``timeout``, which then raises.
+        it asked for its restore leaves the others waiting for their restores until its restarted process opens the
+        job's next epoch (it arrives a second time): the live group's watchdog sees that epoch, the survivors leave
+        their waits and form the next group with it, and a replacement's waiting ``restore()`` raises
+        :class:`~snapshotd.client.RecoveryFailed` (its launcher restarts it).
 
         Raises:
             RecoveryFailed: the new group did not form (the replacement never came; members kept dying), or this
@@ -321,7 +326,7 @@ class Snapshotter:
                 step = self.restore(timeout)
                 break
             except Exception as exc:  # a member of the new group died too: form the next one
-                if not is_peer_failure(exc) or attempt == self._live.attempts:
+                if not (is_peer_failure(exc) or self._live.left_behind) or attempt == self._live.attempts:
                     raise
                 log.warning("[job %s rank %d] a peer was lost again while recovering (epoch %d): %s", self.job,
                             self.rank, self._live.epoch, str(exc).splitlines()[0][:200])  # fmt: skip
@@ -349,16 +354,29 @@ class Snapshotter:
             seen = self._updates
         targets = direct_targets(flat)
         display = self._restore_display = restore_display(self.job, self.rank)  # None: nothing to draw here
+        live = self._live
+        epoch = live.epoch if live is not None else -1
+
+        def on_wait() -> None:
+            if display is not None:
+                display.draw()
+            if live is not None and live.left_behind:
+                raise RecoveryFailed(
+                    f"job {self.job!r} rank {self.rank}: the job opened a newer group while this rank waited for "
+                    f"its restore in epoch {epoch}: a member of the group is gone (recover() forms the next group; "
+                    "a process in restore() ends, for its launcher to restart it)"
+                )
+
         reply: Message | None = None
         try:
-            with writable_by(self._sidecar_pid if targets else 0):
+            with writable_by(self._sidecar_pid if targets else 0), live.step() if live is not None else contextlib.nullcontext():
                 reply = self._channel.request(
                     RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
                                    progress=display is not None, table=encode_table(flat.entries) if targets else b"",
                                    targets=targets),
                     "restore_reply",
                     timeout + 5,
-                    on_wait=display.draw if display is not None else None,
+                    on_wait=on_wait if display is not None or live is not None else None,
                 )  # fmt: skip
         except NotRecoverable as exc:
             raise NotRecoverable(

@@ -229,6 +229,34 @@ def test_a_survivor_that_dies_during_its_rollback_is_restarted_and_recovery_comp
     _check(results, reference, pids, reached, [0], restarted=(1,))
     assert len(results[0]["recoveries"]) >= 2, "rank 0 recovered once more, with the restarted rank 1"
 
+@pytest.mark.timeout(400)
+def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_survivors_leave_their_wait(
+    tmp_path, cluster: Cluster, store: str, reference: list[dict]
+) -> None:
+    """Node B dies; the replacement node's ranks form the group with the survivors, run DDP's constructor and die
+    before they ask for their restore (``--die-before-restore``), the survivors waiting for theirs. Restarted on
+    their node, as a launcher restarts its workers, they arrive in that epoch a second time and open the next; the
+    survivors' watchdogs see it, the survivors leave their waits and recover with them in that epoch, long before
+    the restore's timeout (300 s); the job completes, bit-identical."""
+    cluster.start("A")
+    cluster.start("B")
+    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store)
+    try:
+        cluster.start("C")
+        job.start_node("C", cluster.ipc("C"), 1, flags=["--die-before-restore"])
+        for dead in job.lose("C"):
+            assert dead.wait(120) == -signal.SIGKILL, job.log_tail("C")
+        job.start_node("C2", cluster.ipc("C"), 1)  # its launcher's restart
+        results = job.wait(240)
+    finally:
+        job.kill()
+    _check(results, reference, pids, reached, survivors)
+    for r in survivors:
+        recovery = results[r]["recoveries"][-1]
+        assert recovery["epoch"] == 2 and recovery["seconds"] < 60, recovery
+    assert "the job opened a newer group while this rank waited" in job.log_tail("A", 200), job.log_tail("A")
+
+
 def test_seats_through_real_sidecars_are_kept_per_node_a_spare_waits_and_bad_requests_are_named(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
