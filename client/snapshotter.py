@@ -187,6 +187,7 @@ class Snapshotter:
             for where, ddp in self._ddp.modules.items():
                 check_rebindable(ddp, f"state[{where!r}]")
         self.recovered = {}
+        self._recovering = False  # inside recover(): a restore left behind raises to its loop
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
         self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
@@ -201,6 +202,9 @@ class Snapshotter:
         """Load the job's recoverable step into the state, in place, and return it (0 on a fresh job).
 
         Blocks until every rank of the job has asked (so all restore the same step), at most ``timeout`` seconds.
+        In live mode, a rank waiting here while the job forms a newer group (a member of this one died before it
+        asked, and its restarted process opened the next epoch) joins that group as :meth:`recover` does and
+        restores there.
 
         With ``replicated``, a collective over the replica group (every rank of it calls ``restore()``): a rank
         that fails says so to the others, which then raise too instead of waiting for it.
@@ -212,9 +216,21 @@ class Snapshotter:
             ConfigMismatch: the snapshot does not match this state (different keys, shapes or dtypes).
             ReplicaGroupError: with ``replicated``, another rank of the replica group failed.
             SidecarRefused: the sidecar refused the request (its ``code`` says why).
-            RecoveryFailed: live mode: the job opened a newer group while this rank waited (a member of its group
-                died before it asked); end the process for its launcher to restart it.
+            Whatever :meth:`recover` raises, in live mode, where it follows the job to a newer group.
         """
+        try:
+            return self._restore_in_group(timeout)
+        except RecoveryFailed:
+            live = self._live
+            if live is None or not live.left_behind or self._recovering:
+                raise
+            log.warning("[job %s rank %d] the job formed a newer group while this rank waited for its restore in "
+                        "epoch %d: joining it", self.job, self.rank, live.epoch)  # fmt: skip
+            return self.recover(timeout)
+
+    def _restore_in_group(self, timeout: float) -> int:
+        """:meth:`restore` in the current group; raises RecoveryFailed (live mode) when the job formed a newer one
+        while this rank waited."""
         shards = [v for v in self._snapshotted.values() if isinstance(v, ReplicaShard)]
         for shard in shards:
             shard.agreed = False
@@ -290,11 +306,10 @@ class Snapshotter:
         :meth:`restore` as any restarted rank does. :attr:`recovered` tells the phases' seconds.
 
         A peer lost again while the new group moves DDP or restores (the replacement dying) starts over with the
-        next group, up to the live group's ``attempts``. A replacement that dies after its group formed but before
-        it asked for its restore leaves the others waiting for their restores until its restarted process opens the
-        job's next epoch (it arrives a second time): the live group's watchdog sees that epoch, the survivors leave
-        their waits and form the next group with it, and a replacement's waiting ``restore()`` raises
-        :class:`~snapshotd.client.RecoveryFailed` (its launcher restarts it).
+        next group, up to the live group's ``attempts``. A rank that dies after its group formed but before it
+        asked for its restore leaves the others waiting for their restores until its restarted process opens the
+        job's next epoch (it arrives a second time): the live group's watchdog sees that epoch, and every rank
+        waiting (survivors here, replacements in :meth:`restore`) forms the next group with it.
 
         Raises:
             RecoveryFailed: the new group did not form (the replacement never came; members kept dying), or this
@@ -305,6 +320,14 @@ class Snapshotter:
         """
         if self._live is None:
             raise RuntimeError("recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
+        self._recovering = True
+        try:
+            return self._recover(timeout)
+        finally:
+            self._recovering = False
+
+    def _recover(self, timeout: float) -> int:
+        assert self._live is not None
         t0 = time.monotonic()
         self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
         replicated = self._replicated
@@ -363,8 +386,7 @@ class Snapshotter:
             if live is not None and live.left_behind:
                 raise RecoveryFailed(
                     f"job {self.job!r} rank {self.rank}: the job opened a newer group while this rank waited for "
-                    f"its restore in epoch {epoch}: a member of the group is gone (recover() forms the next group; "
-                    "a process in restore() ends, for its launcher to restart it)"
+                    f"its restore in epoch {epoch}: a member of the group is gone"
                 )
 
         reply: Message | None = None

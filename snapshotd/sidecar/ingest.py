@@ -189,10 +189,12 @@ class IngestService:
         lr = self.state.rank(msg.job, msg.rank)
         need = max(4096, -(-msg.data_bytes // 4096) * 4096)
         if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
+            self.restores.abandon(msg.job, msg.rank)
             lr.revive(msg.pid, ident, msg.world_size)
         else:
             self._check_room(msg, need * msg.slots, replacing=lr)
             if lr is not None:
+                self.restores.abandon(msg.job, msg.rank)
                 self.state.drop_rank(lr)
             arena = create_arena(msg.job, msg.rank, need, msg.slots, node=self.state.node)
             lr = LocalRank(msg.job, msg.rank, msg.world_size, msg.pid, ident, arena,

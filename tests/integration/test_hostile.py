@@ -7,6 +7,7 @@ local process would, then shows the sidecar alive and its node alive to the coor
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import os
 import time
 import uuid
@@ -24,6 +25,7 @@ from snapshotd.proto import (
     Message,
     RankRegistered,
     RegisterRank,
+    RestoreReply,
     RestoreRequest,
     SlotUpdate,
     StreamAccept,
@@ -152,6 +154,39 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
             assert not [n for n in os.listdir(SHM_DIR) if job in n and "-r0-" in n]  # no arena of rank 0 left
         finally:
             pipe.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_restore(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 0's process asks for its restore, the plan waiting for rank 1; a new process of rank 0 registers (its
+    restart) and asks again. The first restore went on: once the plan came it answered the process that had gone,
+    and wrote into the new process at the old one's tensor addresses (a pull, ``targets``). Now the registration
+    abandons it unanswered, and only the new process's request is answered."""
+    caplog.set_level(logging.INFO, logger="snapshotd.sidecar.restore")
+    job = f"again-{uuid.uuid4().hex[:6]}"
+    with InProcess() as dep:
+        ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
+        gone, restarted = connect_rank(ipcs[0]), connect_rank(ipcs[0])
+        try:
+            for pipe, pid in ((gone, os.getpid() + 1), (restarted, os.getpid())):
+                pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=2, pid=pid, data_bytes=16)))
+                assert isinstance(_next(pipe, skip=SlotUpdate), RankRegistered)
+                pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
+            _wait(lambda: "its pending restore is abandoned" in caplog.text, "the first restore abandoned")
+            rank1 = Snapshotter({"w": torch.zeros(4)}, job=job, rank=1, world_size=2, sidecar=ipcs[1], timeout=10)
+            try:
+                assert rank1.restore(timeout=30) == 0
+            finally:
+                rank1.close()
+            reply = _next(restarted, skip=SlotUpdate)
+            assert isinstance(reply, RestoreReply) and reply.source == "fresh", reply
+            with pytest.raises(AssertionError, match="no reply in time"):  # a second answer would come at once
+                _next(gone, skip=SlotUpdate, timeout=1.0)
+        finally:
+            gone.close()
+            restarted.close()
 
 
 @pytest.fixture

@@ -230,23 +230,25 @@ def test_a_survivor_that_dies_during_its_rollback_is_restarted_and_recovery_comp
     assert len(results[0]["recoveries"]) >= 2, "rank 0 recovered once more, with the restarted rank 1"
 
 @pytest.mark.timeout(400)
-def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_survivors_leave_their_wait(
+def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_others_follow_it_to_the_next_group(
     tmp_path, cluster: Cluster, store: str, reference: list[dict]
 ) -> None:
-    """Node B dies; the replacement node's ranks form the group with the survivors, run DDP's constructor and die
-    before they ask for their restore (``--die-before-restore``), the survivors waiting for theirs. Restarted on
-    their node, as a launcher restarts its workers, they arrive in that epoch a second time and open the next; the
-    survivors' watchdogs see it, the survivors leave their waits and recover with them in that epoch, long before
-    the restore's timeout (300 s); the job completes, bit-identical."""
+    """Node B dies; the replacement node's ranks form the group with the survivors and run DDP's constructor, and
+    one of them dies before it asks for its restore (``--die-before-restore``), the others waiting for theirs.
+    Restarted on its node, as a launcher restarts a worker, it arrives in that epoch a second time and opens the
+    next; the watchdogs see it, and the survivors (in ``recover()``) and the other replacement rank (in
+    ``restore()``, its process kept) leave their waits and form the next group with it, long before the restore's
+    timeout (300 s); the job completes, bit-identical."""
     cluster.start("A")
     cluster.start("B")
     job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store)
     try:
         cluster.start("C")
-        job.start_node("C", cluster.ipc("C"), 1, flags=["--die-before-restore"])
-        for dead in job.lose("C"):
-            assert dead.wait(120) == -signal.SIGKILL, job.log_tail("C")
-        job.start_node("C2", cluster.ipc("C"), 1)  # its launcher's restart
+        job.start_node("C", cluster.ipc("C"), 1, local=[0], flags=["--die-before-restore"])
+        job.start_node("C1", cluster.ipc("C"), 1, local=[1])
+        (dead,) = job.lose("C")
+        assert dead.wait(120) == -signal.SIGKILL, job.log_tail("C")
+        job.start_node("C2", cluster.ipc("C"), 1, local=[0])  # its launcher's restart
         results = job.wait(240)
     finally:
         job.kill()
@@ -254,6 +256,9 @@ def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_survivo
     for r in survivors:
         recovery = results[r]["recoveries"][-1]
         assert recovery["epoch"] == 2 and recovery["seconds"] < 60, recovery
+    (follower,) = job.procs["C1"]
+    assert results[3]["pid"] == follower.pid and results[3]["started"]["epoch"] == 2, results[3]
+    assert "joining it" in job.log_tail("C1", 200), job.log_tail("C1")
     assert "the job opened a newer group while this rank waited" in job.log_tail("A", 200), job.log_tail("A")
 
 
