@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -53,6 +52,7 @@ from snapshotd.status import fetch_status
 from .nodes import EmulatedNode, RendezvousStore
 from .report import Report, scratch_dir
 from .torchrun_trial import TORCHRUN_ENV
+from .warm import start_module
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +95,12 @@ class LiveRanks:
         for local_rank in range(self.per_node) if local is None else local:
             place = ["--nodes", str(self.nodes)] if index is None else \
                 ["--rank", str(index * self.per_node + local_rank), "--world", str(self.world)]  # fmt: skip
-            argv = [sys.executable, "-m", "snapshotd.bench.live_trainer", *place, "--store", self.store,
-                    "--job", self.job, "--sidecar", ipc, "--out", self.dir, "--progress", self.dir, *self.flags,
-                    *flags]  # fmt: skip
+            argv = [*place, "--store", self.store, "--job", self.job, "--sidecar", ipc, "--out", self.dir,
+                    "--progress", self.dir, *self.flags, *flags]  # fmt: skip
             env = {**os.environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node)}
-            with open(os.path.join(self.dir, f"{label}-{local_rank}.log"), "ab") as log, held_interrupts():
-                self.procs[label].append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                          stdin=subprocess.DEVNULL, env=env))  # fmt: skip
+            with held_interrupts():
+                self.procs[label].append(start_module("snapshotd.bench.live_trainer", argv, env=env,
+                                                      output=os.path.join(self.dir, f"{label}-{local_rank}.log")))  # fmt: skip
 
     def lose(self, label: str) -> list[subprocess.Popen[bytes]]:
         """Node ``label``'s processes, no longer waited for (the caller kills them with the node)."""

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from snapshotd.bench.trainer import read_progress
+from snapshotd.bench.warm import start_module
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
@@ -49,7 +50,7 @@ class TrainingJob:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         for rank in range(world):
             argv = [
-                sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(rank), "--world", str(world),
+                "--rank", str(rank), "--world", str(world),
                 "--init", f"tcp://127.0.0.1:{port}", "--steps", str(steps), "--params", str(params),
                 "--out", self.result_path(rank), "--progress", self.progress_path(rank),
                 "--step-delay", str(step_delay), "--parallel", parallel, *(["--linger"] if linger else []),
@@ -57,9 +58,9 @@ class TrainingJob:
             if job is not None:
                 argv += ["--job", job, "--sidecar", sidecars[rank], "--every", str(every),
                          *(["--replicated"] if replicated else [])]  # fmt: skip
-            with open(os.path.join(workdir, f"{tag}-rank{rank}.log"), "wb") as log, held_interrupts():
-                self.procs[rank] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                    stdin=subprocess.PIPE if linger else subprocess.DEVNULL)  # fmt: skip
+            with held_interrupts():
+                self.procs[rank] = start_module("snapshotd.bench.trainer", argv,
+                                                output=os.path.join(workdir, f"{tag}-rank{rank}.log"), stdin=linger)  # fmt: skip
 
     def result_path(self, rank: int) -> str:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.json")

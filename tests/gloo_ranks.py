@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import traceback
 from collections.abc import Callable
@@ -15,6 +16,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_gloo_ranks"]
+
+# the ranks fork from one server process that imported torch once, instead of each importing it
+multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
 
 
 def _entry(rank: int, body: Callable[[int], Any], world: int, out_dir: str) -> None:
@@ -39,7 +43,8 @@ def run_gloo_ranks(body: Callable[[int], Any], world: int, tmp_path: Path, timeo
     ranks run past ``timeout``; every rank is killed before this returns.
     """
     out_dir = os.fspath(tmp_path)
-    ctx = mp.start_processes(_entry, args=(body, world, out_dir), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(body, world, out_dir), nprocs=world, join=False,
+                             start_method="forkserver")  # fmt: skip
     exited: Exception | None = None
     try:
         for _ in range(int(timeout / 0.5)):
