@@ -26,6 +26,7 @@ import runpy
 import subprocess
 import sys
 import threading
+import traceback
 from collections.abc import Mapping, Sequence
 
 __all__ = ["PRELOAD", "WARM_ENV", "WarmPool", "start_module"]
@@ -69,7 +70,7 @@ class WarmPool:
     def _fill(self) -> None:
         while len(self._idle) < self.size:
             proc = subprocess.Popen([sys.executable, "-m", __name__, *self.preload], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL)  # fmt: skip
+                                    stdout=subprocess.DEVNULL, env=self._env)  # fmt: skip
             self._idle.append(proc)
             if _MAY_RENICE:
                 with contextlib.suppress(OSError):
@@ -79,11 +80,12 @@ class WarmPool:
               stdin: bool = False) -> subprocess.Popen[bytes]:  # fmt: skip
         """``python -m module args`` with stdout and stderr appended to ``output``, in ``env`` (default this
         process's) and this process's working directory; its stdin is the returned ``Popen``'s when ``stdin``,
-        else at its end at once. Started cold where ``env`` differs from the pool's in a ``PYTHON*`` variable
-        (the interpreter reads those as it starts)."""
+        else at its end at once. Started cold where ``env`` differs from the pool's in a variable other than
+        those a rank program reads as it runs (:func:`_read_late`): the others may be read as the interpreter or
+        torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ``LD_PRELOAD``...)."""
         env = dict(os.environ if env is None else env)
-        if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if k.startswith("PYTHON")):
-            return _cold(module, args, output=output, env=env, stdin=stdin)  # read by the interpreter as it starts
+        if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if not _read_late(k)):
+            return _cold(module, args, output=output, env=env, stdin=stdin)  # may be read as the interpreter starts
         request = {"module": module, "args": list(args), "output": os.path.abspath(output), "cwd": os.getcwd(),
                    "env": env}  # fmt: skip
         with self._lock:
@@ -98,6 +100,8 @@ class WarmPool:
             proc.stdin.write(json.dumps(request).encode() + b"\n")
             proc.stdin.flush()
         except OSError:  # it died waiting (its error went to this process's stderr): start this one cold
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
             proc.wait()
             return _cold(module, args, output=output, env=env, stdin=stdin)
         if not stdin:
@@ -120,6 +124,16 @@ class WarmPool:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout)
+
+
+_LATE_PREFIXES = ("SNAPSHOTD_", "LOCAL_", "MASTER_", "TORCHELASTIC_", "PYTEST_")
+_LATE_NAMES = frozenset({"RANK", "WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"})
+
+
+def _read_late(name: str) -> bool:
+    """Whether a rank program reads environment variable ``name`` only as it runs (its place in the job, the
+    snapshotd settings; pytest's note of the test running), never as the interpreter or its imports start."""
+    return name in _LATE_NAMES or name.startswith(_LATE_PREFIXES)
 
 
 _pool: WarmPool | None = None
@@ -160,8 +174,12 @@ def _cold(module: str, args: Sequence[str], *, output: str, env: Mapping[str, st
 
 def _serve(preload: Sequence[str]) -> int:
     """A waiting interpreter's life: import ``preload``, read the request, become the program."""
-    for name in preload:
-        importlib.import_module(name)
+    failed = ""
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except Exception:  # told in the program's output below; the program imports what it needs itself
+        failed = traceback.format_exc()
     line = sys.stdin.buffer.readline()
     if not line:
         return 0
@@ -170,7 +188,10 @@ def _serve(preload: Sequence[str]) -> int:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if failed:
+        print(f"snapshotd.bench.warm: a preload failed:\n{failed}", file=sys.stderr, flush=True)
     os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as ``-m`` puts it there
     os.environ.clear()
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]

@@ -64,7 +64,8 @@ class Channel:
     def request(self, msg: Message, reply_type: str, timeout: float, on_wait: Callable[[], None] | None = None,
                 on_reply: Callable[[Message], None] | None = None) -> Message:  # fmt: skip
         """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it; ``on_wait`` is called on
-        the waiting thread every :attr:`WAIT_TICK` seconds meanwhile (what ``restore()`` draws its progress with),
+        the waiting thread every :attr:`WAIT_TICK` seconds while no answer has come (what ``restore()`` draws its
+        progress with; an exception it raises ends the wait),
         ``on_reply`` with the reply (or the error) on the channel thread, before it handles the next message from the
         sidecar.
 
@@ -85,7 +86,8 @@ class Channel:
             while on_wait is not None and not fut.done() and time.monotonic() + self.WAIT_TICK < deadline:
                 with contextlib.suppress(concurrent.futures.TimeoutError):
                     fut.result(self.WAIT_TICK)
-                on_wait()
+                if not fut.done():  # an answer in hand is never given up for what on_wait finds
+                    on_wait()
             reply = fut.result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError as exc:
             raise SidecarUnavailable(

@@ -72,6 +72,10 @@ SIDECAR_CHECK_S = 1.0
 """With ``when_busy="block"``, how often a capture waiting for a free slot checks that the sidecar still runs."""
 
 
+class _LeftBehind(RecoveryFailed):
+    """Live mode: the job formed a newer group while this rank waited for its restore in the current one."""
+
+
 class Snapshotter:
     """Snapshot a rank's training state after every step to buddy nodes' memory, and restore it after a failure.
 
@@ -220,9 +224,9 @@ class Snapshotter:
         """
         try:
             return self._restore_in_group(timeout)
-        except RecoveryFailed:
+        except _LeftBehind:
             live = self._live
-            if live is None or not live.left_behind or self._recovering:
+            if live is None or self._recovering:
                 raise
             log.warning("[job %s rank %d] the job formed a newer group while this rank waited for its restore in "
                         "epoch %d: joining it", self.job, self.rank, live.epoch)  # fmt: skip
@@ -349,7 +353,7 @@ class Snapshotter:
                 step = self.restore(timeout)
                 break
             except Exception as exc:  # a member of the new group died too: form the next one
-                if not (is_peer_failure(exc) or self._live.left_behind) or attempt == self._live.attempts:
+                if not (is_peer_failure(exc) or isinstance(exc, _LeftBehind)) or attempt == self._live.attempts:
                     raise
                 log.warning("[job %s rank %d] a peer was lost again while recovering (epoch %d): %s", self.job,
                             self.rank, self._live.epoch, str(exc).splitlines()[0][:200])  # fmt: skip
@@ -384,7 +388,7 @@ class Snapshotter:
             if display is not None:
                 display.draw()
             if live is not None and live.left_behind:
-                raise RecoveryFailed(
+                raise _LeftBehind(
                     f"job {self.job!r} rank {self.rank}: the job opened a newer group while this rank waited for "
                     f"its restore in epoch {epoch}: a member of the group is gone"
                 )
@@ -400,6 +404,13 @@ class Snapshotter:
                     timeout + 5,
                     on_wait=on_wait if display is not None or live is not None else None,
                 )  # fmt: skip
+        except _LeftBehind:  # the sidecar abandons the restore asked in the old group now, before this rank
+            try:  # joins the next: an answer to it, were the round to freeze on its ask, would reach no one
+                self._register(flat.data_bytes, self.timeout)
+            except SnapshotdError as exc:
+                log.warning("[job %s rank %d] could not register again after leaving the group: %s", self.job,
+                            self.rank, exc)  # fmt: skip
+            raise
         except NotRecoverable as exc:
             raise NotRecoverable(
                 f"job {self.job!r}: no step is recoverable from memory ({exc}). Load your last disk checkpoint and "

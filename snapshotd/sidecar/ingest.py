@@ -133,7 +133,8 @@ class IngestService:
         elif isinstance(msg, Announce):
             self._announce(ident, msg)
         elif isinstance(msg, RestoreRequest):
-            self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
+            task = self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
+            self.restores.track(msg.job, msg.rank, task)
         elif isinstance(msg, UnregisterRank):
             self._unregister(msg.job, msg.rank)
         elif isinstance(msg, SeatRequest):

@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-from snapshotd.proto import DTYPE_SIZES, PlanReply, TensorEntry, decode_table, table_data_bytes
+from snapshotd.proto import DTYPE_SIZES, TensorEntry, decode_table, table_data_bytes
 from snapshotd.shm import Arena
 
 from .integrity import Seal
@@ -67,9 +67,6 @@ class LocalRank:
     seen_step: int = -1
     awaiting_restore: bool = False
     """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
-    plan: asyncio.Future[PlanReply] | None = None
-    """The coordinator's plan a restore of this rank asked for and did not yet deliver to the rank (see
-    :class:`~.restore.RestoreService`): a restore abandoned by a new registration leaves it to the next one."""
     stream_task: asyncio.Task[None] | None = None
     buddy_streams: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
     stream_step: int = -1

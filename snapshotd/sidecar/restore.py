@@ -24,7 +24,6 @@ from snapshotd.logs import fields
 from snapshotd.proto import (
     Error,
     ErrorCode,
-    PlanReply,
     PlanRequest,
     ProtocolError,
     RestoreProgress,
@@ -32,7 +31,7 @@ from snapshotd.proto import (
     RestoreRequest,
     StreamBegin,
 )
-from snapshotd.shm import create_arena, pid_alive
+from snapshotd.shm import create_arena
 from snapshotd.units import format_bytes, format_rate
 
 from .config import SidecarConfig
@@ -59,10 +58,6 @@ class _RankGone(Exception):
     """The restoring rank unregistered (or another registration replaced it) while its restore was pending."""
 
 
-class _AskerGone(Exception):
-    """The process that asked for the restore died before its answer: the answer is kept for its successor."""
-
-
 class RestoreService:
     """Runs the restore requests of local ranks (see the module docstring).
 
@@ -87,26 +82,21 @@ class RestoreService:
 
     async def restore(self, ident: bytes, req: RestoreRequest) -> None:
         """Answer ``req`` with a RestoreReply or an Error, whatever happens (an unexpected failure is answered
-        ``internal``), unless :meth:`abandon` cancels it; the rank's slots are handed back either way. A rank that
+        ``internal``), unless :meth:`abandon` cancels it; the rank's slots are handed back either way (once
+        abandoned, by the restore that follows). A rank that
         unregisters while its restore is pending is answered ``not_registered``, and nothing made for it is left
-        behind. Run as a task of its own."""
+        behind. Run as a task of its own, given to :meth:`track` as it is made."""
+        key, task = (req.job, req.rank), asyncio.current_task()
         lr = self.state.rank(req.job, req.rank)
         if lr is None:
+            if self._pending.get(key) is task:
+                del self._pending[key]
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                            message="register the rank before restoring"))  # fmt: skip
             return
-        key, task = (req.job, req.rank), asyncio.current_task()
-        assert task is not None
-        self.abandon(*key)  # a rank asks anew only after it registered again, which abandoned it already
-        self._pending[key] = task
         lr.awaiting_restore = True
-        asker_gone = False
         try:
             await self._restore(ident, req, lr)
-        except _AskerGone:
-            asker_gone = True
-            log.info("rank %d of job %s: the process that asked for its restore died; the plan is kept for the "
-                     "next", req.rank, req.job, extra=fields(req.job, req.rank, event="restore_abandoned"))  # fmt: skip
         except _RankGone:
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                            message="the rank unregistered while its restore was pending"))  # fmt: skip
@@ -120,80 +110,41 @@ class RestoreService:
             if self.state.rank(lr.job, lr.rank) is not lr:  # dropped meanwhile: its arena belongs to nobody
                 lr.arena.close(unlink=True)
             elif self._pending.get(key) is task:  # else abandoned: the new registration's restore decides
-                if not asker_gone:  # answered: the rank had its plan (a process asking again opens a new round)
-                    lr.plan = None
                 lr.awaiting_restore = False
                 self.notify(lr, "", -1)
             if self._pending.get(key) is task:
                 del self._pending[key]
 
+    def track(self, job: str, rank: int, task: asyncio.Task[None]) -> None:
+        """``task`` runs :meth:`restore` for ``rank`` of ``job`` (recorded as the task is made, before it runs, so
+        that a registration handled next abandons it); a restore of the rank still pending is abandoned."""
+        self.abandon(job, rank)
+        self._pending[(job, rank)] = task
+
     def abandon(self, job: str, rank: int) -> None:
         """The rank registered again (its restarted process, or the same one about to ask anew): cancel the restore
         its previous registration asked for, unanswered (its asker no longer waits; an answer could reach the
         process's next request), so that nothing of it writes into the rank's slots or into a process that did
-        not ask. Its plan request, if out, is forgotten (:class:`~.control.CoordinatorClient`)."""
+        not ask. Its plan request, if out, is given up (:class:`~.control.CoordinatorClient`); the rank's next
+        restore asks again (the coordinator's round still counts the rank's ask, unanswered, while it waits)."""
         task = self._pending.pop((job, rank), None)
         if task is not None:
             log.info("rank %d of job %s registered again: its pending restore is abandoned", rank, job,
                      extra=fields(job, rank, event="restore_abandoned"))  # fmt: skip
             task.cancel()
 
-    async def _plan(self, lr: LocalRank, req: RestoreRequest, deadline: float) -> PlanReply:
-        """The plan of ``lr``'s restore: the one a restore of its previous registration asked for and did not
-        deliver (abandoned), if it came or is still coming, else asked for now.
-
-        The coordinator counts a rank whose plan request it answered as answered, and a request of that rank under
-        another attempt as a restart that opens a new round, which the job's other ranks, answered, never join. So
-        abandoning a restore must not abandon its plan: the request goes on (shielded) and the next registration's
-        restore takes its answer.
-        """
-        answer = lr.plan
-        if answer is not None and not answer.cancelled() and (not answer.done() or answer.exception() is None):
-            try:
-                return await asyncio.shield(answer)
-            except (CoordinatorUnavailable, ProtocolError):  # the earlier request's deadline, not this one's
-                if time.monotonic() >= deadline:
-                    raise
-        answer = lr.plan = self._ask_plan(PlanRequest(job=req.job, rank=req.rank, world_size=req.world_size,
-                                                      node=self.state.node), deadline)  # fmt: skip
-        return await asyncio.shield(answer)
-
-    def _ask_plan(self, req: PlanRequest, deadline: float) -> asyncio.Future[PlanReply]:
-        """Ask the coordinator for ``req``'s plan in a task of its own; the future of its answer."""
-        answer: asyncio.Future[PlanReply] = asyncio.get_running_loop().create_future()
-        answer.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody may wait for it any more
-
-        async def ask() -> None:
-            try:
-                reply = await self.control.plan(req, deadline)
-            except asyncio.CancelledError:  # the sidecar stops
-                answer.cancel()
-                raise
-            except Exception as exc:
-                if not answer.done():
-                    answer.set_exception(exc)
-                if not isinstance(exc, (CoordinatorUnavailable, ProtocolError)):
-                    raise  # logged as the task's failure; the restore answers ``internal``
-            else:
-                if not answer.done():
-                    answer.set_result(reply)
-
-        self.control.tasks.spawn(ask(), f"plan of {req.job} rank {req.rank}")
-        return answer
-
     def _check_registered(self, lr: LocalRank) -> None:
-        """Raises _RankGone: ``lr`` unregistered (or was replaced) since its restore began; _AskerGone: its
-        process died (an answer sent now would count as given, and the next process's request would open a new
-        round that the job's other ranks, answered, never join)."""
+        """Raises _RankGone: ``lr`` unregistered (or was replaced) since its restore began."""
         if self.state.rank(lr.job, lr.rank) is not lr:
             raise _RankGone
-        if not pid_alive(lr.pid):
-            raise _AskerGone
 
     async def _restore(self, ident: bytes, req: RestoreRequest, lr: LocalRank) -> None:
         t0 = time.monotonic()
         try:
-            plan = await self._plan(lr, req, t0 + req.timeout_s)
+            plan = await self.control.plan(
+                PlanRequest(job=req.job, rank=req.rank, world_size=req.world_size, node=self.state.node),
+                t0 + req.timeout_s,
+            )
         except (CoordinatorUnavailable, ProtocolError) as exc:
             self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
             return

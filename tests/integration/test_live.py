@@ -61,6 +61,15 @@ def _durable(cluster: Cluster, job: str, step: int) -> bool:
     return False
 
 
+def _fewest_copies(cluster: Cluster, job: str) -> int:
+    """The fewest live nodes holding any rank's copy of the job's recoverable step G (0 before it is known)."""
+    with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
+        jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
+        ranks = next((j["ranks"] for j in jobs if j["job"] == job), [])
+        return min((r["copies"] for r in ranks), default=0)
+    return 0
+
+
 def _arrived(store: str, job: str, epoch: int) -> int:
     """How many ranks arrived in ``epoch`` of ``job`` (live mode's membership count in the rendezvous store)."""
     host, port = store.rsplit(":", 1)
@@ -154,6 +163,8 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
         wait_for(lambda: bool(job.failed()) or _arrived(store, job.job, 1) >= 3, 60,
                  "the spare taking the lost seat and arriving in epoch 1")  # fmt: skip
         assert not job.failed(), job.failed()
+        wait_for(lambda: _fewest_copies(cluster, job.job) >= 2, 60,
+                 "every rank's copy of G on two live nodes again (re-replicated after B's loss), so C may die")  # fmt: skip
         cluster.lose_node(cluster.sidecar("C"), job.lose("C"))
         cluster.start("D")
         job.start_node("D", cluster.ipc("D"))
