@@ -113,6 +113,8 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
         _signal_node(cluster, job, "B", signal.SIGSTOP)
     else:
         cluster.lose_node(cluster.sidecar("B"), job.lose("B"))
+    # the ranks may have completed another step (and B snapshotted it) between the reading above and the loss
+    reached = max(reached, *(job.progress(r)["step"] for r in range(job.world)))
     return job, pids, reached, survivors
 
 
