@@ -143,11 +143,7 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
             assert isinstance(_next(pipe), RankRegistered)
             MEMORY.tamper = unregister_at_the_manifest
             pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
-            rank1 = Snapshotter({"w": torch.zeros(10_000)}, job=job, rank=1, world_size=2, sidecar=ipcs[1], timeout=10)
-            try:
-                assert rank1.restore(timeout=30) == 1
-            finally:
-                rank1.close()
+            assert _restore_rank1(job, ipcs[1], 10_000) == 1
             reply = _next(pipe, skip=SlotUpdate)
             assert isinstance(reply, Error) and reply.code == "not_registered", reply
             assert "unregistered while its restore was pending" in reply.message
@@ -175,11 +171,7 @@ def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_resto
                 assert isinstance(_next(pipe, skip=SlotUpdate), RankRegistered)
                 pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
             _wait(lambda: "its pending restore is abandoned" in caplog.text, "the first restore abandoned")
-            rank1 = Snapshotter({"w": torch.zeros(4)}, job=job, rank=1, world_size=2, sidecar=ipcs[1], timeout=10)
-            try:
-                assert rank1.restore(timeout=30) == 0
-            finally:
-                rank1.close()
+            assert _restore_rank1(job, ipcs[1], 4) == 0  # the plan comes once every rank asked
             reply = _next(restarted, skip=SlotUpdate)
             assert isinstance(reply, RestoreReply) and reply.source == "fresh", reply
             with pytest.raises(AssertionError, match="no reply in time"):  # a second answer would come at once
@@ -187,6 +179,15 @@ def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_resto
         finally:
             gone.close()
             restarted.close()
+
+
+def _restore_rank1(job: str, ipc: str, floats: int) -> int:
+    """Rank 1 of ``job`` (of 2) restores through the sidecar at ``ipc``, a state of ``floats`` floats; its step."""
+    rank1 = Snapshotter({"w": torch.zeros(floats)}, job=job, rank=1, world_size=2, sidecar=ipc, timeout=10)
+    try:
+        return rank1.restore(timeout=30)
+    finally:
+        rank1.close()
 
 
 @pytest.fixture

@@ -125,6 +125,16 @@ def _signal_node(cluster: Cluster, job: LiveRanks, label: str, sig: signal.Signa
             os.kill(pid, sig)
 
 
+def _restart_when_killed(job: LiveRanks, cluster: Cluster, label: str, restart: str, node: str, index: int,
+                         local_rank: int) -> list[dict]:  # fmt: skip
+    """Once the one process of ``label`` has killed itself (SIGKILL), start it again as ``restart`` on ``node``
+    (node index ``index``, local rank ``local_rank``), as its launcher would; the job's results."""
+    (dead,) = job.lose(label)
+    assert dead.wait(120) == -signal.SIGKILL, job.log_tail(label)
+    job.start_node(restart, cluster.ipc(node), index, local=[local_rank])
+    return job.wait(240)
+
+
 def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int,
            survivors: list[int], restarted: tuple[int, ...] = ()) -> None:  # fmt: skip
     """Every rank ended bit-identical to the failure-free run in one epoch; the ``survivors`` kept their processes
@@ -233,10 +243,7 @@ def test_a_survivor_that_dies_during_its_rollback_is_restarted_and_recovery_comp
     try:
         cluster.start("C")
         job.start_node("C", cluster.ipc("C"), 1)
-        (dead,) = job.lose("A1")
-        assert dead.wait(120) == -signal.SIGKILL, job.log_tail("A1")
-        job.start_node("A2", cluster.ipc("A"), 0, local=[1])  # its launcher's restart
-        results = job.wait(240)
+        results = _restart_when_killed(job, cluster, "A1", "A2", "A", 0, 1)
     finally:
         job.kill()
     _check(results, reference, pids, reached, [0], restarted=(1,))
@@ -259,10 +266,7 @@ def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_others_
         cluster.start("C")
         job.start_node("C", cluster.ipc("C"), 1, local=[0], flags=["--die-before-restore"])
         job.start_node("C1", cluster.ipc("C"), 1, local=[1])
-        (dead,) = job.lose("C")
-        assert dead.wait(120) == -signal.SIGKILL, job.log_tail("C")
-        job.start_node("C2", cluster.ipc("C"), 1, local=[0])  # its launcher's restart
-        results = job.wait(240)
+        results = _restart_when_killed(job, cluster, "C", "C2", "C", 1, 0)
     finally:
         job.kill()
     _check(results, reference, pids, reached, survivors)
