@@ -191,24 +191,28 @@ class EmulatedNode:
         torchrun_args: torchrun's flags, without ``--local-addr``.
         script, script_args: the training script and its flags.
         env: extra environment for the agent and its workers.
-        workdir: where the agent's log goes (``agent-{name}.log``).
+        workdir: where the agent's log goes (``agent-{name}.log``), and the node's temporary folder
+            (``tmp-{name}``, its ``TMPDIR``: torchrun makes a folder there that a killed agent cannot remove).
+        cwd: the agent's (and so its workers') working directory; None: the caller's.
     """
 
     def __init__(self, cluster: LocalCluster, name: str, addr: str, *, torchrun_args: Sequence[str],
                  script: str, script_args: Sequence[str], env: dict[str, str],
-                 workdir: str) -> None:  # fmt: skip
+                 workdir: str, cwd: str | None = None) -> None:  # fmt: skip
         self.cluster, self.name, self.addr = cluster, name, addr
         self.marker = f"{name}.{os.getpid()}.{time.monotonic_ns()}"
         self.log_path = os.path.join(workdir, f"agent-{name}.log")
         self.killed_at: float | None = None
         self.sidecar: ManagedProcess = cluster.start_sidecar(name)
+        tmpdir = os.path.join(workdir, f"tmp-{name}")
+        os.makedirs(tmpdir, exist_ok=True)
         agent_env = {**os.environ, **env, "SNAPSHOTD_SIDECAR": cluster.ipc_path(name), MARKER: self.marker,
-                     "PYTHONUNBUFFERED": "1"}  # fmt: skip
+                     "PYTHONUNBUFFERED": "1", "TMPDIR": tmpdir}  # fmt: skip
         argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--local-addr", addr,
                 script, *script_args]  # fmt: skip
         with open(self.log_path, "wb") as log, held_interrupts():  # stop() ends what ``agent`` holds
             self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=agent_env,
+                                          stdin=subprocess.DEVNULL, env=agent_env, cwd=cwd,
                                           start_new_session=True)  # fmt: skip
 
     def processes(self) -> set[int]:

@@ -1,0 +1,173 @@
+"""Code we did not write: karpathy's nanoGPT ``train.py`` with only the README's lines added, under torchrun.
+
+``tests/third_party/nanogpt/`` holds nanoGPT unchanged and ``snapshotd.patch``, the hook as the README shows it
+for a script that keeps its loop state in plain variables, and the two edits a CPU run needs (its README says
+which). The patch is applied to a copy, and the script trains a small GPT on random tokens (dropout on, so
+every step draws from the RNG; gradient accumulation, so DDP skips its all-reduce on some backward passes) as
+two emulated nodes of one DDP rank each, every node with its own sidecar and torchrun agent. Node B (agent,
+worker, sidecar) is SIGKILLed part-way and a replacement node starts; the surviving agent restarts its worker.
+Against a failure-free run beside it: every loss nanoGPT prints, the evaluation and the checkpoint it writes at
+the end (model, optimizer, iteration, best validation loss) are the same.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import pickle
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from snapshotd.bench.nodes import EmulatedNode, RendezvousStore, marked_processes
+from snapshotd.bench.torchrun_trial import EXAMPLE_DIR, TORCHRUN_ENV, TrialConfig
+from snapshotd.shm import pid_alive
+
+from .conftest import Cluster
+
+pytestmark = pytest.mark.integration
+
+NANOGPT = Path(__file__).resolve().parents[1] / "third_party" / "nanogpt"
+VOCAB = 64
+ITERS = 24
+KILL_AFTER = 8
+CONFIG = (
+    "--device=cpu", "--compile=False", "--dtype=float32", "--backend=gloo", "--dataset=synthetic",
+    f"--max_iters={ITERS}", f"--eval_interval={ITERS}", "--eval_iters=2", "--log_interval=1",
+    "--batch_size=8", "--block_size=64", "--n_layer=2", "--n_head=2", "--n_embd=64", "--dropout=0.1",
+    "--gradient_accumulation_steps=2", "--warmup_iters=4", f"--lr_decay_iters={ITERS}",
+)  # fmt: skip
+"""nanoGPT's own flags: CPU and gloo, a 0.1M-parameter model, an evaluation and a checkpoint at the end."""
+
+_ITER = re.compile(r"^iter (\d+): loss (\S+),", re.M)
+_EVAL = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)$", re.M)
+_START = "tokens per iteration will be"  # every worker prints it as it starts
+
+
+def _assemble(dest: Path) -> None:
+    """nanoGPT with the patch applied in ``dest``, and a dataset of random tokens in its format."""
+    dest.mkdir()
+    for name in ("train.py", "model.py", "configurator.py"):
+        shutil.copy(NANOGPT / name, dest / name)
+    subprocess.run(["git", "apply", str(NANOGPT / "snapshotd.patch")], cwd=dest, check=True, timeout=30)
+    data = dest / "data" / "synthetic"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, size in (("train", 20_000), ("val", 4_000)):
+        rng.integers(0, VOCAB, size, dtype=np.uint16).tofile(data / f"{split}.bin")
+    with open(data / "meta.pkl", "wb") as f:  # nanoGPT reads its vocabulary size from here
+        pickle.dump({"vocab_size": VOCAB}, f)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one run printed on node A (rank 0, nanoGPT's master process), per worker process, and wrote."""
+
+    processes: list[str]
+    """Node A's worker output, one string per process (a restart starts a new one)."""
+    checkpoint: dict
+    pids: list[int]
+
+    def iters(self, process: int) -> dict[int, str]:
+        return {int(i): loss for i, loss in _ITER.findall(self.processes[process])}
+
+    def evals(self) -> dict[int, tuple[str, str]]:
+        return {int(i): (t, v) for p in self.processes for i, t, v in _EVAL.findall(p)}
+
+
+def _printed(text: str) -> bool:
+    return bool(re.search(rf"^iter {KILL_AFTER}: ", text, re.M))
+
+
+def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) -> Run:
+    """nanoGPT under two torchrun agents (nodes A and B); with ``fail``, B is lost after KILL_AFTER and C
+    replaces it. Every process started here has ended on return."""
+    workdir.mkdir()
+    cfg = TrialConfig()
+    store = RendezvousStore(str(EXAMPLE_DIR / "rdzv_store.py"), str(workdir), host=cfg.store_host)
+    nodes: list[EmulatedNode] = []
+    job = cluster.job(name)
+    out = f"out-{name}"
+
+    def start(index: int) -> EmulatedNode:
+        torchrun_args = [
+            "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", store.endpoint, "--rdzv-id", job,
+            "--rdzv-conf", cfg.rdzv_conf,
+        ]  # fmt: skip
+        node = EmulatedNode(cluster, cluster.node(f"{'ABC'[index]}-{name}"), cfg.node_addr(index),
+                            torchrun_args=torchrun_args, script="train.py",
+                            script_args=[*CONFIG, f"--out_dir={out}"], env=dict(TORCHRUN_ENV),
+                            workdir=str(workdir), cwd=str(code))  # fmt: skip
+        nodes.append(node)
+        return node
+
+    deadline = time.monotonic() + 120
+    try:
+        a, _ = start(0), start(1)
+        if fail:
+            while not _printed(Path(a.log_path).read_text(errors="replace")):
+                assert all(n.agent.poll() is None for n in nodes), f"an agent exited early; see {workdir}"
+                assert time.monotonic() < deadline, f"iteration {KILL_AFTER} never came; see {workdir}"
+                time.sleep(0.05)
+            nodes[1].kill()
+            start(2)
+        running = [n for n in nodes if n is not nodes[1] or not fail]
+        while any(n.agent.poll() is None for n in running):
+            assert all(n.agent.poll() in (None, 0) for n in running), f"an agent failed; see {workdir}"
+            assert time.monotonic() < deadline, f"the job did not finish in time; see {workdir}"
+            time.sleep(0.05)
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+        store.stop()
+    text = Path(a.log_path).read_text(errors="replace")
+    checkpoint = torch.load(code / out / "ckpt.pt", weights_only=True)
+    pids = [p for n in nodes for p in (n.agent.pid, n.sidecar.pid)] + [store.proc.pid]
+    return Run(text.split(_START)[1:], checkpoint, pids)
+
+
+def _same(a: object, b: object) -> bool:
+    """Bit for bit: tensors by value, dtype and shape; containers item by item."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+@pytest.mark.timeout(240)
+def test_nanogpt_with_the_readme_lines_loses_a_node_and_ends_bit_identical(cluster, tag, tmp_path) -> None:
+    code = tmp_path / "nanogpt"
+    _assemble(code)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {name: pool.submit(_run, cluster, code, tmp_path / name, name=name, fail=name == "trial")
+                for name in ("reference", "trial")}  # fmt: skip
+        reference, trial = (runs[name].result() for name in ("reference", "trial"))
+
+    assert len(reference.processes) == 1 and sorted(reference.iters(0)) == list(range(ITERS + 1))
+    assert len(trial.processes) == 2, "the survivor's worker restarts once"
+    before, after = trial.iters(0), trial.iters(1)
+    reached, restored = max(before) + 1, min(after)  # "iter N" is printed once iteration N has stepped
+    assert 0 < restored <= reached and reached - restored <= 3, (reached, restored)
+    # every printed loss, the ones run twice included, is the failure-free run's
+    assert {i: reference.iters(0)[i] for i in before} == before
+    assert {i: reference.iters(0)[i] for i in after} == after and max(after) == ITERS
+    assert trial.evals() == reference.evals() and ITERS in reference.evals()
+    ref, got = reference.checkpoint, trial.checkpoint
+    assert got["iter_num"] == ref["iter_num"] == ITERS
+    assert _same(got["model"], ref["model"]), "model differs"
+    assert _same(got["optimizer"], ref["optimizer"]), "optimizer differs"
+    assert _same(got["best_val_loss"], ref["best_val_loss"])
+
+    assert not [p for p in reference.pids + trial.pids if pid_alive(p)]
+    assert not marked_processes(tag)
+    print(f"nanoGPT: node lost after iteration {reached}, restored {restored}")
