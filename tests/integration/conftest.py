@@ -92,13 +92,16 @@ def no_shm_leak(tag: str) -> Iterator[None]:
 
 
 @pytest.fixture
-def cluster(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[Cluster]:
+def cluster(request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str,
+            no_shm_leak: None) -> Iterator[Cluster]:  # fmt: skip
     """A coordinator (replicas 1, heartbeats every 0.2 s, dead after 1.5 s) and room for sidecars.
 
-    At the end every process is stopped (SIGTERM, then SIGKILL); each one the test did not kill must have
-    exited cleanly.
+    A test that must tell a death declared otherwise from the heartbeat timeout sets another timeout with
+    ``@pytest.mark.parametrize("cluster", [SECONDS], indirect=True)``. At the end every process is stopped
+    (SIGTERM, then SIGKILL); each one the test did not kill must have exited cleanly.
     """
-    c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    timeout = getattr(request, "param", 1.5)
+    c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=timeout)
     try:
         c.start_coordinator()
         yield c
