@@ -35,15 +35,15 @@ pytestmark = pytest.mark.integration
 
 NANOGPT = Path(__file__).resolve().parents[1] / "third_party" / "nanogpt"
 VOCAB = 64
-ITERS = 24
-KILL_AFTER = 8
+ITERS = 16
+KILL_AFTER = 6
 CONFIG = (
     "--device=cpu", "--compile=False", "--dtype=float32", "--backend=gloo", "--dataset=synthetic",
     f"--max_iters={ITERS}", f"--eval_interval={ITERS}", "--eval_iters=2", "--log_interval=1",
-    "--batch_size=8", "--block_size=64", "--n_layer=2", "--n_head=2", "--n_embd=64", "--dropout=0.1",
+    "--batch_size=4", "--block_size=32", "--n_layer=2", "--n_head=2", "--n_embd=32", "--dropout=0.1",
     "--gradient_accumulation_steps=2", "--warmup_iters=4", f"--lr_decay_iters={ITERS}",
 )  # fmt: skip
-"""nanoGPT's own flags: CPU and gloo, a 0.1M-parameter model, an evaluation and a checkpoint at the end."""
+"""nanoGPT's own flags: CPU and gloo, a 30k-parameter model, an evaluation and a checkpoint at the end."""
 
 _ITER = re.compile(r"^iter (\d+): loss (\S+),", re.M)
 _EVAL = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)$", re.M)
@@ -103,7 +103,7 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
         ]  # fmt: skip
         node = EmulatedNode(cluster, cluster.node(f"{'ABC'[index]}-{name}"), cfg.node_addr(index),
                             torchrun_args=torchrun_args, script="train.py",
-                            script_args=[*CONFIG, f"--out_dir={out}"], env=dict(TORCHRUN_ENV),
+                            script_args=[*CONFIG, f"--out_dir={out}"], env={**TORCHRUN_ENV, "OMP_NUM_THREADS": "1"},
                             workdir=str(workdir), cwd=str(code))  # fmt: skip
         nodes.append(node)
         return node
