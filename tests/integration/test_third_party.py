@@ -45,6 +45,9 @@ CONFIG = (
 )  # fmt: skip
 """nanoGPT's own flags: CPU and gloo, a 30k-parameter model, an evaluation and a checkpoint at the end."""
 
+ENV = {**TORCHRUN_ENV, "OMP_NUM_THREADS": "1"}
+"""The agents' environment: the trial's torchrun settings, one thread per worker (two runs share two cores)."""
+
 _ITER = re.compile(r"^iter (\d+): loss (\S+),", re.M)
 _EVAL = re.compile(r"^step (\d+): train loss (\S+), val loss (\S+)$", re.M)
 _START = "tokens per iteration will be"  # every worker prints it as it starts
@@ -103,8 +106,8 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
         ]  # fmt: skip
         node = EmulatedNode(cluster, cluster.node(f"{'ABC'[index]}-{name}"), cfg.node_addr(index),
                             torchrun_args=torchrun_args, script="train.py",
-                            script_args=[*CONFIG, f"--out_dir={out}"], env={**TORCHRUN_ENV, "OMP_NUM_THREADS": "1"},
-                            workdir=str(workdir), cwd=str(code))  # fmt: skip
+                            script_args=[*CONFIG, f"--out_dir={out}"], env=ENV, workdir=str(workdir),
+                            cwd=str(code))  # fmt: skip
         nodes.append(node)
         return node
 
