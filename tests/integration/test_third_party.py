@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 
 NANOGPT = Path(__file__).resolve().parents[1] / "third_party" / "nanogpt"
 VOCAB = 64
-ITERS = 16
+ITERS = 40
 KILL_AFTER = 6
 CONFIG = (
     "--device=cpu", "--compile=False", "--dtype=float32", "--backend=gloo", "--dataset=synthetic",
@@ -160,7 +160,9 @@ def test_nanogpt_with_the_readme_lines_loses_a_node_and_ends_bit_identical(clust
     assert len(trial.processes) == 2, "the survivor's worker restarts once"
     before, after = trial.iters(0), trial.iters(1)
     reached, restored = max(before) + 1, min(after)  # "iter N" is printed once iteration N has stepped
-    assert 0 < restored <= reached and reached - restored <= 3, (reached, restored)
+    # the README's bound, (slots + 1) x stride - 1: 3 at stride 1, 7 if the ranks fell behind and skipped (the
+    # stride is the Snapshotter's, which the script does not print)
+    assert 0 < restored <= reached < ITERS and reached - restored <= 7, (reached, restored)
     # every printed loss, the ones run twice included, is the failure-free run's
     assert {i: reference.iters(0)[i] for i in before} == before
     assert {i: reference.iters(0)[i] for i in after} == after and max(after) == ITERS
