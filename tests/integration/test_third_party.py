@@ -1,13 +1,13 @@
 """Code we did not write: karpathy's nanoGPT ``train.py`` with only the README's lines added, under torchrun.
 
-``tests/third_party/nanogpt/`` holds nanoGPT unchanged and ``snapshotd.patch``, the hook as the README shows it
-for a script that keeps its loop state in plain variables, and the two edits a CPU run needs (its README says
-which). The patch is applied to a copy, and the script trains a small GPT on random tokens (dropout on, so
-every step draws from the RNG; gradient accumulation, so DDP skips its all-reduce on some backward passes) as
-two emulated nodes of one DDP rank each, every node with its own sidecar and torchrun agent. Node B (agent,
-worker, sidecar) is SIGKILLed once a step is durable and a replacement node starts; the surviving agent restarts its worker.
-Against a failure-free run beside it: every loss nanoGPT prints, the evaluation and the checkpoint it writes at
-the end (model, optimizer, iteration, best validation loss) are the same.
+``tests/third_party/nanogpt/`` holds nanoGPT unchanged and ``snapshotd.patch``: the hook as the README shows
+it for a script that keeps its loop state in plain variables, and the two edits a CPU run needs (its README
+says which). The patch is applied to a copy, and the script trains a small GPT on random tokens (dropout on,
+so every step draws from the RNG; gradient accumulation, so DDP skips its all-reduce on some backward passes)
+as two emulated nodes of one DDP rank each, every node with its own sidecar and torchrun agent. Node B (agent,
+worker, sidecar) is SIGKILLed once a step is durable, and a replacement node starts; the surviving agent
+restarts its worker. Against a failure-free run beside it: every loss nanoGPT prints, the evaluation and the
+checkpoint it writes at the end (model, optimizer, iteration, best validation loss) are the same.
 """
 
 from __future__ import annotations
