@@ -240,8 +240,8 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     print(f"  step restored         {s['step_restored']} (all 4 ranks agree: {'yes' if s['ranks_agree'] else 'NO'})")
     print(f"  steps lost            {s['steps_lost']}")
     if s["stride_at_loss"] > 1:
-        print(f"                        (the sidecars had fallen behind: the ranks were snapshotting every "
-              f"{s['stride_at_loss']}th step, so up to {max_steps_lost(s['stride_at_loss'])} steps could be lost)")
+        print(f"                        (the sidecars had fallen behind: the ranks were snapshotting one step in "
+              f"{s['stride_at_loss']}, so up to {max_steps_lost(s['stride_at_loss'])} steps could be lost)")
     print(f"  detection time        {s['detection_seconds']:.2f} s (heartbeat timeout 1.5 s)")
     print(f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)")
     print(f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}")
