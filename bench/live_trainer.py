@@ -18,7 +18,7 @@ snapshots every step. Its loop is the one the README shows for live mode::
 
 A rank that exits with ``--on-loss exit`` first writes when the failure surfaced to ``<result path>.lost``.
 The rank writes a JSON result when done (losses, a SHA-256 over its final state, its pid, and one record per
-recovery: when the failure surfaced, the step recovered and the phases' seconds) and keeps a progress file
+recovery: when the failure surfaced, the last step completed then, the step recovered and the phases' seconds) and keeps a progress file
 (``--progress``: the last completed step, when it completed (``time.time()``) and the pid); given a folder as
 ``--progress``, it also writes ``built.<pid>`` there once its model is built, before it asks for its group.
 """
@@ -153,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                     return EXIT_PEER_LOST
                 recovering = True
                 cpu = time.process_time()
-                step = snap.recover()
+                reached, step = step, snap.recover()
                 recovering = False
-                recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "step": step,
-                                   "epoch": group.epoch, "cpu_s": time.process_time() - cpu,
+                recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "reached": reached,
+                                   "step": step, "epoch": group.epoch, "cpu_s": time.process_time() - cpu,
                                    **snap.recovered})  # fmt: skip
                 continue
             losses[step + 1] = float(loss.detach())

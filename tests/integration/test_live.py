@@ -146,13 +146,12 @@ def _check(results: list[dict], reference: list[dict], pids: dict[int, int], rea
         assert all(reference[r]["losses"][k] == v for k, v in res["losses"].items()), f"rank {r}: losses differ"
     kept = [res for res in results if res["rank"] in survivors]
     replacements = [res for res in results if res["rank"] not in survivors]
-    # the steps completed before the last failure: after the loss, a survivor may still complete the step the node
-    # had done its part of, and a story with a second failure trains on between the two
-    reached = max([reached, *(int(step) for res in kept for step, t in res["done_at"].items()
-                              if t < res["recoveries"][-1]["failed_at"])])  # fmt: skip
+    assert all(res["start_step"] == 0 and len(res["recoveries"]) >= 1 for res in kept)
+    # the step each survivor had completed when its last failure surfaced: after the loss it may still complete the
+    # step the node had done its part of, and a story with a second failure trains on between the two
+    reached = max([reached, *(res["recoveries"][-1]["reached"] for res in kept)])
     for res in kept:
         assert res["pid"] == pids[res["rank"]], "a survivor's process was restarted"
-        assert res["start_step"] == 0 and len(res["recoveries"]) >= 1
         step = res["recoveries"][-1]["step"]
         assert reached - 1 <= step <= reached, f"recovered step {step}, reached {reached}: more than one step lost"
         assert res["restored"]["source"] == "local"
