@@ -114,17 +114,20 @@ def test_read_outcome_and_compare(tmp_path: Path) -> None:
 def test_node_processes_follow_the_marker(tmp_path: Path) -> None:
     marker = f"test-{os.getpid()}-{tmp_path.name}"
     env = {**os.environ, MARKER: marker}
-    argv = [sys.executable, "-c", "import sys; sys.stdin.read()"]
-    child = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+    argv = [sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     try:
+        # until the child runs (exec'd), /proc shows the environment it was forked with: the test's, unmarked
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
         assert marked_processes(marker, exact=True) == {child.pid}
         assert child.pid in marked_processes(marker[:-2])
         assert node_processes(None, marker) == {child.pid}
         assert os.getpid() in node_processes(os.getpid(), "no-such-marker")  # a root and its descendants
     finally:
-        assert child.stdin is not None
+        assert child.stdin is not None and child.stdout is not None
         child.stdin.close()
         assert child.wait(10) == 0
+        child.stdout.close()
     assert not marked_processes(marker)
 
 
