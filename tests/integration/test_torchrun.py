@@ -16,6 +16,7 @@ import pytest
 
 from snapshotd.bench.nodes import marked_processes
 from snapshotd.bench.torchrun_trial import TrialConfig, compare, run_trial
+from snapshotd.client.schedule import max_steps_lost
 from snapshotd.shm import pid_alive
 
 pytestmark = pytest.mark.integration
@@ -45,10 +46,11 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     assert same["digests_equal"], {r: (reference.finals[r], trial.finals.get(r)) for r in range(4)}
     assert same["states_equal"], {r: (reference.finals[r]["parts"], trial.finals[r]["parts"]) for r in (0, 3)}
 
-    # every rank restored the same step, at most one step behind the newest step any rank completed
+    # every rank restored the same step: usually one step behind the newest step any rank completed, at most the
+    # README's bound while every step is snapshotted (the sidecars on a busy machine may be a few steps behind)
     assert len({r["step"] for r in trial.restored.values()}) == 1, trial.restored
     assert trial.reached is not None and trial.reached >= cfg.kill_after
-    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= 1, (trial.reached, trial.restored)
+    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= max_steps_lost(1), (trial.reached, trial.restored)
     sources = {rank: r["source"] for rank, r in trial.restored.items()}
     assert sources[0] == sources[1] == "local", sources  # node A survived: its own shared memory
     assert {sources[2], sources[3]} <= {"replica", "pull"}, sources  # node C: from A, B's buddy
