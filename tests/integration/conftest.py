@@ -8,6 +8,7 @@ is left behind) cannot be confused by other tests or other users of the machine.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -91,17 +92,12 @@ def no_shm_leak(tag: str) -> Iterator[None]:
     assert not left, f"shared memory left behind in {SHM_DIR}: {left}"
 
 
-@pytest.fixture
-def cluster(request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str,
-            no_shm_leak: None) -> Iterator[Cluster]:  # fmt: skip
-    """A coordinator (replicas 1, heartbeats every 0.2 s, dead after 1.5 s) and room for sidecars.
-
-    A test that must tell a death declared otherwise from the heartbeat timeout sets another timeout with
-    ``@pytest.mark.parametrize("cluster", [SECONDS], indirect=True)``. At the end every process is stopped
-    (SIGTERM, then SIGKILL); each one the test did not kill must have exited cleanly.
-    """
-    timeout = getattr(request, "param", 1.5)
-    c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=timeout)
+@contextlib.contextmanager
+def started_cluster(workdir: str, tag: str, heartbeat_timeout: float = 1.5) -> Iterator[Cluster]:
+    """A coordinator (replicas 1, heartbeats every 0.2 s, dead after ``heartbeat_timeout``) and room for
+    sidecars, under ``workdir``. On exit every process is stopped (SIGTERM, then SIGKILL); each one the test did
+    not kill must have exited cleanly."""
+    c = Cluster(workdir, tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=heartbeat_timeout)
     try:
         c.start_coordinator()
         yield c
@@ -112,6 +108,18 @@ def cluster(request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str
         assert not p.alive(), f"{p.name} still runs after close()"
         if p not in c.killed:
             assert p.proc.returncode == 0, f"{p.name} exited with {p.proc.returncode}; log:\n{c.tail(p)}"
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str,
+            no_shm_leak: None) -> Iterator[Cluster]:  # fmt: skip
+    """:func:`started_cluster` under ``tmp_path``.
+
+    A test that must tell a death declared otherwise from the heartbeat timeout sets another timeout with
+    ``@pytest.mark.parametrize("cluster", [SECONDS], indirect=True)``.
+    """
+    with started_cluster(str(tmp_path), tag, getattr(request, "param", 1.5)) as c:
+        yield c
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
