@@ -52,7 +52,7 @@ from snapshotd.status import fetch_status
 from .nodes import EmulatedNode, RendezvousStore
 from .report import Report, scratch_dir
 from .torchrun_trial import TORCHRUN_ENV
-from .warm import start_module
+from .warm import RankProcess, start_module
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class LiveRanks:
         self.tag, self.job, self.store = tag, job, store
         self.nodes, self.per_node, self.world = nodes, per_node, nodes * per_node
         self.flags = list(flags)
-        self.procs: dict[str, list[subprocess.Popen[bytes]]] = {}  # label -> its ranks' processes, running or done
+        self.procs: dict[str, list[RankProcess]] = {}  # label -> its ranks' processes, running or done
 
     def path(self, rank: int, kind: str) -> str:
         return os.path.join(self.dir, f"rank{rank}.{kind}")
@@ -102,7 +102,7 @@ class LiveRanks:
                 self.procs[label].append(start_module("snapshotd.bench.live_trainer", argv, env=env,
                                                       output=os.path.join(self.dir, f"{label}-{local_rank}.log")))  # fmt: skip
 
-    def lose(self, label: str) -> list[subprocess.Popen[bytes]]:
+    def lose(self, label: str) -> list[RankProcess]:
         """Node ``label``'s processes, no longer waited for (the caller kills them with the node)."""
         return self.procs.pop(label)
 

@@ -1,129 +1,243 @@
-"""Python processes started ahead of need with torch imported, for harnesses that start many rank processes.
+"""Rank processes forked from one interpreter that imported torch once, for harnesses that start many of them.
 
 Starting a rank process costs seconds of CPU before the trainer runs a line: the interpreter, ``import torch``, its
-distributed package and dynamo. The test suite's recovery stories start dozens of rank processes, many of them on
-the critical path (a replacement that the survivors wait for). With ``SNAPSHOTD_WARM_STARTS=<n>`` in the
-environment, :func:`start_module` hands each request to one of ``n`` interpreters started ahead, each waiting on
-its stdin with :data:`PRELOAD` imported (at the lowest priority until then, where the caller may set it back), and
-starts another in its place. The process it returns is a real child of the caller, running
-``python -m <module> <args>`` from then on: its pid, signals, output and exit code are the rank's. Without the variable (the benchmarks, the demo, users) every process starts cold: a warm
-start would hide the restart cost that the benchmarks measure.
+distributed package and dynamo. The test suite's recovery stories start dozens of rank processes on two cores,
+where those imports were most of the CPU the stories used. With ``SNAPSHOTD_WARM_STARTS=1`` in the environment,
+:func:`start_module` asks a fork server for each process instead: one interpreter that imported :data:`PRELOAD`
+once (at the lowest priority while it did, where it may set its priority back) and forks a child per request.
+The child runs ``python -m <module> <args>`` from then on, with the request's arguments, environment, working
+directory, output and input; its pid, signals and exit code are the rank's. It is the server's child, not the
+caller's, so the caller holds a :class:`ForkedProcess`, which has the parts of ``Popen`` a harness uses
+(:class:`RankProcess`) and learns the exit status from the server.
 
-Run as ``python -m snapshotd.bench.warm MODULE...``, this module is such a waiting interpreter: it imports the
-modules named, reads one JSON line (``module``, ``args``, ``env``, ``output``, ``cwd``), points its stdout and
-stderr at ``output`` and runs the module as ``__main__``; at end of input (the pool closed) it exits 0.
+Without the variable (the benchmarks, the demo, users) every process starts cold: a warm start would hide the
+restart cost that the benchmarks measure. A request whose environment differs from the server's in a variable
+read as the interpreter or torch starts (:func:`_read_late`) starts cold too.
+
+Run as ``python -m snapshotd.bench.warm FD MODULE...``, this module is the server: it imports the modules named and
+serves the ``AF_UNIX`` ``SOCK_SEQPACKET`` socket ``FD`` until its peer closes it (see :func:`_serve`).
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import importlib
 import json
 import os
+import queue
 import runpy
+import selectors
+import signal
+import socket
 import subprocess
 import sys
 import threading
 import traceback
 from collections.abc import Mapping, Sequence
+from typing import IO, Any, Protocol
 
-__all__ = ["PRELOAD", "WARM_ENV", "WarmPool", "start_module"]
+__all__ = ["PRELOAD", "WARM_ENV", "ForkServer", "ForkedProcess", "RankProcess", "start_module"]
 
 WARM_ENV = "SNAPSHOTD_WARM_STARTS"
-"""How many interpreters to keep started ahead (unset or 0: every process starts cold)."""
+"""``1``: start rank processes from the fork server; unset or ``0``: every process starts cold."""
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "snapshotd.client",
            "snapshotd.client.live", "snapshotd.bench.workloads")  # fmt: skip
-"""What a waiting interpreter imports before it reads its request: what every rank program of this package needs."""
+"""What the server imports before it forks: what every rank program of this package needs."""
 
-_WAITING_NICE = 19
-"""The nice value of an interpreter while it imports and waits (its imports take idle CPU only), set back to the
-caller's when it is handed its program. Only where the caller may set both (root): elsewhere the interpreters run
-at the caller's priority throughout."""
+_IMPORTING_NICE = 19
+"""The server's nice value while it imports (its imports take idle CPU only), set back to what it started with
+before it forks its first child. Only where the server may set it back (root): elsewhere it runs at the caller's
+priority throughout, as its children must."""
 
 _MAY_RENICE = os.geteuid() == 0
+_MAX_MESSAGE = 1 << 20
+_REPLY_TIMEOUT = 300.0
+"""How long a request waits for its pid: the server answers once its imports are done, which on a loaded
+machine takes a minute or more."""
 
 
-class WarmPool:
-    """``size`` interpreters kept started ahead, each with ``preload`` imported (see the module docstring);
-    thread-safe."""
+class RankProcess(Protocol):
+    """What a harness uses of a started rank process: ``subprocess.Popen``'s names, with its meanings."""
 
-    def __init__(self, size: int, preload: Sequence[str] = PRELOAD) -> None:
-        if size < 1:
-            raise ValueError(f"a warm pool needs at least one interpreter, got {size}")
-        self.size, self.preload = size, tuple(preload)
-        self._idle: collections.deque[subprocess.Popen[bytes]] = collections.deque()
-        self._lock = threading.Lock()
+    pid: int
+    returncode: int | Any
+    stdin: IO[bytes] | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+class ForkedProcess:
+    """A process the fork server started (see the module docstring): ``Popen``'s ``pid``, ``returncode``,
+    ``stdin``, ``poll``, ``wait``, ``send_signal``, ``kill`` and ``terminate``. Its exit status comes from the
+    server; if the server ends first, :meth:`poll` and :meth:`wait` raise ``RuntimeError`` (the status is lost)."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args = pid, args
+        self.returncode: int | None = None
+        self.stdin: IO[bytes] | None = None
+        self._ended = threading.Event()
+        self._lost = False
+
+    def _exited(self, status: int) -> None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._ended.set()
+
+    def _server_gone(self) -> None:
+        if not self._ended.is_set():
+            self._lost = True
+            self._ended.set()
+
+    def _status(self) -> int | None:
+        if self._lost:
+            raise RuntimeError(f"the fork server ended before process {self.pid} did: its exit status is lost")
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._status()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        code = self._status()
+        assert code is not None
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # until the server reaps it, the pid is still this process's
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def __repr__(self) -> str:
+        return f"<ForkedProcess pid={self.pid} returncode={self.returncode} args={self.args}>"
+
+
+class ForkServer:
+    """A fork server with ``preload`` imported (see the module docstring) and the client of it; thread-safe."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD) -> None:
+        self.preload = tuple(preload)
+        self._env = dict(os.environ)  # what the server started with
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self._server = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), *self.preload],
+                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                            stdout=subprocess.DEVNULL, env=self._env)  # fmt: skip
+        self._sock = ours
+        self._request_lock = threading.Lock()  # one request in flight: its reply is the next pid the server sends
+        self._state_lock = threading.Lock()
+        self._replies: queue.Queue[ForkedProcess | str] = queue.Queue()
+        self._pending: list[list[str]] = []  # the arguments of the request in flight (at most one)
+        self._running: dict[int, ForkedProcess] = {}
         self._closed = False
-        self._env = dict(os.environ)  # what the waiting interpreters started with
-        with self._lock:
-            self._fill()
+        self._reader = threading.Thread(target=self._read, name="fork-server-reader", daemon=True)
+        self._reader.start()
 
     @property
-    def pids(self) -> list[int]:
-        """The pids of the interpreters waiting now."""
-        with self._lock:
-            return [p.pid for p in self._idle]
-
-    def _fill(self) -> None:
-        while len(self._idle) < self.size:
-            proc = subprocess.Popen([sys.executable, "-m", __name__, *self.preload], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL, env=self._env)  # fmt: skip
-            self._idle.append(proc)
-            if _MAY_RENICE:
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, proc.pid, _WAITING_NICE)
+    def pid(self) -> int:
+        """The server's pid (the parent of every process it started)."""
+        return self._server.pid
 
     def popen(self, module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None = None,
-              stdin: bool = False) -> subprocess.Popen[bytes]:  # fmt: skip
+              stdin: bool = False) -> RankProcess:  # fmt: skip
         """``python -m module args`` with stdout and stderr appended to ``output``, in ``env`` (default this
-        process's) and this process's working directory; its stdin is the returned ``Popen``'s when ``stdin``,
-        else at its end at once. Started cold where ``env`` differs from the pool's in a variable other than
-        those a rank program reads as it runs (:func:`_read_late`): the others may be read as the interpreter or
-        torch starts (``PYTHONPATH``, ``OMP_NUM_THREADS``, ``LD_PRELOAD``...)."""
+        process's) and this process's working directory; its stdin is the returned process's ``stdin`` when
+        ``stdin``, else at its end at once. Started cold (a ``Popen``) where ``env`` differs from the server's in a
+        variable other than those a rank program reads as it runs (:func:`_read_late`)."""
         env = dict(os.environ if env is None else env)
         if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if not _read_late(k)):
             return _cold(module, args, output=output, env=env, stdin=stdin)  # may be read as the interpreter starts
-        request = {"module": module, "args": list(args), "output": os.path.abspath(output), "cwd": os.getcwd(),
-                   "env": env}  # fmt: skip
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the warm pool is closed")
-            proc = self._idle.popleft()
-            self._fill()
-        assert proc.stdin is not None
+        request = json.dumps({"module": module, "args": list(args), "cwd": os.getcwd(), "env": env}).encode()
+        out = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        read_end, write_end = os.pipe() if stdin else (os.open(os.devnull, os.O_RDONLY), -1)
         try:
-            if _MAY_RENICE:  # this process's priority, as a cold start would have
-                os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
-            proc.stdin.write(json.dumps(request).encode() + b"\n")
-            proc.stdin.flush()
-        except OSError:  # it died waiting (its error went to this process's stderr): start this one cold
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-            proc.wait()
-            return _cold(module, args, output=output, env=env, stdin=stdin)
-        if not stdin:
-            proc.stdin.close()
-            proc.stdin = None
-        return proc
+            with self._request_lock:
+                with self._state_lock:
+                    if self._closed:
+                        raise RuntimeError("the fork server is closed")
+                    self._pending.append([sys.executable, "-m", module, *args])
+                try:
+                    socket.send_fds(self._sock, [request], [out, read_end])
+                    reply = self._replies.get(timeout=_REPLY_TIMEOUT)
+                except queue.Empty:  # its answer, if it came now, would answer the next request: end it
+                    self._server.kill()
+                    raise RuntimeError(f"the fork server (pid {self.pid}) did not start {module} within "
+                                       f"{_REPLY_TIMEOUT:.0f} s; it is ended") from None  # fmt: skip
+                finally:
+                    with self._state_lock:
+                        self._pending.clear()
+        except BaseException:
+            if write_end >= 0:
+                os.close(write_end)
+            raise
+        finally:
+            os.close(out)
+            os.close(read_end)
+        if isinstance(reply, str):
+            if write_end >= 0:
+                os.close(write_end)
+            raise RuntimeError(f"the fork server could not start {module}: {reply}")
+        if write_end >= 0:
+            reply.stdin = open(write_end, "wb")  # noqa: SIM115 (the process's stdin, closed by its holder)
+        return reply
+
+    def _read(self) -> None:
+        """The reader thread: each pid the server sends answers the request in flight; each exit status ends
+        the process it names; at the server's end, every process still running loses its status."""
+        while True:
+            try:
+                data = self._sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            message = json.loads(data)
+            with self._state_lock:
+                if "exited" in message:
+                    proc = self._running.pop(message["exited"], None)
+                    if proc is not None:
+                        proc._exited(message["status"])
+                    continue
+                if "error" in message:
+                    self._replies.put(message["error"])
+                    continue
+                proc = ForkedProcess(message["pid"], self._pending[0] if self._pending else [])
+                self._running[proc.pid] = proc
+            self._replies.put(proc)
+        with self._state_lock:
+            self._closed = True
+            running, self._running = list(self._running.values()), {}
+        for proc in running:
+            proc._server_gone()
 
     def close(self, timeout: float = 10.0) -> None:
-        """End the waiting interpreters (their input ends; killed after ``timeout``). Idempotent."""
-        with self._lock:
+        """End the server (its socket closes; killed after ``timeout``); the processes it started run on.
+        Idempotent."""
+        with self._state_lock:
             self._closed = True
-            idle, self._idle = list(self._idle), collections.deque()
-        for proc in idle:
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.close()
-        for proc in idle:
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self._server.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._server.kill()
+            self._server.wait(timeout)
+        self._reader.join(timeout)
+        self._sock.close()
 
 
 _LATE_PREFIXES = ("SNAPSHOTD_", "LOCAL_", "MASTER_", "TORCHELASTIC_", "PYTEST_")
@@ -136,32 +250,31 @@ def _read_late(name: str) -> bool:
     return name in _LATE_NAMES or name.startswith(_LATE_PREFIXES)
 
 
-_pool: WarmPool | None = None
-_pool_lock = threading.Lock()
+_server: ForkServer | None = None
+_server_lock = threading.Lock()
 
 
-def _shared_pool() -> WarmPool | None:
-    """The process's pool, made at the first call if ``$SNAPSHOTD_WARM_STARTS`` asks for one."""
-    global _pool
-    size = int(os.environ.get(WARM_ENV) or 0)
-    if size <= 0:
+def _shared_server() -> ForkServer | None:
+    """The process's fork server, started at the first call if ``$SNAPSHOTD_WARM_STARTS`` asks for one."""
+    global _server
+    if int(os.environ.get(WARM_ENV) or 0) <= 0:
         return None
-    with _pool_lock:
-        if _pool is None:
-            _pool = WarmPool(size)
-            atexit.register(_pool.close)
-        return _pool
+    with _server_lock:
+        if _server is None:
+            _server = ForkServer()
+            atexit.register(_server.close)
+        return _server
 
 
 def start_module(module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None = None,
-                 stdin: bool = False) -> subprocess.Popen[bytes]:  # fmt: skip
+                 stdin: bool = False) -> RankProcess:  # fmt: skip
     """Start ``python -m module args`` (output appended to ``output``; ``env``, ``stdin`` as in
-    :meth:`WarmPool.popen`): warm where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold. Call it inside
+    :meth:`ForkServer.popen`): forked where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold. Call it inside
     :func:`~snapshotd.local_cluster.held_interrupts` where an interrupt must not come between the start and the
     caller recording the process."""
-    pool = _shared_pool()
-    if pool is not None:
-        return pool.popen(module, args, output=output, env=env, stdin=stdin)
+    server = _shared_server()
+    if server is not None:
+        return server.popen(module, args, output=output, env=env, stdin=stdin)
     return _cold(module, args, output=output, env=env, stdin=stdin)
 
 
@@ -172,22 +285,81 @@ def _cold(module: str, args: Sequence[str], *, output: str, env: Mapping[str, st
                                 stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env)  # fmt: skip
 
 
-def _serve(preload: Sequence[str]) -> int:
-    """A waiting interpreter's life: import ``preload``, read the request, become the program."""
+def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], str] | None:
+    """The server's life: import ``preload``, then fork a child per request on socket ``fd`` (a JSON object
+    with ``module``, ``args``, ``cwd`` and ``env``, and two descriptors: output and input) and answer
+    ``{"pid": ...}`` (or ``{"error": ...}``); report each child's end as ``{"exited": pid, "status": ...}``.
+    Returns ``None`` in the server once its peer closed the socket; in a child, returns its request, descriptors
+    and the preload's failure (empty if none), for :func:`_become`."""
+    started_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if _MAY_RENICE:
+        os.setpriority(os.PRIO_PROCESS, 0, _IMPORTING_NICE)
     failed = ""
     try:
         for name in preload:
             importlib.import_module(name)
-    except Exception:  # told in the program's output below; the program imports what it needs itself
+    except Exception:  # told in each program's output; the program imports what it needs itself
         failed = traceback.format_exc()
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return 0
-    request = json.loads(line)
-    fd = os.open(request["output"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    if _MAY_RENICE:
+        os.setpriority(os.PRIO_PROCESS, 0, started_nice)
+    sock = socket.socket(fileno=fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears of each child's end
+    signal.set_wakeup_fd(wake_w)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+
+    def send(message: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # the peer is gone: the loop sees it next
+            sock.send(json.dumps(message).encode())
+
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+                continue
+            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+            if not data:
+                return None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as e:
+                send({"error": str(e)})
+            else:
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    sel.close()
+                    sock.close()
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    return json.loads(data), fds, failed
+                send({"pid": pid})
+            for f in fds:
+                os.close(f)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            send({"exited": pid, "status": status})
+
+
+def _become(request: dict[str, Any], fds: list[int], failed: str) -> None:
+    """A forked child's life: take its output and input, working directory, environment and arguments, and run
+    its module as ``__main__``."""
+    out, inp = fds
+    os.dup2(inp, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.close(inp)
     if failed:
         print(f"snapshotd.bench.warm: a preload failed:\n{failed}", file=sys.stderr, flush=True)
     os.chdir(request["cwd"])
@@ -196,8 +368,9 @@ def _serve(preload: Sequence[str]) -> int:
     os.environ.update(request["env"])
     sys.argv = [request["module"], *request["args"]]
     runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1:]))
+    _child = _serve(int(sys.argv[1]), sys.argv[2:])
+    if _child is not None:
+        _become(*_child)

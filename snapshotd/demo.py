@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from snapshotd.bench.trainer import read_progress
-from snapshotd.bench.warm import start_module
+from snapshotd.bench.warm import RankProcess, start_module
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.local_cluster import LocalCluster, held_interrupts
 from snapshotd.status import fetch_status
@@ -47,7 +47,7 @@ class TrainingJob:
         :meth:`kill` (the trainer's ``--linger``)."""
         self.workdir, self.tag, self.world = workdir, tag, world
         port = _free_port()
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, RankProcess] = {}
         for rank in range(world):
             argv = [
                 "--rank", str(rank), "--world", str(world),

@@ -18,9 +18,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapshotd.shm import sweep_stale_arenas
+
+if TYPE_CHECKING:
+    from snapshotd.bench.warm import RankProcess
 
 __all__ = ["LocalCluster", "ManagedProcess", "held_interrupts", "sigterm_as_interrupt"]
 
@@ -200,7 +203,7 @@ class LocalCluster:
         if node is not None:
             sweep_stale_arenas(node)
 
-    def lose_node(self, sidecar: ManagedProcess, others: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+    def lose_node(self, sidecar: ManagedProcess, others: Sequence[RankProcess] = ()) -> None:
         """The loss of a whole node: its sidecar and ``others`` (its training processes) SIGKILLed at the same
         moment (every signal is sent before any wait), then its shared memory removed, as in :meth:`kill`."""
         for proc in (sidecar.proc, *others):
