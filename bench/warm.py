@@ -23,9 +23,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import itertools
 import json
 import os
-import queue
 import runpy
 import selectors
 import signal
@@ -113,8 +113,9 @@ class ForkedProcess:
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # until the server reaps it, the pid is still this process's
-            os.kill(self.pid, sig)
+        if self.returncode is None:  # reaped by the server and not yet told here: gone, as Popen's would be
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -124,6 +125,19 @@ class ForkedProcess:
 
     def __repr__(self) -> str:
         return f"<ForkedProcess pid={self.pid} returncode={self.returncode} args={self.args}>"
+
+
+class _Request:
+    """A start request waiting for the server's answer: its process, or why there is none."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.reply: ForkedProcess | str | None = None
+        self.answered = threading.Event()
+
+    def answer(self, reply: ForkedProcess | str) -> None:
+        self.reply = reply
+        self.answered.set()
 
 
 class ForkServer:
@@ -138,10 +152,9 @@ class ForkServer:
                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                             stdout=subprocess.DEVNULL, env=self._env)  # fmt: skip
         self._sock = ours
-        self._request_lock = threading.Lock()  # one request in flight: its reply is the next pid the server sends
-        self._state_lock = threading.Lock()
-        self._replies: queue.Queue[ForkedProcess | str] = queue.Queue()
-        self._pending: list[list[str]] = []  # the arguments of the request in flight (at most one)
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, _Request] = {}  # request id -> the request waiting for its pid
         self._running: dict[int, ForkedProcess] = {}
         self._closed = False
         self._reader = threading.Thread(target=self._read, name="fork-server-reader", daemon=True)
@@ -157,77 +170,98 @@ class ForkServer:
         """``python -m module args`` with stdout and stderr appended to ``output``, in ``env`` (default this
         process's) and this process's working directory; its stdin is the returned process's ``stdin`` when
         ``stdin``, else at its end at once. Started cold (a ``Popen``) where ``env`` differs from the server's in a
-        variable other than those a rank program reads as it runs (:func:`_read_late`)."""
+        variable other than those a rank program reads as it runs (:func:`_read_late`).
+
+        A request that gives up (an exception while it waits; no answer within a timeout that allows for the
+        server's imports) leaves nothing behind: a process the server starts for it later is killed."""
         env = dict(os.environ if env is None else env)
         if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if not _read_late(k)):
             return _cold(module, args, output=output, env=env, stdin=stdin)  # may be read as the interpreter starts
-        request = json.dumps({"module": module, "args": list(args), "cwd": os.getcwd(), "env": env}).encode()
-        out = os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        read_end, write_end = os.pipe() if stdin else (os.open(os.devnull, os.O_RDONLY), -1)
+        rid = next(self._ids)
+        request = _Request([sys.executable, "-m", module, *args])
+        body = json.dumps({"id": rid, "module": module, "args": list(args), "cwd": os.getcwd(), "env": env}).encode()
+        fds: list[int] = []
         try:
-            with self._request_lock:
-                with self._state_lock:
-                    if self._closed:
-                        raise RuntimeError("the fork server is closed")
-                    self._pending.append([sys.executable, "-m", module, *args])
-                try:
-                    socket.send_fds(self._sock, [request], [out, read_end])
-                    reply = self._replies.get(timeout=_REPLY_TIMEOUT)
-                except queue.Empty:  # its answer, if it came now, would answer the next request: end it
-                    self._server.kill()
-                    raise RuntimeError(f"the fork server (pid {self.pid}) did not start {module} within "
-                                       f"{_REPLY_TIMEOUT:.0f} s; it is ended") from None  # fmt: skip
-                finally:
-                    with self._state_lock:
-                        self._pending.clear()
-        except BaseException:
+            fds.append(os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
+            read_end, write_end = os.pipe() if stdin else (os.open(os.devnull, os.O_RDONLY), -1)
+            fds += [read_end] if write_end < 0 else [read_end, write_end]
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the fork server is closed")
+                self._waiting[rid] = request
+            try:
+                socket.send_fds(self._sock, [body], fds[:2])
+                request.answered.wait(_REPLY_TIMEOUT)
+            except BaseException:
+                self._give_up(rid, request)
+                raise
+            self._give_up(rid, request)
+            if not request.answered.is_set():
+                raise RuntimeError(f"the fork server (pid {self.pid}) did not start {module} within "
+                                   f"{_REPLY_TIMEOUT:.0f} s")  # fmt: skip
+            if isinstance(request.reply, str):
+                raise RuntimeError(f"the fork server could not start {module}: {request.reply}")
+            assert request.reply is not None
             if write_end >= 0:
-                os.close(write_end)
-            raise
+                request.reply.stdin = open(write_end, "wb")  # noqa: SIM115 (the process's stdin, its holder closes it)
+                fds.remove(write_end)
+            return request.reply
         finally:
-            os.close(out)
-            os.close(read_end)
-        if isinstance(reply, str):
-            if write_end >= 0:
-                os.close(write_end)
-            raise RuntimeError(f"the fork server could not start {module}: {reply}")
-        if write_end >= 0:
-            reply.stdin = open(write_end, "wb")  # noqa: SIM115 (the process's stdin, closed by its holder)
-        return reply
+            for fd in fds:
+                os.close(fd)
+
+    def _give_up(self, rid: int, request: _Request) -> None:
+        """Stop waiting for request ``rid``: a process started for it from now on is killed by the reader; one
+        started already is left to the caller, unless it is leaving with an exception (then it is killed here)."""
+        with self._lock:
+            self._waiting.pop(rid, None)
+        if sys.exc_info()[0] is not None and isinstance(request.reply, ForkedProcess):
+            request.reply.kill()
 
     def _read(self) -> None:
-        """The reader thread: each pid the server sends answers the request in flight; each exit status ends
-        the process it names; at the server's end, every process still running loses its status."""
-        while True:
-            try:
-                data = self._sock.recv(_MAX_MESSAGE)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            message = json.loads(data)
-            with self._state_lock:
-                if "exited" in message:
-                    proc = self._running.pop(message["exited"], None)
-                    if proc is not None:
-                        proc._exited(message["status"])
-                    continue
-                if "error" in message:
-                    self._replies.put(message["error"])
-                    continue
-                proc = ForkedProcess(message["pid"], self._pending[0] if self._pending else [])
-                self._running[proc.pid] = proc
-            self._replies.put(proc)
-        with self._state_lock:
-            self._closed = True
-            running, self._running = list(self._running.values()), {}
-        for proc in running:
-            proc._server_gone()
+        """The reader thread: each pid (or error) the server sends answers the request it names, and a pid that
+        no request waits for any more is killed; each exit status ends the process it names. At the server's
+        end, every request still waiting is told, and every process still running loses its status."""
+        try:
+            while data := self._recv():
+                message = json.loads(data)
+                with self._lock:
+                    if "exited" in message:
+                        done = self._running.pop(message["exited"], None)
+                        if done is not None:
+                            done._exited(message["status"])
+                        continue
+                    request = self._waiting.pop(message["id"], None)
+                    if "error" in message:
+                        if request is not None:
+                            request.answer(message["error"])
+                        continue
+                    proc = ForkedProcess(message["pid"], request.argv if request is not None else [])
+                    self._running[proc.pid] = proc
+                if request is None:  # it gave up: nobody holds this process
+                    proc.kill()
+                else:
+                    request.answer(proc)
+        finally:
+            with self._lock:
+                self._closed = True
+                waiting, self._waiting = list(self._waiting.values()), {}
+                running, self._running = list(self._running.values()), {}
+            for request in waiting:
+                request.answer("the fork server ended")
+            for proc in running:
+                proc._server_gone()
+
+    def _recv(self) -> bytes:
+        try:
+            return self._sock.recv(_MAX_MESSAGE)
+        except OSError:
+            return b""
 
     def close(self, timeout: float = 10.0) -> None:
         """End the server (its socket closes; killed after ``timeout``); the processes it started run on.
         Idempotent."""
-        with self._state_lock:
+        with self._lock:
             self._closed = True
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -287,8 +321,9 @@ def _cold(module: str, args: Sequence[str], *, output: str, env: Mapping[str, st
 
 def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], str] | None:
     """The server's life: import ``preload``, then fork a child per request on socket ``fd`` (a JSON object
-    with ``module``, ``args``, ``cwd`` and ``env``, and two descriptors: output and input) and answer
-    ``{"pid": ...}`` (or ``{"error": ...}``); report each child's end as ``{"exited": pid, "status": ...}``.
+    with ``id``, ``module``, ``args``, ``cwd`` and ``env``, and two descriptors: output and input) and answer
+    ``{"id": ..., "pid": ...}`` (or ``{"id": ..., "error": ...}``); report each child's end as
+    ``{"exited": pid, "status": ...}``.
     Returns ``None`` in the server once its peer closed the socket; in a child, returns its request, descriptors
     and the preload's failure (empty if none), for :func:`_become`."""
     started_nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -325,10 +360,11 @@ def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], 
                 return None
             sys.stdout.flush()
             sys.stderr.flush()
+            rid = json.loads(data)["id"]
             try:
                 pid = os.fork()
             except OSError as e:
-                send({"error": str(e)})
+                send({"id": rid, "error": str(e)})
             else:
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
@@ -338,7 +374,7 @@ def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], 
                     os.close(wake_r)
                     os.close(wake_w)
                     return json.loads(data), fds, failed
-                send({"pid": pid})
+                send({"id": rid, "pid": pid})
             for f in fds:
                 os.close(f)
         while True:

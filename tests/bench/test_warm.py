@@ -8,11 +8,13 @@ import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from snapshotd.bench import warm
 from snapshotd.bench.warm import ForkedProcess, ForkServer
 from snapshotd.shm import pid_alive
 
@@ -119,3 +121,28 @@ def test_a_failed_preload_is_told_in_the_program_output_and_the_program_runs(tmp
     text = (tmp_path / "probe.log").read_text()
     assert "a preload failed" in text and "no_such_module_here" in text
     assert _report(tmp_path / "probe.log")["ppid"] == server.pid
+
+
+def test_a_request_that_gives_up_leaves_no_process_behind_and_the_next_gets_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "slow_preload.py").write_text("import time\ntime.sleep(1.0)\n")
+    (tmp_path / "probe_mod.py").write_text(_PROBE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    server = ForkServer(preload=("slow_preload",))  # answers its first request a second from now
+    try:
+        monkeypatch.setattr(warm, "_REPLY_TIMEOUT", 0.1)
+        with pytest.raises(RuntimeError, match="did not start"):
+            server.popen("probe_mod", ["5"], output=str(tmp_path / "given-up.log"))
+        monkeypatch.setattr(warm, "_REPLY_TIMEOUT", 60.0)
+        proc = server.popen("probe_mod", ["3"], output=str(tmp_path / "own.log"))
+        assert proc.wait(60) == 3 and _report(tmp_path / "own.log")["argv"] == ["3"]  # not the one given up
+        # the process started for the request that gave up was killed: the server has no child left
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children")
+        deadline = time.monotonic() + 30
+        while children.read_text().split():
+            assert time.monotonic() < deadline, f"the server still has children: {children.read_text()}"
+            time.sleep(0.05)
+    finally:
+        server.close()
