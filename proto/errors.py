@@ -85,7 +85,8 @@ class ErrorCode(enum.StrEnum):
     shortly."""
 
     NOT_REGISTERED = "not_registered"
-    """A rank asked its sidecar for something before registering with it (ipc)."""
+    """A rank asked its sidecar for something before registering with it (ipc); or a sidecar asked the
+    coordinator (a :class:`~snapshotd.proto.Drain`) under a node or incarnation it does not know live now."""
 
     PLAN_TIMEOUT = "plan_timeout"
     """The sidecar got no recovery plan from the coordinator: none came in time, or the coordinator refused the

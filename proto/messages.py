@@ -14,7 +14,8 @@ Three conversations use these messages:
   :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
   :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
-  :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`; and from
+  :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`, :class:`Drain`,
+  :class:`DrainReply`; and from
   ``snapshotd export``: :class:`HoldersQuery`, :class:`HoldersReply`.
 
 Any side may answer with :class:`Error`. A header field with a default may be left out of a header; every other
@@ -48,6 +49,8 @@ __all__ = [
     "Message",
     "PeerLostReport",
     "PeerLostReply",
+    "Drain",
+    "DrainReply",
     "PlanReply",
     "PlanRequest",
     "PullManifest",
@@ -587,6 +590,30 @@ class PeerLostReply(Message):
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Drain(Message):
+    """Sidecar ``node`` (``incarnation``) is stopping: it leaves placement at once (no new copy goes to it; what
+    it holds counts as a source, not a copy, and is placed elsewhere, pulled from it while it still serves), and
+    it stops once the reply counts nothing ``remaining``. Sent again until then: every one is answered with the
+    count of the moment."""
+
+    TYPE: ClassVar[str] = "drain"
+    node: str = spec_field(NAME)
+    incarnation: str = spec_field(NAME)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class DrainReply(Message):
+    """The coordinator's answer to a :class:`Drain`: of the snapshots at a job's G that the node holds while fewer
+    than ``1 + replicas`` nodes that stay hold them, ``remaining`` can get another copy elsewhere (one is being
+    placed), and ``unplaceable`` cannot and are held by no node that stays (every other node left, or shares the
+    failure domain of the rank's home): those are lost when the node stops."""
+
+    TYPE: ClassVar[str] = "drain_reply"
+    remaining: int = spec_field(Int(0, 1 << 40), default=0)
+    unplaceable: int = spec_field(Int(0, 1 << 40), default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Error(Message):
     """A refusal: ``code`` says why for programs (see :class:`ErrorCode`), ``message`` for people.
 
@@ -607,6 +634,6 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
         StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, SeatRequest, SeatReply,
-        PeerLostReport, PeerLostReply, Error,
+        PeerLostReport, PeerLostReply, Drain, DrainReply, Error,
     )
 }  # fmt: skip

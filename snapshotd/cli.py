@@ -50,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
     s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
     s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")
+    s.add_argument("--drain-timeout", default="20s",
+                   help="on SIGTERM, serve on at most this long while what only this node holds is copied "
+                        "elsewhere; 0 stops at once (default %(default)s)")  # fmt: skip
     s.add_argument("--data-security", default="curve", choices=DATA_SECURITY_MODES,
                    help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
                         "the hosts of the job's members (default %(default)s)")  # fmt: skip
@@ -163,6 +166,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         codec=args.codec,
         nice=args.nice,
         request_timeout=parse_duration(args.peer_timeout),
+        drain_timeout=parse_duration(args.drain_timeout),
         secret=secret,
         data_security=args.data_security,
         insecure=args.insecure,

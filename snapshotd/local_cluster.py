@@ -100,6 +100,8 @@ class LocalCluster:
         env: extra environment for every process (e.g. SNAPSHOTD_SECRET).
         launcher: the argv that runs the ``snapshotd`` command, before its own arguments (default: this Python's
             ``-m snapshotd.cli``; e.g. :func:`snapshotd.bench.faults.command` to interpose faults).
+        drain_timeout: every sidecar's ``--drain-timeout``: shorter than the default, so that a sidecar stopped
+            (SIGTERM) ends within :meth:`stop`'s wait even when it cannot drain.
     """
 
     READY_TIMEOUT = 30.0
@@ -113,6 +115,7 @@ class LocalCluster:
         heartbeat_timeout: float = 1.5,
         env: dict[str, str] | None = None,
         launcher: Sequence[str] | None = None,
+        drain_timeout: float = 5.0,
     ) -> None:
         self.workdir = workdir
         self.launcher = list(launcher) if launcher is not None else [sys.executable, "-m", "snapshotd.cli"]
@@ -120,6 +123,7 @@ class LocalCluster:
         self.replicas = replicas
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
+        self.drain_timeout = drain_timeout
         self.env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
         self.coordinator: ManagedProcess | None = None
         self.sidecars: dict[str, ManagedProcess] = {}
@@ -145,7 +149,7 @@ class LocalCluster:
     def start_sidecar(self, node: str, *extra: str, prefix: Sequence[str] = (), data_bind: str = "tcp://127.0.0.1:0") -> ManagedProcess:
         """Start ``snapshotd serve`` as node ``node`` (``prefix`` e.g. ``ip netns exec NS``)."""
         argv = ["serve", "--coordinator", self.coordinator_addr, "--node", node, "--ipc", self.ipc_path(node),
-                "--data-bind", data_bind, *extra]  # fmt: skip
+                "--data-bind", data_bind, "--drain-timeout", f"{self.drain_timeout}s", *extra]  # fmt: skip
         proc = self._start(
             f"sidecar-{node}", argv, re.compile(r"snapshotd serve ready node=(?P<node>\S+) data=(?P<data>\S+) ipc=(?P<ipc>\S+)"),
             prefix=prefix,
@@ -214,9 +218,18 @@ class LocalCluster:
         self.kill(sidecar)
 
     def stop(self, p: ManagedProcess, timeout: float = 10.0) -> int:
-        """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code."""
+        """SIGTERM and wait (SIGKILL after ``timeout``). Returns the exit code. A sidecar drains first (see
+        ``snapshotd serve --drain-timeout``)."""
+        self._terminate(p)
+        return self._reap(p, timeout)
+
+    def _terminate(self, p: ManagedProcess) -> None:
         if p.proc.poll() is None:
-            p.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.send_signal(signal.SIGTERM)
+
+    def _reap(self, p: ManagedProcess, timeout: float) -> int:
+        if p.proc.poll() is None:
             try:
                 p.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -227,8 +240,15 @@ class LocalCluster:
         return p.proc.returncode
 
     def close(self) -> None:
-        for p in reversed(self._all):
-            self.stop(p)
+        """Stop every process: the sidecars first, all told at once, so that they drain together (none places
+        what it holds on another that is stopping too), then the rest, the newest first."""
+        sidecars = [p for p in reversed(self._all) if p is not self.coordinator]
+        for p in sidecars:
+            self._terminate(p)
+        for p in sidecars:
+            self._reap(p, 10.0)
+        if self.coordinator is not None:
+            self.stop(self.coordinator)
 
     def __enter__(self) -> LocalCluster:
         return self

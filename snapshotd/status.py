@@ -128,7 +128,10 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
     for n in doc.get("nodes", []):
         dead = sum(1 for _, _, alive in n.get("ranks", []) if not alive)
         ranks = f"{len(n.get('ranks', []))}" + (f" ({dead} dead)" if dead else "")
-        state = Text("live") if n.get("alive") else Text("DEAD", style="bold red")
+        if not n.get("alive"):
+            state = Text("DEAD", style="bold red")
+        else:
+            state = Text("leaving", style="yellow") if n.get("leaving") else Text("live")
         nodes.add_row(n["node"], n.get("rack") or "-", state, format_seconds(n.get("last_seen_s", 0)) + " ago", ranks,
                       format_bytes(n.get("stored_bytes", 0)), format_rate(n.get("out_Bps", 0.0)),
                       format_rate(n.get("in_Bps", 0.0)), _pace(n), n.get("data_addr", ""))  # fmt: skip

@@ -3,8 +3,10 @@
 Pure logic with no clock and no sockets: every entry point takes ``now`` (seconds, monotonic). A node that
 registers is live until it is silent for :meth:`Membership.death_timeout`, or until a probe finds its sidecar
 gone (:meth:`Membership.suspect`, :mod:`.probes`); a dead node stays listed (the status
-document shows it) until it registers again. Every change of the live set bumps :attr:`Membership.epoch`, which
-tells placement and plan drafts that what they computed may no longer hold.
+document shows it) until it registers again. A live node that is stopping (:meth:`Membership.leave`) leaves the
+ring at once, so that placement puts nothing new on it, and stays live, a source for copies of what it holds, until
+its heartbeats stop. Every change of the live set or the ring bumps :attr:`Membership.epoch`, which tells placement
+and plan drafts that what they computed may no longer hold.
 
 The rate of heartbeats is bounded instead of the fleet: beyond ``target_heartbeats_per_s`` the interval handed
 out grows with the fleet (:meth:`Membership.heartbeat_interval`), and the death timeout with it.
@@ -51,6 +53,7 @@ class Node:
     incarnation: str
     last_seen: float
     alive: bool = True
+    leaving: bool = False  # live and stopping: out of the ring (see Membership.leave)
     told: float = 0.0  # the heartbeat interval it was last given
     ranks: dict[tuple[str, int], RankInfo] = dataclasses.field(default_factory=dict)
     inventory: frozenset[Item] = frozenset()
@@ -102,8 +105,8 @@ class Membership:
         self.cfg = cfg
         self.nodes: dict[str, Node] = {}
         self.epoch = 0  # bumped on every change of the live set
-        self.ring: list[str] = []  # live node names, sorted
-        self.domains: collections.Counter[tuple[str, str]] = collections.Counter()  # live nodes per failure domain
+        self.ring: list[str] = []  # live node names, sorted, but those leaving
+        self.domains: collections.Counter[tuple[str, str]] = collections.Counter()  # ring nodes per failure domain
         self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
         self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
@@ -128,6 +131,10 @@ class Membership:
         else:
             if node.incarnation != msg.incarnation:
                 node.incarnation, node.rate_ref = msg.incarnation, None
+                if node.alive and node.leaving:  # restarted while it drained: it stays after all
+                    node.leaving = False
+                    self._place(node)
+                    self.epoch += 1
             if not node.alive:
                 log.info("node %s is back", msg.node)
                 node.ranks, node.alive, node.last_seen = {}, True, now
@@ -166,11 +173,26 @@ class Membership:
         return dead
 
     def declare_dead(self, node: Node, why: str) -> None:
-        """``node`` (live) is dead because of ``why`` (logged as "node NAME WHY: declared dead")."""
-        log.warning("node %s %s: declared dead", node.name, why, extra=fields(event="node_dead"))
+        """``node`` (live) is dead because of ``why`` (logged as "node NAME WHY: declared dead"; a node that was
+        leaving, as "node NAME left (WHY)")."""
+        if node.leaving:
+            log.info("node %s left (%s)", node.name, why, extra=fields(event="node_left"))
+        else:
+            log.warning("node %s %s: declared dead", node.name, why, extra=fields(event="node_dead"))
         self._remove_live(node)
-        node.alive = False
+        node.alive, node.leaving = False, False
         self.suspects.pop(node.name, None)
+
+    def leave(self, node: Node) -> bool:
+        """Live ``node`` is stopping: it leaves the ring (placement puts nothing new on it) and stays live until
+        its heartbeats stop. True if it was not leaving before."""
+        if not node.alive or node.leaving:
+            return False
+        log.info("node %s is leaving: placing what it holds elsewhere", node.name, extra=fields(event="node_leaving"))
+        self._unplace(node)
+        node.leaving = True
+        self.epoch += 1
+        return True
 
     def suspect(self, name: str, why: str, now: float) -> bool:
         """Something points at live node ``name``'s death before its heartbeats have stopped for the death
@@ -227,19 +249,27 @@ class Membership:
 
     def _add_live(self, node: Node) -> None:
         self._live[node.name] = None
-        bisect.insort(self.ring, node.name)
-        self.domains[node.domain] += 1
+        if not node.leaving:
+            self._place(node)
         if node.host:
             self._hosts.setdefault(node.host, {})[node.name] = None
         self.epoch += 1
 
     def _remove_live(self, node: Node) -> None:
         del self._live[node.name]
-        del self.ring[bisect.bisect_left(self.ring, node.name)]
-        self.domains[node.domain] -= 1
+        if not node.leaving:
+            self._unplace(node)
         on_host = self._hosts.get(node.host)
         if on_host is not None:
             del on_host[node.name]
             if not on_host:
                 del self._hosts[node.host]
         self.epoch += 1
+
+    def _place(self, node: Node) -> None:
+        bisect.insort(self.ring, node.name)
+        self.domains[node.domain] += 1
+
+    def _unplace(self, node: Node) -> None:
+        del self.ring[bisect.bisect_left(self.ring, node.name)]
+        self.domains[node.domain] -= 1

@@ -53,8 +53,8 @@ class Sweep:
     def run(self, now: float) -> None:
         """One slice of the sweep in progress, or of a new one when one is due (which lists the jobs then known).
 
-        A slice issues tasks so that every rank's snapshot at G has ``1 + replicas`` copies on live nodes, for the
-        next ``SWEEP_SLICE_RANKS`` ranks. Each slice reads its job's G of the moment. For ``heartbeat_timeout``
+        A slice issues tasks so that every rank's snapshot at G has ``1 + replicas`` copies on live nodes that are
+        not leaving (a leaving node's copy is a source only), for the next ``SWEEP_SLICE_RANKS`` ranks. Each slice reads its job's G of the moment. For ``heartbeat_timeout``
         after a job's G first shows up here, a deficit where the rank's live home holds the snapshot is left
         alone: that is the regular stream to the buddies, still in flight.
         """
@@ -89,11 +89,13 @@ class Sweep:
         holders_of, homes, nodes = job.holders, job.homes, self._membership.nodes
         for r in ranks:
             holders = holders_of[r][g]
-            if len(holders) >= want or (settling and homes.get(r) in holders):
+            staying = sum(not nodes[h].leaving for h in holders)  # a leaving holder is a source, not a copy
+            home = homes.get(r)
+            if staying >= want or (settling and home in holders and not nodes[home].leaving):
                 continue
             key = (job.name, r, g)
             pending = {t for t in self._issued.get(key, ()) if t not in holders and nodes[t].alive}
-            count = want - len(holders) - len(pending)
+            count = want - staying - len(pending)
             if count <= 0:
                 continue
             sources = tuple(sorted(nodes[n].data_addr for n in holders))
@@ -101,4 +103,4 @@ class Sweep:
                 nodes[target].tasks.append(ReplicateTask(job=job.name, rank=r, step=g, sources=sources))
                 self._issued.setdefault(key, {})[target] = now
                 log.info("job %s rank %d step %d has %d of %d copies: replicating to %s",
-                         job.name, r, g, len(holders), want, target)  # fmt: skip
+                         job.name, r, g, staying, want, target)  # fmt: skip

@@ -52,6 +52,7 @@ from typing import Any
 from snapshotd import security
 from snapshotd.logs import fields
 from snapshotd.proto import (
+    Drain,
     Error,
     ErrorCode,
     Heartbeat,
@@ -357,6 +358,8 @@ class _Server:
             return self.state.seats.ask(msg, now)
         if isinstance(msg, PeerLostReport):
             return self.state.peer_lost(msg, now)
+        if isinstance(msg, Drain):
+            return self.state.drain(msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "

@@ -27,6 +27,10 @@ from typing import Any
 import msgpack
 
 from snapshotd.proto import (
+    Drain,
+    DrainReply,
+    Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     PeerLostReply,
@@ -130,6 +134,37 @@ class CoordinatorState:
             heartbeat_interval=interval if tell else 0.0,
             seq=msg.seq,
         )
+
+    def drain(self, msg: Drain) -> DrainReply | Error:
+        """Node ``msg.node`` is stopping (see :class:`~snapshotd.proto.Drain`): it leaves placement (its first
+        drain), and the reply counts the snapshots at their job's G that it holds while fewer than ``1 + replicas``
+        live nodes that stay hold them. Those the re-replication sweep can place another copy of are ``remaining``
+        (it places them, pulling from this node while it serves); those it cannot, and that no node that stays
+        holds, are ``unplaceable``. An unknown node, or another incarnation, is told to register first
+        (``not_registered``: a coordinator that restarted knows it again after its next heartbeat).
+
+        Cost: O(the node's inventory).
+        """
+        node = self.membership.nodes.get(msg.node)
+        if node is None or not node.alive or node.incarnation != msg.incarnation:
+            return Error(code=ErrorCode.NOT_REGISTERED, message=f"node {msg.node} (incarnation {msg.incarnation}) "
+                         "is not a live node here: register first")  # fmt: skip
+        self.membership.leave(node)
+        nodes, want = self.membership.nodes, 1 + self.cfg.replicas
+        remaining = unplaceable = 0
+        for job_name, rank, step, _ in node.inventory:
+            job = self.jobs.get(job_name)
+            if job is None or step != job.publish().recoverable:
+                continue
+            holders = job.holders.get(rank, {}).get(step, {})
+            staying = sum(not nodes[h].leaving for h in holders)
+            if staying >= want:
+                continue
+            if self.placement.targets(job, rank, set(holders), want - staying):
+                remaining += 1
+            elif staying == 0:
+                unplaceable += 1
+        return DrainReply(remaining=remaining, unplaceable=unplaceable)
 
     def expire(self, now: float) -> None:
         """Declare dead every node silent for the death timeout; run the re-replication sweep's next slice when

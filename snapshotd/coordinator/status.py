@@ -57,7 +57,7 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     for i in range(0, len(nodes), STATUS_PART_ENTRIES):
         yield b"".join([pack({
             "node": n.name, "rack": n.rack, "data_addr": n.data_addr, "incarnation": n.incarnation,
-            "alive": n.alive, "last_seen_s": round(now - n.last_seen, 3),
+            "alive": n.alive, "leaving": n.leaving, "last_seen_s": round(now - n.last_seen, 3),
             "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
             "stored_bytes": n.stored_bytes, "out_Bps": n.out_bps, "in_Bps": n.in_bps,
             "pace_Bps": n.pacer[0], "step_budget": n.pacer[1], "step_slowdown": n.pacer[2],

@@ -60,6 +60,11 @@ class SidecarConfig:
     request_timeout: float = 10.0
     """Seconds to wait for any single peer reply (accept, ack, pull data) before giving up on that peer."""
 
+    drain_timeout: float = 20.0
+    """On SIGTERM, at most this many seconds serving on while the coordinator places elsewhere every snapshot this
+    node holds that no node that stays holds (see :class:`~snapshotd.proto.Drain`); a second SIGTERM or SIGINT
+    stops at once. 0 stops at once."""
+
     nice: int = 10
     """CPU priority increment for the sidecar process: snapshots use CPU that training leaves idle. On a machine
     whose cores training keeps busy, the sidecar then streams less often (the client skips steps) instead of
@@ -106,5 +111,7 @@ class SidecarConfig:
                              "a member, is reached over CURVE")  # fmt: skip
         if self.metrics_bind is not None:
             parse_host_port(self.metrics_bind, "--metrics-bind")
+        if not 0 <= self.drain_timeout <= 3600:
+            raise ValueError(f"--drain-timeout must be 0-3600 s, got {self.drain_timeout}")
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:
             raise ValueError("heartbeat interval and request timeout must be positive")

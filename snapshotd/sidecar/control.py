@@ -11,7 +11,10 @@ import time
 from typing import TypeVar
 
 from snapshotd.proto import (
+    Drain,
+    DrainReply,
     Error,
+    ErrorCode,
     Heartbeat,
     HeartbeatReply,
     MemberQuery,
@@ -34,7 +37,7 @@ from snapshotd.transport import Network, Pipe, Role, TransportError
 
 from .tasks import TaskTree
 
-__all__ = ["CoordinatorClient", "CoordinatorUnavailable"]
+__all__ = ["CoordinatorClient", "CoordinatorUnavailable", "Refused"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,14 @@ _Reply = TypeVar("_Reply", bound=Message)
 
 class CoordinatorUnavailable(TimeoutError):
     """The coordinator did not answer in time."""
+
+
+class Refused(ProtocolError):
+    """The coordinator answered a request with an :class:`~snapshotd.proto.Error`; ``code`` says why."""
+
+    def __init__(self, request: str, error: Error) -> None:
+        super().__init__(f"coordinator refused {request}: {error.message}")
+        self.code = error.code
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -228,12 +239,31 @@ class CoordinatorClient:
         except TimeoutError:
             raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
 
+    async def drain(self, msg: Drain, timeout: float) -> DrainReply | None:
+        """The coordinator's count of the snapshots this node holds that no node that stays holds (see
+        :class:`~snapshotd.proto.Drain`); None when it does not know this node live now (it restarted: the
+        heartbeat loop registers the node again).
+
+        Raises:
+            CoordinatorUnavailable: no answer within ``timeout``.
+            ProtocolError: the coordinator refused it otherwise (one that predates draining does not serve it).
+        """
+        try:
+            return await self._ask(msg, DrainReply, timeout)
+        except TimeoutError:
+            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
+        except Refused as exc:
+            if exc.code == ErrorCode.NOT_REGISTERED:
+                return None
+            raise
+
     async def _ask(self, msg: Message, answer: type[_Reply], timeout: float) -> _Reply:
         """``msg``'s answer, asked on a socket of its own, closed when answered.
 
         Raises:
             TimeoutError: no answer within ``timeout``.
-            ProtocolError: the coordinator refused ``msg`` or answered something other than ``answer``.
+            Refused: the coordinator refused ``msg``.
+            ProtocolError: it answered something other than ``answer``.
         """
         sock = self._socket()
         try:
@@ -243,7 +273,7 @@ class CoordinatorClient:
         finally:
             sock.close()
         if isinstance(reply, Error):
-            raise ProtocolError(f"coordinator refused {msg.TYPE}: {reply.message}")
+            raise Refused(msg.TYPE, reply)
         if not isinstance(reply, answer):
             raise ProtocolError(f"coordinator answered {reply.TYPE} to {msg.TYPE}")
         return reply

@@ -29,13 +29,13 @@ from urllib.parse import urlsplit
 
 from snapshotd import proto
 from snapshotd.logs import fields
-from snapshotd.proto import Error, ErrorCode, Message, ProtocolError
+from snapshotd.proto import Drain, DrainReply, Error, ErrorCode, Message, ProtocolError
 from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
 from snapshotd.transport import Pipe, Role, Security, is_memory, open_network
 
 from .config import SidecarConfig
-from .control import CoordinatorClient
+from .control import CoordinatorClient, CoordinatorUnavailable
 from .heartbeat import ControlService
 from .ingest import ArenaRefused, IngestService, RankNotices
 from .node import NodeState
@@ -52,6 +52,11 @@ from .tasks import TaskTree
 __all__ = ["Sidecar", "run_sidecar"]
 
 log = logging.getLogger(__name__)
+
+DRAIN_POLL_SECONDS = 0.25
+"""Seconds between two drain requests of a draining sidecar (see :meth:`Sidecar._drain`)."""
+DRAIN_REQUEST_TIMEOUT = 3.0
+"""How long a drain request may go unanswered before the sidecar stops without draining."""
 
 _DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND,
                 ArenaRefused: ErrorCode.MEMORY_LIMIT}  # fmt: skip
@@ -72,9 +77,15 @@ class Sidecar:
         self.pacer = Pacer(cfg.max_rate, budget=cfg.step_budget)
 
     async def run(self, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None) -> None:
-        """Bind, register, serve until ``stop`` is set (or SIGTERM/SIGINT in the main thread), then clean up."""
+        """Bind, register, serve until ``stop`` is set or SIGTERM/SIGINT comes (in the main thread), then clean up.
+        After a signal the sidecar first drains (see :meth:`_drain`), until a second signal at most."""
         cfg = self.cfg
         stop = stop or asyncio.Event()
+        signalled = asyncio.Event()
+
+        def on_signal() -> None:  # the first signal drains, the next stops
+            (stop if signalled.is_set() else signalled).set()
+
         check_bind(cfg.data_bind, cfg.secret, cfg.insecure)
         sweep_stale_arenas(cfg.node)
         _keep_malloc_arenas()
@@ -121,13 +132,13 @@ class Sidecar:
 
                 metrics = MetricsEndpoint(cfg.metrics_bind, sidecar_sampler(self.state, self.pacer))
                 log.info("sidecar %s: metrics on %s", cfg.node, metrics.url, extra=fields(event="metrics"))
+            loop = asyncio.get_running_loop()
+            if threading.current_thread() is threading.main_thread():  # before it says it is ready
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.add_signal_handler(sig, on_signal)
+                    installed.append(sig)
             if ready is not None:
                 ready(self.state.data_addr, cfg.ipc)
-            loop = asyncio.get_running_loop()
-            if threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGTERM, signal.SIGINT):
-                    loop.add_signal_handler(sig, stop.set)
-                    installed.append(sig)
             async with asyncio.TaskGroup() as group:
                 self.tasks.attach(group)
                 self.tasks.spawn(network.run(), "the network's security handlers")
@@ -137,7 +148,9 @@ class Sidecar:
                 self.tasks.spawn(data_out.run(data), "data-plane replies")
                 self.tasks.spawn(heartbeat.run(), "the control loop")
                 self.tasks.spawn(control.watch(), "the coordinator connection's handshakes")
-                await stop.wait()
+                await _first(stop, signalled)
+                if signalled.is_set() and not stop.is_set() and cfg.drain_timeout > 0:
+                    await self._drain(control, stop)
                 log.info("sidecar %s: stopping", cfg.node)
                 self.tasks.cancel_all()
         finally:
@@ -156,6 +169,46 @@ class Sidecar:
             if not is_memory(cfg.ipc):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(cfg.ipc)
+
+    async def _drain(self, control: CoordinatorClient, stop: asyncio.Event) -> None:
+        """Serve on while the coordinator places elsewhere every snapshot at a job's G that this node holds and no
+        node that stays holds (see :class:`~snapshotd.proto.Drain`); until it counts none, ``drain_timeout``
+        passes, ``stop`` is set (a second signal), or the coordinator cannot drain (it does not answer, or
+        predates draining). Each end but the first is logged as a warning."""
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        deadline = loop.time() + cfg.drain_timeout
+        msg = Drain(node=cfg.node, incarnation=self.state.incarnation)
+        log.info("sidecar %s: draining for at most %.0f s (a second SIGTERM stops at once)", cfg.node,
+                 cfg.drain_timeout, extra=fields(event="draining"))  # fmt: skip
+        reply: DrainReply | None = None
+        while True:
+            asked = asyncio.ensure_future(control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - loop.time()))))
+            await _first(stop, asked)
+            if not asked.done():
+                asked.cancel()
+                log.warning("sidecar %s: stopped before it drained", cfg.node)
+                return
+            try:
+                answer = asked.result()
+            except (CoordinatorUnavailable, ProtocolError) as exc:
+                log.warning("sidecar %s: stopping without draining: %s", cfg.node, exc)
+                return
+            reply = answer or reply  # None: the coordinator restarted; the heartbeat loop registers this node again
+            if answer is not None and answer.remaining == 0:
+                if answer.unplaceable:
+                    log.warning("sidecar %s: drained, but %d snapshot(s) held only here have no other node to go "
+                                "to: they are lost", cfg.node, answer.unplaceable)  # fmt: skip
+                log.info("sidecar %s: drained", cfg.node, extra=fields(event="drained"))
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, min(DRAIN_POLL_SECONDS, deadline - loop.time()))):
+                    await stop.wait()
+            short = "an unknown number of" if reply is None else str(reply.remaining + reply.unplaceable)
+            if stop.is_set() or loop.time() >= deadline:
+                log.warning("sidecar %s: %s: %s snapshot(s) it holds have fewer copies elsewhere than wanted", cfg.node,
+                            "stopped before it drained" if stop.is_set() else f"not drained after {cfg.drain_timeout:.0f} s",
+                            short)  # fmt: skip
+                return
 
     def _advertised(self, bound: str) -> str:
         parts = urlsplit(bound)
@@ -228,6 +281,17 @@ def _keep_malloc_arenas() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         log.debug("mallopt is not available; leaving the allocator alone")
+
+
+async def _first(*waits: asyncio.Event | asyncio.Future[Any]) -> None:
+    """Return once any of ``waits`` is set (an event) or done (a future); the futures are left as they are."""
+    events = [asyncio.ensure_future(w.wait()) for w in waits if isinstance(w, asyncio.Event)]
+    try:
+        await asyncio.wait([*events, *(w for w in waits if isinstance(w, asyncio.Future))],
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+    finally:
+        for e in events:
+            e.cancel()
 
 
 async def run_sidecar(

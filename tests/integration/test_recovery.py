@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import uuid
@@ -185,6 +186,53 @@ def test_rereplication_after_losing_a_buddy(tmp_path) -> None:
             n["node"] == "C" and n["stored_bytes"] > 0 for n in _status(cluster)["nodes"]), 30,
             "re-replication to C")  # fmt: skip
         assert not any(n["node"] == "B" and n["alive"] for n in _status(cluster)["nodes"])
+
+
+@pytest.mark.parametrize("drain", ["20s", "0s"])
+def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_path, drain: str) -> None:
+    """Ranks on A stream to buddy B. B is stopped (SIGTERM): it drains, serving on while the coordinator has C pull
+    a copy of what B held, and exits once every rank has 1 + k copies on nodes that stay. A is then lost, and the
+    job resumes on C from step G. The control, ``--drain-timeout 0``: B stops at once, and once A is lost no
+    step is recoverable."""
+    job = f"drain-{uuid.uuid4().hex[:6]}"
+    with LocalCluster(str(tmp_path)) as cluster:
+        cluster.start_coordinator()
+        node_a = cluster.start_sidecar("A")
+        node_b = cluster.start_sidecar("B", "--drain-timeout", drain)
+        cluster.start_sidecar("C")
+        run = TrainingJob(str(tmp_path), "a1", world=2, steps=100, params=PARAMS, job=job,
+                          sidecars={0: cluster.ipc_path("A"), 1: cluster.ipc_path("A")}, step_delay=0.2)  # fmt: skip
+        try:
+            _wait(lambda: run.progress(0) >= 4, 60, "step 4")
+        finally:
+            run.kill()  # the ranks stop; their last snapshots stay in A's shared memory
+
+        def copies_at_g() -> list[int]:
+            j = _job_status(cluster, job)
+            return [r["copies"] for r in j["ranks"]] if j and j["recoverable"] >= 0 else []
+
+        _wait(lambda: copies_at_g() == [2, 2], 20, "A's local copy + B's buddy copy")
+        g = _job_status(cluster, job)["recoverable"]
+        assert cluster.stop(node_b) == 0
+        b_log = cluster.tail(node_b, 400)
+        cluster.kill(node_a)
+        _wait(lambda: not any(n["alive"] for n in _status(cluster)["nodes"] if n["node"] in "AB"), 20, "A and B gone")
+        if drain == "0s":
+            assert "draining" not in b_log
+            assert _job_status(cluster, job)["recoverable"] == -1, "without the drain, A's loss loses the job"
+            return
+        assert "drained" in b_log, b_log
+        assert copies_at_g() == [1, 1] and _job_status(cluster, job)["recoverable"] == g
+        with open(cluster.coordinator.log_path) as f:
+            assert re.search(r"node B left \(missed heartbeats", f.read())  # not "declared dead"
+        resumed = TrainingJob(str(tmp_path), "a2", world=2, steps=g + 2, params=PARAMS, job=job,
+                              sidecars={0: cluster.ipc_path("C"), 1: cluster.ipc_path("C")})  # fmt: skip
+        try:
+            results = resumed.wait(120)
+        finally:
+            resumed.kill()
+    assert {r["start_step"] for r in results} == {g}
+    assert {r["restored"]["source"] for r in results} <= {"replica", "pull"}
 
 
 def _snapshotter(cluster: LocalCluster, node: str, job: str, rank: int, state: dict) -> Snapshotter:

@@ -18,6 +18,8 @@ from snapshotd.proto import (
     Assignment,
     Chunk,
     ChunkAck,
+    Drain,
+    DrainReply,
     Error,
     ErrorCode,
     Heartbeat,
@@ -166,6 +168,8 @@ def sample_messages() -> list[Message]:
         SeatReply(job="run-42", status="given", first=8),
         PeerLostReport(job="run-42", rank=3, node="node-a"),
         PeerLostReply(job="run-42", probed=2),
+        Drain(node="node-a", incarnation="c0ffee"),
+        DrainReply(remaining=3, unplaceable=1),
         Error(job="run-42", code="not_found", message="no such snapshot", rank=3, step=17),
     ]
 
