@@ -78,7 +78,7 @@ class Placement:
         """Up to ``count`` live nodes for a new copy: the rank's assigned buddies, then ring order from its home.
 
         Never the home (or the last home, when the rank has none now) nor its failure domain, nor a node in
-        ``exclude`` (live holders and pending targets). Beyond the buddies, domains holding no copy yet come
+        ``exclude`` (holders and pending targets), nor a node leaving (out of the ring). Beyond the buddies, domains holding no copy yet come
         first. The ring is walked only when the domain counts say a candidate exists, so a deficit that cannot
         be helped costs O(copies), not O(nodes).
         """
@@ -87,10 +87,11 @@ class Placement:
         anchor = home or job.last_home.get(rank)
         anchor_domain = nodes[anchor].domain if anchor is not None else None
         picked = [b for b in self.buddies(home) if b not in exclude][:count] if home is not None else []
-        taken = {nodes[n].domain for n in (*exclude, *picked)} - {anchor_domain}
+        placed = [n for n in (*exclude, *picked) if nodes[n].alive and not nodes[n].leaving]  # those in the ring
+        taken = {nodes[n].domain for n in placed} - {anchor_domain}
         outside = len(ring) - (domains[anchor_domain] if anchor_domain is not None else 0)
-        fresh = outside - sum(domains[d] for d in taken)  # live nodes in domains without a copy
-        spare = outside - sum(1 for n in (*exclude, *picked) if nodes[n].domain != anchor_domain)
+        fresh = outside - sum(domains[d] for d in taken)  # ring nodes in domains without a copy
+        spare = outside - sum(1 for n in placed if nodes[n].domain != anchor_domain)
         count = min(count, len(picked) + spare)
         start = bisect.bisect_right(ring, anchor) if anchor is not None else 0
         for spread, available in ((True, fresh), (False, spare)):

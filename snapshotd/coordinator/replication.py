@@ -94,7 +94,8 @@ class Sweep:
             if staying >= want or (settling and home in holders and not nodes[home].leaving):
                 continue
             key = (job.name, r, g)
-            pending = {t for t in self._issued.get(key, ()) if t not in holders and nodes[t].alive}
+            pending = {t for t in self._issued.get(key, ())
+                       if t not in holders and nodes[t].alive and not nodes[t].leaving}  # fmt: skip
             count = want - staying - len(pending)
             if count <= 0:
                 continue

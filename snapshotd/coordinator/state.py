@@ -154,8 +154,8 @@ class CoordinatorState:
         remaining = unplaceable = 0
         for job_name, rank, step, _ in node.inventory:
             job = self.jobs.get(job_name)
-            if job is None or step != job.publish().recoverable:
-                continue
+            if job is None or rank >= job.world_size or step != job.publish().recoverable:
+                continue  # the sweep, whose work this counts, keeps copies of the job's ranks at G only
             holders = job.holders.get(rank, {}).get(step, {})
             staying = sum(not nodes[h].leaving for h in holders)
             if staying >= want:

@@ -183,9 +183,12 @@ class Sidecar:
         reply: DrainReply | None = None
         while True:
             asked = asyncio.ensure_future(control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - loop.time()))))
-            await _first(stop, asked)
-            if not asked.done():
-                asked.cancel()
+            try:
+                await _first(stop, asked)
+            finally:
+                if not asked.done():  # a second signal, or this task cancelled
+                    asked.cancel()
+            if asked.cancelled():
                 log.warning("sidecar %s: stopped before it drained", cfg.node)
                 return
             try:

@@ -87,3 +87,26 @@ def test_an_unknown_node_or_incarnation_is_told_to_register_first() -> None:
         reply = _drain(st, node, inc)
         assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_REGISTERED and "register first" in reply.message
     assert "a" in st.membership.ring  # nothing changed
+
+
+def test_a_rank_whose_process_ended_still_gets_its_copies_placed_from_a_leaving_node() -> None:
+    """Rank 0's process on h has ended (no live home); its step 5 is on h and l. l leaves: c can take a copy."""
+    st = make()
+    for n in ("h", "l", "c"):
+        register(st, n)
+    beat(st, "h", T0, ranks("j", 1, 0, alive=False), inv("j", 0, 5, local=True))
+    beat(st, "l", T0, (), inv("j", 0, 5))
+    beat(st, "c", T0, ())
+    assert _drain(st, "l") == DrainReply(remaining=1, unplaceable=0)
+    for t in (1.0, 2.5):  # h is still the rank's home, so the sweep first waits for its stream (as for any deficit)
+        keep_alive(st, T0 + t, "h", "l", "c")
+    tasks = keep_alive(st, T0 + 4.5, "h", "l", "c")["c"].tasks
+    assert tasks == (ReplicateTask(job="j", rank=0, step=5, sources=(addr("h"), addr("l"))),)
+
+
+def test_a_rank_beyond_the_world_size_is_not_counted() -> None:
+    """The job shrank to one rank: rank 1's copies are kept by nobody's sweep, so a drain does not wait for them."""
+    st = _setup()
+    beat(st, "a", T0 + 0.5, ranks("j", 1, 0), inv("j", 0, 5, local=True))
+    assert st.jobs["j"].world_size == 1
+    assert _drain(st, "c") == DrainReply(remaining=0, unplaceable=0)  # c holds only rank 1's copy

@@ -213,7 +213,7 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
 
         _wait(lambda: copies_at_g() == [2, 2], 20, "A's local copy + B's buddy copy")
         g = _job_status(cluster, job)["recoverable"]
-        assert cluster.stop(node_b) == 0
+        assert cluster.stop(node_b, timeout=30) == 0  # its drain may take up to its --drain-timeout
         b_log = cluster.tail(node_b, 400)
         cluster.kill(node_a)
         _wait(lambda: not any(n["alive"] for n in _status(cluster)["nodes"] if n["node"] in "AB"), 20, "A and B gone")
