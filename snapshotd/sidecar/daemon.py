@@ -186,9 +186,10 @@ class Sidecar:
             try:
                 await _first(stop, asked)
             finally:
-                if not asked.done():  # a second signal, or this task cancelled
+                unanswered = not asked.done()
+                if unanswered:  # a second signal, or this task cancelled
                     asked.cancel()
-            if asked.cancelled():
+            if unanswered:
                 log.warning("sidecar %s: stopped before it drained", cfg.node)
                 return
             try:
