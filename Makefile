@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check snapshotd client proto bench tests

@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from snapshotd.bench.warm import WARM_ENV
 
 # the harnesses fork their rank processes from a server that imported torch once (the stories start dozens; see
 # snapshotd.bench.warm); a value in the environment wins, 0 starts every process cold
 os.environ.setdefault(WARM_ENV, "1")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``make test`` runs two workers (pytest-xdist, ``--dist loadgroup``): every test that starts rank processes
+    or measures time against a job (the integration stories, the benchmarks' smoke tests, the client's multi-rank
+    tests) runs on one of them, one after another, as in a serial run; the other worker takes the rest."""
+    for item in items:
+        if item.get_closest_marker("integration") or item.nodeid.startswith(("tests/bench/", "tests/client/")):
+            item.add_marker(pytest.mark.xdist_group("processes"))
