@@ -17,7 +17,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not serial" --durations=10; first=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=20; second=$$?; \
+	test $$first -eq 0 -a $$second -eq 0
 
 lint: setup
 	$(VENV)/bin/ruff check snapshotd client proto bench tests
