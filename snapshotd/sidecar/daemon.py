@@ -189,6 +189,8 @@ class Sidecar:
                 unanswered = not asked.done()
                 if unanswered:  # a second signal, or this task cancelled
                     asked.cancel()
+                elif not asked.cancelled():
+                    asked.exception()  # read here too, should this task be cancelled now: no "never retrieved" log
             if unanswered:
                 log.warning("sidecar %s: stopped before it drained", cfg.node)
                 return
