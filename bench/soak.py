@@ -189,7 +189,7 @@ class Soak:
         try:
             row.update(self._trial(trial, job))
         except Exception as exc:  # noqa: BLE001 - a failed trial is a row of the table, not the end of the soak
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["error"] = f"{type(exc).__name__}: {exc}"[:600]
         finally:
             for j in self._jobs[1:]:
                 j.kill()

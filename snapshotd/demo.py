@@ -89,7 +89,8 @@ class TrainingJob:
                 raise RuntimeError(f"{self.tag}: rank {rank} did not finish within {timeout:.0f} s; see {self.workdir}") from None
             if code != 0:
                 self.kill()
-                raise RuntimeError(f"{self.tag}: rank {rank} exited with {code}; see {self.workdir}/{self.tag}-rank{rank}.log")
+                log_path = os.path.join(self.workdir, f"{self.tag}-rank{rank}.log")
+                raise RuntimeError(f"{self.tag}: rank {rank} exited with {code} ({_last_line(log_path)}); see {log_path}")
         results = []
         for rank in range(self.world):
             with open(self.result_path(rank)) as f:
@@ -106,6 +107,17 @@ class TrainingJob:
             finally:
                 if proc.stdin is not None:
                     proc.stdin.close()
+
+
+def _last_line(path: str) -> str:
+    """The last line a rank's log ends with (its error, when it failed), or a note that there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"no log: {exc.strerror}"
+    return lines[-1].strip() if lines else "its log is empty"
 
 
 def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:

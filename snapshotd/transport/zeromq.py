@@ -67,6 +67,8 @@ class ZmqPipe(Pipe):
             frames = self.raw.recv_multipart(zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return None
+        finally:
+            self._rearm()
         return self._identity_bytes(frames)
 
     def _identity_bytes(self, frames: list[Any]) -> Frames:
@@ -93,7 +95,19 @@ class ZmqPipe(Pipe):
             return False
         except zmq.ZMQError as exc:
             raise TransportError(f"{self.address}: {exc}") from exc
+        finally:
+            self._rearm()
         return True
+
+    def _rearm(self) -> None:
+        """Wake this socket's waiting ``recv``, ``poll`` and ``send`` calls for what a call on :attr:`raw` made
+        ready. ZeroMQ signals readiness on an edge-triggered descriptor, and a call on the shadow socket may
+        consume the edge a waiter sleeps on (it processes the socket's pending commands): the waiter would then
+        sleep until some later edge, for instance a new connection. Reading ``EVENTS`` through the asyncio
+        socket schedules every waiter whose event is ready, as pyzmq does after its own calls."""
+        if not self.sock.closed:
+            with contextlib.suppress(zmq.ZMQError):  # its context is being torn down
+                self.sock.get(zmq.EVENTS)
 
     async def watch(self) -> None:
         if self.handshakes is None:

@@ -16,9 +16,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 import pytest
+import zmq
 
 from snapshotd.transport import MEMORY, Network, Role, Security, TransportError, connect_rank
-from snapshotd.transport.zeromq import ZmqNetwork
+from snapshotd.transport.zeromq import ZmqNetwork, ZmqPipe
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -85,6 +86,39 @@ def test_a_reply_to_a_peer_that_left_is_refused(kind: str) -> None:
                         server.send_nowait([b"\0nobody", b"x"])
             finally:
                 server.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_recv_wakes_after_a_nonblocking_send_took_its_signal() -> None:
+    """ZeroMQ signals a socket's readiness on an edge-triggered descriptor, and any call that processes the
+    socket's pending commands (a poll, a send) consumes the edge that a waiting ``recv`` sleeps on. A pipe's own
+    non-blocking calls must wake such a waiter: a sidecar whose replies went out by ``send_nowait`` beside its data
+    loop's ``recv`` stayed deaf to a peer's pull requests until that peer connected afresh."""
+
+    async def scenario() -> None:
+        net = ZmqNetwork(Security())
+        server = net.serve("tcp://127.0.0.1:0", Role.DATA)
+        client = net.connect(server.address, Role.PEER)
+        assert isinstance(server, ZmqPipe)
+        try:
+            async with asyncio.timeout(10):
+                await client.send([b"hello"])
+                ident, _ = await server.recv(copy=True)
+                waiting = asyncio.ensure_future(server.recv(copy=True))
+                await asyncio.sleep(0)  # it reads nothing and waits on the descriptor
+                assert not waiting.done()
+                await client.send([b"request"])  # done at once: the loop does not run before the next line
+                assert server.raw.poll(5000, zmq.POLLIN)  # the request is queued, and its edge consumed
+                assert server.send_nowait([ident, b"reply"])
+                done, _ = await asyncio.wait([waiting], timeout=3)
+                assert done, "the waiting recv slept through a request queued on its socket"
+                assert [bytes(f) for f in waiting.result()] == [ident, b"request"]
+                assert [bytes(f) for f in await client.recv()] == [b"reply"]
+        finally:
+            client.close()
+            server.close()
+            net.close()
 
     asyncio.run(scenario())
 
