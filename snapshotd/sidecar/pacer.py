@@ -22,9 +22,11 @@ this host, so on this clock):
 - **Clean steps.** With a snapshot every step or every second step, a Snapshotter leaves out one due step in
   64 (:func:`snapshotd.client.schedule.left_out`), so that the step after it runs with no stream; sparser
   schedules leave clean steps at the spread rate.
-- **Idle.** A rank is active until it has been silent for three of its snapshot intervals (``IDLE_SECONDS`` at
-  least). With no rank active the job stopped: the rate is unpaced and the factor starts over at 1. A rank
-  silent for ``FORGET_SECONDS`` is forgotten.
+- **Idle.** A rank is active while a stream of its snapshot is in flight (it skips its due snapshots meanwhile,
+  and announces none: below the keep-up rate that silence is the pacing at work, not a stopped job) and until it
+  has been silent for three of its snapshot intervals (``IDLE_SECONDS`` at least) since. With no rank active the
+  job stopped: the rate is unpaced and the factor starts over at 1. A rank silent for ``FORGET_SECONDS`` is
+  forgotten.
 
 A step longer than ``PAUSE`` times the rank's median step (an evaluation, a disk checkpoint, a run of steps
 without snapshots) says nothing of snapshots and is not counted. A rank's keep-up rate needs three steps.
@@ -83,7 +85,7 @@ class _Rank:
         self.loaded: collections.deque[float] = collections.deque(maxlen=window)
         self.fresh = 0  # loaded steps since its last decision
         self.demand = 0.0  # bytes/s its snapshots need
-        self.reported = -math.inf
+        self.reported = -math.inf  # when it last announced, or its last stream ended if later
 
     def silent_for(self, now: float) -> float:
         """Seconds since its last announce, in units of its snapshot interval's length (at least 1 s)."""
@@ -142,6 +144,7 @@ class Pacer:
         self._ranks: dict[Hashable, _Rank] = {}
         self._factor = 1.0
         self._streams = 0  # in flight now
+        self._streaming: collections.Counter[Hashable] = collections.Counter()  # rank -> its streams in flight
         self._spans: collections.deque[list[float]] = collections.deque(maxlen=1024)  # [start, end] of streaming
         self._observed_rate = 0.0
         self.cuts = 0
@@ -177,15 +180,23 @@ class Pacer:
             await asyncio.sleep(-self._tokens / rate)
 
     @contextlib.contextmanager
-    def streaming(self) -> Iterator[None]:
-        """Around one outgoing snapshot stream, begin to end: the steps it overlaps are loaded."""
+    def streaming(self, key: Hashable) -> Iterator[None]:
+        """Around one outgoing stream of local rank ``key``'s snapshot, begin to end: the steps it overlaps are
+        loaded, and the rank is active while it lasts."""
         if self._streams == 0:
             self._spans.append([self._clock(), math.inf])
         self._streams += 1
+        self._streaming[key] += 1
         try:
             yield
         finally:
             self._streams -= 1
+            self._streaming[key] -= 1
+            if not self._streaming[key]:
+                del self._streaming[key]
+                rank = self._ranks.get(key)
+                if rank is not None:  # its silence starts now
+                    rank.reported = max(rank.reported, self._clock())
             if self._streams == 0:
                 self._spans[-1][1] = self._clock()
 
@@ -267,8 +278,8 @@ class Pacer:
 
     def _active(self, now: float | None = None) -> list[_Rank]:
         now = self._clock() if now is None else now
-        return [r for r in self._ranks.values()
-                if r.silent_for(now) <= self.IDLE_INTERVALS or now - r.reported <= self.IDLE_SECONDS]  # fmt: skip
+        return [r for k, r in self._ranks.items() if k in self._streaming
+                or r.silent_for(now) <= self.IDLE_INTERVALS or now - r.reported <= self.IDLE_SECONDS]  # fmt: skip
 
     def state(self) -> PacerState:
         rate = self.rate

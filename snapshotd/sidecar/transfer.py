@@ -143,7 +143,7 @@ async def send_snapshot(
     t0 = time.perf_counter()
     wire = 0
     delta_chunks = 0
-    with link.subscribe(job, rank, step) as replies, pacer.streaming():
+    with link.subscribe(job, rank, step) as replies, pacer.streaming((job, rank)):
         try:
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,

@@ -63,7 +63,7 @@ def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1
     for _ in range(n):
         if loaded:
             clock.t += seconds / 2
-            with pacer.streaming():  # what send_snapshot wraps each stream in
+            with pacer.streaming(RANK):  # what send_snapshot wraps each stream in
                 clock.t += seconds / 4
             clock.t += seconds / 4
         else:
@@ -160,8 +160,25 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
     assert pacer.state().mode == "budget"
     clock.t += Pacer.IDLE_SECONDS + 1  # the job stopped reporting
     assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
-    step(pacer, clock, 0.1, loaded=True)  # it came back: the spread rate again, cut only by fresh evidence
+    step(pacer, clock, 0.1, loaded=False)  # it came back (announcing before it streams again): the spread rate
+    # again, cut only by fresh evidence
     assert pacer.state().mode == "spread"
+
+
+def test_a_rank_whose_snapshot_still_streams_is_not_idle_though_it_announces_nothing() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=4)
+    step(pacer, clock, 0.2, loaded=True, n=16)
+    paced = pacer.rate
+    assert pacer.state().mode == "budget" and paced < math.inf
+    with pacer.streaming(RANK):  # a stream at the cut rate outlasts the idle time: the rank skips every due step
+        clock.t += 5 * Pacer.IDLE_SECONDS
+        assert pacer.rate == paced and pacer.state().mode == "budget"
+    clock.t += Pacer.IDLE_SECONDS / 2  # its silence counts from the stream's end
+    assert pacer.rate == paced
+    clock.t += Pacer.IDLE_SECONDS
+    assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
 
 
 def test_step_budget_must_be_positive() -> None:
@@ -174,7 +191,7 @@ def test_each_step_since_the_last_announce_is_told_clean_or_loaded_by_when_bytes
     pacer = Pacer(None, clock=clock)
     t0 = clock.t
     clock.t = t0 + 0.05
-    with pacer.streaming():  # a stream from the middle of the first of four 0.1 s steps into the second
+    with pacer.streaming(RANK):  # a stream from the middle of the first of four 0.1 s steps into the second
         clock.t = t0 + 0.12
     clock.t = t0 + 0.4 + 0.003  # the announce comes a little after the last step ended
     pacer.report_step(RANK, 4, [0.1, 0.1, 0.1, 0.1], t0 + 0.4, 100 * MB)
