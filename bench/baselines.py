@@ -36,7 +36,7 @@ from typing import Any
 
 from .links import Link
 
-__all__ = ["CHECKPOINT_KINDS", "DiskCheckpointer", "checkpoint_state_dict", "raw_socket_transfer"]
+__all__ = ["CHECKPOINT_KINDS", "DiskCheckpointer", "checkpoint_state_dict", "process_cpu_seconds", "raw_socket_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,17 @@ def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
             raise ConnectionError(f"receiver exited before writing a line (got {data!r})")
         data += piece
     return data.decode()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU time (user + system, every thread) that process ``pid`` has used so far; None where /proc cannot
+    tell (the process is gone, or this is not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def raw_socket_transfer(

@@ -63,6 +63,7 @@ import numpy as np
 from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import parse_bytes, parse_rate
 
+from .baselines import process_cpu_seconds
 from .report import Report, progress, scratch_dir
 from .trainer import every_arg, plan_interval, run_ranks
 
@@ -158,16 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)")  # fmt: skip
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system) that process ``pid`` has used so far; None where /proc cannot tell."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _block_steps(args: argparse.Namespace, interval: int) -> int:
     """Steps of one block: the warmup, then at least ``--steps - --warmup`` measured steps, a multiple of the
     interval, so that the measured steps hold exactly one snapshot or save per interval."""
@@ -218,7 +209,7 @@ def _measure(
         if "snapshotd" in args.variants:
             flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
         pids = {node: p.pid for node, p in cluster.sidecars.items()}
-        cpu0 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
+        cpu0 = {node: process_cpu_seconds(pid) for node, pid in pids.items()}
         try:
             with progress(unit="steps") as bar:
                 task = bar.add_task("overhead steps", total=total)
@@ -226,7 +217,7 @@ def _measure(
                                     on_progress=lambda n: bar.update(task, completed=n))  # fmt: skip
         finally:
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-        cpu1 = {node: _cpu_seconds(pid) for node, pid in pids.items()}
+        cpu1 = {node: process_cpu_seconds(pid) for node, pid in pids.items()}
     sidecar_cpu = {node: (cpu1[node] or 0.0) - (cpu0[node] or 0.0) for node in pids}
     if None in cpu0.values() or None in cpu1.values():
         sidecar_cpu = {}

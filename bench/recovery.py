@@ -43,7 +43,12 @@ The data plane runs without ``SNAPSHOTD_SECRET`` (plaintext on loopback, as ``tr
 Summary: ``state_bytes``, ``detection_seconds``, ``restore_seconds``, ``restore_GBps``, ``torch_load_seconds``,
 ``torch_load_GBps``, ``restore_speedup`` (torch.load / restore), ``pull_seconds``, ``restore_source``,
 ``re_replication_seconds``, ``raw_socket_GBps``, ``restore_vs_raw``, ``pull_vs_raw``, ``raw_state_GBps``,
-``restore_vs_raw_state``, and ``torchft_seconds`` and ``torchft_ratio`` when torchft ran.
+``restore_vs_raw_state``, ``restore_cpu_seconds`` (of the median restore: the CPU time its rank spent in
+``restore()``, ``restore_cpu_rank_seconds``, plus what every sidecar spent from the go to the rank's report,
+``restore_cpu_sidecar_seconds`` for the replacement's and ``restore_cpu_holders_seconds`` for the others: the
+holders, and nodes that only heartbeat), ``restore_busy_cores`` (that CPU time over ``restore_seconds``: near the
+machine's core count, the restore is bound by CPU, not by the network), and ``torchft_seconds`` and
+``torchft_ratio`` when torchft ran.
 
 The rank roles run as ``python -m snapshotd.bench.recovery snapshot|restore|torchft-send|torchft-recv``.
 """
@@ -71,7 +76,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
 
-from .baselines import raw_socket_transfer
+from .baselines import process_cpu_seconds, raw_socket_transfer
 from .report import Report, progress, scratch_dir
 
 __all__ = ["add_arguments", "make_state", "plot", "run", "state_digest"]
@@ -233,12 +238,12 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
                  detection, holders, re_replication)  # fmt: skip
         phase_done()
         cluster.start_sidecar("R", *flags)
-        restores = [_go(rank_r, args.timeout)]
+        restores = [_timed_restore(cluster, "R", rank_r, args.timeout)]
         for k in range(2, args.repeat + 1):  # each on a node of its own, as a replacement restores
             node = f"R{k}"
             with _role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path(node)]) as again:
                 cluster.start_sidecar(node, *flags)
-                restores.append(_go(again, args.timeout))
+                restores.append(_timed_restore(cluster, node, again, args.timeout))
         phase_done()
         for name, p in cluster.sidecars.items():
             if name != "B" and not p.alive():
@@ -250,6 +255,23 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
     middle = sorted(restores, key=lambda r: r["seconds"])[(len(restores) - 1) // 2]  # the median restore
     spread = (min(r["seconds"] for r in restores), max(r["seconds"] for r in restores))
     return {"detection": detection, "re_replication": re_replication, "holders": holders, "spread": spread, **middle}
+
+
+def _timed_restore(cluster: LocalCluster, node: str, rank: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    """Let the restore rank ``rank`` (waiting on ``node``, whose sidecar is ready) restore; its result, with
+    ``cpu``: the CPU seconds the rank spent in ``restore()``, its sidecar and the other sidecars (the holders,
+    and nodes that only heartbeat) over the restore and the rank's report after it."""
+    pids = {name: p.pid for name, p in cluster.sidecars.items() if p.alive()}
+    before = {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+    result = _go(rank, timeout)
+    spent = {}
+    for name, pid in pids.items():
+        start, end = before[name], process_cpu_seconds(pid)
+        if start is not None and end is not None:
+            spent[name] = end - start
+    result["cpu"] = {"rank": result["cpu_seconds"], "sidecar": spent.get(node, 0.0),
+                     "other_sidecars": sum(v for name, v in spent.items() if name != node)}  # fmt: skip
+    return result
 
 
 # -------------------------------------------------------------------------------------------- report
@@ -278,11 +300,13 @@ def run(args: argparse.Namespace) -> Report:
         raw_state = raw_socket_transfer(size, repeat=3, timeout=args.timeout, whole=True)
     restore, load = loss["seconds"], disk["cold_seconds"]
     torchft = statistics.median_low(torchft_each) if torchft_each else None
-    pulled = loss["restored"]
+    pulled, cpu = loss["restored"], loss["cpu"]
+    cpu_total = cpu["rank"] + cpu["sidecar"] + cpu["other_sidecars"]
     rows: list[dict[str, Any]] = [
         {"path": f"snapshotd restore ({pulled['source']})", "time_seconds": restore, "state_bytes": size,
          "rate_Bps": size / restore, "note": f"{format_bytes(pulled['bytes_pulled'])} pulled from {loss['holders']} "
-         f"live holders; sidecar share {pulled['seconds']:.2f} s{_median_of(args.repeat, loss['spread'])}"},
+         f"live holders; sidecar share {pulled['seconds']:.2f} s; CPU: rank {cpu['rank']:.2f} s, its sidecar "
+         f"{cpu['sidecar']:.2f} s, the others {cpu['other_sidecars']:.2f} s{_median_of(args.repeat, loss['spread'])}"},
         {"path": "torch.load, local disk (cold)", "time_seconds": load, "state_bytes": size, "rate_Bps": size / load,
          "note": f"file {format_bytes(disk['file_bytes'])} dropped from the page cache; save took {disk['save_seconds']:.2f} s"},
         {"path": "torch.load, page cache (warm)", "time_seconds": disk["warm_seconds"], "state_bytes": size,
@@ -319,6 +343,11 @@ def run(args: argparse.Namespace) -> Report:
         "pull_vs_raw": size / pulled["seconds"] / raw,
         "raw_state_GBps": raw_state / 1e9,
         "restore_vs_raw_state": size / restore / raw_state,
+        "restore_cpu_seconds": cpu_total,
+        "restore_cpu_rank_seconds": cpu["rank"],
+        "restore_cpu_sidecar_seconds": cpu["sidecar"],
+        "restore_cpu_holders_seconds": cpu["other_sidecars"],
+        "restore_busy_cores": cpu_total / restore,
     }
     if torchft is not None:
         summary["torchft_seconds"] = torchft
@@ -474,11 +503,12 @@ def _restore_role(args: argparse.Namespace) -> dict[str, Any]:
     _await_go(time.monotonic() + args.timeout)
     with Snapshotter({"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar,
                      timeout=args.timeout) as snap:  # fmt: skip
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         step = snap.restore(timeout=args.timeout)
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
         restored = dict(snap.restored)
-    return {"step": step, "seconds": seconds, "restored": restored, "digest": state_digest(tensors)}
+    return {"step": step, "seconds": seconds, "cpu_seconds": cpu_seconds, "restored": restored,
+            "digest": state_digest(tensors)}  # fmt: skip
 
 
 def _torchft_send(args: argparse.Namespace) -> dict[str, Any]:

@@ -123,6 +123,7 @@ class ControlService:
         for lr in self.state.ranks.values():
             if lr.alive and not pid_alive(lr.pid):
                 lr.mark_dead()
+                self.streams.pacer.forget((lr.job, lr.rank))
                 log.warning("rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
                             lr.rank, lr.job, lr.pid, extra=fields(lr.job, lr.rank, event="rank_died"))  # fmt: skip
 

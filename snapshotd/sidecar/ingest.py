@@ -239,6 +239,7 @@ class IngestService:
         if lr is not None:
             log.info("rank %d of job %s closed its snapshotter", rank, job, extra=fields(job, rank, event="rank_closed"))
             self.state.drop_rank(lr)
+            self.pacer.forget((job, rank))
 
     def _announce(self, ident: bytes, msg: Announce) -> None:
         lr = self.state.rank(msg.job, msg.rank)

@@ -22,9 +22,10 @@ this host, so on this clock):
 - **Clean steps.** With a snapshot every step or every second step, a Snapshotter leaves out one due step in
   64 (:func:`snapshotd.client.schedule.left_out`), so that the step after it runs with no stream; sparser
   schedules leave clean steps at the spread rate.
-- **Idle.** A rank is active while a stream of its snapshot is in flight (it skips its due snapshots meanwhile,
-  and announces none: below the keep-up rate that silence is the pacing at work, not a stopped job) and until it
-  has been silent for three of its snapshot intervals (``IDLE_SECONDS`` at least) since. With no rank active the
+- **Idle.** A rank that ended (its process died, or it closed its Snapshotter: :meth:`Pacer.forget`) is not
+  active. Otherwise it is active while a stream of its snapshot is in flight (it skips its due snapshots
+  meanwhile, and announces none: below the keep-up rate that silence is the pacing at work, not a stopped job)
+  and until it has been silent for three of its snapshot intervals (``IDLE_SECONDS`` at least) since. With no rank active the
   job stopped: the rate is unpaced and the factor starts over at 1. A rank silent for ``FORGET_SECONDS`` is
   forgotten.
 
@@ -228,8 +229,9 @@ class Pacer:
         now = self._clock()
         if not self._active(now):  # the job had stopped (or this is the first): the factor starts over
             self._factor = 1.0
-        for k in [k for k, r in self._ranks.items() if now - r.reported > self.FORGET_SECONDS]:
-            del self._ranks[k]
+        for k, r in list(self._ranks.items()):
+            if now - r.reported > self.FORGET_SECONDS and k not in self._streaming:
+                del self._ranks[k]
         rank = self._ranks.setdefault(key, _Rank(self.WINDOW))
         rank.reported = now
         if 0 <= rank.last < step:
@@ -256,6 +258,11 @@ class Pacer:
         if len(rank.seconds) >= 3:
             rank.demand = stream_bytes / (max(1, rank.every) * statistics.median(rank.seconds))
         self._decide(rank)
+
+    def forget(self, key: Hashable) -> None:
+        """Local rank ``key`` ended (its process died, or it closed its Snapshotter): it is no longer active, even
+        while its last snapshot still streams."""
+        self._ranks.pop(key, None)
 
     def _decide(self, rank: _Rank) -> None:
         """Every ``WINDOW / 2`` fresh loaded steps of ``rank``: cut the factor, or grow it back."""

@@ -12,7 +12,8 @@ from snapshotd.bench.recovery import make_state, state_digest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {"state_bytes", "detection_seconds", "restore_seconds", "restore_GBps", "torch_load_seconds",
-                "raw_socket_GBps", "restore_vs_raw", "pull_vs_raw", "raw_state_GBps", "restore_vs_raw_state"}
+                "raw_socket_GBps", "restore_vs_raw", "pull_vs_raw", "raw_state_GBps", "restore_vs_raw_state",
+                "restore_cpu_seconds", "restore_busy_cores"}
 
 
 def test_make_state_is_deterministic_and_sized() -> None:
@@ -55,6 +56,10 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
     assert s["restore_vs_raw"] == pytest.approx(s["restore_GBps"] / s["raw_socket_GBps"])
     assert s["pull_vs_raw"] >= s["restore_vs_raw"]  # the pull is the restore's share
     assert s["restore_vs_raw_state"] == pytest.approx(s["restore_GBps"] / s["raw_state_GBps"])
+    parts = [s[f"restore_cpu_{p}_seconds"] for p in ("rank", "sidecar", "holders")]
+    assert min(parts) >= 0 and s["restore_cpu_seconds"] > 0  # in clock ticks: a tiny pull may take less than one
+    assert s["restore_cpu_seconds"] == pytest.approx(sum(parts))
+    assert s["restore_busy_cores"] == pytest.approx(s["restore_cpu_seconds"] / s["restore_seconds"])
     rows = {r["path"]: r for r in doc["results"]}
     assert rows["raw TCP socket, loopback"]["rate_Bps"] == pytest.approx(s["raw_socket_GBps"] * 1e9)
     assert rows["raw TCP socket, loopback, state to state"]["rate_Bps"] == pytest.approx(s["raw_state_GBps"] * 1e9)

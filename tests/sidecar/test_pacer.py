@@ -181,6 +181,17 @@ def test_a_rank_whose_snapshot_still_streams_is_not_idle_though_it_announces_not
     assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
 
 
+def test_a_rank_that_ended_is_not_active_though_its_last_snapshot_still_streams() -> None:
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=4)
+    assert math.isfinite(pacer.rate)
+    with pacer.streaming(RANK):
+        pacer.forget(RANK)  # its process died, or it closed its Snapshotter: the job stopped
+        assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
+    assert RANK not in pacer._ranks
+
+
 def test_step_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="budget"):
         Pacer(None, budget=0)
