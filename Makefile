@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,plot]'
 	touch $(STAMP)
 
+# The project's bytecode is compiled first: every daemon and rank process the suite starts then loads it instead
+# of compiling the sources again (with PYTHONDONTWRITEBYTECODE set, none would ever be written).
 test: setup
+	$(PY) -m compileall -q snapshotd client proto bench tests
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not serial" --durations=10; first=$$?; \
+	test $$first -ne 2 || exit 2; \
 	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=20; second=$$?; \
 	test $$first -eq 0 -a $$second -eq 0
 
