@@ -9,9 +9,10 @@ copied synchronously.
 
 - CPU tensors: the copy runs on the client's one background thread (:class:`~.channel.Channel`).
 - CUDA tensors: ``non_blocking`` copies on a side stream into the arena, which is page-locked with
-  ``cudaHostRegister``; the side stream first waits for the training stream, and the fence makes the training
-  stream wait for the copy's event (a GPU-side wait: the CPU does not block). The announce to the sidecar is sent
-  once the event has completed.
+  ``cudaHostRegister``; the side stream first waits for the training stream. CUDA tensors that may change at any
+  time are copied first, and the training stream waits for that copy at once; the fence makes it wait for the
+  rest. Both are GPU-side waits: the CPU does not block in ``capture()``. The announce to the sidecar is sent once
+  the whole copy has completed.
 """
 
 from __future__ import annotations
@@ -115,13 +116,19 @@ class Stager:
         if cuda_idx:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream()
-            self._side_stream.wait_stream(torch.cuda.current_stream())
+            training = torch.cuda.current_stream()
+            self._side_stream.wait_stream(training)
+            mutable = [i for i in cuda_idx if not mask[i]]
             with torch.cuda.stream(self._side_stream):
-                copy_into(flat, dst, only=cuda_idx, non_blocking=True)
+                if mutable:  # copied first: the training stream waits for these (below), not for the rest
+                    copy_into(flat, dst, only=mutable, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record(self._side_stream)
+                copy_into(flat, dst, only=[i for i in cuda_idx if mask[i]], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._side_stream)
-            if not any(mask[i] for i in cuda_idx):  # mutable CUDA tensors: wait right here
-                event.synchronize()
+            if mutable:  # nothing queued on the training stream from now on may change them before they are copied
+                training.wait_event(copied)  # a GPU-side wait: this thread goes on at once
         job = _Copy(event)
         self._inflight = job
 
