@@ -77,7 +77,10 @@ class ZmqPipe(Pipe):
         return frames
 
     async def poll(self, timeout: float) -> bool:
-        return bool(await self.sock.poll(timeout=max(0, int(timeout * 1000))))
+        try:
+            return bool(await self.sock.poll(timeout=max(0, int(timeout * 1000))))
+        finally:
+            self._rearm()  # pyzmq's own poll ends in a zmq_poll that does not reschedule the socket's waiters
 
     async def send(self, frames: Frames) -> None:
         try:
@@ -100,8 +103,8 @@ class ZmqPipe(Pipe):
         return True
 
     def _rearm(self) -> None:
-        """Wake this socket's waiting ``recv``, ``poll`` and ``send`` calls for what a call on :attr:`raw` made
-        ready. ZeroMQ signals readiness on an edge-triggered descriptor, and a call on the shadow socket may
+        """Wake this socket's waiting ``recv``, ``poll`` and ``send`` calls for what a call on :attr:`raw` (or a
+        ``zmq_poll``) made ready. ZeroMQ signals readiness on an edge-triggered descriptor, and such a call may
         consume the edge a waiter sleeps on (it processes the socket's pending commands): the waiter would then
         sleep until some later edge, for instance a new connection. Reading ``EVENTS`` through the asyncio
         socket schedules every waiter whose event is ready, as pyzmq does after its own calls."""

@@ -90,11 +90,12 @@ def test_a_reply_to_a_peer_that_left_is_refused(kind: str) -> None:
     asyncio.run(scenario())
 
 
-def test_a_waiting_recv_wakes_after_a_nonblocking_send_took_its_signal() -> None:
+@pytest.mark.parametrize("call", ["send_nowait", "poll"])
+def test_a_waiting_recv_wakes_after_a_pipe_call_took_its_signal(call: str) -> None:
     """ZeroMQ signals a socket's readiness on an edge-triggered descriptor, and any call that processes the
     socket's pending commands (a poll, a send) consumes the edge that a waiting ``recv`` sleeps on. A pipe's own
-    non-blocking calls must wake such a waiter: a sidecar whose replies went out by ``send_nowait`` beside its data
-    loop's ``recv`` stayed deaf to a peer's pull requests until that peer connected afresh."""
+    calls must wake such a waiter: a sidecar whose replies went out by ``send_nowait`` beside its data loop's
+    ``recv`` stayed deaf to a peer's pull requests until that peer connected afresh."""
 
     async def scenario() -> None:
         net = ZmqNetwork(Security())
@@ -110,9 +111,14 @@ def test_a_waiting_recv_wakes_after_a_nonblocking_send_took_its_signal() -> None
                 assert not waiting.done()
                 await client.send([b"request"])  # done at once: the loop does not run before the next line
                 assert server.raw.poll(5000, zmq.POLLIN)  # the request is queued, and its edge consumed
-                assert server.send_nowait([ident, b"reply"])
+                if call == "send_nowait":
+                    assert server.send_nowait([ident, b"reply"])
+                else:
+                    assert await server.poll(0)
                 done, _ = await asyncio.wait([waiting], timeout=3)
                 assert done, "the waiting recv slept through a request queued on its socket"
+                if call == "poll":
+                    assert server.send_nowait([ident, b"reply"])
                 assert [bytes(f) for f in waiting.result()] == [ident, b"request"]
                 assert [bytes(f) for f in await client.recv()] == [b"reply"]
         finally:
