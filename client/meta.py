@@ -61,7 +61,8 @@ TORCH_DTYPES: dict[str, torch.dtype] = {n: d for d, n in DTYPE_NAMES.items()}
 MAX_ELEMENT = max(DTYPE_SIZES.values())
 
 Path = tuple[Any, ...]
-Layout = tuple[tuple[str, str, tuple[int, ...]], ...]
+Layout = tuple[tuple[Path, str, tuple[int, ...]], ...]
+"""``(key path, dtype name, shape)`` of every tensor of a capture, in order: equal layouts mean equal tables."""
 
 
 def where(keys: Path) -> str:

@@ -55,7 +55,7 @@ __all__ = ["FlatState", "check_tensor", "copy_into", "flatten"]
 class FlatState:
     """One capture of a state: what to copy where, and the non-tensor rest.
 
-    ``tensors`` alias the live state (detached; a DTensor contributes its local shard), so their values are
+    ``tensors`` alias the live state (detached where they require grad; a DTensor contributes its local shard), so their values are
     those at the time :func:`copy_into` runs, not at the time of :func:`flatten`.
     """
 
@@ -67,7 +67,7 @@ class FlatState:
     data_bytes: int
     """Size of the data buffer the entries need."""
     layout: Layout
-    """``(path, dtype, shape)`` of every entry: equal layouts mean equal tables."""
+    """``(key path, dtype, shape)`` of every entry: equal layouts mean equal tables."""
 
 
 def _unsupported(keys: Path, what: str) -> TypeError:
@@ -77,15 +77,31 @@ def _unsupported(keys: Path, what: str) -> TypeError:
     )
 
 
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    """An ExtType without ``ExtType.__new__``'s type checks (the walk builds its code and data itself)."""
+    return tuple.__new__(msgpack.ExtType, (code, data))  # type: ignore[no-any-return]
+
+
+def _plain(x: Any) -> bool:
+    """Whether ``x`` goes into msgpack as it is (a scalar, or an int within 64 bits)."""
+    t = type(x)
+    return t in SCALAR_TYPES or (t is int and INT_MIN <= x <= INT_MAX)
+
+
 class _Flattener:
-    """One walk over a state: collects tensors and turns the rest into msgpack-ready values."""
+    """One walk over a state: collects tensors and turns the rest into msgpack-ready values.
+
+    It runs in ``capture()`` on the training thread, once per tensor and value of the state, so the common cases
+    (plain scalars in dicts and lists, tensors) take the shortest path; key paths are built only where a value
+    needs them (a tensor's, or an error's).
+    """
 
     __slots__ = ("dtensor", "specs", "tensors")
 
     def __init__(self) -> None:
         self.dtensor = dtensor_type()
         self.tensors: list[torch.Tensor] = []
-        self.specs: list[tuple[str, str, tuple[int, ...]]] = []
+        self.specs: list[tuple[Path, str, tuple[int, ...]]] = []
 
     def value(self, v: Any, keys: Path) -> Any:
         t = type(v)
@@ -102,9 +118,11 @@ class _Flattener:
         if t is dict:
             return self.mapping(v, keys)
         if t is list:
-            return [self.value(x, (*keys, i)) for i, x in enumerate(v)]
+            if all(type(x) is int for x in v) and (not v or (min(v) >= INT_MIN and max(v) <= INT_MAX)):
+                return v  # an optimizer's parameter indices: packed as they are (flatten packs before it returns)
+            return [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
         if t is tuple:
-            items = [self.value(x, (*keys, i)) for i, x in enumerate(v)]
+            items = [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items))
         if t is collections.OrderedDict:
             return msgpack.ExtType(EXT_ODICT, msgpack.packb(self.mapping(v, keys)))
@@ -121,7 +139,10 @@ class _Flattener:
         for k, x in v.items():
             if type(k) not in KEY_TYPES or (type(k) is int and not INT_MIN <= k <= INT_MAX):
                 raise _unsupported(keys, f"a dict key {k!r} of type {type(k).__name__}")
-            out[k] = self.value(x, (*keys, k))
+            if type(x) is torch.Tensor:
+                out[k] = self.tensor(x, (*keys, k))
+            else:
+                out[k] = x if _plain(x) else self.value(x, (*keys, k))
         return out
 
     def tensor(self, v: torch.Tensor, keys: Path) -> msgpack.ExtType:
@@ -132,9 +153,9 @@ class _Flattener:
             v, code = local, EXT_DTENSOR
         name = check_tensor(v, keys)
         index = len(self.tensors)
-        self.tensors.append(v.detach())
-        self.specs.append(("/".join(map(str, keys)), name, tuple(v.shape)))
-        return msgpack.ExtType(code, index.to_bytes(4, "big") + place)
+        self.tensors.append(v.detach() if v.requires_grad else v)
+        self.specs.append((keys, name, tuple(v.shape)))
+        return _ext(code, index.to_bytes(4, "big") + place)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -179,9 +200,9 @@ def _table(layout: Layout) -> tuple[Layout, tuple[TensorEntry, ...], int]:
     """
     entries = []
     offset = end = 0
-    for path, dtype, shape in layout:
+    for keys, dtype, shape in layout:
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
-        entries.append(TensorEntry(path, dtype, shape, offset, nbytes))
+        entries.append(TensorEntry("/".join(map(str, keys)), dtype, shape, offset, nbytes))
         end = offset + nbytes
         offset += -(-nbytes // ALIGN) * ALIGN
     return layout, tuple(entries), end
