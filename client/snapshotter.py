@@ -333,7 +333,7 @@ class Snapshotter:
     def _recover(self, timeout: float) -> int:
         assert self._live is not None
         t0 = time.monotonic()
-        self._stager.fence(timeout=self.timeout)  # the copy in flight reads the tensors the rollback writes
+        self._stager.fence(timeout=self.timeout, host=True)  # the copy in flight reads the tensors the rollback writes
         replicated = self._replicated
         for attempt in range(1, self._live.attempts + 1):
             # the broken group is destroyed once nothing holds it (its gloo loop spins while it lives)
@@ -516,7 +516,7 @@ class Snapshotter:
         self._closed = True
         if self._live is not None:
             self._live.unwatch()
-        self._stager.fence(timeout=self.timeout)
+        self._stager.fence(timeout=self.timeout, host=True)  # before the arena is unregistered and unmapped
         self._stager.remove_hooks()
         if unregister:
             self._channel.send(UnregisterRank(job=self.job, rank=self.rank))
@@ -593,7 +593,7 @@ class Snapshotter:
     def _map_arena(self, path: str, slot_bytes: int, slots: int) -> Arena:
         if self._arena is not None and self._arena.path == path:
             return self._arena
-        self._stager.fence(timeout=self.timeout)
+        self._stager.fence(timeout=self.timeout, host=True)  # the old arena is unmapped below
         old = self._arena
         self._arena = attach_arena(path, slot_bytes, slots)
         self._slot_tensors = [

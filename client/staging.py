@@ -64,6 +64,7 @@ class Stager:
         self._safe_layout: Any = None
         self._safe: list[bool] = []
         self._side_stream: Any = None
+        self._last_event: Any = None  # the CUDA part of the last copy, until the host has waited for it
         self._pinned: list[int] = []
 
     def pin(self, arena: Arena) -> None:
@@ -131,6 +132,7 @@ class Stager:
                 training.wait_event(copied)  # a GPU-side wait: this thread goes on at once
         job = _Copy(event)
         self._inflight = job
+        self._last_event = event
 
         def background() -> None:
             try:
@@ -147,19 +149,24 @@ class Stager:
 
         channel.submit(background)
 
-    def fence(self, timeout: float | None = 60.0) -> None:
-        """Wait for the copy in flight (CPU part on this thread; CUDA part as a GPU-side wait)."""
+    def fence(self, timeout: float | None = 60.0, *, host: bool = False) -> None:
+        """Wait for the copy in flight: its CPU part on this thread, its CUDA part as a GPU-side wait (kernels
+        queued on the training stream from now on run after it). With ``host``, this thread also waits for the
+        CUDA part of the last copy, fenced before or not: needed before the arena it writes into is unmapped,
+        unregistered or handed back."""
         job = self._inflight
-        if job is None:
-            return
-        self._inflight = None
-        t0 = time.perf_counter()
-        if job.cuda_event is not None:
-            torch.cuda.current_stream().wait_event(job.cuda_event)
-        if not job.cpu_done.wait(timeout):
-            job.abandoned = True
-            log.warning("snapshot copy did not finish within %s s; abandoning that snapshot", timeout)
-        self.stats.fence_seconds += time.perf_counter() - t0
+        if job is not None:
+            self._inflight = None
+            t0 = time.perf_counter()
+            if job.cuda_event is not None:
+                torch.cuda.current_stream().wait_event(job.cuda_event)
+            if not job.cpu_done.wait(timeout):
+                job.abandoned = True
+                log.warning("snapshot copy did not finish within %s s; abandoning that snapshot", timeout)
+            self.stats.fence_seconds += time.perf_counter() - t0
+        if host and self._last_event is not None:
+            self._last_event.synchronize()
+            self._last_event = None
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.fence()

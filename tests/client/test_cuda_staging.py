@@ -16,9 +16,18 @@ import pytest
 import torch
 
 from snapshotd.client import Snapshotter
+from snapshotd.demo import wait_for
 from snapshotd.local_cluster import LocalCluster
+from snapshotd.status import fetch_status
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(autouse=True)
+def deterministic_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's deterministic kernels: a step run twice from the same state gives the same bits."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
 LONG_SLEEP = 2_000_000_000
 """GPU cycles for ``torch.cuda._sleep``: about a second on current GPUs, far longer than a capture."""
@@ -150,3 +159,34 @@ def test_buffers_changed_right_after_capture_are_snapshotted_as_they_were(tmp_pa
         with Snapshotter(state2, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
             assert snap.restore(timeout=30) == 2
             assert torch.equal(state2["counter"].cpu(), torch.full((1 << 20,), 2.0))
+
+
+def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -> None:
+    # close() unregisters the page-locked arena and unmaps it: a copy still running into it must end first
+    job = f"cuda-{uuid.uuid4().hex[:6]}"
+    with _cluster(tmp_path) as cluster:
+        model, opt, state = _job_state(seed=0)
+        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+            assert snap.restore(timeout=30) == 0
+            _train_step(model, opt, 1)
+            snap.capture(1)
+            assert snap.wait(30)
+            side = snap._stager._side_stream
+            _train_step(model, opt, 2)
+            expected = _cpu_copy(state)
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(LONG_SLEEP)  # the copy of step 2 waits behind this
+            snap.capture(2)
+            snap.close(unregister=False)  # at once, as a job that ends right after its last step
+            assert side.query()  # the copy was done before the arena went
+
+        def durable() -> int:
+            jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["jobs"]
+            return max((j["durable"] for j in jobs if j["job"] == job), default=0)
+
+        wait_for(lambda: durable() >= 2, 30, "step 2 durable on the buddy")  # announced once the copy was done
+        model2, opt2, state2 = _job_state(seed=1)
+        _train_step(model2, opt2, 0)
+        with Snapshotter(state2, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+            assert snap.restore(timeout=30) == 2
+            _assert_same(_cpu_copy(state2), expected)
