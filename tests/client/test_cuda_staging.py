@@ -64,6 +64,28 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -
     opt.step()
 
 
+def _snapshotter(cluster: LocalCluster, job: str, state: dict) -> Snapshotter:
+    return Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30)
+
+
+def _restarted(seed: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """The state of a restarted process: other initial values, and its optimizer state already made."""
+    model, opt, state = _job_state(seed)
+    _train_step(model, opt, 0)
+    return model, opt, state
+
+
+def _first_snapshot(snap: Snapshotter, model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.cuda.Stream:
+    """A fresh job's step 1, snapshotted and durable; the Snapshotter's copy stream, which that capture made."""
+    assert snap.restore(timeout=30) == 0
+    _train_step(model, opt, 1)
+    snap.capture(1)
+    assert snap.wait(30)
+    side = snap._stager._side_stream
+    assert side is not None
+    return side
+
+
 def _cpu_copy(state: dict) -> dict:
     """Every tensor of the model's and optimizer's state dicts, copied to the CPU."""
     return {
@@ -87,7 +109,7 @@ def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) 
     job = f"cuda-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path) as cluster:
         model, opt, state = _job_state(seed=0)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+        with _snapshotter(cluster, job, state) as snap:
             assert snap.restore(timeout=30) == 0
             for step in range(1, 4):
                 _train_step(model, opt, step)
@@ -98,9 +120,8 @@ def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) 
         _train_step(model, opt, 4)
         after_4 = _cpu_copy(state)
 
-        model2, opt2, state2 = _job_state(seed=1)  # a restarted process: other initial values
-        _train_step(model2, opt2, 0)  # and its optimizer state already made
-        with Snapshotter(state2, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+        model2, opt2, state2 = _restarted()
+        with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 3
             assert snap.restored["source"] == "local"
             _assert_same(_cpu_copy(state2), at_3)
@@ -112,11 +133,8 @@ def test_capture_returns_while_the_gpu_is_still_busy(tmp_path) -> None:
     job = f"cuda-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path) as cluster:
         model, opt, state = _job_state(seed=0)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
-            assert snap.restore(timeout=30) == 0
-            _train_step(model, opt, 1)
-            snap.capture(1)
-            assert snap.wait(30)
+        with _snapshotter(cluster, job, state) as snap:
+            _first_snapshot(snap, model, opt)
             _train_step(model, opt, 2)
             torch.cuda._sleep(LONG_SLEEP)  # the training stream is busy for about a second
             t0 = time.perf_counter()
@@ -137,14 +155,8 @@ def test_buffers_changed_right_after_capture_are_snapshotted_as_they_were(tmp_pa
         model, opt, state = _job_state(seed=0)
         counter = torch.zeros(1 << 20, device="cuda")
         state["counter"] = counter
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
-            assert snap.restore(timeout=30) == 0
-            _train_step(model, opt, 1)
-            counter.fill_(1.0)
-            snap.capture(1)
-            assert snap.wait(30)
-            side = snap._stager._side_stream  # the copy stream, made by the first capture
-            assert side is not None
+        with _snapshotter(cluster, job, state) as snap:
+            side = _first_snapshot(snap, model, opt)
             _train_step(model, opt, 2)
             counter.fill_(2.0)
             with torch.cuda.stream(side):
@@ -153,10 +165,8 @@ def test_buffers_changed_right_after_capture_are_snapshotted_as_they_were(tmp_pa
             counter.fill_(99.0)  # the next step's work, queued at once on the training stream
             assert snap.wait(30) and snap.stats.last_durable_step == 2
             snap.close(unregister=False)
-        model2, opt2, state2 = _job_state(seed=1)
-        _train_step(model2, opt2, 0)
-        state2["counter"] = torch.zeros(1 << 20, device="cuda")
-        with Snapshotter(state2, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+        state2 = {**_restarted()[2], "counter": torch.zeros(1 << 20, device="cuda")}
+        with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 2
             assert torch.equal(state2["counter"].cpu(), torch.full((1 << 20,), 2.0))
 
@@ -166,12 +176,8 @@ def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -
     job = f"cuda-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path) as cluster:
         model, opt, state = _job_state(seed=0)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
-            assert snap.restore(timeout=30) == 0
-            _train_step(model, opt, 1)
-            snap.capture(1)
-            assert snap.wait(30)
-            side = snap._stager._side_stream
+        with _snapshotter(cluster, job, state) as snap:
+            side = _first_snapshot(snap, model, opt)
             _train_step(model, opt, 2)
             expected = _cpu_copy(state)
             with torch.cuda.stream(side):
@@ -185,8 +191,7 @@ def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -
             return max((j["durable"] for j in jobs if j["job"] == job), default=0)
 
         wait_for(lambda: durable() >= 2, 30, "step 2 durable on the buddy")  # announced once the copy was done
-        model2, opt2, state2 = _job_state(seed=1)
-        _train_step(model2, opt2, 0)
-        with Snapshotter(state2, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=30) as snap:
+        state2 = _restarted()[2]
+        with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 2
             _assert_same(_cpu_copy(state2), expected)
