@@ -72,6 +72,16 @@ def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1
         pacer.report_step(RANK, step.count, [seconds], clock.t, nbytes)  # type: ignore[attr-defined]
 
 
+def cut_for_the_budget() -> tuple[Clock, Pacer]:
+    """A pacer that has cut its rate below the spread: loaded steps twice as long as the clean ones."""
+    clock = Clock()
+    pacer = Pacer(None, clock=clock)
+    step(pacer, clock, 0.1, loaded=False, n=4)
+    step(pacer, clock, 0.2, loaded=True, n=16)
+    assert pacer.state().mode == "budget" and math.isfinite(pacer.rate)
+    return clock, pacer
+
+
 def test_fixed_rate_ignores_step_times() -> None:
     clock = Clock()
     pacer = Pacer(5e6, clock=clock)
@@ -153,11 +163,7 @@ def test_a_long_pause_says_nothing_of_snapshots() -> None:
 
 
 def test_an_idle_job_unpaces_and_starts_over() -> None:
-    clock = Clock()
-    pacer = Pacer(None, clock=clock)
-    step(pacer, clock, 0.1, loaded=False, n=4)
-    step(pacer, clock, 0.2, loaded=True, n=16)
-    assert pacer.state().mode == "budget"
+    clock, pacer = cut_for_the_budget()
     clock.t += Pacer.IDLE_SECONDS + 1  # the job stopped reporting
     assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
     step(pacer, clock, 0.1, loaded=False)  # it came back (announcing before it streams again): the spread rate
@@ -166,12 +172,8 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
 
 
 def test_a_rank_whose_snapshot_still_streams_is_not_idle_though_it_announces_nothing() -> None:
-    clock = Clock()
-    pacer = Pacer(None, clock=clock)
-    step(pacer, clock, 0.1, loaded=False, n=4)
-    step(pacer, clock, 0.2, loaded=True, n=16)
+    clock, pacer = cut_for_the_budget()
     paced = pacer.rate
-    assert pacer.state().mode == "budget" and paced < math.inf
     with pacer.streaming(RANK):  # a stream at the cut rate outlasts the idle time: the rank skips every due step
         clock.t += 5 * Pacer.IDLE_SECONDS
         assert pacer.rate == paced and pacer.state().mode == "budget"
