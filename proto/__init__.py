@@ -20,7 +20,15 @@ from .errors import (
 )
 from .fields import CODECS
 from .limits import PROTOCOL_VERSION
-from .manifest import DTYPE_SIZES, TensorEntry, decode_table, encode_table, match_entries, table_data_bytes
+from .manifest import (
+    DTYPE_SIZES,
+    TensorEntry,
+    decode_table,
+    encode_table,
+    landing_segments,
+    match_entries,
+    table_data_bytes,
+)
 from .messages import *  # noqa: F403
 from .messages import __all__ as _messages_all
 from .records import (
@@ -67,6 +75,7 @@ __all__ = [
     "decompress_chunk",
     "encode",
     "encode_table",
+    "landing_segments",
     "match_entries",
     "table_data_bytes",
     "verify",

@@ -102,3 +102,13 @@ def match_entries(snapshot: Sequence[TensorEntry], live: Sequence[TensorEntry]) 
         if j is not None and live[j].dtype == e.dtype and live[j].shape == e.shape:
             out[i] = j
     return out
+
+
+def landing_segments(
+    snapshot: Sequence[TensorEntry], live: Sequence[TensorEntry], targets: Sequence[int]
+) -> list[tuple[int, int, int]]:
+    """Where a snapshot's data lands in a restoring process: ``(start, end, address)`` per snapshot entry with
+    bytes, sorted by ``start``. ``address`` is the target (``targets[j]``, one per live entry) of the live entry
+    :func:`match_entries` pairs the entry with, or 0 where there is none (the bytes go to the arena slot)."""
+    direct = {i: targets[j] for i, j in match_entries(snapshot, live).items() if targets[j]}
+    return sorted((e.offset, e.offset + e.nbytes, direct.get(i, 0)) for i, e in enumerate(snapshot) if e.nbytes)

@@ -8,10 +8,11 @@ Three conversations use these messages:
 
 - ipc, a training rank and its node's sidecar: :class:`RegisterRank`, :class:`RankRegistered`,
   :class:`UnregisterRank`, :class:`Announce`, :class:`SlotUpdate`, :class:`RestoreRequest`, :class:`RestoreProgress`,
-  :class:`RestoreReply`, and :class:`SeatRequest`, :class:`SeatReply`, :class:`PeerLostReport`, :class:`PeerLostReply`
-  (also sidecar to coordinator).
+  :class:`RestoreFetch`, :class:`RestoreFetched`, :class:`RestoreReply`, and :class:`SeatRequest`,
+  :class:`SeatReply`, :class:`PeerLostReport`, :class:`PeerLostReply` (also sidecar to coordinator).
 - data plane, sidecar to sidecar: :class:`StreamBegin`, :class:`StreamAccept`, :class:`Chunk`,
-  :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`.
+  :class:`ChunkAck`, :class:`StreamAbort`, :class:`PullManifest`, :class:`PullRequest`, :class:`TicketRequest`,
+  :class:`Ticket` (the bytes a ticket admits to go over a holder's bulk port instead: :mod:`.bulk`).
 - control plane, sidecar to coordinator: :class:`RegisterSidecar`, :class:`SidecarRegistered`,
   :class:`Heartbeat`, :class:`HeartbeatReply`, :class:`PlanRequest`, :class:`PlanReply`,
   :class:`StatusRequest`, :class:`StatusReply`, :class:`MemberQuery`, :class:`MemberReply`, :class:`Drain`,
@@ -58,6 +59,8 @@ __all__ = [
     "RankRegistered",
     "RegisterRank",
     "RegisterSidecar",
+    "RestoreFetch",
+    "RestoreFetched",
     "RestoreProgress",
     "RestoreReply",
     "RestoreRequest",
@@ -65,6 +68,8 @@ __all__ = [
     "SeatRequest",
     "SidecarRegistered",
     "SlotUpdate",
+    "Ticket",
+    "TicketRequest",
     "StatusReply",
     "StatusRequest",
     "StreamAbort",
@@ -175,6 +180,8 @@ class RestoreRequest(Message):
     let the sidecar write a pulled snapshot straight into the live tensors (see :func:`match_entries`); both
     empty: the arena only. ``progress``: the rank shows the restore's progress, so the sidecar sends it
     :class:`RestoreProgress` messages before its reply (a client that leaves the field out gets none).
+    ``fetch``: the rank can fetch a pulled step from the holders itself (:class:`RestoreFetch`); a client that
+    leaves the field out is never asked to.
     """
 
     TYPE: ClassVar[str] = "restore_request"
@@ -183,8 +190,53 @@ class RestoreRequest(Message):
     world_size: int = spec_field(WORLD)
     timeout_s: float = spec_field(SECONDS)
     progress: bool = spec_field(Bool(), default=False)
+    fetch: bool = spec_field(Bool(), default=False)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     targets: memoryview | bytes = _payload(8 * L.MAX_TENSORS)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreFetch(Message):
+    """The sidecar asks a rank that restores with ``fetch`` to fetch the step it pulls, ``step``, itself: chunks
+    of ``chunk_bytes`` (the last one shorter) of ``data_bytes``, striped across the holders' bulk ports
+    ``holders`` (``host:port``), each with its :data:`~snapshotd.proto.bulk.TOKEN_BYTES`-byte ticket in
+    ``tokens``, in order; every chunk checked against the checksum its holder sends. The bytes of each entry of
+    ``table`` that :func:`match_entries` pairs with a target of the rank's request land in that target, the rest
+    in slot ``slot`` of arena ``arena`` (``slots`` slots of ``slot_bytes``). The rank answers
+    :class:`RestoreFetched`; the :class:`RestoreReply` follows it.
+    """
+
+    TYPE: ClassVar[str] = "restore_fetch"
+    FRAMES: ClassVar[tuple[str, ...]] = ("table", "tokens")
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    data_bytes: int = spec_field(NBYTES)
+    chunk_bytes: int = spec_field(Int(L.MIN_CHUNK_BYTES, L.MAX_CHUNK_BYTES))
+    arena: str = spec_field(ADDR)
+    slot_bytes: int = spec_field(NBYTES)
+    slots: int = spec_field(Int(1, L.MAX_SLOTS))
+    slot: int = spec_field(SLOT)
+    holders: tuple[str, ...] = spec_field(ListOf(ADDR, 64))
+    table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
+    tokens: memoryview | bytes = _payload(64 * 16)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreFetched(Message):
+    """A rank's answer to :class:`RestoreFetch`. ``ok``: every chunk is in place and passed its check; ``sums``
+    holds each chunk's checksum as its holder carried it (little-endian uint64, in chunk order), ``fetched`` the
+    bytes received, ``direct`` whether any went into a target rather than the slot. Else ``reason`` says why;
+    the sidecar then pulls the step itself."""
+
+    TYPE: ClassVar[str] = "restore_fetched"
+    FRAMES: ClassVar[tuple[str, ...]] = ("sums",)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    ok: bool = spec_field(Bool())
+    direct: bool = spec_field(Bool(), default=False)
+    fetched: int = spec_field(NBYTES, default=0)
+    reason: str = spec_field(TEXT, default="")
+    sums: memoryview | bytes = _payload(8 * (L.MAX_SNAPSHOT_BYTES // L.MIN_CHUNK_BYTES))
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -339,6 +391,32 @@ class PullRequest(Message):
     step: int = spec_field(STEP)
     first: int = spec_field(Int(0, L.MAX_SNAPSHOT_BYTES))
     count: int = spec_field(Int(1, 4096))
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TicketRequest(Message):
+    """Ask a holder to serve its complete copy of ``(job, rank, step)`` over its bulk port (:mod:`.bulk`), to
+    whoever presents the :class:`Ticket` it answers with (an Error: ``not_found``, or ``unexpected`` from a
+    holder that serves no bulk port)."""
+
+    TYPE: ClassVar[str] = "ticket_request"
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Ticket(Message):
+    """A holder's answer to :class:`TicketRequest`: connect to ``port`` on the host of its data address and
+    present ``token`` within ``expires_s`` seconds; the connection is then served the copy's chunks, the copy
+    pinned until it closes. One connection per ticket."""
+
+    TYPE: ClassVar[str] = "ticket"
+    FRAMES: ClassVar[tuple[str, ...]] = ("token",)
+    rank: int = spec_field(RANK)
+    step: int = spec_field(STEP)
+    port: int = spec_field(Int(1, 65535))
+    expires_s: float = spec_field(SECONDS)
+    token: memoryview | bytes = _payload(16)
 
 
 # control plane: sidecar <-> coordinator
@@ -631,7 +709,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
         RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreProgress, RestoreReply,
-        StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest,
+        RestoreFetch, RestoreFetched,
+        StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest, TicketRequest, Ticket,
         RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
         StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, SeatRequest, SeatReply,
         PeerLostReport, PeerLostReply, Drain, DrainReply, Error,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from snapshotd.proto import ProtocolError, TensorEntry, match_entries
+from snapshotd.proto import ProtocolError, TensorEntry, landing_segments
 
 __all__ = ["DirectSink", "Lander", "PlacementError", "arena_sink"]
 
@@ -97,16 +97,9 @@ class DirectSink:
     ) -> None:  # fmt: skip
         if memoryview(targets).nbytes != 8 * len(live):
             raise ProtocolError(f"restore targets hold {memoryview(targets).nbytes} bytes for {len(live)} tensors")
-        addresses = np.frombuffer(targets, dtype="<u8")
+        segments = landing_segments(snapshot, live, np.frombuffer(targets, dtype="<u8").tolist())
         self.pid = pid
         self.slot = slot
-        remote: dict[int, int] = {
-            i: int(addresses[j]) for i, j in match_entries(snapshot, live).items() if addresses[j]
-        }
-        # Segments over the data buffer, sorted: (start, end, address in the process or 0 for the slot).
-        segments = sorted(
-            (e.offset, e.offset + e.nbytes, remote.get(i, 0)) for i, e in enumerate(snapshot) if e.nbytes
-        )
         self._starts = [s for s, _, _ in segments]
         self._segments = segments
         self.direct_bytes = sum(end - start for start, end, addr in segments if addr)

@@ -42,6 +42,8 @@ from snapshotd.proto import (
     RegisterRank,
     RegisterSidecar,
     ReplicateTask,
+    RestoreFetch,
+    RestoreFetched,
     RestoreProgress,
     RestoreReply,
     RestoreRequest,
@@ -54,6 +56,8 @@ from snapshotd.proto import (
     StreamAbort,
     StreamAccept,
     StreamBegin,
+    Ticket,
+    TicketRequest,
     UnregisterRank,
     Watermark,
     decode,
@@ -92,7 +96,12 @@ def sample_messages() -> list[Message]:
             job="run-42", rank=3, step=17, slot=1, table_id=2, step_seconds=0.25, table=table, meta=META
         ),
         SlotUpdate(job="run-42", rank=3, free_slots=(0, 1), durable_step=16, note="buddy slow"),
-        RestoreRequest(job="run-42", rank=3, world_size=8, timeout_s=30.0),
+        RestoreRequest(job="run-42", rank=3, world_size=8, timeout_s=30.0, fetch=True),
+        RestoreFetch(job="run-42", rank=3, step=17, data_bytes=384_004, chunk_bytes=1 << 20,
+                     arena="/dev/shm/snapshotd-run-42-3b", slot_bytes=1 << 20, slots=2, slot=1,
+                     holders=("10.0.0.2:40001", "[fd00::3]:40002"), table=table, tokens=bytes(range(32))),  # fmt: skip
+        RestoreFetched(job="run-42", rank=3, step=17, ok=True, direct=True, fetched=384_004,
+                       sums=(7).to_bytes(8, "little")),  # fmt: skip
         RestoreProgress(job="run-42", rank=3, step=17, done_bytes=1 << 19, total_bytes=1 << 20, source="pull",
                         sources=("tcp://10.0.0.2:7071",)),  # fmt: skip
         RestoreReply(
@@ -120,6 +129,8 @@ def sample_messages() -> list[Message]:
             meta=META,
         ),
         StreamAccept(job="run-42", rank=3, step=17, bases=(15, 16)),
+        TicketRequest(job="run-42", rank=3, step=17),
+        Ticket(job="run-42", rank=3, step=17, port=40001, expires_s=30.0, token=bytes(range(16))),
         Chunk(
             job="run-42",
             rank=3,
