@@ -12,6 +12,7 @@ called while it waits for the reply), so no thread is added and the training thr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -68,6 +69,13 @@ class RestoreDisplay:
     def update(self, msg: RestoreProgress) -> None:
         """Keep ``msg`` for the next :meth:`draw` (called on the channel thread: only a reference is stored)."""
         self._latest = msg
+
+    def advance(self, done_bytes: int) -> None:
+        """``done_bytes`` of the restore the sidecar last told of are in (a rank fetching its pull itself counts
+        them; any thread)."""
+        msg = self._latest
+        if msg is not None:
+            self._latest = dataclasses.replace(msg, done_bytes=min(done_bytes, msg.total_bytes))
 
     def draw(self) -> None:
         """Redraw with the newest progress the sidecar sent."""

@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,10 +39,12 @@ from snapshotd.proto import (
     PeerLostReport,
     RankRegistered,
     RegisterRank,
+    RestoreFetch,
     RestoreProgress,
     RestoreReply,
     RestoreRequest,
     SlotUpdate,
+    TensorEntry,
     UnregisterRank,
     decode_table,
     encode_table,
@@ -53,6 +56,7 @@ from snapshotd.shm import Arena, attach_arena, pid_alive, process_started
 from .channel import Channel
 from .direct import direct_targets, writable_by
 from .errors import NotRecoverable, PeerLost, RecoveryFailed, RestoreFailed, SnapshotdError
+from .fetch import fetch_restore
 from .identity import Identity
 from .live import LiveGroup, check_rebindable, is_peer_failure, rebind_ddp
 from .load import restore_into
@@ -195,6 +199,7 @@ class Snapshotter:
         self.restored: dict[str, Any] = {}
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
         self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
+        self._restore_targets: tuple[list[TensorEntry], list[int]] = ([], [])  # what the restore asked for
         self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
         if live is not None:
@@ -380,6 +385,7 @@ class Snapshotter:
             self._inflight.clear()
             seen = self._updates
         targets = direct_targets(flat)
+        self._restore_targets = (flat.entries, np.frombuffer(targets, dtype="<u8").tolist())
         display = self._restore_display = restore_display(self.job, self.rank)  # None: nothing to draw here
         live = self._live
         epoch = live.epoch if live is not None else -1
@@ -398,8 +404,8 @@ class Snapshotter:
             with writable_by(self._sidecar_pid if targets else 0), live.step() if live is not None else contextlib.nullcontext():
                 reply = self._channel.request(
                     RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
-                                   progress=display is not None, table=encode_table(flat.entries) if targets else b"",
-                                   targets=targets),
+                                   progress=display is not None, fetch=True,
+                                   table=encode_table(flat.entries) if targets else b"", targets=targets),
                     "restore_reply",
                     timeout + 5,
                     on_wait=on_wait if display is not None or live is not None else None,
@@ -713,6 +719,8 @@ class Snapshotter:
             display = self._restore_display
             if display is not None:
                 display.update(msg)
+        elif isinstance(msg, RestoreFetch):
+            threading.Thread(target=self._fetch, args=(msg,), name="snapshotd-restore-fetch", daemon=True).start()
         elif msg.TYPE == "error":
             text = f"{getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}"
             with self._lock:
@@ -724,6 +732,14 @@ class Snapshotter:
                 self._free.clear()
                 self._lock.notify_all()
             self._problem(text)
+
+    def _fetch(self, msg: RestoreFetch) -> None:
+        """A thread of its own: fetch what the sidecar asks (:mod:`.fetch`) while restore() waits for its reply,
+        and answer it."""
+        display = self._restore_display
+        live, targets = self._restore_targets
+        on_progress = display.advance if display is not None else None
+        self._channel.send(fetch_restore(msg, live, targets, timeout=self.timeout, on_progress=on_progress))
 
     def _update_rpo(self) -> None:
         """``stats.rpo_*`` from the newest step captured and the recovery point (call with the lock held)."""

@@ -57,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
                         "the hosts of the job's members (default %(default)s)")  # fmt: skip
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
+    s.add_argument("--bulk-port", default="0", metavar="PORT|off",
+                   help="TCP port on the data bind's host where restoring ranks fetch copies held here directly, on "
+                        "a plaintext data plane only; 0 picks a free one, off restores through the sidecars "
+                        "(default %(default)s)")  # fmt: skip
     s.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
     s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -143,6 +147,16 @@ def _export(args: argparse.Namespace, secret: str | None) -> int:
     return 0
 
 
+def _bulk_port(text: str) -> int | None:
+    """``--bulk-port``: a port number, or None for ``off``."""
+    if text == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--bulk-port must be a port number or off, got {text!r}") from None
+
+
 def _serve(args: argparse.Namespace, secret: str | None) -> int:
     import uvloop
 
@@ -170,6 +184,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         secret=secret,
         data_security=args.data_security,
         insecure=args.insecure,
+        bulk_port=_bulk_port(args.bulk_port),
         metrics_bind=args.metrics_bind,
         **extra,
     )

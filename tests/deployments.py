@@ -13,6 +13,8 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
+import os
+import tempfile
 import threading
 import time
 import uuid
@@ -129,13 +131,19 @@ class Deployment(abc.ABC):
 
 
 class InProcess(Deployment):
-    """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring)."""
+    """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring); with
+    ``tcp``, over ZeroMQ on loopback TCP and ipc sockets instead (the sidecars' bulk ports with them, ``bulk_port``
+    as :class:`~snapshotd.sidecar.config.SidecarConfig` takes it)."""
 
-    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0) -> None:
+    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0,
+                 tcp: bool = False, bulk_port: int | None = 0) -> None:  # fmt: skip
         self.tag = uuid.uuid4().hex[:8]
         self.chunk_bytes = chunk_bytes
         self.request_timeout = request_timeout
-        cfg = CoordinatorConfig(bind=f"mem://coordinator-{self.tag}", replicas=replicas,
+        self.tcp = tcp
+        self.bulk_port = bulk_port
+        self._ipc_dir = tempfile.TemporaryDirectory(prefix="snapshotd-ipc-") if tcp else None
+        cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0" if tcp else f"mem://coordinator-{self.tag}", replicas=replicas,
                                 heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
         self._coordinator = LoopThread("coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop))
         self.coordinator = self._coordinator.fields[0]
@@ -144,9 +152,11 @@ class InProcess(Deployment):
         """The running sidecars by node, for tests that look inside them (their loops run in other threads)."""
 
     def start_sidecar(self, node: str) -> str:
-        cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=f"mem://{node}-{self.tag}-ipc",
-                            data_bind=f"mem://{node}-{self.tag}-data", nice=0, chunk_bytes=self.chunk_bytes,
-                            request_timeout=self.request_timeout)  # fmt: skip
+        ipc = f"mem://{node}-{self.tag}-ipc" if self._ipc_dir is None else os.path.join(self._ipc_dir.name, node)
+        cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=ipc,
+                            data_bind="tcp://127.0.0.1:0" if self.tcp else f"mem://{node}-{self.tag}-data", nice=0,
+                            chunk_bytes=self.chunk_bytes, request_timeout=self.request_timeout,
+                            bulk_port=self.bulk_port)  # fmt: skip
         stack = contextlib.ExitStack()
         self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack
@@ -165,6 +175,8 @@ class InProcess(Deployment):
         self._sidecars.clear()
         self.sidecars.clear()
         self._coordinator.stop()
+        if self._ipc_dir is not None:
+            self._ipc_dir.cleanup()
 
 
 class Processes(Deployment):

@@ -81,6 +81,16 @@ class SidecarConfig:
     insecure: bool = False
     """Allow a routable ``data_bind`` without a secret."""
 
+    bulk_port: int | None = 0
+    """The TCP port, on ``data_bind``'s host, where restoring ranks fetch copies held here themselves
+    (:mod:`snapshotd.proto.bulk`; 0 picks a free one); None: none, restores pull through the sidecars. Served only
+    on a plaintext data plane (no secret, or ``members``): with ``curve`` it would expose what CURVE encrypts."""
+
+    @property
+    def serves_bulk(self) -> bool:
+        """Whether this sidecar opens a bulk port (see ``bulk_port``)."""
+        return self.bulk_port is not None and (self.secret is None or self.data_security == "members")
+
     metrics_bind: str | None = None
     """``HOST:PORT`` to serve Prometheus metrics at ``/metrics`` (:mod:`snapshotd.metrics`); None: none."""
 
@@ -111,6 +121,8 @@ class SidecarConfig:
                              "a member, is reached over CURVE")  # fmt: skip
         if self.metrics_bind is not None:
             parse_host_port(self.metrics_bind, "--metrics-bind")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"--bulk-port must be 0-65535 or off, got {self.bulk_port}")
         if not 0 <= self.drain_timeout <= 3600:
             raise ValueError(f"--drain-timeout must be 0-3600 s, got {self.drain_timeout}")
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:

@@ -34,6 +34,7 @@ from snapshotd.security import check_bind, members_source
 from snapshotd.shm import sweep_stale_arenas
 from snapshotd.transport import Pipe, Role, Security, is_memory, open_network
 
+from .bulk import BulkServer
 from .config import SidecarConfig
 from .control import CoordinatorClient, CoordinatorUnavailable
 from .heartbeat import ControlService
@@ -102,6 +103,7 @@ class Sidecar:
         control = CoordinatorClient(network, cfg.coordinator, tasks=self.tasks)
         pipes: list[Pipe] = []
         links: PeerLinks | None = None
+        bulk: BulkServer | None = None
         installed: list[signal.Signals] = []
         metrics: Any = None  # a snapshotd.metrics.MetricsEndpoint
         try:
@@ -121,7 +123,12 @@ class Sidecar:
             restores = RestoreService(self.state, cfg, control, links, ipc_out, notices.slots)
             ingest = IngestService(self.state, notices, streams, restores, self.tasks, self.pacer, cfg.chunk_bytes,
                                    control)  # fmt: skip
-            serve = ServeService(self.state, data_out, self.tasks)
+            if cfg.serves_bulk and not is_memory(data.address):
+                assert cfg.bulk_port is not None
+                bulk = BulkServer(_bind_host(data.address), cfg.bulk_port, served=self.state.counters.served,
+                                  timeout=cfg.request_timeout)  # fmt: skip
+                log.info("sidecar %s: bulk port %d", cfg.node, bulk.port)
+            serve = ServeService(self.state, data_out, self.tasks, bulk)
             heartbeat = ControlService(self.state, cfg, control, streams, serve,
                                        ReplicateService(self.state, links), self.tasks, notices.slots)  # fmt: skip
             if cfg.metrics_bind is not None:
@@ -160,6 +167,8 @@ class Sidecar:
                 asyncio.get_running_loop().remove_signal_handler(sig)
             if links is not None:
                 links.close()
+            if bulk is not None:
+                bulk.close()
             control.close()
             for pipe in pipes:
                 pipe.close()
@@ -305,3 +314,9 @@ async def run_sidecar(
 ) -> None:
     """Run one sidecar until stopped (the ``snapshotd serve`` entry point, under ``uvloop.run``)."""
     await Sidecar(cfg).run(ready, stop)
+
+
+def _bind_host(bound: str) -> str:
+    """The host a bulk port listens on beside the data plane bound at ``bound`` (all interfaces for a wildcard)."""
+    host = urlsplit(bound).hostname or ""
+    return "" if host in ("*", "0.0.0.0") else host

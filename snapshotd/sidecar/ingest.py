@@ -27,6 +27,7 @@ from snapshotd.proto import (
     ProtocolError,
     RankRegistered,
     RegisterRank,
+    RestoreFetched,
     RestoreRequest,
     SeatReply,
     SeatRequest,
@@ -135,6 +136,8 @@ class IngestService:
         elif isinstance(msg, RestoreRequest):
             task = self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
             self.restores.track(msg.job, msg.rank, task)
+        elif isinstance(msg, RestoreFetched):
+            self.restores.fetched(msg)
         elif isinstance(msg, UnregisterRank):
             self._unregister(msg.job, msg.rank)
         elif isinstance(msg, SeatRequest):

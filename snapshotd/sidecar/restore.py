@@ -8,6 +8,11 @@ the copy's seal (:mod:`.integrity`) before the reply lets the rank load them; a 
 and the next source is tried. Where the restoring process named its live tensors, pulled or replica bytes go
 straight into them (:mod:`.placement`); the rest goes through the arena. The reply says which and where.
 
+A pull is fetched by the rank itself where it can (it asked with ``fetch``, this sidecar serves a bulk port, and
+a holder gives a ticket): the holders' bulk ports (:mod:`.bulk`) send the chunks straight into the rank's tensors
+and slot, each checked by the rank against its carried checksum (:class:`~snapshotd.proto.RestoreFetch`), which
+saves this sidecar's copy of every byte. A fetch that fails is followed by a pull through the sidecars.
+
 A rank that asks with ``progress`` is told how it goes (:class:`~snapshotd.proto.RestoreProgress`): once the
 source is known, then at most every :data:`PROGRESS_INTERVAL` seconds while a pull brings bytes. The sidecar
 itself logs one line per restore.
@@ -18,6 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+import numpy as np
 
 from snapshotd import proto
 from snapshotd.logs import fields
@@ -26,11 +35,16 @@ from snapshotd.proto import (
     ErrorCode,
     PlanRequest,
     ProtocolError,
+    RestoreFetch,
+    RestoreFetched,
     RestoreProgress,
     RestoreReply,
     RestoreRequest,
     StreamBegin,
+    Ticket,
+    TicketRequest,
 )
+from snapshotd.proto.bulk import TOKEN_BYTES
 from snapshotd.shm import create_arena
 from snapshotd.units import format_bytes, format_rate
 
@@ -40,11 +54,11 @@ from .integrity import CorruptCopy, Seal
 from .local import LocalRank, SlotState
 from .node import NodeState
 from .outbox import Outbox
-from .peers import PeerError, PeerLinks
+from .peers import PeerError, PeerLink, PeerLinks
 from .placement import DirectSink, Lander, PlacementError, arena_sink
 from .store import UnknownSnapshot
 from .stream import RankNotify
-from .transfer import CorruptEverywhere, PullFailed, pull_snapshot
+from .transfer import CorruptEverywhere, PullFailed, describe_snapshot, pull_snapshot
 
 __all__ = ["PROGRESS_INTERVAL", "RestoreService"]
 
@@ -52,6 +66,19 @@ log = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL = 0.2
 """Least seconds between two RestoreProgress messages of one pull."""
+
+FETCH_CHECK_INTERVAL = 1.0
+"""Seconds between two looks at whether a rank fetching its pull is still alive."""
+
+
+class _Brought(NamedTuple):
+    """Where a restore brought the step: ``slot``; ``pulled`` bytes over the network; ``direct``: some went
+    straight into the rank's tensors (the slot then lacks them); ``by_rank``: the rank fetched them itself."""
+
+    slot: int
+    pulled: int
+    direct: bool
+    by_rank: bool = False
 
 
 class _RankGone(Exception):
@@ -79,6 +106,19 @@ class RestoreService:
         self.notify = notify
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
         """The restore running for each rank (job, rank): the task of :meth:`restore`."""
+        self._fetching: dict[tuple[str, int], asyncio.Future[RestoreFetched]] = {}
+        """The answer each rank fetching its pull owes (job, rank)."""
+
+    def fetched(self, msg: RestoreFetched) -> None:
+        """A rank answered the :class:`RestoreFetch` of its restore.
+
+        Raises:
+            ProtocolError: no restore of that rank waits for one.
+        """
+        fut = self._fetching.get((msg.job, msg.rank))
+        if fut is None or fut.done():
+            raise ProtocolError(f"rank {msg.rank} of job {msg.job!r} was not asked to fetch a restore")
+        fut.set_result(msg)
 
     async def restore(self, ident: bytes, req: RestoreRequest) -> None:
         """Answer ``req`` with a RestoreReply or an Error, whatever happens (an unexpected failure is answered
@@ -160,7 +200,7 @@ class RestoreService:
         step = plan.step
         t_data = time.monotonic()
         index = lr.find(step)
-        source, pulled, direct = "local", 0, False
+        source, pulled, direct, by_rank = "local", 0, False, False
         if index is not None:
             self._progress(ident, req, step, "local", 0, lr.slots[index].data_bytes)
         local_corrupt = index is not None and not await self._intact(lr, index)
@@ -168,7 +208,7 @@ class RestoreService:
             index = None
         if index is None:
             try:
-                index, pulled, direct = await self._fetch(lr, step, plan.sources, req, ident)
+                index, pulled, direct, by_rank = await self._fetch(lr, step, plan.sources, req, ident)
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
                 why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
@@ -187,11 +227,12 @@ class RestoreService:
         self.state.counters.restored(source, seconds, pulled)
         moving = time.monotonic() - t_data
         holders = [a for a in plan.sources if a != self.state.data_addr] if source == "pull" else []
-        log.info("rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s",
+        log.info("rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s%s",
                  req.rank, req.job, step, source, " from " if holders else "", ", ".join(holders),
                  format_bytes(s.data_bytes), moving, format_rate(s.data_bytes / moving if moving > 0 else 0.0),
                  seconds, f", {format_bytes(pulled)} on the wire" if pulled else "",
-                 ", into its tensors" if direct else "", extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
+                 ", fetched by the rank" if by_rank else "", ", into its tensors" if direct else "",
+                 extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
         self.outbox.reply(ident, RestoreReply(
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
             slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
@@ -243,12 +284,11 @@ class RestoreService:
 
     async def _fetch(
         self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest, ident: bytes
-    ) -> tuple[int, int, bool]:
-        """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled;
-        into a slot, or, where ``req`` names live tensors, straight into them (:mod:`.placement`).
-
-        Returns the slot, the bytes pulled, and whether tensors were written directly (the slot then lacks their
-        bytes, so it is not a valid copy of the step: it is never served or kept as the local fast path).
+    ) -> _Brought:
+        """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled
+        (fetched by the rank where it can, see the module docstring); into a slot, or, where ``req`` names live
+        tensors, straight into them (:mod:`.placement`). A slot that lacks the bytes written directly is not a valid
+        copy of the step: it is never served or kept as the local fast path.
 
         Raises:
             PullFailed, PeerError, ProtocolError, PlacementError: the state could not be brought here.
@@ -277,9 +317,15 @@ class RestoreService:
                 seal = Seal(snap.seal.block_bytes, snap.seal.digest, dict(snap.seal.sums))
                 lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
                                              data_bytes=snap.data_bytes, seal=seal))  # fmt: skip
-                return index, 0, sink is not None
+                return _Brought(index, 0, sink is not None)
         holders = tuple(a for a in sources if a != self.state.data_addr)
         links = [self.links.get(a) for a in holders]
+        manifest = await describe_snapshot(links, job=lr.job, rank=lr.rank, step=step)
+        proto.decode_table(manifest.table, manifest.data_bytes)
+        if req.fetch and self.cfg.serves_bulk:
+            fetched = await self._rank_fetch(lr, manifest, links, req, ident)
+            if fetched is not None:
+                return fetched
         index = 0
         direct = False
         done, total, told = 0, 0, 0.0
@@ -305,15 +351,88 @@ class RestoreService:
 
         try:
             manifest, seal, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step,
-                                                         allocate=allocate, on_progress=landed)  # fmt: skip
+                                                         allocate=allocate, on_progress=landed, manifest=manifest)  # fmt: skip
         except BaseException:
             lr.set_slot(index, SlotState())
             raise
-        proto.decode_table(manifest.table, manifest.data_bytes)
         lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
                                      meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
         self.state.counters.pulled(pulled)
-        return index, pulled, direct
+        return _Brought(index, pulled, direct)
+
+    async def _rank_fetch(self, lr: LocalRank, manifest: StreamBegin, links: list[PeerLink], req: RestoreRequest,
+                          ident: bytes) -> _Brought | None:  # fmt: skip
+        """Have the restoring rank fetch ``manifest``'s snapshot from the holders' bulk ports (see the module
+        docstring); None when no holder gave a ticket or the rank's fetch failed (the slot is then empty again,
+        for a pull)."""
+        job, rank, step = lr.job, lr.rank, manifest.step
+        tickets = [t for t in await asyncio.gather(*(self._ticket(link, job, rank, step) for link in links)) if t]
+        if not tickets:
+            return None
+        index = self._empty_slot(lr, manifest.data_bytes)
+        lr.slots[index].pins += 1
+        key = (job, rank)
+        fut = self._fetching[key] = asyncio.get_running_loop().create_future()
+        try:
+            self._progress(ident, req, step, "pull", 0, manifest.data_bytes, tuple(a for a, _, _ in tickets))
+            self.outbox.reply(ident, RestoreFetch(
+                job=job, rank=rank, step=step, data_bytes=manifest.data_bytes, chunk_bytes=manifest.chunk_bytes,
+                arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots, slot=index,
+                holders=tuple(b for _, b, _ in tickets), table=manifest.table, tokens=b"".join(t for _, _, t in tickets),
+            ))  # fmt: skip
+            answer = await self._await_fetch(lr, fut, req.timeout_s)
+        finally:
+            if self._fetching.get(key) is fut:
+                del self._fetching[key]
+        sums = memoryview(answer.sums)
+        if answer.ok and sums.nbytes != 8 * manifest.nchunks:
+            answer = RestoreFetched(job=job, rank=rank, step=step, ok=False,
+                                    reason=f"{sums.nbytes} bytes of checksums for {manifest.nchunks} chunks")  # fmt: skip
+        if not answer.ok:
+            lr.set_slot(index, SlotState())
+            log.warning("rank %d of job %s could not fetch step %d itself (%s): pulling it through the sidecars",
+                        rank, job, step, answer.reason, extra=fields(job, rank, step, "fetch_failed"))  # fmt: skip
+            return None
+        seal = Seal(manifest.chunk_bytes, manifest.digest, dict(enumerate(np.frombuffer(sums, "<u8").tolist())))
+        lr.set_slot(index, SlotState(step=step, valid=not answer.direct, table=bytes(manifest.table),
+                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
+        self.state.counters.pulled(answer.fetched)
+        return _Brought(index, answer.fetched, answer.direct, by_rank=True)
+
+    async def _ticket(self, link: PeerLink, job: str, rank: int, step: int) -> tuple[str, str, bytes] | None:
+        """The data address, bulk address (``host:port``) and token of ``link``'s holder for ``(job, rank, step)``;
+        None if it gives none (it serves no bulk port, or failed)."""
+        with link.subscribe(job, rank, step) as replies:
+            try:
+                await link.send(TicketRequest(job=job, rank=rank, step=step))
+                reply = await link.receive(replies, Ticket)
+            except PeerError as exc:
+                log.info("no ticket from %s for job %s rank %d step %d: %s", link.addr, job, rank, step, exc)
+                return None
+        assert isinstance(reply, Ticket)
+        host = urlsplit(link.addr).hostname
+        if host is None or memoryview(reply.token).nbytes != TOKEN_BYTES:
+            return None
+        bulk = f"[{host}]:{reply.port}" if ":" in host else f"{host}:{reply.port}"
+        return link.addr, bulk, bytes(reply.token)
+
+    async def _await_fetch(self, lr: LocalRank, fut: asyncio.Future[RestoreFetched], timeout: float) -> RestoreFetched:
+        """The rank's answer to its RestoreFetch, looking every :data:`FETCH_CHECK_INTERVAL` seconds whether the
+        rank is still registered and alive.
+
+        Raises:
+            _RankGone: it is not.
+            PullFailed: no answer within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while not fut.done():
+            if time.monotonic() > deadline:
+                raise PullFailed(f"rank {lr.rank} of job {lr.job!r} did not finish its fetch within {timeout:.0f} s")
+            await asyncio.wait({fut}, timeout=FETCH_CHECK_INTERVAL)
+            self._check_registered(lr)
+            if not lr.alive:
+                raise _RankGone
+        return fut.result()
 
     def _direct_sink(
         self, lr: LocalRank, req: RestoreRequest, table: bytes | memoryview, slot: memoryview

@@ -9,6 +9,8 @@
   checksum the seal carries before it goes out, and sent with that checksum, never one taken now of bytes that
   may have changed at rest. A copy that fails its check is dropped at once and the request is answered
   ``corrupt``: the puller takes those chunks from another holder.
+- Tickets: a restoring sidecar asks (TicketRequest) for a copy held here to be served to its rank over this
+  sidecar's bulk port (:mod:`.bulk`); answered with a Ticket, or ``unexpected`` where no bulk port is served.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ from snapshotd.proto import (
     StreamAbort,
     StreamAccept,
     StreamBegin,
+    Ticket,
+    TicketRequest,
 )
 from snapshotd.transport import TransportError
 
+from .bulk import BulkServer
 from .integrity import CorruptCopy, Seal
 from .local import SlotState
 from .node import NodeState
@@ -41,13 +46,13 @@ from .outbox import Outbox
 from .store import StoredSnapshot, UnknownSnapshot
 from .tasks import TaskTree
 
-__all__ = ["ServeService"]
+__all__ = ["HeldCopy", "ServeService"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
-class _Held:
+class HeldCopy:
     """A complete copy held here, as a pull reads it."""
 
     table: bytes
@@ -78,12 +83,14 @@ class ServeService:
         state: the node's state.
         outbox: the data endpoint's replies.
         tasks: the sidecar's task tree (a pull is served as its own task).
+        bulk: the bulk port that tickets admit to (None: none is served).
     """
 
-    def __init__(self, state: NodeState, outbox: Outbox, tasks: TaskTree) -> None:
+    def __init__(self, state: NodeState, outbox: Outbox, tasks: TaskTree, bulk: BulkServer | None = None) -> None:
         self.state = state
         self.outbox = outbox
         self.tasks = tasks
+        self.bulk = bulk
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
 
     def handle(self, ident: bytes, msg: Message) -> None:
@@ -141,6 +148,8 @@ class ServeService:
             ))  # fmt: skip
         elif isinstance(msg, PullRequest):
             self.tasks.spawn(self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}")
+        elif isinstance(msg, TicketRequest):
+            self._ticket(ident, msg)
         else:
             raise ProtocolError(f"{msg.TYPE} is not a data-plane request")
 
@@ -156,7 +165,7 @@ class ServeService:
         """Drop the acknowledgement state of incoming streams the store no longer holds (their sender vanished)."""
         self._acks = {k: v for k, v in self._acks.items() if self.state.store.holds(*k)}
 
-    def _source(self, job: str, rank: int, step: int) -> _Held:
+    def _source(self, job: str, rank: int, step: int) -> HeldCopy:
         """A complete copy of ``(job, rank, step)`` held here: the buddy store's, else a local rank's valid slot.
 
         Raises:
@@ -170,7 +179,7 @@ class ServeService:
                 snap.exported = True
                 return snap.data.view(start, end)
 
-            return _Held(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap, lambda: store.discard(snap))
+            return HeldCopy(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap, lambda: store.discard(snap))
         except UnknownSnapshot:
             lr = self.state.rank(job, rank)
             index = lr.find(step) if lr is not None else None
@@ -184,17 +193,32 @@ class ServeService:
                 if lr.slots[index] is s:
                     lr.invalidate(index)
 
-            return _Held(s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop)
+            return HeldCopy(s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop)
 
     @staticmethod
     def _what(job: str, rank: int, step: int) -> str:
         return f"the copy of job {job!r} rank {rank} step {step} held here"
 
-    def _corrupt(self, ident: bytes, job: str, rank: int, step: int, held: _Held, exc: CorruptCopy) -> None:
-        """``held`` failed its check: drop it, count it, and answer the request ``corrupt``."""
+    def _ticket(self, ident: bytes, req: TicketRequest) -> None:
+        if self.bulk is None:
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.UNEXPECTED, rank=req.rank, step=req.step,
+                                           message="this sidecar serves no bulk port"))  # fmt: skip
+            return
+        held = self._source(req.job, req.rank, req.step)
+        token = self.bulk.grant(held, self._what(req.job, req.rank, req.step),
+                                lambda exc: self._dropped(req.job, req.rank, req.step, held, exc))  # fmt: skip
+        self.outbox.reply(ident, Ticket(job=req.job, rank=req.rank, step=req.step, port=self.bulk.port,
+                                        expires_s=self.bulk.ticket_ttl, token=token))  # fmt: skip
+
+    def _dropped(self, job: str, rank: int, step: int, held: HeldCopy, exc: CorruptCopy) -> None:
+        """``held`` failed its check: drop it and count it."""
         held.drop()
         self.state.counters.corrupt += 1
         log.error("%s; the copy is dropped", exc, extra=fields(job, rank, step, "copy_corrupt"))
+
+    def _corrupt(self, ident: bytes, job: str, rank: int, step: int, held: HeldCopy, exc: CorruptCopy) -> None:
+        """``held`` failed its check: drop it, count it, and answer the request ``corrupt``."""
+        self._dropped(job, rank, step, held, exc)
         self.outbox.reply(ident, Error(job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped",
                                        rank=rank, step=step))  # fmt: skip
 

@@ -39,7 +39,9 @@ from .pacer import Pacer
 from .peers import PeerError, PeerLink
 from .placement import Lander, PlacementError
 
-__all__ = ["CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "pull_snapshot", "send_snapshot"]
+__all__ = [
+    "CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "describe_snapshot", "pull_snapshot", "send_snapshot",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,31 @@ async def send_snapshot(
     return SendResult(nbytes, wire, seconds, delta_chunks)
 
 
+async def describe_snapshot(links: Sequence[PeerLink], *, job: str, rank: int, step: int) -> StreamBegin:
+    """The manifest of ``(job, rank, step)`` from the first of ``links`` (its holders) that describes it with blobs
+    that pass their digest.
+
+    Raises:
+        PullFailed: no holder could.
+    """
+    what = f"job {job!r} rank {rank} step {step}"
+    if not links:
+        raise PullFailed(f"no live holder of {what}")
+    errors: list[str] = []
+    for link in links:
+        with link.subscribe(job, rank, step) as replies:
+            try:
+                await link.send(PullManifest(job=job, rank=rank, step=step))
+                reply = await link.receive(replies, StreamBegin)
+                assert isinstance(reply, StreamBegin)
+                if codec.blob_digest(reply.table, reply.meta) != reply.digest:
+                    raise PeerError(f"{link.addr} described {what} with blobs that fail their digest")
+                return reply
+            except PeerError as exc:
+                errors.append(str(exc))
+    raise PullFailed(f"no holder could describe {what}: {'; '.join(errors)}")
+
+
 async def pull_snapshot(
     links: Sequence[PeerLink],
     *,
@@ -204,10 +231,12 @@ async def pull_snapshot(
     step: int,
     allocate: Callable[[StreamBegin], Lander],
     on_progress: Callable[[int], None] | None = None,
+    manifest: StreamBegin | None = None,
 ) -> tuple[StreamBegin, Seal, int]:
     """Fetch the complete snapshot ``(job, rank, step)`` from ``links`` (its holders), striped across all of them.
 
-    ``allocate(manifest)`` returns where the chunks go (a :data:`~.placement.Lander`, e.g.
+    ``manifest``: the snapshot's description, when :func:`describe_snapshot` already got it (else it is asked
+    for here). ``allocate(manifest)`` returns where the chunks go (a :data:`~.placement.Lander`, e.g.
     :func:`~.placement.arena_sink` of a buffer of at least ``manifest.data_bytes``). The manifest's blobs are
     checked against its digest, and every chunk against the checksum its holder carries, before it lands. A
     holder that fails, goes silent, sends a chunk that fails its check or finds its own copy corrupt has its
@@ -219,25 +248,10 @@ async def pull_snapshot(
         PullFailed: no holder described the snapshot, or every holder failed before all chunks arrived.
         PlacementError: the lander could not write (the pull stops at once: no holder can help).
     """
-    if not links:
-        raise PullFailed(f"no live holder of job {job!r} rank {rank} step {step}")
-    what = f"job {job!r} rank {rank} step {step}"
-    manifest: StreamBegin | None = None
-    errors: list[str] = []
-    for link in links:
-        with link.subscribe(job, rank, step) as replies:
-            try:
-                await link.send(PullManifest(job=job, rank=rank, step=step))
-                reply = await link.receive(replies, StreamBegin)
-                assert isinstance(reply, StreamBegin)
-                if codec.blob_digest(reply.table, reply.meta) != reply.digest:
-                    raise PeerError(f"{link.addr} described {what} with blobs that fail their digest")
-                manifest = reply
-                break
-            except PeerError as exc:
-                errors.append(str(exc))
     if manifest is None:
-        raise PullFailed(f"no holder could describe {what}: {'; '.join(errors)}")
+        manifest = await describe_snapshot(links, job=job, rank=rank, step=step)
+    what = f"job {job!r} rank {rank} step {step}"
+    errors: list[str] = []
     seal = Seal(manifest.chunk_bytes, manifest.digest)
     land = allocate(manifest)
     nchunks = manifest.nchunks

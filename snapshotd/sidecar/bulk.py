@@ -1,0 +1,212 @@
+"""The bulk port: restoring ranks fetch copies held here straight from this sidecar's memory (:mod:`snapshotd.proto.bulk`).
+
+A pull through the data plane lands in the restoring node's sidecar, which then writes the bytes into the rank:
+on a small host that second copy, not the network, bounds a restore. So the restoring sidecar asks each holder
+for a ticket (:class:`~snapshotd.proto.TicketRequest`, answered by :meth:`BulkServer.grant` on the event loop)
+and hands the tickets to its rank, which connects here and reads the chunks into its own tensors.
+
+- A ticket pins one complete copy (never dropped or overwritten meanwhile) until its connection ends, or until it
+  expires unused after ``ticket_ttl`` seconds. It admits one connection.
+- Each connection is served on a thread of its own: ``sendall`` of zero-copy views of the copy, the kernel's copy
+  beside the event loop, never on it. Every chunk is checked against the copy's seal before it goes out, as the
+  data plane's pulls do; a copy that fails is dropped (on the event loop) and the connection told ``CORRUPT``.
+- The port serves only on a plaintext data plane (:attr:`~.config.SidecarConfig.serves_bulk`): a ticket is given
+  only over the data plane, so the port admits no one the data plane would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, TOKEN_BYTES, VERSION, Status
+
+from .integrity import CorruptCopy
+
+if TYPE_CHECKING:
+    from .serve import HeldCopy
+
+__all__ = ["BulkServer"]
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 64
+"""Connections served at once; more are closed at once (each has a thread)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Ticket:
+    copy: HeldCopy
+    what: str
+    expires: float
+    corrupt: Callable[[CorruptCopy], None]
+
+
+class BulkServer:
+    """Serves tickets' copies on a TCP port (see the module docstring). Make and :meth:`start` it on the event
+    loop; :meth:`close` when the sidecar stops.
+
+    Args:
+        host: the address to listen on (the data plane's bind host).
+        port: the port (0: a free one; :attr:`port` says which).
+        served: called on the event loop with the payload bytes of each chunk sent.
+        ticket_ttl: seconds a ticket waits for its connection.
+        timeout: seconds a connection may stay silent (or blocked) before it is closed.
+    """
+
+    def __init__(self, host: str, port: int, *, served: Callable[[int], None], ticket_ttl: float = 30.0,
+                 timeout: float = 10.0) -> None:  # fmt: skip
+        self.ticket_ttl = ticket_ttl
+        self.timeout = timeout
+        self._served = served
+        self._loop = asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((host, port))
+            self._listener.listen(MAX_CONNECTIONS)
+        except BaseException:
+            self._listener.close()
+            raise
+        self.port: int = self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept, name="snapshotd-bulk-accept", daemon=True)
+        self._acceptor.start()
+
+    # on the event loop
+
+    def grant(self, copy: HeldCopy, what: str, corrupt: Callable[[CorruptCopy], None]) -> bytes:
+        """Pin ``copy`` (``what``, for messages) for one connection that presents the returned token within
+        :attr:`ticket_ttl` seconds. ``corrupt`` is called on the event loop should the copy fail its check."""
+        token = os.urandom(TOKEN_BYTES)
+        copy.holder.pins += 1
+        with self._lock:
+            self._tickets[token] = _Ticket(copy, what, time.monotonic() + self.ticket_ttl, corrupt)
+        self._loop.call_later(self.ticket_ttl, self._expire, token)
+        return token
+
+    def _expire(self, token: bytes) -> None:
+        with self._lock:
+            ticket = self._tickets.pop(token, None)
+        if ticket is not None:
+            ticket.copy.holder.pins -= 1
+
+    def close(self) -> None:
+        """Stop listening, cut every connection, wait briefly for their threads, release every ticket."""
+        with self._lock:
+            conns, tickets = list(self._conns), list(self._tickets.values())
+            self._tickets.clear()
+        _shut(self._listener)
+        self._listener.close()
+        for conn in conns:  # each thread closes its own
+            _shut(conn)
+        self._acceptor.join(self.timeout)
+        for thread in list(self._threads):
+            thread.join(self.timeout)
+        for ticket in tickets:
+            ticket.copy.holder.pins -= 1
+
+    # threads
+
+    def _on_loop(self, fn: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the sidecar is gone, and its pins with it
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._conns.add(conn)
+                thread = threading.Thread(target=self._serve, args=(conn,), name="snapshotd-bulk", daemon=True)
+                self._threads.add(thread)
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        ticket: _Ticket | None = None
+        try:
+            conn.settimeout(self.timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            magic, version, token = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            if magic == MAGIC and version == VERSION:
+                with self._lock:
+                    ticket = self._tickets.pop(token, None)
+            if ticket is None or ticket.expires < time.monotonic():
+                conn.sendall(CHUNK.pack(0, 0, 0, Status.REFUSED))
+                return
+            self._send_ranges(conn, ticket)
+        except (OSError, EOFError) as exc:
+            log.info("bulk connection ended: %s", exc)
+        finally:
+            if ticket is not None:
+                self._on_loop(_unpin, ticket.copy)
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            conn.close()
+
+    def _send_ranges(self, conn: socket.socket, ticket: _Ticket) -> None:
+        copy = ticket.copy
+        block = copy.seal.block_bytes
+        nchunks = -(-copy.nbytes // block)
+        while True:
+            first, count = RANGE.unpack(_recv_exact(conn, RANGE.size))
+            if count == 0:
+                return
+            if first + count > nchunks:
+                conn.sendall(CHUNK.pack(first, 0, 0, Status.REFUSED))
+                return
+            for index in range(first, first + count):
+                part = copy.read(index * block, min((index + 1) * block, copy.nbytes))
+                try:
+                    checksum = copy.seal.check_block(index, part, ticket.what)
+                except CorruptCopy as exc:
+                    self._on_loop(ticket.corrupt, exc)
+                    conn.sendall(CHUNK.pack(index, 0, 0, Status.CORRUPT))
+                    return
+                conn.sendall(CHUNK.pack(index, part.nbytes, checksum, Status.OK))
+                conn.sendall(part)
+                self._on_loop(self._served, part.nbytes)
+
+
+def _unpin(copy: HeldCopy) -> None:
+    copy.holder.pins -= 1
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``conn``.
+
+    Raises:
+        EOFError: the peer closed first.
+    """
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise EOFError(f"the peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)

@@ -1,0 +1,266 @@
+"""The bulk port and a rank's fetch from it: real sockets and threads, holders' copies in this process.
+
+Each holder is a :class:`~snapshotd.sidecar.bulk.BulkServer` on an event loop of its own thread, serving a
+:class:`~snapshotd.sidecar.serve.HeldCopy` of test bytes; the rank's side is :func:`client.fetch.fetch_restore`,
+landing into a numpy array (a live tensor's stand-in, by address) and an arena slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from snapshotd.client import fetch as fetch_module
+from snapshotd.client.fetch import fetch_restore
+from snapshotd.demo import wait_for
+from snapshotd.proto import RestoreFetch, TensorEntry, encode_table
+from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, VERSION, Status
+from snapshotd.shm import Arena, create_arena
+from snapshotd.sidecar.bulk import BulkServer
+from snapshotd.sidecar.integrity import CorruptCopy, Seal
+from snapshotd.sidecar.local import SlotState
+from snapshotd.sidecar.serve import HeldCopy
+
+CHUNK_BYTES = 64 << 10
+A_FLOATS = 200_000  # entry "a": 800,000 bytes, into the live array
+B_BYTES = 123_457  # entry "b": into the slot (the rank names no target for it)
+DATA_BYTES = 4 * A_FLOATS + B_BYTES
+NCHUNKS = -(-DATA_BYTES // CHUNK_BYTES)
+SNAPSHOT = [TensorEntry("a", "float32", (A_FLOATS,), 0, 4 * A_FLOATS),
+            TensorEntry("b", "uint8", (B_BYTES,), 4 * A_FLOATS, B_BYTES)]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def short_ranges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranges of 3 chunks, so that a copy of 15 chunks is striped over every holder."""
+    monkeypatch.setattr(fetch_module, "RANGE_BYTES", 3 * CHUNK_BYTES)
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop running on a thread of its own, for the holders."""
+    lp = asyncio.new_event_loop()
+    thread = threading.Thread(target=lp.run_forever, daemon=True)
+    thread.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    thread.join(10)
+    lp.close()
+
+
+@pytest.fixture
+def arena() -> Iterator[Arena]:
+    a = create_arena(f"bulk-{uuid.uuid4().hex[:6]}", 0, -(-DATA_BYTES // 4096) * 4096, 2, node="test")
+    yield a
+    a.close(unlink=True)
+
+
+def _data(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, DATA_BYTES, dtype=np.uint8)
+
+
+class Holder:
+    """A BulkServer holding one copy; ``dropped`` lists what its corrupt callback was told."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, data: np.ndarray, *, good: np.ndarray | None = None,
+                 ticket_ttl: float = 30.0) -> None:  # fmt: skip
+        self.loop = loop
+        self.data = data
+        self.seal = Seal(CHUNK_BYTES, 0)
+        self.seal.fill(memoryview(good if good is not None else data))  # the seal of the bytes as announced
+        self.slot = SlotState()
+        view = memoryview(data)
+        self.copy = HeldCopy(b"", b"", DATA_BYTES, self.seal, lambda start, end: view[start:end], self.slot,
+                             lambda: None)  # fmt: skip
+        self.dropped: list[CorruptCopy] = []
+        self.served = 0
+
+        async def make() -> BulkServer:
+            return BulkServer("127.0.0.1", 0, served=self._count, ticket_ttl=ticket_ttl, timeout=2.0)
+
+        self.server = asyncio.run_coroutine_threadsafe(make(), loop).result(10)
+
+    def _count(self, n: int) -> None:
+        self.served += n
+
+    def ticket(self) -> bytes:
+        return self.on_loop(lambda: self.server.grant(self.copy, "the test copy", self.dropped.append))
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
+
+    def pins(self) -> int:
+        return int(self.on_loop(lambda: self.slot.pins))
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def close(self) -> None:
+        self.on_loop(self.server.close)
+
+
+@pytest.fixture
+def holders(loop: asyncio.AbstractEventLoop) -> Iterator[Callable[..., Holder]]:
+    made: list[Holder] = []
+
+    def make(data: np.ndarray, **kwargs: Any) -> Holder:
+        h = Holder(loop, data, **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def _fetch(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray, *, timeout: float = 5.0,
+           progress: list[int] | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+    """Fetch the test snapshot from ``holders`` into ``live`` (entry "a") and slot 1 of ``arena`` (entry "b")."""
+    msg = RestoreFetch(job="j", rank=0, step=3, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES, arena=arena.path,
+                       slot_bytes=arena.slot_bytes, slots=arena.slots, slot=1, holders=tuple(a for a, _ in holders),
+                       table=encode_table(SNAPSHOT), tokens=b"".join(t for _, t in holders))  # fmt: skip
+    live_table = [SNAPSHOT[0], TensorEntry("b", "uint8", (B_BYTES,), 4 * A_FLOATS, B_BYTES)]
+    return fetch_restore(msg, live_table, [live.ctypes.data, 0], timeout=timeout,
+                         on_progress=progress.append if progress is not None else None)  # fmt: skip
+
+
+def _landed(arena: Arena, live: np.ndarray) -> bytes:
+    return live.tobytes() + bytes(arena.slot(1)[4 * A_FLOATS : DATA_BYTES])
+
+
+def test_a_rank_fetches_a_copy_striped_over_two_holders_into_its_tensor_and_its_slot(holders, arena) -> None:
+    data = _data()
+    a, b = holders(data), holders(data.copy())
+    live = np.zeros(A_FLOATS, dtype=np.float32)
+    progress: list[int] = []
+    answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live, progress=progress)
+    assert answer.ok and answer.direct and answer.fetched == DATA_BYTES, answer.reason
+    assert _landed(arena, live) == data.tobytes()
+    assert np.frombuffer(answer.sums, "<u8").tolist() == [a.seal.sums[i] for i in range(NCHUNKS)]
+    assert bytes(arena.slot(1)[: 4 * A_FLOATS]) == bytes(4 * A_FLOATS)  # entry "a" went to the array only
+    assert max(progress) == DATA_BYTES
+    wait_for(lambda: a.pins() == b.pins() == 0, 10, "the tickets' pins released")
+    assert a.served + b.served == DATA_BYTES and a.served and b.served  # both holders took a share
+
+
+def test_a_holder_whose_copy_is_corrupt_drops_it_and_the_other_serves_its_chunks(holders, arena) -> None:
+    good = _data()
+    bad = good.copy()
+    bad[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0xFF  # the first chunk of every range: whichever it takes
+    a, b = holders(bad, good=good), holders(good.copy())
+    live = np.zeros(A_FLOATS, dtype=np.float32)
+    answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
+    assert answer.ok, answer.reason
+    assert _landed(arena, live) == good.tobytes()
+    wait_for(lambda: len(a.on_loop(lambda: list(a.dropped))) == 1, 10, "the corrupt copy dropped")
+    assert a.dropped[0].block is not None and a.dropped[0].block % 3 == 0
+
+
+def test_a_chunk_corrupt_at_every_holder_fails_the_fetch_naming_it(holders, arena) -> None:
+    good = _data()
+    bad = good.copy()
+    bad[5 * CHUNK_BYTES] ^= 1
+    a, b = holders(bad, good=good), holders(bad.copy(), good=good)
+    answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], np.zeros(A_FLOATS, dtype=np.float32))
+    assert not answer.ok
+    assert "chunk 5 failed its check from every holder" in answer.reason, answer.reason
+
+
+class _Unchecking(Seal):
+    """A seal that never checks: its holder sends whatever it holds, with the carried checksum."""
+
+    def check_block(self, index: int, view: memoryview, what: str) -> int:
+        return self.sums[index]
+
+
+def test_bytes_that_fail_the_rank_s_own_check_are_taken_from_another_holder(holders, arena) -> None:
+    good = _data()
+    a, b = holders(good.copy()), holders(good.copy())
+    a.data[7 * CHUNK_BYTES + 1] ^= 0x10  # changed after the seal was taken, and sent unchecked
+    a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))
+    live = np.zeros(A_FLOATS, dtype=np.float32)
+    answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
+    assert answer.ok, answer.reason
+    assert _landed(arena, live) == good.tobytes()
+    assert a.served < DATA_BYTES  # it stopped serving at the bad chunk
+
+
+def test_a_ticket_admits_one_connection_and_anything_else_is_refused(holders, arena) -> None:
+    data = _data()
+    a = holders(data)
+    token = a.ticket()
+
+    def hello(tok: bytes, magic: bytes = MAGIC) -> int:
+        with socket.create_connection(("127.0.0.1", a.server.port), timeout=5) as s:
+            s.sendall(HELLO.pack(magic, VERSION, tok) + RANGE.pack(0, 1))
+            return CHUNK.unpack(s.recv(CHUNK.size, socket.MSG_WAITALL))[3]
+
+    assert hello(bytes(16)) == Status.REFUSED
+    assert hello(token, magic=b"XXXX") == Status.REFUSED  # a bad hello spends nothing
+    assert hello(token) == Status.OK
+    assert hello(token) == Status.REFUSED  # used
+    live = np.zeros(A_FLOATS, dtype=np.float32)
+    answer = _fetch(arena, [(a.addr, token)], live)
+    assert not answer.ok and "refused the ticket" in answer.reason, answer.reason
+
+
+def test_a_range_outside_the_copy_is_refused(holders) -> None:
+    a = holders(_data())
+    with socket.create_connection(("127.0.0.1", a.server.port), timeout=5) as s:
+        s.sendall(HELLO.pack(MAGIC, VERSION, a.ticket()) + RANGE.pack(NCHUNKS - 1, 2))
+        assert CHUNK.unpack(s.recv(CHUNK.size, socket.MSG_WAITALL))[3] == Status.REFUSED
+    wait_for(lambda: a.pins() == 0, 10, "the pin released")
+
+
+def test_a_silent_holder_gives_its_chunks_to_the_others(holders, arena) -> None:
+    data = _data()
+    a = holders(data)
+    with socket.socket() as silent:  # listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        live = np.zeros(A_FLOATS, dtype=np.float32)
+        mute = f"127.0.0.1:{silent.getsockname()[1]}"
+        answer = _fetch(arena, [(mute, bytes(16)), (a.addr, a.ticket())], live, timeout=0.5)
+    assert answer.ok, answer.reason
+    assert _landed(arena, live) == data.tobytes()
+
+
+def test_no_holder_reachable_answers_why(arena) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    answer = _fetch(arena, [(f"127.0.0.1:{port}", bytes(16))], np.zeros(A_FLOATS, dtype=np.float32))
+    assert not answer.ok and "cannot connect" in answer.reason, answer.reason
+
+
+def test_a_fetch_asked_into_a_missing_arena_answers_why(holders) -> None:
+    a = holders(_data())
+    msg = RestoreFetch(job="j", rank=0, step=3, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
+                       arena="/dev/shm/snapshotd-no-such-arena", slot_bytes=1 << 20, slots=2, slot=1,
+                       holders=(a.addr,), table=encode_table(SNAPSHOT), tokens=a.ticket())  # fmt: skip
+    answer = fetch_restore(msg, [], [], timeout=5.0)
+    assert not answer.ok and "cannot take the fetch" in answer.reason, answer.reason
+
+
+def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
+    a = holders(_data(), ticket_ttl=0.2)
+    a.ticket()
+    assert a.pins() == 1
+    wait_for(lambda: a.pins() == 0, 10, "the unused ticket expired")
+    b = holders(_data())
+    b.ticket()
+    b.ticket()
+    assert b.pins() == 2
+    b.close()
+    assert b.pins() == 0
