@@ -56,7 +56,7 @@ from snapshotd.shm import Arena, attach_arena, pid_alive, process_started
 from .channel import Channel
 from .direct import direct_targets, writable_by
 from .errors import NotRecoverable, PeerLost, RecoveryFailed, RestoreFailed, SnapshotdError
-from .fetch import fetch_restore
+from .fetch import RestoreFetcher
 from .identity import Identity
 from .live import LiveGroup, check_rebindable, is_peer_failure, rebind_ddp
 from .load import restore_into
@@ -200,6 +200,8 @@ class Snapshotter:
         """What the last restore() did: step, source (fresh/local/pull), bytes_pulled, seconds."""
         self._restore_display: RestoreDisplay | None = None  # while restore() draws its progress
         self._restore_targets: tuple[list[TensorEntry], list[int]] = ([], [])  # what the restore asked for
+        self._fetching: tuple[RestoreFetcher, threading.Thread] | None = None  # a fetch the sidecar asked for
+        self._fetch_lock = threading.Lock()
         self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
         if live is not None:
@@ -259,7 +261,9 @@ class Snapshotter:
             return 0
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
-        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()} if reply.direct else {}
+        targets = self._restore_targets[1]  # entries paired with a live tensor that had no target went to the slot
+        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()
+                  if reply.direct and j < len(targets) and targets[j]}  # fmt: skip
         try:
             restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
         except SnapshotdError:
@@ -423,6 +427,7 @@ class Snapshotter:
                 "go on under a new job name: this job's snapshots belong to a run that cannot be resumed."
             ) from exc
         finally:
+            self._stop_fetch()  # the reply came after the fetch's answer; on any other end the fetch stops here
             self._restore_display = None
             if display is not None:
                 display.finish(reply if isinstance(reply, RestoreReply) else None)
@@ -720,7 +725,7 @@ class Snapshotter:
             if display is not None:
                 display.update(msg)
         elif isinstance(msg, RestoreFetch):
-            threading.Thread(target=self._fetch, args=(msg,), name="snapshotd-restore-fetch", daemon=True).start()
+            self._start_fetch(msg)
         elif msg.TYPE == "error":
             text = f"{getattr(msg, 'code', '')}: {getattr(msg, 'message', '')}"
             with self._lock:
@@ -733,13 +738,33 @@ class Snapshotter:
                 self._lock.notify_all()
             self._problem(text)
 
-    def _fetch(self, msg: RestoreFetch) -> None:
-        """A thread of its own: fetch what the sidecar asks (:mod:`.fetch`) while restore() waits for its reply,
-        and answer it."""
+    def _start_fetch(self, msg: RestoreFetch) -> None:
+        """Channel thread: fetch what the sidecar asks (:mod:`.fetch`) on a thread of its own while restore()
+        waits for its reply, and answer the sidecar, unless :meth:`_stop_fetch` stopped it first."""
+        self._stop_fetch()  # one asked earlier (the sidecar moved on since): never two writing at once
         display = self._restore_display
         live, targets = self._restore_targets
-        on_progress = display.advance if display is not None else None
-        self._channel.send(fetch_restore(msg, live, targets, timeout=self.timeout, on_progress=on_progress))
+        fetcher = RestoreFetcher(msg, live, targets, timeout=self.timeout,
+                                 on_progress=display.advance if display is not None else None)  # fmt: skip
+
+        def run() -> None:
+            answer = fetcher.run()
+            if not fetcher.cancelled:
+                self._channel.send(answer)
+
+        thread = threading.Thread(target=run, name="snapshotd-restore-fetch", daemon=True)
+        with self._fetch_lock:
+            self._fetching = (fetcher, thread)
+        thread.start()
+
+    def _stop_fetch(self) -> None:
+        """Stop the fetch in progress, if any, and wait for it: no byte of it lands after this returns."""
+        with self._fetch_lock:
+            running, self._fetching = self._fetching, None
+        if running is not None:
+            fetcher, thread = running
+            fetcher.cancel()
+            thread.join(self.timeout)
 
     def _update_rpo(self) -> None:
         """``stats.rpo_*`` from the newest step captured and the recovery point (call with the lock held)."""

@@ -203,13 +203,15 @@ class RestoreFetch(Message):
     ``tokens``, in order; every chunk checked against the checksum its holder sends. The bytes of each entry of
     ``table`` that :func:`match_entries` pairs with a target of the rank's request land in that target, the rest
     in slot ``slot`` of arena ``arena`` (``slots`` slots of ``slot_bytes``). The rank answers
-    :class:`RestoreFetched`; the :class:`RestoreReply` follows it.
+    :class:`RestoreFetched` with the same ``fetch`` (a number the sidecar draws, so that an answer to an earlier,
+    abandoned fetch is never taken for this one); the :class:`RestoreReply` follows it.
     """
 
     TYPE: ClassVar[str] = "restore_fetch"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "tokens")
     rank: int = spec_field(RANK)
     step: int = spec_field(STEP)
+    fetch: int = spec_field(Int(1, (1 << 62) - 1))
     data_bytes: int = spec_field(NBYTES)
     chunk_bytes: int = spec_field(Int(L.MIN_CHUNK_BYTES, L.MAX_CHUNK_BYTES))
     arena: str = spec_field(ADDR)
@@ -223,7 +225,7 @@ class RestoreFetch(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RestoreFetched(Message):
-    """A rank's answer to :class:`RestoreFetch`. ``ok``: every chunk is in place and passed its check; ``sums``
+    """A rank's answer to :class:`RestoreFetch` (its ``fetch``). ``ok``: every chunk is in place and passed its check; ``sums``
     holds each chunk's checksum as its holder carried it (little-endian uint64, in chunk order), ``fetched`` the
     bytes received, ``direct`` whether any went into a target rather than the slot. Else ``reason`` says why;
     the sidecar then pulls the step itself."""
@@ -232,6 +234,7 @@ class RestoreFetched(Message):
     FRAMES: ClassVar[tuple[str, ...]] = ("sums",)
     rank: int = spec_field(RANK)
     step: int = spec_field(STEP)
+    fetch: int = spec_field(Int(1, (1 << 62) - 1))
     ok: bool = spec_field(Bool())
     direct: bool = spec_field(Bool(), default=False)
     fetched: int = spec_field(NBYTES, default=0)

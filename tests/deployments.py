@@ -220,7 +220,7 @@ def restore_all(snaps: list[Snapshotter], timeout: float = 60.0) -> list[int | B
 def snapshot_then_crash(ipcs: Mapping[int, str], job: str, steps: int, state: Callable[[int, int], dict]) -> None:
     """Ranks 0 and 1 of ``job`` (on the sidecars at ``ipcs[rank]``) start fresh and snapshot steps 1..``steps``,
     each complete on its buddies, then crash: their sidecars keep everything. ``state(rank, step)`` is the
-    rank's state after ``step``: a tensor ``w`` and a dict ``loop``."""
+    rank's state after ``step``: tensors (``w``, and any others) and a dict ``loop``."""
     states = [state(r, 0) for r in (0, 1)]
     snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10, when_busy="block")
              for r in (0, 1)]  # fmt: skip
@@ -228,8 +228,11 @@ def snapshot_then_crash(ipcs: Mapping[int, str], job: str, steps: int, state: Ca
     for step in range(1, steps + 1):
         for r in (0, 1):
             now = state(r, step)
-            states[r]["w"].copy_(now["w"])
-            states[r]["loop"].update(now["loop"])
+            for key, value in now.items():
+                if key == "loop":
+                    states[r]["loop"].update(value)
+                else:
+                    states[r][key].copy_(value)
             assert snaps[r].capture(step)
         assert all(s.wait(30) for s in snaps), [s.stats for s in snaps]
     for s in snaps:

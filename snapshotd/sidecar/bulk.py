@@ -38,8 +38,13 @@ __all__ = ["BulkServer"]
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
 """Connections served at once; more are closed at once (each has a thread)."""
+MAX_PER_HOST = 64
+"""Connections from one host served at once (one per restoring rank of that node); more are closed at once."""
+HELLO_TIMEOUT = 2.0
+"""Seconds a new connection has to present its ticket: a rank sends it as it connects, so a connection that
+stays silent is no rank and is closed."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,8 +56,8 @@ class _Ticket:
 
 
 class BulkServer:
-    """Serves tickets' copies on a TCP port (see the module docstring). Make and :meth:`start` it on the event
-    loop; :meth:`close` when the sidecar stops.
+    """Serves tickets' copies on a TCP port (see the module docstring). Made on the event loop, it listens at once;
+    :meth:`close` it when the sidecar stops.
 
     Args:
         host: the address to listen on (the data plane's bind host).
@@ -70,7 +75,7 @@ class BulkServer:
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}  # -> the peer's host
         self._threads: set[threading.Thread] = set()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -127,14 +132,15 @@ class BulkServer:
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:  # closed
                 return
+            host = str(peer[0])
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
+                if len(self._conns) >= MAX_CONNECTIONS or sum(h == host for h in self._conns.values()) >= MAX_PER_HOST:
                     conn.close()
                     continue
-                self._conns.add(conn)
+                self._conns[conn] = host
                 thread = threading.Thread(target=self._serve, args=(conn,), name="snapshotd-bulk", daemon=True)
                 self._threads.add(thread)
             thread.start()
@@ -142,9 +148,10 @@ class BulkServer:
     def _serve(self, conn: socket.socket) -> None:
         ticket: _Ticket | None = None
         try:
-            conn.settimeout(self.timeout)
+            conn.settimeout(HELLO_TIMEOUT)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             magic, version, token = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            conn.settimeout(self.timeout)
             if magic == MAGIC and version == VERSION:
                 with self._lock:
                     ticket = self._tickets.pop(token, None)
@@ -158,7 +165,7 @@ class BulkServer:
             if ticket is not None:
                 self._on_loop(_unpin, ticket.copy)
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.pop(conn, None)
                 self._threads.discard(threading.current_thread())
             conn.close()
 

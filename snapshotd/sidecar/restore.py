@@ -11,7 +11,8 @@ straight into them (:mod:`.placement`); the rest goes through the arena. The rep
 A pull is fetched by the rank itself where it can (it asked with ``fetch``, this sidecar serves a bulk port, and
 a holder gives a ticket): the holders' bulk ports (:mod:`.bulk`) send the chunks straight into the rank's tensors
 and slot, each checked by the rank against its carried checksum (:class:`~snapshotd.proto.RestoreFetch`), which
-saves this sidecar's copy of every byte. A fetch that fails is followed by a pull through the sidecars.
+saves this sidecar's copy of every byte. A fetch that fails is followed by a pull through the sidecars; one
+not answered by the restore's deadline fails the restore.
 
 A rank that asks with ``progress`` is told how it goes (:class:`~snapshotd.proto.RestoreProgress`): once the
 source is known, then at most every :data:`PROGRESS_INTERVAL` seconds while a pull brings bytes. The sidecar
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -106,18 +108,18 @@ class RestoreService:
         self.notify = notify
         self._pending: dict[tuple[str, int], asyncio.Task[None]] = {}
         """The restore running for each rank (job, rank): the task of :meth:`restore`."""
-        self._fetching: dict[tuple[str, int], asyncio.Future[RestoreFetched]] = {}
-        """The answer each rank fetching its pull owes (job, rank)."""
+        self._fetching: dict[tuple[str, int], tuple[int, asyncio.Future[RestoreFetched]]] = {}
+        """The ranks fetching their pulls (job, rank): the number of the fetch asked, and its answer to come."""
 
     def fetched(self, msg: RestoreFetched) -> None:
-        """A rank answered the :class:`RestoreFetch` of its restore.
-
-        Raises:
-            ProtocolError: no restore of that rank waits for one.
-        """
-        fut = self._fetching.get((msg.job, msg.rank))
-        if fut is None or fut.done():
-            raise ProtocolError(f"rank {msg.rank} of job {msg.job!r} was not asked to fetch a restore")
+        """A rank answered the :class:`RestoreFetch` of its restore. An answer no restore waits for (the restore
+        was abandoned, or timed out, while the rank fetched) is logged and dropped: it is not an error the rank
+        could act on, and an Error reply would reach whatever request the rank waits on now."""
+        fetch, fut = self._fetching.get((msg.job, msg.rank), (-1, None))
+        if fut is None or fut.done() or fetch != msg.fetch:
+            log.info("rank %d of job %s answered a fetch of step %d that no restore waits for", msg.rank, msg.job,
+                     msg.step, extra=fields(msg.job, msg.rank, msg.step, "fetch_unexpected"))  # fmt: skip
+            return
         fut.set_result(msg)
 
     async def restore(self, ident: bytes, req: RestoreRequest) -> None:
@@ -208,7 +210,8 @@ class RestoreService:
             index = None
         if index is None:
             try:
-                index, pulled, direct, by_rank = await self._fetch(lr, step, plan.sources, req, ident)
+                index, pulled, direct, by_rank = await self._fetch(lr, step, plan.sources, req, ident,
+                                                                   t0 + req.timeout_s)  # fmt: skip
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
                 why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
@@ -283,7 +286,7 @@ class RestoreService:
         return 0
 
     async def _fetch(
-        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest, ident: bytes
+        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest, ident: bytes, deadline: float
     ) -> _Brought:
         """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled
         (fetched by the rank where it can, see the module docstring); into a slot, or, where ``req`` names live
@@ -323,7 +326,7 @@ class RestoreService:
         manifest = await describe_snapshot(links, job=lr.job, rank=lr.rank, step=step)
         proto.decode_table(manifest.table, manifest.data_bytes)
         if req.fetch and self.cfg.serves_bulk:
-            fetched = await self._rank_fetch(lr, manifest, links, req, ident)
+            fetched = await self._rank_fetch(lr, manifest, links, req, ident, deadline)
             if fetched is not None:
                 return fetched
         index = 0
@@ -361,32 +364,42 @@ class RestoreService:
         return _Brought(index, pulled, direct)
 
     async def _rank_fetch(self, lr: LocalRank, manifest: StreamBegin, links: list[PeerLink], req: RestoreRequest,
-                          ident: bytes) -> _Brought | None:  # fmt: skip
+                          ident: bytes, deadline: float) -> _Brought | None:  # fmt: skip
         """Have the restoring rank fetch ``manifest``'s snapshot from the holders' bulk ports (see the module
         docstring); None when no holder gave a ticket or the rank's fetch failed (the slot is then empty again,
-        for a pull)."""
+        for a pull).
+
+        Raises:
+            PullFailed: the rank did not answer by ``deadline`` (``time.monotonic()``; the restore's own).
+            _RankGone: the rank unregistered or died meanwhile.
+        """
         job, rank, step = lr.job, lr.rank, manifest.step
         tickets = [t for t in await asyncio.gather(*(self._ticket(link, job, rank, step) for link in links)) if t]
         if not tickets:
             return None
         index = self._empty_slot(lr, manifest.data_bytes)
         lr.slots[index].pins += 1
-        key = (job, rank)
-        fut = self._fetching[key] = asyncio.get_running_loop().create_future()
+        key, number = (job, rank), random.getrandbits(62) | 1
+        fut: asyncio.Future[RestoreFetched] = asyncio.get_running_loop().create_future()
+        self._fetching[key] = (number, fut)
         try:
             self._progress(ident, req, step, "pull", 0, manifest.data_bytes, tuple(a for a, _, _ in tickets))
             self.outbox.reply(ident, RestoreFetch(
-                job=job, rank=rank, step=step, data_bytes=manifest.data_bytes, chunk_bytes=manifest.chunk_bytes,
-                arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots, slot=index,
-                holders=tuple(b for _, b, _ in tickets), table=manifest.table, tokens=b"".join(t for _, _, t in tickets),
+                job=job, rank=rank, step=step, fetch=number, data_bytes=manifest.data_bytes,
+                chunk_bytes=manifest.chunk_bytes, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
+                slots=lr.arena.slots, slot=index, holders=tuple(b for _, b, _ in tickets), table=manifest.table,
+                tokens=b"".join(t for _, _, t in tickets),
             ))  # fmt: skip
-            answer = await self._await_fetch(lr, fut, req.timeout_s)
+            answer = await self._await_fetch(lr, fut, deadline)
+        except BaseException:
+            lr.set_slot(index, SlotState())
+            raise
         finally:
-            if self._fetching.get(key) is fut:
+            if self._fetching.get(key, (-1, None))[1] is fut:
                 del self._fetching[key]
         sums = memoryview(answer.sums)
         if answer.ok and sums.nbytes != 8 * manifest.nchunks:
-            answer = RestoreFetched(job=job, rank=rank, step=step, ok=False,
+            answer = RestoreFetched(job=job, rank=rank, step=step, fetch=number, ok=False,
                                     reason=f"{sums.nbytes} bytes of checksums for {manifest.nchunks} chunks")  # fmt: skip
         if not answer.ok:
             lr.set_slot(index, SlotState())
@@ -416,19 +429,19 @@ class RestoreService:
         bulk = f"[{host}]:{reply.port}" if ":" in host else f"{host}:{reply.port}"
         return link.addr, bulk, bytes(reply.token)
 
-    async def _await_fetch(self, lr: LocalRank, fut: asyncio.Future[RestoreFetched], timeout: float) -> RestoreFetched:
+    async def _await_fetch(self, lr: LocalRank, fut: asyncio.Future[RestoreFetched], deadline: float) -> RestoreFetched:
         """The rank's answer to its RestoreFetch, looking every :data:`FETCH_CHECK_INTERVAL` seconds whether the
         rank is still registered and alive.
 
         Raises:
             _RankGone: it is not.
-            PullFailed: no answer within ``timeout`` seconds.
+            PullFailed: no answer by ``deadline`` (``time.monotonic()``).
         """
-        deadline = time.monotonic() + timeout
         while not fut.done():
-            if time.monotonic() > deadline:
-                raise PullFailed(f"rank {lr.rank} of job {lr.job!r} did not finish its fetch within {timeout:.0f} s")
-            await asyncio.wait({fut}, timeout=FETCH_CHECK_INTERVAL)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PullFailed(f"rank {lr.rank} of job {lr.job!r} did not finish fetching its step in time")
+            await asyncio.wait({fut}, timeout=min(left, FETCH_CHECK_INTERVAL))
             self._check_registered(lr)
             if not lr.alive:
                 raise _RankGone

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import uuid
-from typing import Any
 
 import pytest
 import torch
 
 from snapshotd.client import Snapshotter
 from snapshotd.client import snapshotter as snapshotter_module
+from snapshotd.client.fetch import RestoreFetcher
 from snapshotd.proto import RestoreFetch, RestoreFetched
 
 from ..deployments import InProcess, restore_all, snapshot_then_crash
@@ -29,7 +29,13 @@ FLOATS = 300_000  # 1.2 MB: 293 chunks of 4 KiB
 
 def _state(rank: int, step: int) -> dict:
     gen = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(FLOATS, generator=gen), "loop": {"step": step}}
+    return {"w": torch.randn(FLOATS, generator=gen), "t": torch.randn(64, 32, generator=gen), "loop": {"step": step}}
+
+
+def _fresh() -> dict:
+    """A restarted rank's state: ``t`` is a transposed view, not contiguous, so it has no restore target and its
+    bytes come through the slot while ``w``'s go straight into it."""
+    return {"w": torch.zeros(FLOATS), "t": torch.zeros(32, 64).t(), "loop": {}}
 
 
 def _replace_node_a(dep: InProcess, job: str) -> tuple[list[dict], list[int | BaseException], list[dict]]:
@@ -41,7 +47,7 @@ def _replace_node_a(dep: InProcess, job: str) -> tuple[list[dict], list[int | Ba
     dep.lose_node("A")
     dep.wait_dead("A")
     ipcs[0] = dep.start_sidecar("D")
-    restored = [{"w": torch.zeros(FLOATS), "loop": {}} for _ in (0, 1)]
+    restored = [_fresh() for _ in (0, 1)]
     snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
     try:
         outcome = restore_all(snaps, timeout=30)
@@ -49,6 +55,12 @@ def _replace_node_a(dep: InProcess, job: str) -> tuple[list[dict], list[int | Ba
     finally:
         for s in snaps:
             s.close()
+
+
+def _assert_restored(restored: dict, rank: int) -> None:
+    expected = _state(rank, STEPS)
+    assert torch.equal(restored["w"], expected["w"]) and torch.equal(restored["t"], expected["t"])
+    assert restored["loop"] == {"step": STEPS}
 
 
 def _restore_lines(caplog: pytest.LogCaptureFixture, job: str) -> list[str]:
@@ -65,8 +77,8 @@ def test_a_replacement_rank_fetches_its_step_itself_where_bulk_ports_serve(
         restored, outcome, how = _replace_node_a(dep, job)
     assert outcome == [STEPS, STEPS]
     for r in (0, 1):
-        assert torch.equal(restored[r]["w"], _state(r, STEPS)["w"]) and restored[r]["loop"] == {"step": STEPS}
-    assert how[0]["source"] == "pull" and how[0]["bytes_pulled"] == FLOATS * 4  # the tensor's bytes, once
+        _assert_restored(restored[r], r)
+    assert how[0]["source"] == "pull" and how[0]["direct"]
     (line,) = _restore_lines(caplog, job)
     assert ("fetched by the rank" in line) == (bulk_port is not None), line
     assert "into its tensors" in line
@@ -78,16 +90,17 @@ def test_a_fetch_that_fails_is_followed_by_a_pull_through_the_sidecars(
     caplog.set_level(logging.INFO, logger="snapshotd.sidecar.restore")
     asked: list[RestoreFetch] = []
 
-    def failing(msg: RestoreFetch, *args: Any, **kwargs: Any) -> RestoreFetched:
-        asked.append(msg)
-        return RestoreFetched(job=msg.job, rank=msg.rank, step=msg.step, ok=False, reason="the test's network is down")
+    class Failing(RestoreFetcher):
+        def run(self) -> RestoreFetched:
+            asked.append(self.msg)
+            return self._failed("the test's network is down")
 
-    monkeypatch.setattr(snapshotter_module, "fetch_restore", failing)
+    monkeypatch.setattr(snapshotter_module, "RestoreFetcher", Failing)
     job = f"nofetch-{uuid.uuid4().hex[:6]}"
     with InProcess(chunk_bytes=4096, replicas=2, tcp=True) as dep:
         restored, outcome, how = _replace_node_a(dep, job)
     assert outcome == [STEPS, STEPS]
-    assert torch.equal(restored[0]["w"], _state(0, STEPS)["w"])
+    _assert_restored(restored[0], 0)
     assert len(asked) == 1 and asked[0].step == STEPS and len(asked[0].holders) == 2
     assert how[0]["source"] == "pull"
     messages = [r.getMessage() for r in caplog.records]

@@ -97,10 +97,10 @@ def sample_messages() -> list[Message]:
         ),
         SlotUpdate(job="run-42", rank=3, free_slots=(0, 1), durable_step=16, note="buddy slow"),
         RestoreRequest(job="run-42", rank=3, world_size=8, timeout_s=30.0, fetch=True),
-        RestoreFetch(job="run-42", rank=3, step=17, data_bytes=384_004, chunk_bytes=1 << 20,
+        RestoreFetch(job="run-42", rank=3, step=17, fetch=(1 << 62) - 1, data_bytes=384_004, chunk_bytes=1 << 20,
                      arena="/dev/shm/snapshotd-run-42-3b", slot_bytes=1 << 20, slots=2, slot=1,
                      holders=("10.0.0.2:40001", "[fd00::3]:40002"), table=table, tokens=bytes(range(32))),  # fmt: skip
-        RestoreFetched(job="run-42", rank=3, step=17, ok=True, direct=True, fetched=384_004,
+        RestoreFetched(job="run-42", rank=3, step=17, fetch=5, ok=True, direct=True, fetched=384_004,
                        sums=(7).to_bytes(8, "little")),  # fmt: skip
         RestoreProgress(job="run-42", rank=3, step=17, done_bytes=1 << 19, total_bytes=1 << 20, source="pull",
                         sources=("tcp://10.0.0.2:7071",)),  # fmt: skip

@@ -2,7 +2,8 @@
 
 Each holder is a :class:`~snapshotd.sidecar.bulk.BulkServer` on an event loop of its own thread, serving a
 :class:`~snapshotd.sidecar.serve.HeldCopy` of test bytes; the rank's side is :func:`client.fetch.fetch_restore`,
-landing into a numpy array (a live tensor's stand-in, by address) and an arena slot.
+landing into a numpy array (a live tensor's stand-in, by address) and an arena slot. The snapshot's two entries
+have 64 bytes of padding between them, as the client's layout leaves between tensors.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import numpy as np
 import pytest
 
 from snapshotd.client import fetch as fetch_module
-from snapshotd.client.fetch import fetch_restore
+from snapshotd.client.fetch import RestoreFetcher
 from snapshotd.demo import wait_for
-from snapshotd.proto import RestoreFetch, TensorEntry, encode_table
+from snapshotd.proto import RestoreFetch, RestoreFetched, TensorEntry, encode_table
 from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, VERSION, Status
 from snapshotd.shm import Arena, create_arena
+from snapshotd.sidecar import bulk as bulk_module
 from snapshotd.sidecar.bulk import BulkServer
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.sidecar.local import SlotState
@@ -31,10 +33,11 @@ from snapshotd.sidecar.serve import HeldCopy
 CHUNK_BYTES = 64 << 10
 A_FLOATS = 200_000  # entry "a": 800,000 bytes, into the live array
 B_BYTES = 123_457  # entry "b": into the slot (the rank names no target for it)
-DATA_BYTES = 4 * A_FLOATS + B_BYTES
+B_OFFSET = 4 * A_FLOATS + 64
+DATA_BYTES = B_OFFSET + B_BYTES
 NCHUNKS = -(-DATA_BYTES // CHUNK_BYTES)
 SNAPSHOT = [TensorEntry("a", "float32", (A_FLOATS,), 0, 4 * A_FLOATS),
-            TensorEntry("b", "uint8", (B_BYTES,), 4 * A_FLOATS, B_BYTES)]  # fmt: skip
+            TensorEntry("b", "uint8", (B_BYTES,), B_OFFSET, B_BYTES)]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -124,18 +127,25 @@ def holders(loop: asyncio.AbstractEventLoop) -> Iterator[Callable[..., Holder]]:
         h.close()
 
 
-def _fetch(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray, *, timeout: float = 5.0,
-           progress: list[int] | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
-    """Fetch the test snapshot from ``holders`` into ``live`` (entry "a") and slot 1 of ``arena`` (entry "b")."""
-    msg = RestoreFetch(job="j", rank=0, step=3, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES, arena=arena.path,
-                       slot_bytes=arena.slot_bytes, slots=arena.slots, slot=1, holders=tuple(a for a, _ in holders),
-                       table=encode_table(SNAPSHOT), tokens=b"".join(t for _, t in holders))  # fmt: skip
-    live_table = [SNAPSHOT[0], TensorEntry("b", "uint8", (B_BYTES,), 4 * A_FLOATS, B_BYTES)]
-    return fetch_restore(msg, live_table, [live.ctypes.data, 0], timeout=timeout,
-                         on_progress=progress.append if progress is not None else None)  # fmt: skip
+def _fetcher(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray | None, *, timeout: float = 5.0,
+             progress: list[int] | None = None) -> RestoreFetcher:  # fmt: skip
+    """A fetch of the test snapshot from ``holders`` into ``live`` (entry "a"; None: no target) and slot 1 of
+    ``arena`` (the rest)."""
+    msg = RestoreFetch(job="j", rank=0, step=3, fetch=7, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
+                       arena=arena.path, slot_bytes=arena.slot_bytes, slots=arena.slots, slot=1,
+                       holders=tuple(a for a, _ in holders), table=encode_table(SNAPSHOT),
+                       tokens=b"".join(t for _, t in holders))  # fmt: skip
+    targets = [live.ctypes.data if live is not None else 0, 0]
+    return RestoreFetcher(msg, SNAPSHOT, targets, timeout=timeout,
+                          on_progress=progress.append if progress is not None else None)  # fmt: skip
+
+
+def _fetch(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray | None, **kwargs: Any) -> RestoreFetched:
+    return _fetcher(arena, holders, live, **kwargs).run()
 
 
 def _landed(arena: Arena, live: np.ndarray) -> bytes:
+    """Entry "a" from the array, the padding and entry "b" from the slot."""
     return live.tobytes() + bytes(arena.slot(1)[4 * A_FLOATS : DATA_BYTES])
 
 
@@ -145,7 +155,7 @@ def test_a_rank_fetches_a_copy_striped_over_two_holders_into_its_tensor_and_its_
     live = np.zeros(A_FLOATS, dtype=np.float32)
     progress: list[int] = []
     answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live, progress=progress)
-    assert answer.ok and answer.direct and answer.fetched == DATA_BYTES, answer.reason
+    assert answer.ok and answer.direct and answer.fetched == DATA_BYTES and answer.fetch == 7, answer.reason
     assert _landed(arena, live) == data.tobytes()
     assert np.frombuffer(answer.sums, "<u8").tolist() == [a.seal.sums[i] for i in range(NCHUNKS)]
     assert bytes(arena.slot(1)[: 4 * A_FLOATS]) == bytes(4 * A_FLOATS)  # entry "a" went to the array only
@@ -215,6 +225,13 @@ def test_a_ticket_admits_one_connection_and_anything_else_is_refused(holders, ar
     assert not answer.ok and "refused the ticket" in answer.reason, answer.reason
 
 
+def test_a_connection_that_presents_no_ticket_is_closed(holders, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bulk_module, "HELLO_TIMEOUT", 0.2)
+    a = holders(_data())
+    with socket.create_connection(("127.0.0.1", a.server.port), timeout=10) as s:
+        assert s.recv(1) == b""  # closed by the holder, not by this timeout
+
+
 def test_a_range_outside_the_copy_is_refused(holders) -> None:
     a = holders(_data())
     with socket.create_connection(("127.0.0.1", a.server.port), timeout=5) as s:
@@ -246,11 +263,40 @@ def test_no_holder_reachable_answers_why(arena) -> None:
 
 def test_a_fetch_asked_into_a_missing_arena_answers_why(holders) -> None:
     a = holders(_data())
-    msg = RestoreFetch(job="j", rank=0, step=3, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
+    msg = RestoreFetch(job="j", rank=0, step=3, fetch=7, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
                        arena="/dev/shm/snapshotd-no-such-arena", slot_bytes=1 << 20, slots=2, slot=1,
                        holders=(a.addr,), table=encode_table(SNAPSHOT), tokens=a.ticket())  # fmt: skip
-    answer = fetch_restore(msg, [], [], timeout=5.0)
-    assert not answer.ok and "cannot take the fetch" in answer.reason, answer.reason
+    answer = RestoreFetcher(msg, [], [], timeout=5.0).run()
+    assert not answer.ok and "cannot take the fetch" in answer.reason and answer.fetch == 7, answer.reason
+
+
+def test_without_targets_every_byte_lands_in_the_slot_which_then_passes_its_seal(holders, arena) -> None:
+    data = _data()
+    data[4 * A_FLOATS : B_OFFSET] = 0xAB  # padding the seal covers like any byte
+    a = holders(data)
+    answer = _fetch(arena, [(a.addr, a.ticket())], None)
+    assert answer.ok and not answer.direct, answer.reason
+    slot = arena.slot(1)[:DATA_BYTES]
+    assert bytes(slot) == data.tobytes()
+    seal = Seal.announced(CHUNK_BYTES, b"", b"")
+    seal.sums.update(enumerate(np.frombuffer(answer.sums, "<u8").tolist()))
+    seal.check(slot, b"", b"", "the fetched slot")  # as a later local restore or a pull from it checks
+
+
+def test_a_cancelled_fetch_stops_at_once_and_lands_nothing_more(arena) -> None:
+    with socket.socket() as silent:  # the only holder: listens, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        fetcher = _fetcher(arena, [(f"127.0.0.1:{silent.getsockname()[1]}", bytes(16))],
+                           np.zeros(A_FLOATS, dtype=np.float32), timeout=60.0)  # fmt: skip
+        answers: list[RestoreFetched] = []
+        thread = threading.Thread(target=lambda: answers.append(fetcher.run()))
+        thread.start()
+        wait_for(lambda: bool(fetcher.sockets), 10, "the fetch connected")
+        fetcher.cancel()
+        thread.join(10)
+    assert not thread.is_alive()
+    assert not answers[0].ok and answers[0].reason == "cancelled"
 
 
 def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
