@@ -42,6 +42,7 @@ The data plane runs without ``SNAPSHOTD_SECRET`` (plaintext on loopback, as ``tr
 
 Summary: ``state_bytes``, ``detection_seconds``, ``restore_seconds``, ``restore_GBps``, ``torch_load_seconds``,
 ``torch_load_GBps``, ``restore_speedup`` (torch.load / restore), ``pull_seconds``, ``restore_source``,
+``restore_fetched`` (the rank read the bytes from the holders' bulk ports itself),
 ``re_replication_seconds``, ``raw_socket_GBps``, ``restore_vs_raw``, ``pull_vs_raw``, ``raw_state_GBps``,
 ``restore_vs_raw_state``, ``restore_cpu_seconds`` (of the median restore: the CPU time its rank spent in
 ``restore()``, ``restore_cpu_rank_seconds``, plus what every sidecar spent from the go to the rank's report,
@@ -337,6 +338,7 @@ def run(args: argparse.Namespace) -> Report:
         "restore_speedup": load / restore,
         "pull_seconds": pulled["seconds"],
         "restore_source": pulled["source"],
+        "restore_fetched": bool(pulled.get("fetched")),
         "re_replication_seconds": loss["re_replication"],
         "raw_socket_GBps": raw / 1e9,
         "restore_vs_raw": size / restore / raw,

@@ -255,7 +255,7 @@ class Snapshotter:
             raise
         self._agree(ok=True, timeout=timeout)
         self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
-                         "seconds": reply.seconds, "direct": reply.direct}  # fmt: skip
+                         "seconds": reply.seconds, "direct": reply.direct, "fetched": reply.fetched}  # fmt: skip
         if reply.source == "fresh":
             log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
             return 0

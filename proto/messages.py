@@ -269,6 +269,7 @@ class RestoreReply(Message):
     loss); ``pull`` fetched from other nodes' sidecars now. The arena may be a new one (sized for the snapshot);
     the client maps it and uses it from then on. ``direct``: the bytes of every entry that
     :func:`match_entries` pairs with a request target were written into that target instead of the slot.
+    ``fetched``: the rank read the pulled bytes from the holders itself (:class:`RestoreFetch`).
     """
 
     TYPE: ClassVar[str] = "restore_reply"
@@ -282,6 +283,7 @@ class RestoreReply(Message):
     bytes_pulled: int = spec_field(NBYTES, default=0)
     seconds: float = spec_field(SECONDS, default=0.0)
     direct: bool = spec_field(Bool(), default=False)
+    fetched: bool = spec_field(Bool(), default=False)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 

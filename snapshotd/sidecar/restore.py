@@ -238,7 +238,8 @@ class RestoreService:
                  extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
         self.outbox.reply(ident, RestoreReply(
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
-            slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, table=s.table, meta=s.meta,
+            slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, fetched=by_rank, table=s.table,
+            meta=s.meta,
         ))  # fmt: skip
 
     def _progress(self, ident: bytes, req: RestoreRequest, step: int, source: str, done: int, total: int,

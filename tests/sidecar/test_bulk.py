@@ -26,6 +26,7 @@ from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, VERSION, Status
 from snapshotd.shm import Arena, create_arena
 from snapshotd.sidecar import bulk as bulk_module
 from snapshotd.sidecar.bulk import BulkServer
+from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.sidecar.local import SlotState
 from snapshotd.sidecar.serve import HeldCopy
@@ -310,3 +311,13 @@ def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
     assert b.pins() == 2
     b.close()
     assert b.pins() == 0
+
+
+@pytest.mark.parametrize(
+    ("secret", "mode", "port", "serves"),
+    [(None, "curve", 0, True), ("s", "members", 0, True), ("s", "curve", 0, False), (None, "curve", None, False)],
+)
+def test_a_bulk_port_serves_only_on_a_plaintext_data_plane(secret: str | None, mode: str, port: int | None,
+                                                          serves: bool) -> None:  # fmt: skip
+    cfg = SidecarConfig(coordinator="tcp://127.0.0.1:7070", secret=secret, data_security=mode, bulk_port=port)
+    assert cfg.serves_bulk == serves
