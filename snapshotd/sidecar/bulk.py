@@ -42,6 +42,8 @@ MAX_CONNECTIONS = 256
 """Connections served at once; more are closed at once (each has a thread)."""
 MAX_PER_HOST = 64
 """Connections from one host served at once (one per restoring rank of that node); more are closed at once."""
+MAX_TICKETS = 1024
+"""Tickets outstanding at once (each pins a copy until used or expired); more are refused."""
 HELLO_TIMEOUT = 2.0
 """Seconds a new connection has to present its ticket: a rank sends it as it connects, so a connection that
 stays silent is no rank and is closed."""
@@ -92,13 +94,16 @@ class BulkServer:
 
     # on the event loop
 
-    def grant(self, copy: HeldCopy, what: str, corrupt: Callable[[CorruptCopy], None]) -> bytes:
+    def grant(self, copy: HeldCopy, what: str, corrupt: Callable[[CorruptCopy], None]) -> bytes | None:
         """Pin ``copy`` (``what``, for messages) for one connection that presents the returned token within
-        :attr:`ticket_ttl` seconds. ``corrupt`` is called on the event loop should the copy fail its check."""
+        :attr:`ticket_ttl` seconds; None when :data:`MAX_TICKETS` are outstanding. ``corrupt`` is called on the
+        event loop should the copy fail its check."""
         token = os.urandom(TOKEN_BYTES)
-        copy.holder.pins += 1
         with self._lock:
+            if len(self._tickets) >= MAX_TICKETS:
+                return None
             self._tickets[token] = _Ticket(copy, what, time.monotonic() + self.ticket_ttl, corrupt)
+        copy.holder.pins += 1
         self._loop.call_later(self.ticket_ttl, self._expire, token)
         return token
 

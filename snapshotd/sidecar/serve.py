@@ -207,6 +207,10 @@ class ServeService:
         held = self._source(req.job, req.rank, req.step)
         token = self.bulk.grant(held, self._what(req.job, req.rank, req.step),
                                 lambda exc: self._dropped(req.job, req.rank, req.step, held, exc))  # fmt: skip
+        if token is None:
+            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.BUSY, rank=req.rank, step=req.step,
+                                           message="too many bulk tickets outstanding here"))  # fmt: skip
+            return
         self.outbox.reply(ident, Ticket(job=req.job, rank=req.rank, step=req.step, port=self.bulk.port,
                                         expires_s=self.bulk.ticket_ttl, token=token))  # fmt: skip
 

@@ -95,7 +95,9 @@ class Holder:
         self.served += n
 
     def ticket(self) -> bytes:
-        return self.on_loop(lambda: self.server.grant(self.copy, "the test copy", self.dropped.append))
+        token = self.on_loop(lambda: self.server.grant(self.copy, "the test copy", self.dropped.append))
+        assert token is not None
+        return token
 
     def on_loop(self, fn: Callable[[], Any]) -> Any:
         async def call() -> Any:
@@ -298,6 +300,15 @@ def test_a_cancelled_fetch_stops_at_once_and_lands_nothing_more(arena) -> None:
         thread.join(10)
     assert not thread.is_alive()
     assert not answers[0].ok and answers[0].reason == "cancelled"
+
+
+def test_tickets_past_the_most_outstanding_are_refused(holders, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bulk_module, "MAX_TICKETS", 2)
+    a = holders(_data())
+    a.ticket()
+    a.ticket()
+    assert a.on_loop(lambda: a.server.grant(a.copy, "the test copy", a.dropped.append)) is None
+    assert a.pins() == 2  # the refused one pinned nothing
 
 
 def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
