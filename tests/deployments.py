@@ -110,6 +110,12 @@ class Deployment(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def replace_node(self, lost: str, new: str) -> str:
+        """Node ``lost`` dies; once the coordinator has declared it dead, node ``new`` starts: its ipc address."""
+        self.lose_node(lost)
+        self.wait_dead(lost)
+        return self.start_sidecar(new)
+
     def wait_dead(self, node: str, timeout: float = 15.0) -> None:
         """Wait until the coordinator has declared ``node`` dead (a status request that goes unanswered, as one
         whose message a fault dropped, is asked again)."""

@@ -49,9 +49,7 @@ def _replace_node_a(dep: InProcess, job: str) -> tuple[list[dict], list[int | Ba
     ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
     dep.start_sidecar("C")
     snapshot_then_crash(ipcs, job, STEPS, _state)
-    dep.lose_node("A")
-    dep.wait_dead("A")
-    ipcs[0] = dep.start_sidecar("D")
+    ipcs[0] = dep.replace_node("A", "D")
     restored = [_fresh() for _ in (0, 1)]
     snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
     try:

@@ -126,9 +126,7 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
         for s in snaps:
             assert s.capture(1) and s.wait(30)
             s.close(unregister=False)
-        dep.lose_node("A")
-        dep.wait_dead("A")
-        pipe = connect_rank(dep.start_sidecar("C"))
+        pipe = connect_rank(dep.replace_node("A", "C"))
         c = dep.sidecars["C"].state
 
         def unregister_at_the_manifest(address: str, to_server: bool, frames: list) -> list:

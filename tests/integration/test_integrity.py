@@ -117,9 +117,7 @@ def test_a_bit_flipped_in_a_buddys_stored_copy_is_caught_and_its_chunks_come_fro
         b = dep.sidecars["B"].state
         assert _flip_every_block(dep, "B", job, 0, STEPS) > 64  # more than one pull range: B is asked for one
         bad = b.store.get(job, 0, STEPS)
-        dep.lose_node("A")
-        dep.wait_dead("A")
-        ipcs[0] = dep.start_sidecar("D")
+        ipcs[0] = dep.replace_node("A", "D")
 
         restored, snaps = _restart(ipcs, job)
         try:
@@ -147,9 +145,7 @@ def test_when_no_copy_is_good_the_restore_names_rank_step_and_chunk() -> None:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         snapshot_then_crash(ipcs, job, STEPS, _state)
         _flip_every_block(dep, "B", job, 0, STEPS)  # rank 0's only copy once A is gone
-        dep.lose_node("A")
-        dep.wait_dead("A")
-        ipcs[0] = dep.start_sidecar("C")
+        ipcs[0] = dep.replace_node("A", "C")
 
         restored, snaps = _restart(ipcs, job)
         try:
@@ -225,9 +221,7 @@ def test_a_bit_flipped_in_a_pulled_chunk_is_caught_and_the_chunk_taken_from_anot
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         dep.start_sidecar("C")
         snapshot_then_crash(ipcs, job, STEPS, _state)
-        dep.lose_node("A")
-        dep.wait_dead("A")
-        ipcs[0] = dep.start_sidecar("D")
+        ipcs[0] = dep.replace_node("A", "D")
         MEMORY.tamper = flip_first_pulled_chunk
         restored, snaps = _restart(ipcs, job)
         try:
