@@ -85,6 +85,8 @@ class RestoreFetcher:
             threads = list(self.threads)
         for t in threads:
             t.join(self.timeout)
+            if t.is_alive():
+                log.warning("a restore fetch thread did not stop within %.0f s", self.timeout)
 
     def run(self) -> RestoreFetched:
         msg = self.msg
@@ -97,8 +99,12 @@ class RestoreFetcher:
                 if self.cancelled:
                     return self._failed("cancelled")
                 self.threads = threads
+            try:
                 for t in threads:
                     t.start()
+            except BaseException:  # those started must stop before the arena goes
+                self.cancel()
+                raise
             for t in threads:  # each ends once nothing is left, its holder failed, or the fetch was cancelled
                 t.join()
             if self.cancelled:
@@ -169,30 +175,38 @@ class RestoreFetcher:
                 sock.close()
                 return
             self.sockets.add(sock)
-        with sock:
-            todo: range | None = None
-            left: set[int] = set()
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(HELLO.pack(MAGIC, VERSION, token))
-                while (todo := self._take()) is not None:
-                    left = set(todo)
-                    sock.sendall(RANGE.pack(todo.start, len(todo)))
-                    for index in todo:
-                        self._receive(sock, addr, index)
-                        left.discard(index)
-                    self._finish(())
-                    todo = None
-                sock.sendall(RANGE.pack(0, 0))
-            except Exception as exc:  # OSError, EOFError, _HolderFailed; anything else is logged with its trace
-                why = f"silent for {self.timeout:.1f} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
-                expected = isinstance(exc, (OSError, EOFError, _HolderFailed))
-                if not self.cancelled:
-                    log.warning("fetch from %s failed: %s", addr, why, exc_info=not expected)
-                with self.cond:
-                    self.errors.append(f"{addr}: {why}")
-                if todo is not None:
-                    self._finish(sorted(left))
+        try:
+            self._fetch_from(sock, addr, token)
+        finally:
+            with self.cond:  # out of cancel()'s reach before its descriptor is closed (and reused)
+                self.sockets.discard(sock)
+            sock.close()
+
+    def _fetch_from(self, sock: socket.socket, addr: str, token: bytes) -> None:
+        """Fetch ranges from one holder over ``sock`` until none is left; a failure hands the range back."""
+        todo: range | None = None
+        left: set[int] = set()
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(HELLO.pack(MAGIC, VERSION, token))
+            while (todo := self._take()) is not None:
+                left = set(todo)
+                sock.sendall(RANGE.pack(todo.start, len(todo)))
+                for index in todo:
+                    self._receive(sock, addr, index)
+                    left.discard(index)
+                self._finish(())
+                todo = None
+            sock.sendall(RANGE.pack(0, 0))
+        except Exception as exc:  # OSError, EOFError, _HolderFailed; anything else is logged with its trace
+            why = f"silent for {self.timeout:.1f} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+            expected = isinstance(exc, (OSError, EOFError, _HolderFailed))
+            if not self.cancelled:
+                log.warning("fetch from %s failed: %s", addr, why, exc_info=not expected)
+            with self.cond:
+                self.errors.append(f"{addr}: {why}")
+            if todo is not None:
+                self._finish(sorted(left))
 
     def _take(self) -> range | None:
         """The next range to fetch, waiting while another holder may still give one back (each read of a range in
@@ -256,6 +270,8 @@ class RestoreFetcher:
             if view is None:  # a gap before the next piece (padding): into the slot, as its seal covers it
                 upto = min(end, self.pieces[i][0] if i < len(self.pieces) else end)
                 view = self.slot[pos:upto] if self.slot is not None else memoryview(bytearray(upto - pos))
+            if self.cancelled:
+                raise _HolderFailed("cancelled")
             _recv_into(sock, view)
             h.update(view)
             pos += view.nbytes

@@ -261,9 +261,9 @@ class Snapshotter:
             return 0
         arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
         entries = decode_table(reply.table, reply.slot_bytes)
-        targets = self._restore_targets[1]  # entries paired with a live tensor that had no target went to the slot
+        targets = direct_targets(flat)  # entries paired with a live tensor that had no target went to the slot
         placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()
-                  if reply.direct and j < len(targets) and targets[j]}  # fmt: skip
+                  if reply.direct and j < len(targets) // 8 and any(targets[8 * j : 8 * j + 8])}  # fmt: skip
         try:
             restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
         except SnapshotdError:
@@ -389,7 +389,8 @@ class Snapshotter:
             self._inflight.clear()
             seen = self._updates
         targets = direct_targets(flat)
-        self._restore_targets = (flat.entries, np.frombuffer(targets, dtype="<u8").tolist())
+        with self._fetch_lock:  # a RestoreFetch for this restore may start a fetch from now until it ends
+            self._restore_targets = (flat.entries, np.frombuffer(targets, dtype="<u8").tolist())
         display = self._restore_display = restore_display(self.job, self.rank)  # None: nothing to draw here
         live = self._live
         epoch = live.epoch if live is not None else -1
@@ -415,6 +416,7 @@ class Snapshotter:
                     on_wait=on_wait if display is not None or live is not None else None,
                 )  # fmt: skip
         except _LeftBehind:  # the sidecar abandons the restore asked in the old group now, before this rank
+            self._stop_fetch(ended=True)  # before the sidecar frees the slot it writes into
             try:  # joins the next: an answer to it, were the round to freeze on its ask, would reach no one
                 self._register(flat.data_bytes, self.timeout)
             except SnapshotdError as exc:
@@ -427,7 +429,7 @@ class Snapshotter:
                 "go on under a new job name: this job's snapshots belong to a run that cannot be resumed."
             ) from exc
         finally:
-            self._stop_fetch()  # the reply came after the fetch's answer; on any other end the fetch stops here
+            self._stop_fetch(ended=True)  # the reply came after the fetch's answer; on any other end it stops here
             self._restore_display = None
             if display is not None:
                 display.finish(reply if isinstance(reply, RestoreReply) else None)
@@ -527,6 +529,7 @@ class Snapshotter:
         self._closed = True
         if self._live is not None:
             self._live.unwatch()
+        self._stop_fetch(ended=True)
         self._stager.fence(timeout=self.timeout, host=True)  # before the arena is unregistered and unmapped
         self._stager.remove_hooks()
         if unregister:
@@ -740,10 +743,16 @@ class Snapshotter:
 
     def _start_fetch(self, msg: RestoreFetch) -> None:
         """Channel thread: fetch what the sidecar asks (:mod:`.fetch`) on a thread of its own while restore()
-        waits for its reply, and answer the sidecar, unless :meth:`_stop_fetch` stopped it first."""
+        waits for its reply, and answer the sidecar, unless :meth:`_stop_fetch` stopped it first. Asked when no
+        restore() waits (it ended meanwhile), nothing is fetched: the addresses it named may hold other data now."""
         self._stop_fetch()  # one asked earlier (the sidecar moved on since): never two writing at once
         display = self._restore_display
-        live, targets = self._restore_targets
+        with self._fetch_lock:
+            live, targets = self._restore_targets
+        if not live:
+            log.info("[job %s rank %d] the sidecar asked to fetch step %d after the restore ended: ignored",
+                     self.job, self.rank, msg.step)  # fmt: skip
+            return
         fetcher = RestoreFetcher(msg, live, targets, timeout=self.timeout,
                                  on_progress=display.advance if display is not None else None)  # fmt: skip
 
@@ -754,17 +763,25 @@ class Snapshotter:
 
         thread = threading.Thread(target=run, name="snapshotd-restore-fetch", daemon=True)
         with self._fetch_lock:
+            if self._restore_targets[0] is not live:  # that restore ended while this was set up
+                return
             self._fetching = (fetcher, thread)
-        thread.start()
+            thread.start()
 
-    def _stop_fetch(self) -> None:
-        """Stop the fetch in progress, if any, and wait for it: no byte of it lands after this returns."""
+    def _stop_fetch(self, *, ended: bool = False) -> None:
+        """Stop the fetch in progress, if any, and wait for it: no byte of it lands after this returns. ``ended``:
+        the restore ended, so no fetch starts after this either."""
         with self._fetch_lock:
             running, self._fetching = self._fetching, None
+            if ended:
+                self._restore_targets = ([], [])
         if running is not None:
             fetcher, thread = running
             fetcher.cancel()
             thread.join(self.timeout)
+            if thread.is_alive():
+                log.warning("[job %s rank %d] the restore's fetch did not stop within %.0f s", self.job, self.rank,
+                            self.timeout)  # fmt: skip
 
     def _update_rpo(self) -> None:
         """``stats.rpo_*`` from the newest step captured and the recovery point (call with the lock held)."""

@@ -227,7 +227,7 @@ class RestoreFetch(Message):
 class RestoreFetched(Message):
     """A rank's answer to :class:`RestoreFetch` (its ``fetch``). ``ok``: every chunk is in place and passed its check; ``sums``
     holds each chunk's checksum as its holder carried it (little-endian uint64, in chunk order), ``fetched`` the
-    bytes received, ``direct`` whether any went into a target rather than the slot. Else ``reason`` says why;
+    snapshot's data bytes now in place, ``direct`` whether any went into a target rather than the slot. Else ``reason`` says why;
     the sidecar then pulls the step itself."""
 
     TYPE: ClassVar[str] = "restore_fetched"

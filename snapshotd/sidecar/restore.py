@@ -378,6 +378,8 @@ class RestoreService:
         tickets = [t for t in await asyncio.gather(*(self._ticket(link, job, rank, step) for link in links)) if t]
         if not tickets:
             return None
+        if time.monotonic() >= deadline:  # the rank stops waiting about now: no fetch may start in its memory
+            raise PullFailed(f"no time was left to fetch step {step} of job {job!r} rank {rank}")
         index = self._empty_slot(lr, manifest.data_bytes)
         lr.slots[index].pins += 1
         key, number = (job, rank), random.getrandbits(62) | 1

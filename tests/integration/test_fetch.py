@@ -139,3 +139,19 @@ def test_a_fetch_that_fails_is_followed_by_a_pull_through_the_sidecars(
     assert any("could not fetch step" in m and "the test's network is down" in m for m in messages), messages
     (line,) = _restore_lines(caplog, job)
     assert "fetched by the rank" not in line, line
+
+
+def test_a_fetch_asked_after_the_restore_ended_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    """The addresses a restore named may hold other data once it returned: a late RestoreFetch starts nothing."""
+    caplog.set_level(logging.INFO, logger="snapshotd.client.snapshotter")
+    job = f"late-{uuid.uuid4().hex[:6]}"
+    state = {"w": torch.zeros(8)}
+    with InProcess() as dep, Snapshotter(state, job=job, rank=0, world_size=1, sidecar=dep.start_sidecar("A"),
+                                         timeout=10) as snap:  # fmt: skip
+        assert snap.restore(timeout=30) == 0
+        snap._on_message(RestoreFetch(job=job, rank=0, step=1, fetch=9, data_bytes=32, chunk_bytes=4096,
+                                      arena="/dev/shm/none", slot_bytes=4096, slots=1, slot=0,
+                                      holders=("127.0.0.1:1",), tokens=bytes(16)))  # fmt: skip
+        assert snap._fetching is None
+    assert any("after the restore ended: ignored" in r.getMessage() for r in caplog.records)
+    assert torch.equal(state["w"], torch.zeros(8))

@@ -25,6 +25,7 @@ from snapshotd.proto import (
     Message,
     RankRegistered,
     RegisterRank,
+    RestoreFetched,
     RestoreReply,
     RestoreRequest,
     SlotUpdate,
@@ -87,6 +88,25 @@ def test_hostile_registrations_leave_the_sidecar_and_its_node_alive(cluster: Clu
                  "the coordinator to hear that rank 0's process is gone")  # fmt: skip
     assert node["alive"]
     assert sidecar.alive(), cluster.tail(sidecar)
+
+
+@pytest.mark.timeout(60)
+def test_a_fetch_answer_no_restore_waits_for_is_dropped_without_a_reply(cluster: Cluster) -> None:
+    """An answer to a fetch the sidecar never asked (or gave up on) gets no Error: one would reach whatever
+    request the rank waits on next."""
+    sidecar = cluster.start("A")
+    job = cluster.job("stale-fetch")
+    with DataPeer(f"ipc://{cluster.ipc('A')}") as ipc:
+        assert isinstance(ipc.request(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=100)),
+                          RankRegistered)  # fmt: skip
+        assert isinstance(ipc.recv(), SlotUpdate)
+        ipc.send(RestoreFetched(job=job, rank=0, step=3, fetch=12345, ok=True, sums=bytes(8)))
+        # replies come in order: an Error about the answer would come before this registration's reply
+        again = ipc.request(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=100))
+        assert isinstance(again, RankRegistered), again
+    _wait(lambda: "answered a fetch of step 3 that no restore waits for" in cluster.tail(sidecar, 100),
+          "the sidecar to log the dropped answer")  # fmt: skip
+    assert sidecar.alive()
 
 
 @pytest.mark.timeout(60)

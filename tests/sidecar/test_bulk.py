@@ -1,7 +1,7 @@
 """The bulk port and a rank's fetch from it: real sockets and threads, holders' copies in this process.
 
 Each holder is a :class:`~snapshotd.sidecar.bulk.BulkServer` on an event loop of its own thread, serving a
-:class:`~snapshotd.sidecar.serve.HeldCopy` of test bytes; the rank's side is :func:`client.fetch.fetch_restore`,
+:class:`~snapshotd.sidecar.serve.HeldCopy` of test bytes; the rank's side is :class:`client.fetch.RestoreFetcher`,
 landing into a numpy array (a live tensor's stand-in, by address) and an arena slot. The snapshot's two entries
 have 64 bytes of padding between them, as the client's layout leaves between tensors.
 """
@@ -9,6 +9,7 @@ have 64 bytes of padding between them, as the client's layout leaves between ten
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import uuid
@@ -200,13 +201,15 @@ class _Unchecking(Seal):
 def test_bytes_that_fail_the_rank_s_own_check_are_taken_from_another_holder(holders, arena) -> None:
     good = _data()
     a, b = holders(good.copy()), holders(good.copy())
-    a.data[7 * CHUNK_BYTES + 1] ^= 0x10  # changed after the seal was taken, and sent unchecked
-    a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))
+    a.data[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0x10  # the first chunk of every range, after the seal was taken
+    a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))  # and sent unchecked, with the carried checksum
     live = np.zeros(A_FLOATS, dtype=np.float32)
-    answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
+    fetcher = _fetcher(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
+    answer = fetcher.run()
     assert answer.ok, answer.reason
     assert _landed(arena, live) == good.tobytes()
-    assert a.served < DATA_BYTES  # it stopped serving at the bad chunk
+    assert [e for e in fetcher.errors if e.startswith(a.addr) and "failed its end-to-end checksum" in e], fetcher.errors
+    assert a.served < DATA_BYTES  # it stopped serving at its first bad chunk
 
 
 def test_a_ticket_admits_one_connection_and_anything_else_is_refused(holders, arena) -> None:
@@ -286,20 +289,44 @@ def test_without_targets_every_byte_lands_in_the_slot_which_then_passes_its_seal
     seal.check(slot, b"", b"", "the fetched slot")  # as a later local restore or a pull from it checks
 
 
-def test_a_cancelled_fetch_stops_at_once_and_lands_nothing_more(arena) -> None:
-    with socket.socket() as silent:  # the only holder: listens, never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
-        fetcher = _fetcher(arena, [(f"127.0.0.1:{silent.getsockname()[1]}", bytes(16))],
-                           np.zeros(A_FLOATS, dtype=np.float32), timeout=60.0)  # fmt: skip
+def test_a_fetch_cancelled_in_the_middle_of_a_chunk_stops_and_lands_nothing_more(arena) -> None:
+    """A holder sends half of chunk 0, then waits; the fetch is cancelled, and only then does the holder send the
+    rest: none of it may land."""
+    half = CHUNK_BYTES // 2
+    sent_half, go_on, done = threading.Event(), threading.Event(), threading.Event()
+
+    def holder(listener: socket.socket) -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(HELLO.size + RANGE.size, socket.MSG_WAITALL)
+            conn.sendall(CHUNK.pack(0, CHUNK_BYTES, 0, Status.OK) + b"\x11" * half)
+            sent_half.set()
+            go_on.wait(10)
+            with contextlib.suppress(OSError):  # the fetch cut the connection
+                conn.sendall(b"\x22" * (DATA_BYTES - half))
+        done.set()
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        server = threading.Thread(target=holder, args=(listener,), daemon=True)
+        server.start()
+        live = np.zeros(A_FLOATS, dtype=np.float32)
+        fetcher = _fetcher(arena, [(f"127.0.0.1:{listener.getsockname()[1]}", bytes(16))], live, timeout=30.0)
         answers: list[RestoreFetched] = []
         thread = threading.Thread(target=lambda: answers.append(fetcher.run()))
         thread.start()
-        wait_for(lambda: bool(fetcher.sockets), 10, "the fetch connected")
+        assert sent_half.wait(10)
+        raw = live.view(np.uint8)
+        wait_for(lambda: raw[half - 1] == 0x11, 10, "the first half of chunk 0 landed")
         fetcher.cancel()
+        assert all(not t.is_alive() for t in fetcher.threads)
+        go_on.set()
+        assert done.wait(10)
         thread.join(10)
-    assert not thread.is_alive()
-    assert not answers[0].ok and answers[0].reason == "cancelled"
+        server.join(10)
+    assert not thread.is_alive() and not answers[0].ok and answers[0].reason == "cancelled"
+    assert not raw[half:].any()  # nothing past what had arrived before the cancel
 
 
 def test_tickets_past_the_most_outstanding_are_refused(holders, monkeypatch: pytest.MonkeyPatch) -> None:
