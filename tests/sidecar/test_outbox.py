@@ -54,7 +54,7 @@ def test_a_peer_that_stops_reading_holds_up_no_other_and_its_stale_queue_is_drop
 
     async def story() -> None:
         pipe = _Pipe(stuck=b"A")
-        outbox = Outbox(Counters(), timeout=0.5)
+        outbox = Outbox(Counters(), timeout=2.0)  # long enough that A is not given up before its puts below
         writer = asyncio.create_task(outbox.run(pipe))
         try:
             for i in range(3):
@@ -68,8 +68,8 @@ def test_a_peer_that_stops_reading_holds_up_no_other_and_its_stale_queue_is_drop
             waiting = [asyncio.create_task(outbox.put(b"A", _ack(i))) for i in range(3, 3 + 64)]  # A's queue fills
             await asyncio.sleep(0.1)
             assert sum(t.done() for t in waiting) < 64  # a pull to A waits for room in A's queue alone
-            await asyncio.sleep(0.5)  # A's send times out: what is queued for A is dropped, and the put waiting fails
-            results = await asyncio.gather(*waiting, return_exceptions=True)
+            async with asyncio.timeout(10):  # A's send times out: what is queued for A is dropped, the puts waiting fail
+                results = await asyncio.gather(*waiting, return_exceptions=True)
             assert any(isinstance(r, TransportError) and "stopped taking" in str(r) for r in results), results
             outbox.reply(b"A", _ack(100))  # A is given up: its replies are dropped ...
             assert b"A" not in outbox._queues
