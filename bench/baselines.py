@@ -36,7 +36,8 @@ from typing import Any
 
 from .links import Link
 
-__all__ = ["CHECKPOINT_KINDS", "DiskCheckpointer", "checkpoint_state_dict", "process_cpu_seconds", "raw_socket_transfer"]
+__all__ = ["CHECKPOINT_KINDS", "DiskCheckpointer", "checkpoint_state_dict", "process_cpu_seconds", "process_cpu_times",
+           "raw_socket_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +126,20 @@ def _read_line(proc: subprocess.Popen[bytes], deadline: float) -> str:
 def process_cpu_seconds(pid: int) -> float | None:
     """CPU time (user + system, every thread) that process ``pid`` has used so far; None where /proc cannot
     tell (the process is gone, or this is not Linux)."""
+    times = process_cpu_times(pid)
+    return None if times is None else sum(times)
+
+
+def process_cpu_times(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds, every thread, that process ``pid`` has used so far: its own code, and the
+    kernel's work for it (socket copies, page faults); None where /proc cannot tell."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def raw_socket_transfer(

@@ -22,10 +22,17 @@ N is each value of ``--interval``. ``--scenario`` picks the machine's shape (def
   train), so that the sidecars stream with CPU that training wanted. Keys ``saturated_*`` alike.
 
 The other summary keys (``step_ratio``, ``torch_save_ratio``, ...) are the headline scenario's: headroom when it
-ran. Where the time goes: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all (the rank processes' extra
-CPU over ``none``, mean per step, plus both sidecars'), and ``minimum_cpu_ms`` the physical minimum for the same
-bytes, measured on this machine in the same run: one memcpy of the state plus a loopback TCP transfer of it
-(the kernel's copy in and copy out), both ends' CPU.
+ran. Where the time goes, per snapshot and scenario: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all,
+the sum of ``rank_cpu_ms_per_snapshot`` (the rank processes' extra CPU over ``none``: ``capture()``'s walk, the
+staging copy, the announce), ``sidecar_user_ms_per_snapshot`` (both sidecars' own code: checksums, Python,
+ZeroMQ) and ``sidecar_system_ms_per_snapshot`` (the kernel's work for them: socket copies, TCP). Beside them,
+measured on this machine in the same run for the same bytes (the least of three tries each), the physical
+minimum ``minimum_cpu_ms``: ``minimum_copy_ms`` (one memcpy of the state, the staging copy's counterpart) plus
+``minimum_wire_ms`` (a loopback TCP transfer of it, both ends' CPU: the sidecars' kernel time's counterpart);
+and ``checksum_ms``, one xxh3-64 pass over it (the data path takes two: the sender's sidecar takes the
+checksums, the buddy checks them). ``staging_Bps`` is the rate the ranks' staging copies ran at (their bytes
+over their time, :attr:`~snapshotd.client.SnapshotStats.copy_seconds`), against ``copy_Bps``, this device's best
+for the same bytes: a memcpy, or with ``--device cuda`` a device-to-host copy into page-locked memory.
 
 The deployment is a coordinator and **two** sidecars, nodes A and B, with every
 rank on node A: A streams each snapshot to B, its buddy (``replicas=1``), so this machine pays for one node's
@@ -56,14 +63,15 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from snapshotd.local_cluster import LocalCluster
+from snapshotd.proto import checksum
 from snapshotd.units import parse_bytes, parse_rate
 
-from .baselines import process_cpu_seconds
+from .baselines import process_cpu_times
 from .report import Report, progress, scratch_dir
 from .trainer import every_arg, plan_interval, run_ranks
 
@@ -185,14 +193,15 @@ Blocks = list[list[dict[str, Any]]]
 _PER_STEP = ("step_times", "blocked_times", "capture_times", "fence_times", "cpu_times")
 
 
-def _measure(
-    args: argparse.Namespace, workdir: str
-) -> tuple[dict[tuple[str, int], Blocks], int, dict[str, float]]:
+CpuTimes = dict[str, tuple[float, float]]
+"""node -> (user, system) CPU seconds its sidecar used during the job (empty where /proc cannot tell)."""
+
+
+def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, int], Blocks], int, CpuTimes]:
     """Run the plan on a fresh cluster.
 
     Returns:
-        (variant, interval) -> its blocks; the state bytes per rank; node -> the CPU seconds its sidecar used
-        during the job (empty where /proc cannot tell).
+        (variant, interval) -> its blocks; the state bytes per rank; the sidecars' CPU during the job.
     """
     plan = _plan(args)
     total = sum(k for _, _, k in plan)
@@ -209,7 +218,7 @@ def _measure(
         if "snapshotd" in args.variants:
             flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
         pids = {node: p.pid for node, p in cluster.sidecars.items()}
-        cpu0 = {node: process_cpu_seconds(pid) for node, pid in pids.items()}
+        cpu0 = {node: process_cpu_times(pid) for node, pid in pids.items()}
         try:
             with progress(unit="steps") as bar:
                 task = bar.add_task("overhead steps", total=total)
@@ -217,10 +226,14 @@ def _measure(
                                     on_progress=lambda n: bar.update(task, completed=n))  # fmt: skip
         finally:
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-        cpu1 = {node: process_cpu_seconds(pid) for node, pid in pids.items()}
-    sidecar_cpu = {node: (cpu1[node] or 0.0) - (cpu0[node] or 0.0) for node in pids}
-    if None in cpu0.values() or None in cpu1.values():
-        sidecar_cpu = {}
+        cpu1 = {node: process_cpu_times(pid) for node, pid in pids.items()}
+    sidecar_cpu: CpuTimes = {}
+    for node in pids:
+        start, end = cpu0[node], cpu1[node]
+        if start is None or end is None:
+            sidecar_cpu = {}
+            break
+        sidecar_cpu[node] = (end[0] - start[0], end[1] - start[1])
     out: dict[tuple[str, int], Blocks] = {}
     for i, (name, interval, steps) in enumerate(plan):
         ranks = []
@@ -309,19 +322,55 @@ def _shaped(args: argparse.Namespace, scenario: str) -> argparse.Namespace:
     return args
 
 
-def minimum_cpu_seconds(nbytes: int, tries: int = 3) -> float:
-    """The physical minimum CPU for one snapshot of ``nbytes``: one memcpy of them, plus a loopback TCP transfer
-    of them (the kernel copies them in on the sender and out on the receiver), both ends' CPU, measured now (the
-    least of ``tries``)."""
-    return min(_copy_and_send_cpu_seconds(nbytes) for _ in range(tries))
+class Minimum(NamedTuple):
+    """The physical minimum for one snapshot of the state, measured on this machine (see :func:`physical_minimum`)."""
+
+    copy_s: float
+    """CPU seconds of one memcpy of the state."""
+    wire_s: float
+    """CPU seconds, both ends, of a loopback TCP transfer of it: the kernel's copy in at the sender and out at
+    the receiver."""
+    checksum_s: float
+    """CPU seconds of one xxh3-64 pass over it, in the sidecar's blocks (a snapshot is checked twice: its own
+    sidecar takes the checksums, the buddy checks them)."""
+    copy_Bps: float
+    """The rate of the staging copy's best case on this device: memcpy, or a CUDA device-to-host copy into
+    page-locked memory."""
 
 
-def _copy_and_send_cpu_seconds(nbytes: int) -> float:
+def physical_minimum(nbytes: int, device: str = "cpu", tries: int = 3) -> Minimum:
+    """The least of ``tries`` measurements of each part of the physical minimum of a snapshot of ``nbytes``."""
     src: Any = np.full(nbytes, 7, dtype=np.uint8)
     dst: Any = np.zeros(nbytes, dtype=np.uint8)
-    c0 = time.process_time()
+    copies = [_copy_seconds(src, dst) for _ in range(tries)]
+    copy_Bps = nbytes / min(wall for _, wall in copies)
+    if device == "cuda":
+        copy_Bps = _device_to_host_Bps(nbytes, tries)
+    return Minimum(
+        copy_s=min(cpu for cpu, _ in copies),
+        wire_s=min(_send_cpu_seconds(src, dst) for _ in range(tries)),
+        checksum_s=min(_checksum_cpu_seconds(src) for _ in range(tries)),
+        copy_Bps=copy_Bps,
+    )
+
+
+def _copy_seconds(src: Any, dst: Any) -> tuple[float, float]:
+    """(CPU, wall) seconds of one memcpy of ``src`` into ``dst``."""
+    c0, t0 = time.process_time(), time.perf_counter()
     np.copyto(dst, src)
-    copy = time.process_time() - c0
+    return time.process_time() - c0, time.perf_counter() - t0
+
+
+def _checksum_cpu_seconds(src: Any, block: int = 4 << 20) -> float:
+    view = memoryview(src)
+    c0 = time.process_time()
+    for at in range(0, view.nbytes, block):
+        checksum(view[at : at + block])
+    return time.process_time() - c0
+
+
+def _send_cpu_seconds(src: Any, dst: Any) -> float:
+    nbytes = src.nbytes
     with socket.create_server(("127.0.0.1", 0)) as server:
         sender = socket.create_connection(server.getsockname(), timeout=60)
         receiver, _ = server.accept()
@@ -337,8 +386,24 @@ def _copy_and_send_cpu_seconds(nbytes: int) -> float:
                     raise RuntimeError("the loopback transfer ended early")
                 got += n
             thread.join(60)
-            wire = time.process_time() - c0
-    return copy + wire
+            return time.process_time() - c0
+
+
+def _device_to_host_Bps(nbytes: int, tries: int) -> float:
+    """The best rate of a copy of ``nbytes`` from the current CUDA device into page-locked host memory."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    best = float("inf")
+    for _ in range(tries):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / 1e3)
+    return nbytes / best
 
 
 def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
@@ -353,14 +418,17 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
         row["step_ratio"] = row["step_median_ms"] / none["step_median_ms"]
         row["mean_ratio"] = row["step_mean_ms"] / none["step_mean_ms"]
         if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
-            row["sidecar_cpu_ms"] = sum(sidecar_cpu.values()) / snap_steps * 1e3
+            row["sidecar_cpu_ms"] = sum(map(sum, sidecar_cpu.values())) / snap_steps * 1e3
     out: dict[str, Any] = {
         "ranks": shaped.ranks, "threads": shaped.threads, "step_ratio": None, "mean_ratio": None,
         "capture_ms_median": None, "fence_ms_median": None,
         "snapshots_durable": sum(r["durable"] for ranks in snap_runs for r in ranks),
         "snapshots_skipped": sum(r["skipped"] for ranks in snap_runs for r in ranks),
-        "cpu_ms_per_snapshot": None, "torch_save_ratio": None, "dcp_async_ratio": None,
-        "sidecar_cpu_seconds": sidecar_cpu,  # per node, over the whole job: A sends, B receives
+        "cpu_ms_per_snapshot": None, "rank_cpu_ms_per_snapshot": None, "sidecar_user_ms_per_snapshot": None,
+        "sidecar_system_ms_per_snapshot": None, "torch_save_ratio": None, "dcp_async_ratio": None,
+        "staging_Bps": None,
+        # per node, over the whole job: A sends, B receives
+        "sidecar_cpu_seconds": {node: sum(times) for node, times in sidecar_cpu.items()},
     }  # fmt: skip
     if snap_runs:
         snap = next(r for r in rows if r["variant"] == "snapshotd")
@@ -368,9 +436,15 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
                    capture_ms_median=float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3,
                    fence_ms_median=float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3)  # fmt: skip
         started = sum(r["started"] for ranks in snap_runs for r in ranks)
-        if sidecar_cpu and started:  # per step: the ranks' extra CPU over none (all ranks), plus both sidecars'
-            extra = max(0.0, snap["rank_cpu_mean_ms"] - none["rank_cpu_mean_ms"]) * snap_steps
-            out["cpu_ms_per_snapshot"] = (extra + sum(sidecar_cpu.values()) * 1e3) / started
+        if sidecar_cpu and started:  # the ranks' extra CPU over none (all ranks), plus both sidecars'
+            rank = max(0.0, snap["rank_cpu_mean_ms"] - none["rank_cpu_mean_ms"]) * snap_steps / started
+            user = sum(u for u, _ in sidecar_cpu.values()) * 1e3 / started
+            system = sum(s for _, s in sidecar_cpu.values()) * 1e3 / started
+            out.update(cpu_ms_per_snapshot=rank + user + system, rank_cpu_ms_per_snapshot=rank,
+                       sidecar_user_ms_per_snapshot=user, sidecar_system_ms_per_snapshot=system)  # fmt: skip
+        copied = sum(r["copy_seconds"] for ranks in snap_runs for r in ranks)
+        if copied > 0:
+            out["staging_Bps"] = sum(r["bytes"] for ranks in snap_runs for r in ranks) / copied
     for name, key in _SUMMARY_RATIO.items():
         at = [r for r in rows if r["variant"] == name and r["interval"] == min(args.interval)]
         if at:
@@ -400,7 +474,8 @@ def run(args: argparse.Namespace) -> Report:
             print(f"  {scenario}: {shaped.ranks} rank(s) of {shaped.threads} thread(s)", flush=True)
             measured, per[scenario], state_bytes = _scenario(args, scenario, workdir)
             rows += measured
-    minimum_ms = minimum_cpu_seconds(state_bytes) * 1e3
+    minimum = physical_minimum(state_bytes, args.device)
+    minimum_ms = (minimum.copy_s + minimum.wire_s) * 1e3
     head = per[scenarios[0]]
     summary: dict[str, Any] = {
         "scenario": scenarios[0],
@@ -409,6 +484,10 @@ def run(args: argparse.Namespace) -> Report:
                                       "snapshots_durable", "snapshots_skipped", "torch_save_ratio",
                                       "dcp_async_ratio")},  # fmt: skip
         "minimum_cpu_ms": minimum_ms,
+        "minimum_copy_ms": minimum.copy_s * 1e3,
+        "minimum_wire_ms": minimum.wire_s * 1e3,
+        "checksum_ms": minimum.checksum_s * 1e3,
+        "copy_Bps": minimum.copy_Bps,
     }
     for scenario, figures in per.items():
         summary[f"{scenario}_step_ratio"] = figures["step_ratio"]
@@ -417,6 +496,9 @@ def run(args: argparse.Namespace) -> Report:
         summary[f"{scenario}_cpu_ms_per_snapshot"] = figures["cpu_ms_per_snapshot"]
         per_snapshot = figures["cpu_ms_per_snapshot"]
         summary[f"{scenario}_cpu_vs_minimum"] = per_snapshot / minimum_ms if per_snapshot and minimum_ms > 0 else None
+        for key in ("rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot",
+                    "staging_Bps"):  # fmt: skip
+            summary[f"{scenario}_{key}"] = figures[key]
     config = {key: getattr(args, key) for key in _CONFIG_KEYS}
     config.update(setup=setup, scenarios={k: {key: v[key] for key in ("ranks", "threads", "sidecar_cpu_seconds")}
                                           for k, v in per.items()})  # fmt: skip

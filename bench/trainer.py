@@ -234,7 +234,7 @@ def _train_step(trained: Any, opt: Any, sched: Any, x: torch.Tensor, y: torch.Te
 
 REPLICATED = ("model", "optim", "sched")
 """The state every data-parallel rank holds alike (``--replicated``); the RNG is each rank's own."""
-_SNAP_COUNTERS = ("started", "skipped", "durable", "failed", "bytes")
+_SNAP_COUNTERS = ("started", "skipped", "durable", "failed", "bytes", "copy_seconds")
 
 
 def _wait_for_eof(fd: int, timeout: float) -> None:

@@ -44,11 +44,13 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 
 class _Copy:
-    """One staging copy in flight: done when the CPU part finished and the CUDA event (if any) completed."""
+    """One staging copy in flight: done when the CPU part finished and the CUDA event (if any) completed; the
+    CUDA part's time runs from ``cuda_started`` to ``cuda_event`` on the side stream."""
 
-    def __init__(self, cuda_event: Any) -> None:
+    def __init__(self, cuda_event: Any, cuda_started: Any) -> None:
         self.cpu_done = threading.Event()
         self.cuda_event = cuda_event
+        self.cuda_started = cuda_started
         self.abandoned = False
 
 
@@ -112,8 +114,10 @@ class Stager:
         cpu_async = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if safe and not cuda]
         cuda_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
         if sync_idx:
+            t0 = time.perf_counter()
             copy_into(flat, dst, only=sync_idx)
-        event = None
+            self.stats.copy_seconds += time.perf_counter() - t0
+        event = started = None
         if cuda_idx:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream()
@@ -121,27 +125,32 @@ class Stager:
             self._side_stream.wait_stream(training)
             mutable = [i for i in cuda_idx if not mask[i]]
             with torch.cuda.stream(self._side_stream):
+                started = torch.cuda.Event(enable_timing=True)
+                started.record(self._side_stream)
                 if mutable:  # copied first: the training stream waits for these (below), not for the rest
                     copy_into(flat, dst, only=mutable, non_blocking=True)
                     copied = torch.cuda.Event()
                     copied.record(self._side_stream)
                 copy_into(flat, dst, only=[i for i in cuda_idx if mask[i]], non_blocking=True)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event(enable_timing=True)
                 event.record(self._side_stream)
             if mutable:  # nothing queued on the training stream from now on may change them before they are copied
                 training.wait_event(copied)  # a GPU-side wait: this thread goes on at once
-        job = _Copy(event)
+        job = _Copy(event, started)
         self._inflight = job
         self._last_event = event
 
         def background() -> None:
             try:
                 if cpu_async:
+                    t0 = time.perf_counter()
                     copy_into(flat, dst, only=cpu_async)
+                    self.stats.copy_seconds += time.perf_counter() - t0
             finally:
                 job.cpu_done.set()
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
+                self.stats.copy_seconds += job.cuda_started.elapsed_time(job.cuda_event) / 1e3
             if job.abandoned:
                 on_abandon()
             else:

@@ -21,6 +21,10 @@ class SnapshotStats:
     """Snapshots the sidecar refused or could not stream to every buddy."""
     bytes: int = 0
     """Tensor bytes staged."""
+    copy_seconds: float = 0.0
+    """Time the staging copies of those bytes took: CPU tensors' copies on the thread that ran them, CUDA
+    tensors' device-to-host copies on the side stream (timed with CUDA events, so it excludes the wait for the
+    training stream). ``bytes / copy_seconds`` is the staging rate."""
     last_durable_step: int = -1
     last_step: int = -1
     """The newest step passed to capture()."""

@@ -32,8 +32,14 @@ SUMMARY_KEYS = {
     "torch_save_ratio",
     "dcp_async_ratio",
     "minimum_cpu_ms",
+    "minimum_copy_ms",
+    "minimum_wire_ms",
+    "checksum_ms",
+    "copy_Bps",
 }
-SCENARIO_KEYS = ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum")
+SCENARIO_KEYS = ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum",
+                 "rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot",
+                 "staging_Bps")  # fmt: skip
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -58,6 +64,13 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     # a snapshot costs at least about the physical minimum measured beside it: a memcpy and the kernel's copies
     assert report.summary["headroom_cpu_vs_minimum"] > 0.5
     assert report.summary["minimum_cpu_ms"] > 0
+    # where the time goes: its parts add up, and each is measured
+    summary = report.summary
+    parts = ("rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot")
+    assert sum(summary[f"headroom_{part}"] for part in parts) == pytest.approx(summary["headroom_cpu_ms_per_snapshot"])
+    assert all(summary[f"headroom_{part}"] >= 0 for part in parts)  # /proc counts in clock ticks: a part may read 0
+    assert summary["minimum_copy_ms"] + summary["minimum_wire_ms"] == pytest.approx(summary["minimum_cpu_ms"])
+    assert summary["checksum_ms"] > 0 and summary["copy_Bps"] > 0 and summary["headroom_staging_Bps"] > 0
     cfg = config_for_params(TINY_PARAMS)
     # fp32 parameters + AdamW exp_avg + exp_avg_sq, the tied embedding twice (the model's state dict holds it
     # under both names), one 4-byte step counter per parameter tensor

@@ -115,6 +115,7 @@ def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) 
                 _train_step(model, opt, step)
                 snap.capture(step)
             assert snap.wait(30) and snap.stats.last_durable_step == 3
+            assert snap.stats.copy_seconds > 0  # the side stream's device-to-host copies, timed by CUDA events
             at_3 = _cpu_copy(state)
             snap.close(unregister=False)  # as a crash would
         _train_step(model, opt, 4)
