@@ -139,15 +139,17 @@ class Deployment(abc.ABC):
 class InProcess(Deployment):
     """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring); with
     ``tcp``, over ZeroMQ on loopback TCP and ipc sockets instead (the sidecars' bulk ports with them, ``bulk_port``
-    as :class:`~snapshotd.sidecar.config.SidecarConfig` takes it)."""
+    as :class:`~snapshotd.sidecar.config.SidecarConfig` takes it). ``max_rate`` is the sidecars' ``--max-rate`` in
+    bytes per second (None: auto)."""
 
     def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0,
-                 tcp: bool = False, bulk_port: int | None = 0) -> None:  # fmt: skip
+                 tcp: bool = False, bulk_port: int | None = 0, max_rate: float | None = None) -> None:  # fmt: skip
         self.tag = uuid.uuid4().hex[:8]
         self.chunk_bytes = chunk_bytes
         self.request_timeout = request_timeout
         self.tcp = tcp
         self.bulk_port = bulk_port
+        self.max_rate = max_rate
         self._ipc_dir = tempfile.TemporaryDirectory(prefix="snapshotd-ipc-") if tcp else None
         cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0" if tcp else f"mem://coordinator-{self.tag}", replicas=replicas,
                                 heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
@@ -162,7 +164,7 @@ class InProcess(Deployment):
         cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=ipc,
                             data_bind="tcp://127.0.0.1:0" if self.tcp else f"mem://{node}-{self.tag}-data", nice=0,
                             chunk_bytes=self.chunk_bytes, request_timeout=self.request_timeout,
-                            bulk_port=self.bulk_port)  # fmt: skip
+                            bulk_port=self.bulk_port, max_rate=self.max_rate)  # fmt: skip
         stack = contextlib.ExitStack()
         self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack

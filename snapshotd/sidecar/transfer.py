@@ -57,14 +57,19 @@ class CorruptEverywhere(PullFailed):
 
 
 class CodecPolicy:
-    """Chooses raw or delta-lz4 per chunk for one buddy, from continuous measurements.
+    """Chooses how each chunk to one buddy goes, from continuous measurements: ``"raw"``, ``"delta"``
+    (delta-lz4), or ``"probe"`` (raw, after a sample of it was compressed to measure the codec).
 
     Delta pays when the link rate (a fixed ``--max-rate``, or the throughput of unpaced streams to this buddy,
-    whichever is lower) is below :func:`codec.breakeven_rate` for the measured ratio and compression speed.
-    Every ``PROBE_EVERY``-th chunk is compressed anyway so the measurements stay current.
+    whichever is lower) is below :func:`codec.breakeven_rate` for the measured ratio and compression speed. In
+    ``auto`` mode the first chunk and every ``PROBE_EVERY``-th one after it are probes, so that the measurements
+    stay current: a ``PROBE_BYTES`` sample of the chunk, at a place that moves from probe to probe, is compressed
+    and timed, and the chunk goes raw. A sample costs a sixteenth of compressing the chunk, and a link fast
+    enough that delta never pays (where probes are all the compression done) pays nothing at the receiver.
     """
 
     PROBE_EVERY = 32
+    PROBE_BYTES = 256 << 10
     ALPHA = 0.2
 
     def __init__(self, mode: str) -> None:
@@ -73,16 +78,27 @@ class CodecPolicy:
         self.ratio: float | None = None
         self.enc_Bps: float | None = None
         self._count = 0
+        self._probes = 0
 
-    def use_delta(self, pacer_rate: float) -> bool:
+    def choose(self, pacer_rate: float) -> str:
+        """How the next chunk goes (see the class docstring)."""
         if self.mode != "auto":
-            return self.mode == "delta-lz4"
+            return "delta" if self.mode == "delta-lz4" else "raw"
         self._count += 1
         if self.ratio is None or self._count % self.PROBE_EVERY == 0:
-            return True
+            return "probe"
         assert self.enc_Bps is not None
         rate = min(pacer_rate, self.wire_Bps)
-        return rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps)
+        return "delta" if rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps) else "raw"
+
+    def sample(self, nbytes: int) -> tuple[int, int]:
+        """(start, end) of the next probe's sample in a chunk of ``nbytes``: ``PROBE_BYTES`` long (the whole of a
+        smaller chunk), at a multiple of ``PROBE_BYTES`` that moves on with each probe (so whole elements of any
+        dtype, and over many probes every part of the chunk)."""
+        places = max(1, nbytes // self.PROBE_BYTES)
+        start = (self._probes % places) * self.PROBE_BYTES
+        self._probes += 1
+        return start, min(nbytes, start + self.PROBE_BYTES)
 
     def record_delta(self, raw: int, compressed: int, seconds: float) -> None:
         ratio = compressed / raw if raw else 1.0
@@ -162,7 +178,8 @@ async def send_snapshot(
                     start = sent * chunk_bytes
                     view = data[start : start + chunk_bytes]
                     name, payload, base_step = "raw", view, -1
-                    if base_ok and policy.use_delta(pacer.cap):
+                    how = policy.choose(pacer.cap) if base_ok else "raw"
+                    if how == "delta":
                         assert base is not None
                         name, payload, secs = await asyncio.to_thread(
                             _compress, view, base[1][start : start + view.nbytes], elem
@@ -171,6 +188,13 @@ async def send_snapshot(
                         if name == "delta-lz4":
                             base_step = base[0]
                             delta_chunks += 1
+                    elif how == "probe":
+                        assert base is not None
+                        lo, hi = policy.sample(view.nbytes)
+                        _, sample, secs = await asyncio.to_thread(
+                            _compress, view[lo:hi], base[1][start + lo : start + hi], elem
+                        )
+                        policy.record_delta(hi - lo, len(sample), secs)
                     size = len(payload)  # type: ignore[arg-type]
                     await pacer.take(size)
                     await link.send(Chunk(
