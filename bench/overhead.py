@@ -31,8 +31,11 @@ minimum ``minimum_cpu_ms``: ``minimum_copy_ms`` (one memcpy of the state, the st
 ``minimum_wire_ms`` (a loopback TCP transfer of it, both ends' CPU: the sidecars' kernel time's counterpart);
 and ``checksum_ms``, one xxh3-64 pass over it (the data path takes two: the sender's sidecar takes the
 checksums, the buddy checks them). ``staging_Bps`` is the rate the ranks' staging copies ran at (their bytes
-over their time, :attr:`~snapshotd.client.SnapshotStats.copy_seconds`), against ``copy_Bps``, this device's best
-for the same bytes: a memcpy, or with ``--device cuda`` a device-to-host copy into page-locked memory.
+over their time, :attr:`~snapshotd.client.SnapshotStats.copy_seconds`: wall time, so a copy overlapping the
+training step that shares its cores and memory reads slower than one alone), against ``copy_Bps``, this
+device's best for the same bytes: a memcpy, or with ``--device cuda`` a device-to-host copy into page-locked
+memory. With ``--device cuda`` that copy is the GPU's DMA, not the CPU's, so ``minimum_copy_ms`` (a memcpy's
+CPU) has no counterpart in the ranks' CPU; the sidecars' parts compare as on the CPU.
 
 The deployment is a coordinator and **two** sidecars, nodes A and B, with every
 rank on node A: A streams each snapshot to B, its buddy (``replicas=1``), so this machine pays for one node's

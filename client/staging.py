@@ -113,10 +113,10 @@ class Stager:
         sync_idx = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if not safe and not cuda]
         cpu_async = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if safe and not cuda]
         cuda_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
+        t0 = time.perf_counter()
         if sync_idx:
-            t0 = time.perf_counter()
             copy_into(flat, dst, only=sync_idx)
-            self.stats.copy_seconds += time.perf_counter() - t0
+        sync_seconds = time.perf_counter() - t0
         event = started = None
         if cuda_idx:
             if self._side_stream is None:
@@ -140,17 +140,19 @@ class Stager:
         self._inflight = job
         self._last_event = event
 
-        def background() -> None:
+        def background() -> None:  # the one writer of stats.copy_seconds: the channel's thread
+            seconds = sync_seconds
             try:
+                t0 = time.perf_counter()
                 if cpu_async:
-                    t0 = time.perf_counter()
                     copy_into(flat, dst, only=cpu_async)
-                    self.stats.copy_seconds += time.perf_counter() - t0
+                seconds += time.perf_counter() - t0
             finally:
                 job.cpu_done.set()
             if job.cuda_event is not None:
                 job.cuda_event.synchronize()
-                self.stats.copy_seconds += job.cuda_started.elapsed_time(job.cuda_event) / 1e3
+                seconds += job.cuda_started.elapsed_time(job.cuda_event) / 1e3
+            self.stats.copy_seconds += seconds
             if job.abandoned:
                 on_abandon()
             else:

@@ -22,9 +22,10 @@ class SnapshotStats:
     bytes: int = 0
     """Tensor bytes staged."""
     copy_seconds: float = 0.0
-    """Time the staging copies of those bytes took: CPU tensors' copies on the thread that ran them, CUDA
-    tensors' device-to-host copies on the side stream (timed with CUDA events, so it excludes the wait for the
-    training stream). ``bytes / copy_seconds`` is the staging rate."""
+    """Time the staging copies of those bytes took: CPU tensors' copies in wall time on the thread that ran them
+    (a background copy shares the cores and memory with the training step it overlaps), CUDA tensors'
+    device-to-host copies on the side stream (timed with CUDA events, so without the wait for the training
+    stream). ``bytes / copy_seconds`` is the staging rate."""
     last_durable_step: int = -1
     last_step: int = -1
     """The newest step passed to capture()."""

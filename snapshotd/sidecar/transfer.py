@@ -61,11 +61,12 @@ class CodecPolicy:
     (delta-lz4), or ``"probe"`` (raw, after a sample of it was compressed to measure the codec).
 
     Delta pays when the link rate (a fixed ``--max-rate``, or the throughput of unpaced streams to this buddy,
-    whichever is lower) is below :func:`codec.breakeven_rate` for the measured ratio and compression speed. In
-    ``auto`` mode the first chunk and every ``PROBE_EVERY``-th one after it are probes, so that the measurements
-    stay current: a ``PROBE_BYTES`` sample of the chunk, at a place that moves from probe to probe, is compressed
-    and timed, and the chunk goes raw. A sample costs a sixteenth of compressing the chunk, and a link fast
-    enough that delta never pays (where probes are all the compression done) pays nothing at the receiver.
+    whichever is lower) is below :func:`codec.breakeven_rate` for the measured ratio and compression speed (CPU
+    seconds of the compressing thread). Every chunk sent as a delta updates the measurements. So that they stay
+    current while chunks go raw, the first chunk and every ``PROBE_EVERY``-th after it that would go raw is a
+    probe: a ``PROBE_BYTES`` sample of it, at a place that moves from probe to probe, is compressed and timed, and
+    the chunk goes raw. A sample costs a sixteenth of compressing a 4 MiB chunk (the default), and where delta
+    never pays (a fast link) nothing compressed reaches the buddy, whose decoding would cost CPU too.
     """
 
     PROBE_EVERY = 32
@@ -85,16 +86,18 @@ class CodecPolicy:
         if self.mode != "auto":
             return "delta" if self.mode == "delta-lz4" else "raw"
         self._count += 1
-        if self.ratio is None or self._count % self.PROBE_EVERY == 0:
+        if self.ratio is None:
             return "probe"
         assert self.enc_Bps is not None
         rate = min(pacer_rate, self.wire_Bps)
-        return "delta" if rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps) else "raw"
+        if rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps):
+            return "delta"
+        return "probe" if self._count % self.PROBE_EVERY == 0 else "raw"
 
     def sample(self, nbytes: int) -> tuple[int, int]:
         """(start, end) of the next probe's sample in a chunk of ``nbytes``: ``PROBE_BYTES`` long (the whole of a
-        smaller chunk), at a multiple of ``PROBE_BYTES`` that moves on with each probe (so whole elements of any
-        dtype, and over many probes every part of the chunk)."""
+        smaller chunk), starting at a multiple of ``PROBE_BYTES`` (whole elements of any dtype) that cycles through
+        the chunk's whole ``PROBE_BYTES`` windows from probe to probe."""
         places = max(1, nbytes // self.PROBE_BYTES)
         start = (self._probes % places) * self.PROBE_BYTES
         self._probes += 1
@@ -122,9 +125,11 @@ class SendResult:
 
 
 def _compress(data: memoryview, base: memoryview, elem: int) -> tuple[str, Any, float]:
-    t0 = time.perf_counter()
+    """``data`` as delta-lz4 against ``base`` (or raw, when that is not smaller): (codec, payload, the CPU seconds
+    this thread spent on it; time it waited for the GIL or a core does not count)."""
+    t0 = time.thread_time()
     used, payload = codec.compress_chunk("delta-lz4", data, base=base, elem=elem)
-    return used, payload, time.perf_counter() - t0
+    return used, payload, time.thread_time() - t0
 
 
 async def send_snapshot(
