@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+from collections.abc import Iterator
 
 import pytest
 
@@ -23,3 +26,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("integration") or item.nodeid.startswith("tests/bench/"):
             item.add_marker(pytest.mark.serial)
+
+
+LOG_TAIL_LINES = 60
+"""How many of each daemon log's last lines a failed test's report shows."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed test that ran daemons under ``tmp_path`` (a LocalCluster writes each one's output to a ``*.log``
+    file there) gets the last lines of every such log in its report, so that a failure seen only in CI can be
+    explained from what the coordinator and the sidecars said."""
+    report: pytest.TestReport = yield
+    funcargs = getattr(item, "funcargs", {})
+    if report.failed and report.when == "call" and "tmp_path" in funcargs:
+        for path in sorted(pathlib.Path(funcargs["tmp_path"]).rglob("*.log")):
+            with contextlib.suppress(OSError):
+                lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                report.sections.append((f"daemon log {path.name} (last {len(lines)} lines)", "\n".join(lines)))
+    return report
