@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -230,8 +231,15 @@ def test_fsdp2_exports_global_tensors_and_reshards_to_two_ranks(exported: dict[s
 def test_errors_name_the_problem(cluster: Cluster, trained: dict[str, str], tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     out = tmp_path / "ckpt"
-    assert cli_main(["export", "--coordinator", cluster.coordinator_addr, "--job", cluster.job("nope"),
-                     "--out", str(out)]) == 1  # fmt: skip
+    root, ours = logging.getLogger(), logging.getLogger("snapshotd")
+    saved = root.handlers[:], root.level, ours.level
+    try:
+        assert cli_main(["export", "--coordinator", cluster.coordinator_addr, "--job", cluster.job("nope"),
+                         "--out", str(out)]) == 1  # fmt: skip
+    finally:  # the CLI set up logging to this test's captured stderr: later tests must not log there
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        ours.setLevel(saved[2])
     assert capsys.readouterr().err == f"snapshotd export: the coordinator knows no job {cluster.job('nope')!r}\n"
     with pytest.raises(ExportError, match=rf"step 0 of job '{trained['ddp']}' is not held for rank\(s\) 0, 1, 2, 3 "
                                           rf"\(newest durable step: {STEPS}, recoverable: {STEPS}\)"):  # fmt: skip
