@@ -70,8 +70,9 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
     states = [{"w": torch.zeros(64, 1024), "loop": {"step": 0}} for _ in nodes]
 
     def open_snaps() -> list[Snapshotter]:
-        return [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=cluster.ipc(n), timeout=WAIT)
-                for r, n in enumerate(nodes)]  # fmt: skip
+        # "block": six steps back to back on three slots; a capture waits for D to free a slot instead of skipping
+        return [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=cluster.ipc(n), timeout=WAIT,
+                            when_busy="block") for r, n in enumerate(nodes)]  # fmt: skip
 
     def restore_all(snaps: list[Snapshotter]) -> list[int]:
         with ThreadPoolExecutor(2) as pool:  # restore() answers once every rank of the job asked
@@ -82,7 +83,7 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
             for s, st in zip(snaps, states, strict=True):
                 st["w"] += 1
                 st["loop"]["step"] = step
-                s.capture(step)
+                assert s.capture(step), s.stats
             for s in snaps:
                 assert s.wait(WAIT)
 

@@ -236,7 +236,8 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
 
 
 def _snapshotter(cluster: LocalCluster, node: str, job: str, rank: int, state: dict) -> Snapshotter:
-    return Snapshotter(state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10)
+    return Snapshotter(state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10,
+                       when_busy="block")  # four steps back to back on three slots: wait for D to free one
 
 
 @pytest.mark.timeout(300)
