@@ -174,6 +174,9 @@ class TrialResult:
     """With a failure: the newest step any rank logged before the kill."""
     steps_lost: int | None = None
     """``reached`` minus the restored step."""
+    stride_at_loss: int | None = None
+    """With a failure: the widest snapshot stride (``SnapshotStats.stride``) any rank logged at its last step
+    before the kill; a node loss costs at most ``max_steps_lost(stride)`` steps."""
     milestones: dict[str, float] = dataclasses.field(default_factory=dict)
     """Wall-clock times (``time.time()``) of the recovery, see :attr:`split`."""
     split: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -257,8 +260,10 @@ def _read_outcome(
             before |= {e["pid"] for e in _read_jsonl(os.path.join(out, f"events-rank{rank}.jsonl"))
                        if e["event"] == "start" and e["t"] < killed_at}  # fmt: skip
         logged = (_read_jsonl(os.path.join(out, f"losses-rank{rank}.jsonl")) for rank in range(world))
-        steps = [int(r["step"]) for lines in logged for r in lines if r["pid"] in before]
-        result.reached = max(steps, default=0)
+        last = [max((r for r in lines if r["pid"] in before), key=lambda r: int(r["step"]), default=None)
+                for lines in logged]  # each rank's last step before the kill
+        result.reached = max((int(r["step"]) for r in last if r is not None), default=0)
+        result.stride_at_loss = max((int(r.get("stride", 0)) for r in last if r is not None), default=0)
         restored_steps = {e.get("step") for e in restored.values()}
         if len(restored_steps) == 1 and isinstance(step0 := restored_steps.pop(), int):
             result.steps_lost = result.reached - step0

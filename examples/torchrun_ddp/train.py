@@ -21,7 +21,7 @@ After a restore the job goes on exactly where the failure-free run would be:
   global generator that the snapshot restored.
 
 With ``--out DIR`` each rank appends one JSON line per step to ``DIR/losses-rank{R}.jsonl`` (step, loss, wall
-time), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start, process group ready, model
+time, the Snapshotter's snapshot stride), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start, process group ready, model
 built, restore begun and done with its step and source, first step, done; wall-clock ``time.time()``), and at
 the end writes ``DIR/final-rank{R}.json`` with the SHA-256 of every tensor's bytes of model and optimizer
 (``digest``) and of the whole snapshotted state, scheduler and RNG included (``state_digest``); rank 0 also
@@ -211,8 +211,8 @@ class Recorder:
         now = time.time() if t is None else t
         self._append("events", {"event": name, "t": now, "pid": os.getpid(), "restart": restart, **fields})
 
-    def loss(self, step: int, loss: float) -> None:
-        self._append("losses", {"step": step, "loss": loss, "t": time.time(), "pid": os.getpid()})
+    def loss(self, step: int, loss: float, **fields: Any) -> None:
+        self._append("losses", {"step": step, "loss": loss, "t": time.time(), "pid": os.getpid(), **fields})
 
     def final(self, name: str, record: dict[str, Any]) -> None:
         if self.out:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 sched.step()
                 snap.capture(step + 1)
                 step += 1
-                rec.loss(step, loss.item())
+                rec.loss(step, loss.item(), stride=snap.stats.stride)
                 if step == start + 1:
                     rec.event("first_step", step=step)
                 if args.step_delay:

@@ -87,12 +87,13 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
             for s in snaps:
                 assert s.wait(WAIT)
 
-    def coordinator_g() -> float:
-        return value(scrape(ports["coordinator"]), "snapshotd_job_recoverable_step", job=job)
+    def coordinator_g_d() -> tuple[float, float]:
+        co = scrape(ports["coordinator"])
+        return value(co, "snapshotd_job_recoverable_step", job=job), value(co, "snapshotd_job_durable_step", job=job)
 
-    def wait_for_g(step: int) -> None:
+    def wait_for_g_d(step: int) -> None:
         try:
-            wait_for(lambda: coordinator_g() == step, WAIT, f"the coordinator's G to reach step {step}")
+            wait_for(lambda: coordinator_g_d() == (step, step), WAIT, f"the coordinator's G and D to reach step {step}")
         except TimeoutError as exc:  # say what the coordinator saw of the job and the nodes
             seen = {k: v for k, v in scrape(ports["coordinator"]).items()
                     if dict(k[1]).get("job") == job or k[0].startswith("snapshotd_node")}  # fmt: skip
@@ -101,10 +102,10 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
     snaps = open_snaps()
     assert restore_all(snaps) == [0, 0]
     train(snaps, 1, 3)
-    wait_for_g(3)
+    wait_for_g_d(3)
     side1, co1 = scrape(ports["A"]), scrape(ports["coordinator"])
     train(snaps, 4, 6)
-    wait_for_g(6)
+    wait_for_g_d(6)
     side2, co2 = scrape(ports["A"]), scrape(ports["coordinator"])
 
     rank0 = {"job": job, "rank": "0"}

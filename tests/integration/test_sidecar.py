@@ -644,7 +644,9 @@ def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_r
             assert torch.equal(r.work.state["w"], r.work.at(resumed_from)["w"])
         return ranks
 
-    with open_ranks(cluster, job, [(node, Workload(shape, seed=10 + i)) for i, node in enumerate(homes)]) as failed:
+    # "block": five steps back to back on three slots; a capture waits for D to free a slot instead of skipping
+    with open_ranks(cluster, job, [(node, Workload(shape, seed=10 + i)) for i, node in enumerate(homes)],
+                    when_busy="block") as failed:
         for step in range(1, 6):
             assert all(r.capture(step) for r in failed) and all(r.snap.wait(WAIT) for r in failed)
         wait_for(lambda: watch.watermark(job) == (5, 5), "G = D = 5")

@@ -47,10 +47,13 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     assert same["states_equal"], {r: (reference.finals[r]["parts"], trial.finals[r]["parts"]) for r in (0, 3)}
 
     # every rank restored the same step: usually one step behind the newest step any rank completed, at most the
-    # README's bound while every step is snapshotted (the sidecars on a busy machine may be a few steps behind)
+    # README's bound at the snapshot stride the ranks had reached (wider than 1 only if a busy machine's sidecars
+    # fell behind and due steps found no free slot)
     assert len({r["step"] for r in trial.restored.values()}) == 1, trial.restored
     assert trial.reached is not None and trial.reached >= cfg.kill_after
-    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= max_steps_lost(1), (trial.reached, trial.restored)
+    stride = max(1, trial.stride_at_loss or 0)
+    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= max_steps_lost(stride), \
+        (trial.reached, trial.restored, stride)
     sources = {rank: r["source"] for rank, r in trial.restored.items()}
     assert sources[0] == sources[1] == "local", sources  # node A survived: its own shared memory
     assert {sources[2], sources[3]} <= {"replica", "pull"}, sources  # node C: from A, B's buddy
@@ -66,4 +69,4 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     for name, sidecar in cluster.sidecars.items():
         assert not sidecar.alive(), name
         assert sidecar is lost or sidecar.proc.returncode == 0, (name, cluster.tail(sidecar))
-    print(f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost}; split {split}")
+    print(f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost} at stride {stride}; split {split}")
