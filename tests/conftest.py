@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import pytest
 
@@ -33,12 +33,16 @@ LOG_TAIL_LINES = 60
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
-    """A failed test that ran daemons under ``tmp_path`` (a LocalCluster writes each one's output to a ``*.log``
-    file there) gets the last lines of every such log in its report, so that a failure seen only in CI can be
-    explained from what the coordinator and the sidecars said."""
-    report: pytest.TestReport = yield
-    funcargs = getattr(item, "funcargs", {})
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A test that failed after running daemons under ``tmp_path`` (a LocalCluster writes each one's output to a
+    ``*.log`` file there) gets the last lines of every such log in its report, so that a failure seen only in CI
+    can be explained from what the coordinator and the sidecars said. Clusters under a module's temporary
+    directory (``tmp_path_factory``) are not covered; a daemon that fails to start already names its log's last
+    lines in the error."""
+    report = yield
+    funcargs = getattr(item, "funcargs", None) or {}
     if report.failed and report.when == "call" and "tmp_path" in funcargs:
         for path in sorted(pathlib.Path(funcargs["tmp_path"]).rglob("*.log")):
             with contextlib.suppress(OSError):

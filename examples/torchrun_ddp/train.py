@@ -21,11 +21,11 @@ After a restore the job goes on exactly where the failure-free run would be:
   global generator that the snapshot restored.
 
 With ``--out DIR`` each rank appends one JSON line per step to ``DIR/losses-rank{R}.jsonl`` (step, loss, wall
-time, the Snapshotter's snapshot stride), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start, process group ready, model
-built, restore begun and done with its step and source, first step, done; wall-clock ``time.time()``), and at
-the end writes ``DIR/final-rank{R}.json`` with the SHA-256 of every tensor's bytes of model and optimizer
-(``digest``) and of the whole snapshotted state, scheduler and RNG included (``state_digest``); rank 0 also
-writes ``DIR/digest.json``. A test compares these with a failure-free run.
+time, the Snapshotter's snapshot stride), one line per milestone to ``DIR/events-rank{R}.jsonl`` (process start,
+process group ready, model built, restore begun and done with its step and source, first step, done; wall-clock
+``time.time()``), and at the end writes ``DIR/final-rank{R}.json`` with the SHA-256 of every tensor's bytes of
+model and optimizer (``digest``) and of the whole snapshotted state, scheduler and RNG included
+(``state_digest``); rank 0 also writes ``DIR/digest.json``. A test compares these with a failure-free run.
 """
 
 from __future__ import annotations

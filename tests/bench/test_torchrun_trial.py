@@ -77,7 +77,8 @@ Run = tuple[int, float, list[tuple[int, float]], str | None]
 
 
 def _write_run(out: Path, rank: int, runs: list[Run]) -> None:
-    """Per process of ``rank``: (pid, start time, [(step, loss)], restored source, None for a fresh start)."""
+    """Per process of ``rank``: (pid, start time, [(step, loss) or (step, loss, stride)], restored source, None
+    for a fresh start)."""
     out.mkdir(exist_ok=True)
     losses_path, events_path = out / f"losses-rank{rank}.jsonl", out / f"events-rank{rank}.jsonl"
     with open(losses_path, "a") as losses, open(events_path, "a") as e:
@@ -86,8 +87,9 @@ def _write_run(out: Path, rank: int, runs: list[Run]) -> None:
             e.write(json.dumps({"event": "start", "t": t, "pid": pid}) + "\n")
             e.write(json.dumps({"event": "restored", "t": t + 1, "pid": pid, "step": first,
                                  "source": source or "fresh"}) + "\n")  # fmt: skip
-            for i, (step, loss) in enumerate(steps):
-                losses.write(json.dumps({"step": step, "loss": loss, "t": t + 2 + i, "pid": pid}) + "\n")
+            for i, (step, loss, *stride) in enumerate(steps):
+                line = {"step": step, "loss": loss, "t": t + 2 + i, "pid": pid}
+                losses.write(json.dumps({**line, "stride": stride[0]} if stride else line) + "\n")
     (out / f"final-rank{rank}.json").write_text(json.dumps({"digest": "d", "state_digest": "s"}))
 
 
@@ -96,14 +98,16 @@ def test_read_outcome_and_compare(tmp_path: Path) -> None:
     for rank in range(2):
         _write_run(ref, rank, [(10 + rank, 100.0, [(1, 3.0), (2, 2.5), (3, 2.0), (4, 1.5)], None)])
     # rank 0 reached step 3 before the kill at t=105 and re-ran step 3 after restoring step 2; rank 1 reached
-    # 2
-    _write_run(trial, 0, [(20, 100.0, [(1, 3.0), (2, 2.5), (3, 2.0)], None),
+    # 2. Rank 0's stride was 2 at its last step before the kill (4 earlier); rank 1 logged none before it, and
+    # its restarted process's wider stride comes after the loss
+    _write_run(trial, 0, [(20, 100.0, [(1, 3.0, 4), (2, 2.5, 2), (3, 2.0, 2)], None),
                           (30, 110.0, [(3, 2.0), (4, 1.5)], "local")])  # fmt: skip
     _write_run(trial, 1, [(21, 100.0, [(1, 3.0), (2, 2.5)], None),
-                          (31, 110.0, [(3, 2.0), (4, 1.25)], "pull")])  # fmt: skip
+                          (31, 110.0, [(3, 2.0, 8), (4, 1.25, 8)], "pull")])  # fmt: skip
     reference = _read_outcome(str(ref), 2, "ref", {}, None)
+    assert reference.stride_at_loss is None  # no failure: no loss to bound
     result = _read_outcome(str(trial), 2, "trial", {}, killed_at=105.0)
-    assert result.reached == 3 and result.steps_lost == 1
+    assert result.reached == 3 and result.steps_lost == 1 and result.stride_at_loss == 2
     assert {r: e["source"] for r, e in result.restored.items()} == {0: "local", 1: "pull"}
     assert result.losses[0] == {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.5} and not any(result.rerun_mismatches.values())
     same = compare(reference, result)

@@ -69,4 +69,5 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     for name, sidecar in cluster.sidecars.items():
         assert not sidecar.alive(), name
         assert sidecar is lost or sidecar.proc.returncode == 0, (name, cluster.tail(sidecar))
-    print(f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost} at stride {stride}; split {split}")
+    print(f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost} at stride {stride}; "
+          f"split {split}")
