@@ -108,7 +108,8 @@ def build_state(params: int, steps: int, seed: int, device: str = "cpu", *, para
 
 def state_digest(state: dict[str, Any]) -> str:
     """SHA-256 over every tensor byte and every non-tensor value of ``state`` (bit-identity check)."""
-    from snapshotd.client.state import copy_into, flatten
+    from snapshotd.client.copies import copy_into
+    from snapshotd.client.state import flatten
 
     flat = flatten(state)
     buf = torch.zeros(flat.data_bytes, dtype=torch.uint8)

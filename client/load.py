@@ -319,7 +319,7 @@ def restore_into(
     *,
     placed: Mapping[int, torch.Tensor] | None = None,
 ) -> None:
-    """Load a snapshot into ``state`` in place: the inverse of :func:`flatten` + :func:`copy_into`.
+    """Load a snapshot into ``state`` in place: the inverse of :func:`~.state.flatten` + :func:`~.copies.copy_into`.
 
     A Stateful value gets ``load_state_dict()`` of a state dict rebuilt from ``meta``, in which every tensor
     that has the path, dtype and shape of a tensor in its current ``state_dict()`` is that tensor with the

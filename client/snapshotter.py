@@ -64,7 +64,7 @@ from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval, left_out
 from .staging import Stager
-from .state import FlatState, flatten
+from .state import FlatState, StateWalker, flatten
 from .stats import SnapshotStats
 from .view import SnapshotView, restore_targets, snapshot_view
 
@@ -204,6 +204,7 @@ class Snapshotter:
         self._fetch_lock = threading.Lock()
         self._channel = Channel(self.sidecar, self._on_message)
         self._stager = Stager(state, self.stats)
+        self._walker = StateWalker()
         if live is not None:
             live.watch()  # stopped by close()
 
@@ -476,7 +477,7 @@ class Snapshotter:
                 due = step % self.every == 0 and not left_out(step, self.every)  # type: ignore[operator,arg-type]
             if not due:
                 return False
-            flat = flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
+            flat = self._walker.flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
             # at every step due, not only at the aligned ones: a registration retried in the background (the
             # sidecar restarted) goes on while the stride is long
             registered = self._ensure_registered(flat.data_bytes)

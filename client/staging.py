@@ -18,9 +18,10 @@ copied synchronously.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,8 @@ from snapshotd.proto import Announce
 from snapshotd.shm import Arena
 
 from .channel import Channel
-from .state import FlatState, copy_into
+from .copies import copy_tensors, dst_views
+from .state import FlatState
 
 __all__ = ["Stager"]
 
@@ -43,9 +45,55 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+_IS_CUDA = operator.attrgetter("is_cuda")
+DEVICE_CHECK_EVERY = 64
+"""Captures between two full reads of where each tensor lives (see :meth:`Stager._plan`)."""
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    """A function taking the items at ``indices`` of a sequence, in one C-level call."""
+    if not indices:
+        return lambda items: []
+    get = operator.itemgetter(*indices)
+    if len(indices) == 1:
+        return lambda items: [get(items)]
+    return lambda items: list(get(items))
+
+
+class _Groups:
+    """How one layout's tensors are copied: the index groups (see the module docstring), and each group's
+    destination views per buffer."""
+
+    def __init__(self, flat: FlatState, cuda: list[bool], safe: list[bool]) -> None:
+        self.layout = flat.layout
+        self.cuda = cuda
+        idx = [i for i, e in enumerate(flat.entries) if e.nbytes]  # an empty tensor has nothing to copy
+        self.sync = [i for i in idx if not safe[i] and not cuda[i]]
+        self.cpu_async = [i for i in idx if safe[i] and not cuda[i]]
+        self.cuda_mutable = [i for i in idx if not safe[i] and cuda[i]]
+        self.cuda_safe = [i for i in idx if safe[i] and cuda[i]]
+        self.pick = {name: _picker(getattr(self, name)) for name in ("sync", "cpu_async", "cuda_mutable", "cuda_safe")}
+        self._views: dict[int, tuple[torch.Tensor, dict[str, list[torch.Tensor]]]] = {}
+
+    def views(self, flat: FlatState, dst: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """Each group's destination views in ``dst``."""
+        hit = self._views.get(id(dst))
+        if hit is not None and hit[0] is dst:
+            return hit[1]
+        views = dst_views(flat, dst)
+        grouped = {name: pick(views) for name, pick in self.pick.items()}
+        self._views[id(dst)] = (dst, grouped)
+        return grouped
+
+    def sources(self, flat: FlatState, name: str, views: dict[str, list[torch.Tensor]]) -> tuple[list[Any], list[Any]]:
+        """(destinations, sources) of group ``name``."""
+        return views[name], self.pick[name](flat.tensors)
+
+
 class _Copy:
     """One staging copy in flight: done when the CPU part finished and the CUDA event (if any) completed; the
-    CUDA part's time runs from ``cuda_started`` to ``cuda_event`` on the side stream."""
+    CUDA part's time runs from ``cuda_started`` to ``cuda_event`` on the side stream. The CUDA part of the
+    parameters and optimizer state is queued by the channel thread: ``cpu_done`` is set once it is queued."""
 
     def __init__(self, cuda_event: Any, cuda_started: Any) -> None:
         self.cpu_done = threading.Event()
@@ -65,8 +113,10 @@ class Stager:
         self._inflight: _Copy | None = None
         self._safe_layout: Any = None
         self._safe: list[bool] = []
+        self._groups: _Groups | None = None
+        self._captures = 0
         self._side_stream: Any = None
-        self._last_event: Any = None  # the CUDA part of the last copy, until the host has waited for it
+        self._last: _Copy | None = None  # the last copy, until the host has waited for its CUDA part
         self._pinned: list[int] = []
 
     def pin(self, arena: Arena) -> None:
@@ -98,6 +148,29 @@ class Stager:
         self._safe_layout = flat.layout
         return self._safe
 
+    def _plan(self, flat: FlatState) -> _Groups:
+        """The copy groups of ``flat``'s layout and devices (cached while both stay).
+
+        Where each tensor lives is read in full when the layout changes and every :data:`DEVICE_CHECK_EVERY`
+        captures, and otherwise for the first and last tensor only: a tensor copied in the wrong group is still
+        copied correctly (a CUDA tensor in a CPU group with a blocking copy, a CPU one in a CUDA group with a
+        plain one), only more slowly, until the next full read.
+        """
+        groups = self._groups
+        self._captures += 1
+        tensors = flat.tensors
+        if (
+            groups is not None
+            and groups.layout is flat.layout
+            and self._captures % DEVICE_CHECK_EVERY
+            and (not tensors or (tensors[0].is_cuda, tensors[-1].is_cuda) == (groups.cuda[0], groups.cuda[-1]))
+        ):
+            return groups
+        cuda = list(map(_IS_CUDA, tensors))
+        if groups is None or groups.layout is not flat.layout or groups.cuda != cuda:
+            groups = self._groups = _Groups(flat, cuda, self._async_mask(flat))
+        return groups
+
     def stage(
         self, flat: FlatState, dst: torch.Tensor, channel: Channel, announce: Announce, on_abandon: Callable[[], None]
     ) -> None:
@@ -108,52 +181,60 @@ class Stager:
         is sent and ``on_abandon`` runs, so a torn snapshot never leaves the process.
         """
         self.fence()
-        mask = self._async_mask(flat)
-        on_cuda = [t.is_cuda for t in flat.tensors]
-        sync_idx = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if not safe and not cuda]
-        cpu_async = [i for i, (safe, cuda) in enumerate(zip(mask, on_cuda, strict=True)) if safe and not cuda]
-        cuda_idx = [i for i, cuda in enumerate(on_cuda) if cuda]
+        groups = self._plan(flat)
+        views = groups.views(flat, dst)
         t0 = time.perf_counter()
-        if sync_idx:
-            copy_into(flat, dst, only=sync_idx)
+        copy_tensors(*groups.sources(flat, "sync", views))
         sync_seconds = time.perf_counter() - t0
-        event = started = None
-        if cuda_idx:
+        event = started = side = None
+        if groups.cuda_mutable or groups.cuda_safe:
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream()
+            side = self._side_stream
             training = torch.cuda.current_stream()
-            self._side_stream.wait_stream(training)
-            mutable = [i for i in cuda_idx if not mask[i]]
-            with torch.cuda.stream(self._side_stream):
-                started = torch.cuda.Event(enable_timing=True)
-                started.record(self._side_stream)
-                if mutable:  # copied first: the training stream waits for these (below), not for the rest
-                    copy_into(flat, dst, only=mutable, non_blocking=True)
-                    copied = torch.cuda.Event()
-                    copied.record(self._side_stream)
-                copy_into(flat, dst, only=[i for i in cuda_idx if mask[i]], non_blocking=True)
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self._side_stream)
-            if mutable:  # nothing queued on the training stream from now on may change them before they are copied
-                training.wait_event(copied)  # a GPU-side wait: this thread goes on at once
+            side.wait_stream(training)  # what the side stream copies from here on is the state as of now
+            started = torch.cuda.Event(enable_timing=True)
+            if groups.cuda_mutable:  # copied now: the training stream waits for these, not for the rest
+                started.record(side)
+                with torch.cuda.stream(side):
+                    copy_tensors(*groups.sources(flat, "cuda_mutable", views), non_blocking=True)
+                training.wait_event(side.record_event())  # a GPU-side wait: this thread goes on at once
+            event = torch.cuda.Event(enable_timing=True)
+        cuda_safe = groups.sources(flat, "cuda_safe", views) if groups.cuda_safe else None
+        cpu_async = groups.sources(flat, "cpu_async", views) if groups.cpu_async else None
         job = _Copy(event, started)
         self._inflight = job
-        self._last_event = event
+        self._last = job if event is not None else None
 
         def background() -> None:  # the one writer of stats.copy_seconds: the channel's thread
             seconds = sync_seconds
+            failed = False
             try:
+                if side is not None:  # queued behind the wait above: it copies the state as of capture()
+                    assert started is not None and event is not None
+                    with torch.cuda.device(side.device), torch.cuda.stream(side):
+                        if not groups.cuda_mutable:
+                            started.record(side)
+                        if cuda_safe is not None:
+                            copy_tensors(*cuda_safe, non_blocking=True)
+                        event.record(side)
                 t0 = time.perf_counter()
-                if cpu_async:
-                    copy_into(flat, dst, only=cpu_async)
+                if cpu_async is not None:
+                    copy_tensors(*cpu_async)
                 seconds += time.perf_counter() - t0
+            except Exception:  # a copy that failed is never announced
+                log.exception("snapshot copy failed; that snapshot is dropped")
+                failed = True
             finally:
                 job.cpu_done.set()
-            if job.cuda_event is not None:
-                job.cuda_event.synchronize()
-                seconds += job.cuda_started.elapsed_time(job.cuda_event) / 1e3
+            if side is not None:
+                if failed:  # copies queued before the failure may still write into the slot
+                    side.synchronize()
+                else:
+                    job.cuda_event.synchronize()
+                    seconds += job.cuda_started.elapsed_time(job.cuda_event) / 1e3
             self.stats.copy_seconds += seconds
-            if job.abandoned:
+            if job.abandoned or failed:
                 on_abandon()
             else:
                 channel.send_now(announce)
@@ -161,23 +242,27 @@ class Stager:
         channel.submit(background)
 
     def fence(self, timeout: float | None = 60.0, *, host: bool = False) -> None:
-        """Wait for the copy in flight: its CPU part on this thread, its CUDA part as a GPU-side wait (kernels
-        queued on the training stream from now on run after it). With ``host``, this thread also waits for the
-        CUDA part of the last copy, fenced before or not: needed before the arena it writes into is unmapped,
-        unregistered or handed back."""
+        """Wait for the copy in flight: its CPU part (and the queueing of its CUDA part) on this thread, its CUDA
+        part as a GPU-side wait (kernels queued on the training stream from now on run after it). With ``host``,
+        this thread also waits for the CUDA part of the last copy, fenced before or not: needed before the arena
+        it writes into is unmapped, unregistered or handed back."""
         job = self._inflight
         if job is not None:
             self._inflight = None
             t0 = time.perf_counter()
-            if job.cuda_event is not None:
-                torch.cuda.current_stream().wait_event(job.cuda_event)
             if not job.cpu_done.wait(timeout):
                 job.abandoned = True
                 log.warning("snapshot copy did not finish within %s s; abandoning that snapshot", timeout)
+            elif job.cuda_event is not None:  # recorded by now: the channel thread queued the copy
+                torch.cuda.current_stream().wait_event(job.cuda_event)
             self.stats.fence_seconds += time.perf_counter() - t0
-        if host and self._last_event is not None:
-            self._last_event.synchronize()
-            self._last_event = None
+        last = self._last
+        if host and last is not None:
+            self._last = None
+            if last.cpu_done.wait(timeout):  # its CUDA part is queued (or never will be)
+                last.cuda_event.synchronize()
+            else:
+                log.warning("the last snapshot copy was not queued within %s s", timeout)
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.fence()

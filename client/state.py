@@ -8,10 +8,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import math
-import threading
-import weakref
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -38,17 +38,15 @@ from .meta import (
     PLAIN,
     SCALAR_TYPES,
     STATEFUL,
-    TORCH_DTYPES,
     Layout,
     Path,
-    check_buffer,
     dtensor_type,
     is_stateful,
     plain_dtype,
     where,
 )
 
-__all__ = ["FlatState", "check_tensor", "copy_into", "flatten"]
+__all__ = ["FlatState", "StateWalker", "check_tensor", "flatten"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,7 +54,7 @@ class FlatState:
     """One capture of a state: what to copy where, and the non-tensor rest.
 
     ``tensors`` alias the live state (detached where they require grad; a DTensor contributes its local shard), so their values are
-    those at the time :func:`copy_into` runs, not at the time of :func:`flatten`.
+    those at the time :func:`~.copies.copy_into` runs, not at the time of :func:`flatten`.
     """
 
     entries: list[TensorEntry]
@@ -86,6 +84,11 @@ def _plain(x: Any) -> bool:
     """Whether ``x`` goes into msgpack as it is (a scalar, or an int within 64 bits)."""
     t = type(x)
     return t in SCALAR_TYPES or (t is int and INT_MIN <= x <= INT_MAX)
+
+
+def _ints(v: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether ``v`` holds only ints within 64 bits (C-level loops: it may hold thousands)."""
+    return not v or (set(map(type, v)) == {int} and min(v) >= INT_MIN and max(v) <= INT_MAX)
 
 
 class _Flattener:
@@ -118,10 +121,12 @@ class _Flattener:
         if t is dict:
             return self.mapping(v, keys)
         if t is list:
-            if all(type(x) is int for x in v) and (not v or (min(v) >= INT_MIN and max(v) <= INT_MAX)):
+            if _ints(v):
                 return v  # an optimizer's parameter indices: packed as they are (flatten packs before it returns)
             return [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
         if t is tuple:
+            if _ints(v):  # the state of Python's random module: packed as it is
+                return _ext(EXT_TUPLE, msgpack.packb(v))
             items = [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items))
         if t is collections.OrderedDict:
@@ -224,92 +229,172 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             ``OrderedDict``, or NumPy array / scalar of a plain dtype; the message names its key path.
         ValueError: for a state over the protocol's limits (tensor count, bytes, meta size).
     """
-    walk = _Flattener()
-    top: dict[str, list[Any]] = {}
-    for key, value in state.items():
-        if type(key) is not str:
-            raise TypeError(f"state keys must be str, got {key!r}")
-        if not isinstance(value, torch.Tensor) and is_stateful(value):
-            top[key] = [STATEFUL, walk.value(value.state_dict(), (key,))]
-        else:
-            top[key] = [PLAIN, walk.value(value, (key,))]
-    if len(walk.tensors) > L.MAX_TENSORS:
-        raise ValueError(f"the state holds {len(walk.tensors)} tensors, at most {L.MAX_TENSORS}")
-    layout, entries, data_bytes = _table(tuple(walk.specs))
-    if data_bytes > L.MAX_SNAPSHOT_BYTES:
-        raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
-    meta = msgpack.packb([FORMAT_VERSION, top])
-    if len(meta) > L.MAX_META_BYTES:
-        raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
-    return FlatState(list(entries), walk.tensors, meta, data_bytes, layout)
+    return StateWalker().flatten(state)
 
 
-class _DstViews:
-    """Typed views of a destination buffer, one per entry, kept as long as that buffer object lives.
+_SHAPE, _DTYPE, _GRAD = (operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad"))
+_OPTIMIZER_KEYS = ("state", "param_groups")
+_OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
+_GROUPS_KEY = msgpack.packb("param_groups")
 
-    Building views costs more than copying a small tensor, and a Snapshotter copies into the same few slots
-    every step with an unchanged layout. Views are cached per ``dst`` object (by id, confirmed by a weak
-    reference and the data pointer) and dropped by a finalizer when ``dst`` is collected, so they never keep
-    memory alive longer than ``dst`` itself does.
+
+def _header(n: int, fix: int, short: int) -> bytes:
+    """msgpack's header of an array (``fix`` 0x90, ``short`` 0xdc) or map (0x80, 0xde) of ``n`` items."""
+    if n < 16:
+        return bytes((fix | n,))
+    if n < 1 << 16:
+        return bytes((short,)) + n.to_bytes(2, "big")
+    return bytes((short + 1,)) + n.to_bytes(4, "big")
+
+
+@dataclasses.dataclass(slots=True)
+class _Memo:
+    """What the last walk of one top-level Stateful found, for a state dict of one of two shapes: ``tensors`` (a
+    mapping of tensors, as a module's) or ``optimizer`` (``{"state": {index: {name: tensor}}, "param_groups":
+    [...]}``, as a ``torch.optim.Optimizer``'s once every parameter has its state)."""
+
+    kind: str
+    sd_type: type[Any]
+    keys: tuple[Any, ...]
+    """The state dict's keys (``optimizer``: those of its ``state``)."""
+    inner: list[tuple[Any, ...]]
+    """``optimizer``: the keys of each parameter's state."""
+    start: int
+    """The table index of its first tensor."""
+    dtypes: list[torch.dtype]
+    shapes: list[torch.Size]
+    specs: list[tuple[Path, str, tuple[int, ...]]]
+    packed: bytes
+    """msgpack of its tree (``optimizer``: of its ``state``)."""
+    last: list[torch.Tensor]
+    """The tensors it last matched."""
+
+    def matches(self, tensors: list[Any]) -> bool:
+        """Whether ``tensors`` are plain tensors of the dtypes and shapes seen that need no detach (C-level loops
+        only; where they live is the stager's business). The very tensor objects seen last time match at once
+        (an optimizer's moments are the same objects from step to step; nothing changes a tensor's dtype or shape
+        in place but ``set_`` and ``resize_``)."""
+        if len(tensors) != len(self.dtypes):
+            return False
+        if all(map(operator.is_, tensors, self.last)):
+            return True
+        if tensors and not (
+            set(map(type, tensors)) == {torch.Tensor}
+            and list(map(_DTYPE, tensors)) == self.dtypes
+            and list(map(_SHAPE, tensors)) == self.shapes
+            and not any(map(_GRAD, tensors))
+        ):
+            return False
+        self.last = tensors
+        return True
+
+
+def _plain_tensors(values: list[Any]) -> bool:
+    """Whether every one of ``values`` is a plain tensor (no subclass, no DTensor) that needs no detach."""
+    return all(type(v) is torch.Tensor and not v.requires_grad for v in values)
+
+
+class StateWalker:
+    """Flattens the same state capture after capture, like :func:`flatten`, with the same result byte for byte.
+
+    A full walk costs a few microseconds per tensor in Python, which at a thousand tensors passes a millisecond
+    on the training thread. Between two steps the big values keep their structure: a module's state dict names
+    the same tensors, an optimizer's per-parameter state holds the same moments. For each top-level Stateful
+    whose state dict has one of those shapes, the walker keeps the packed bytes of its tensor part and its table
+    rows, and the next capture checks the new state dict against them with C-level loops over its tensors (type,
+    dtype, shape) instead of walking it. Every other value, and one whose check fails, is walked in full.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cache: dict[int, tuple[weakref.ref[torch.Tensor], int, Layout, list[torch.Tensor | None]]] = {}
+        self._memos: dict[str, _Memo] = {}
+        self._table: tuple[list[Any], Layout, tuple[TensorEntry, ...], int] | None = None
 
-    def get(self, flat: FlatState, dst: torch.Tensor) -> list[torch.Tensor | None]:
-        key, ptr = id(dst), dst.data_ptr()
-        with self._lock:
-            hit = self._cache.get(key)
-        alive = hit is not None and hit[0]() is dst
-        if alive and hit[1] == ptr and (hit[2] is flat.layout or hit[2] == flat.layout):  # type: ignore
-            return hit[3]  # type: ignore
-        views = [
-            dst[e.offset : e.offset + e.nbytes].view(TORCH_DTYPES[e.dtype]).view(e.shape)
-            if e.nbytes
-            else None
-            for e in flat.entries
-        ]
-        ref = weakref.ref(dst)
-        with self._lock:
-            self._cache[key] = (ref, ptr, flat.layout, views)
-        if not alive:
-            weakref.finalize(dst, self._drop, key, ref)
-        return views
+    def flatten(self, state: Mapping[str, Any]) -> FlatState:
+        """:func:`flatten` of ``state`` (same arguments, result and errors)."""
+        walk = _Flattener()
+        parts = []
+        for key, value in state.items():
+            if type(key) is not str:
+                raise TypeError(f"state keys must be str, got {key!r}")
+            if not isinstance(value, torch.Tensor) and is_stateful(value):
+                sd = value.state_dict()
+                packed = self._reuse(key, sd, walk)
+                if packed is None:
+                    packed = self._walk(key, sd, walk)
+                parts.append(msgpack.packb(key) + b"\x92" + msgpack.packb(STATEFUL) + packed)
+            else:
+                self._memos.pop(key, None)
+                parts.append(msgpack.packb(key) + b"\x92" + msgpack.packb(PLAIN) + msgpack.packb(walk.value(value, (key,))))
+        if len(walk.tensors) > L.MAX_TENSORS:
+            raise ValueError(f"the state holds {len(walk.tensors)} tensors, at most {L.MAX_TENSORS}")
+        last = self._table
+        if last is not None and walk.specs == last[0]:  # element by element, identical rows first: no hashing
+            _, layout, entries, data_bytes = last
+        else:
+            layout, entries, data_bytes = _table(tuple(walk.specs))
+            self._table = (walk.specs, layout, entries, data_bytes)
+        if data_bytes > L.MAX_SNAPSHOT_BYTES:
+            raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
+        meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + _header(len(parts), 0x80, 0xDE) + b"".join(parts)
+        if len(meta) > L.MAX_META_BYTES:
+            raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
+        return FlatState(list(entries), walk.tensors, meta, data_bytes, layout)
 
-    def _drop(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None and hit[0] is ref:
-                del self._cache[key]
+    def _reuse(self, key: str, sd: Any, walk: _Flattener) -> bytes | None:
+        """The packed tree of ``sd`` from the memo of ``key``, its tensors added to ``walk``; None when ``sd`` no
+        longer matches it."""
+        memo = self._memos.get(key)
+        if memo is None or memo.start != len(walk.tensors) or type(sd) is not memo.sd_type:
+            return None
+        if memo.kind == "tensors":
+            if len(sd) != len(memo.keys) or tuple(sd) != memo.keys:
+                return None
+            tensors = list(sd.values())
+        else:
+            if tuple(sd) != _OPTIMIZER_KEYS:
+                return None
+            st = sd["state"]
+            if type(st) is not dict or tuple(st) != memo.keys:
+                return None
+            inner = list(st.values())
+            if inner and set(map(type, inner)) != {dict}:
+                return None
+            if list(map(tuple, inner)) != memo.inner:
+                return None
+            tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
+        if not memo.matches(tensors):
+            return None
+        walk.tensors.extend(tensors)
+        walk.specs.extend(memo.specs)
+        if memo.kind == "tensors":
+            return memo.packed
+        groups = walk.value(sd["param_groups"], (key, "param_groups"))
+        return _OPTIMIZER_HEAD + memo.packed + _GROUPS_KEY + msgpack.packb(groups)
 
+    def _walk(self, key: str, sd: Any, walk: _Flattener) -> bytes:
+        """Walk ``sd`` in full, remembering it when it has one of the memo's shapes; its packed tree."""
+        self._memos.pop(key, None)
+        start = len(walk.tensors)
+        if type(sd) is dict and tuple(sd) == _OPTIMIZER_KEYS and type(sd["state"]) is dict:
+            st = sd["state"]
+            inner = list(st.values())
+            state_tree = walk.value(st, (key, "state"))
+            packed = msgpack.packb(state_tree)
+            if all(type(d) is dict for d in inner) and _plain_tensors(list(itertools.chain.from_iterable(map(dict.values, inner)))):
+                self._remember("optimizer", key, sd, list(st), [tuple(d) for d in inner], start, walk, packed)
+            groups = walk.value(sd["param_groups"], (key, "param_groups"))
+            return _OPTIMIZER_HEAD + packed + _GROUPS_KEY + msgpack.packb(groups)
+        packed = msgpack.packb(walk.value(sd, (key,)))
+        if type(sd) in (dict, collections.OrderedDict) and _plain_tensors(list(sd.values())):
+            self._remember("tensors", key, sd, list(sd), [], start, walk, packed)
+        return packed
 
-_dst_views = _DstViews()
-
-
-def copy_into(
-    flat: FlatState, dst: torch.Tensor, *, only: Sequence[int] | None = None, non_blocking: bool = False
-) -> None:
-    """Copy every tensor of ``flat`` into ``dst[offset : offset + nbytes]``: one ``copy_`` per tensor, any
-    strides, no intermediate copy.
-
-    Args:
-        flat: from :func:`flatten`; its tensors are read now.
-        dst: a contiguous 1-D uint8 CPU tensor (e.g. a view of a shared-memory slot) of at least
-            ``flat.data_bytes`` bytes, starting at a multiple of 16 bytes of its storage. Bytes between
-            entries are left as they are. Views of it are cached while this tensor object lives: pass the same
-            object every step.
-        only: indices into ``flat.tensors`` to copy (default: all).
-        non_blocking: passed to ``copy_`` (CUDA sources into page-locked ``dst``; call on the copy stream).
-
-    Raises:
-        ValueError: if ``dst`` is not such a tensor.
-    """
-    check_buffer(dst, flat.data_bytes, "dst")
-    views = _dst_views.get(flat, dst)
-    for i in range(len(views)) if only is None else only:
-        view = views[i]
-        if view is not None:
-            view.copy_(flat.tensors[i], non_blocking=non_blocking)
+    def _remember(self, kind: str, key: str, sd: Any, keys: list[Any], inner: list[tuple[Any, ...]], start: int,
+                  walk: _Flattener, packed: bytes) -> None:  # fmt: skip
+        tensors = walk.tensors[start:]
+        self._memos[key] = _Memo(
+            kind, type(sd), tuple(keys), inner, start, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
+            walk.specs[start:], packed, tensors,
+        )
 
 

@@ -13,8 +13,9 @@ import msgpack
 import pytest
 import torch
 
+from snapshotd.client.copies import copy_into
 from snapshotd.client.meta import ELIDED, PLAIN, STATEFUL
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 from snapshotd.export import ExportError, _Assembly, _attempts, _Snapshot
 from snapshotd.proto import TensorEntry
 from snapshotd.sidecar.transfer import PullFailed

@@ -16,9 +16,10 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from snapshotd.client.copies import copy_into
 from snapshotd.client.ddp import DDP_KEY
 from snapshotd.client.load import restore_into
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 from snapshotd.client.view import snapshot_view
 
 from ..gloo_ranks import run_gloo_ranks

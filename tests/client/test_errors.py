@@ -15,9 +15,10 @@ from snapshotd.client import (
     SidecarUnavailable,
     SnapshotdError,
 )
+from snapshotd.client.copies import copy_into
 from snapshotd.client.errors import from_reply
 from snapshotd.client.load import restore_into
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 from snapshotd.proto import Error, ErrorCode
 
 

@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from snapshotd.client import ConfigMismatch, ReplicaGroupError, Snapshotter
+from snapshotd.client.copies import copy_into
 from snapshotd.client.load import restore_into
 from snapshotd.client.replicas import ELIDED, ReplicaShard, assign_keepers, fail_remaining
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 
 from ..gloo_ranks import run_gloo_ranks
 

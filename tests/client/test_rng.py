@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from snapshotd.client.copies import copy_into
 from snapshotd.client.load import restore_into
 from snapshotd.client.rng import RNGState
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 
 
 def draws() -> tuple[list[Any], ...]:

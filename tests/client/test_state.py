@@ -19,10 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from snapshotd.client.copies import copy_into
 from snapshotd.client.load import TensorRef, decode_meta, restore_into
 from snapshotd.client.meta import ALIGN, FORMAT_VERSION
 from snapshotd.client.rng import RNGState
-from snapshotd.client.state import FlatState, copy_into, flatten
+from snapshotd.client.state import FlatState, flatten
 
 
 def snapshot(state: dict[str, Any]) -> tuple[FlatState, torch.Tensor]:

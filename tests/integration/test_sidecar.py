@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from snapshotd.client import Snapshotter
+from snapshotd.client.copies import copy_into
 from snapshotd.client.schedule import left_out
-from snapshotd.client.state import copy_into, flatten
+from snapshotd.client.state import flatten
 from snapshotd.proto import (
     Announce,
     Chunk,
