@@ -17,6 +17,18 @@ One connection serves one ticket:
    xxh3-64 from the copy's seal (as :class:`~snapshotd.proto.Chunk` carries it). Any other status ends the
    connection after its header.
 
+A sidecar streaming a snapshot to its buddy *pushes* its chunks over the buddy's bulk port the same way, when the
+buddy's :class:`~snapshotd.proto.StreamAccept` names a port and a token: the bytes go from the sender's shared
+memory into the buffers that will hold the copy, one kernel copy on each side, and several connections may carry
+one stream at once. A push connection:
+
+1. the sender sends :data:`HELLO` with :data:`PUSH_MAGIC` and the token of the stream's accept;
+2. then any number of :data:`CHUNK` headers with status :attr:`Status.OK`, each followed by its payload (a chunk
+   of the stream's geometry, ``checksum`` its block's xxh3-64 from the slot's seal); it closes the connection
+   after its last chunk. The buddy checks each chunk as it lands and answers over the data plane: a
+   :class:`~snapshotd.proto.ChunkAck` once the copy is complete, an :class:`~snapshotd.proto.Error` (code
+   ``bad_chunk``) for a chunk that fails its check or does not fit the stream.
+
 Every integer is little-endian.
 """
 
@@ -25,14 +37,17 @@ from __future__ import annotations
 import enum
 import struct
 
-__all__ = ["CHUNK", "HELLO", "MAGIC", "RANGE", "TOKEN_BYTES", "VERSION", "Status", "chunk_length"]
+__all__ = ["CHUNK", "HELLO", "MAGIC", "PUSH_MAGIC", "RANGE", "TOKEN_BYTES", "VERSION", "Status", "chunk_length"]
 
 MAGIC = b"SNPB"
+"""A rank fetching a holder's copy."""
+PUSH_MAGIC = b"SNPU"
+"""A sidecar pushing a stream's chunks to its buddy."""
 VERSION = 1
 TOKEN_BYTES = 16
 
 HELLO = struct.Struct("<4sB3x16s")
-"""magic, version, token."""
+"""magic (:data:`MAGIC` or :data:`PUSH_MAGIC`), version, token."""
 RANGE = struct.Struct("<II")
 """first chunk, count (``(0, 0)``: the client is done)."""
 CHUNK = struct.Struct("<IIQB7x")

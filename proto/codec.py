@@ -28,7 +28,7 @@ from . import limits as L
 from .errors import ChecksumMismatch, CodecError
 from .fields import CODECS, Buffer
 
-__all__ = ["blob_digest", "breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
+__all__ = ["RunningChecksum", "blob_digest", "breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
 
 _LZ4_MODE = "default"
 """lz4's default mode (acceleration 1). On shuffled step deltas the faster modes lose about as much in ratio as
@@ -42,6 +42,27 @@ _PLANE_LOOP_MAX_ELEM = 16
 def checksum(buf: Buffer) -> int:
     """xxh3-64 of the bytes of ``buf`` (a C-contiguous buffer), as an unsigned int (~60 GB/s here)."""
     return xxhash.xxh3_64_intdigest(buf)
+
+
+class RunningChecksum:
+    """:func:`checksum` of bytes fed in pieces, each while it is still in the CPU's caches: ``update`` them in
+    order, then ``value()`` is the checksum of their concatenation."""
+
+    __slots__ = ("_h",)
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, piece: Buffer) -> None:
+        self._h.update(piece)
+
+    def value(self) -> int:
+        return self._h.intdigest()  # type: ignore[no-any-return]
+
+
+def mismatch(nbytes: int, actual: int, expected: int) -> ChecksumMismatch:
+    """The error for ``nbytes`` bytes whose checksum is ``actual`` where ``expected`` was announced."""
+    return ChecksumMismatch(f"xxh3-64 of {nbytes} bytes is {actual:#018x}, expected {expected:#018x}")
 
 
 def blob_digest(table: Buffer, meta: Buffer) -> int:
@@ -63,9 +84,7 @@ def verify(buf: Buffer, expected: int) -> None:
     """
     actual = checksum(buf)
     if actual != expected:
-        raise ChecksumMismatch(
-            f"xxh3-64 of {memoryview(buf).nbytes} bytes is {actual:#018x}, expected {expected:#018x}"
-        )
+        raise mismatch(memoryview(buf).nbytes, actual, expected)
 
 
 def compress_chunk(

@@ -33,7 +33,7 @@ from . import limits as L
 from .errors import ErrorCode
 from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
 from .records import Assignment, HeldSeat, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
-from .schema import Bool, Enum, Float, Frame, Int, ListOf, Record, Str, spec_field
+from .schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Record, Str, spec_field
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -296,6 +296,8 @@ class StreamBegin(Message):
     """Offer (or, answering a :class:`PullManifest`, describe) the snapshot ``(job, rank, step)``.
 
     ``window``: the sender's credit (unacknowledged chunks it keeps in flight); 0 asks for an ack per chunk.
+    ``upload``: the sender would push the chunks over the receiver's bulk port (:mod:`.bulk`) rather than send
+    them as :class:`Chunk` messages; the receiver's :class:`StreamAccept` says whether it may.
     ``digest``: :func:`~snapshotd.proto.codec.blob_digest` of ``table`` and ``meta``, taken when the rank
     announced the snapshot and carried unchanged by every holder since. ``chunk_bytes`` is the snapshot's block
     size: each :class:`Chunk`'s ``checksum`` covers one block, in streams and pulls alike. ``stream``: a number
@@ -312,6 +314,7 @@ class StreamBegin(Message):
     window: int = spec_field(Int(0, 1024), default=0)
     digest: int = spec_field(Int(0, (1 << 64) - 1))
     stream: int = spec_field(Int(0, (1 << 62) - 1), default=0)
+    upload: bool = spec_field(Bool(), default=False)
     table: memoryview | bytes = _payload(L.MAX_TABLE_BYTES)
     meta: memoryview | bytes = _payload(L.MAX_META_BYTES)
 
@@ -322,12 +325,19 @@ class StreamBegin(Message):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class StreamAccept(Message):
-    """The receiver took the stream; ``bases`` are the steps of this rank it holds complete (delta bases)."""
+    """The receiver took the stream; ``bases`` are the steps of this rank it holds complete (delta bases).
+
+    Answering a begin that asked to ``upload``: a nonzero ``upload_port`` is the receiver's bulk port on the host of
+    its data address, where the sender pushes the chunks presenting ``upload_token`` (:mod:`.bulk`); 0 means
+    send them as :class:`Chunk` messages.
+    """
 
     TYPE: ClassVar[str] = "stream_accept"
     rank: int = spec_field(RANK)
     step: int = spec_field(STEP)
     bases: tuple[int, ...] = spec_field(ListOf(STEP, 64))
+    upload_port: int = spec_field(Int(0, 65535), default=0)
+    upload_token: bytes = spec_field(Bytes(16), default=b"")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

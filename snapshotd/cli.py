@@ -61,6 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="TCP port on the data bind's host where restoring ranks fetch copies held here directly, on "
                         "a plaintext data plane only; 0 picks a free one, off restores through the sidecars "
                         "(default %(default)s)")  # fmt: skip
+    s.add_argument("--push-connections", type=int, default=2, metavar="N",
+                   help="connections that carry one stream to a buddy's bulk port (plaintext data plane, raw chunks); "
+                        "0 streams over the data plane's messages (default %(default)s)")  # fmt: skip
     s.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
     s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -185,6 +188,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
         data_security=args.data_security,
         insecure=args.insecure,
         bulk_port=_bulk_port(args.bulk_port),
+        push_connections=args.push_connections,
         metrics_bind=args.metrics_bind,
         **extra,
     )

@@ -1,4 +1,5 @@
-"""The bulk port: restoring ranks fetch copies held here straight from this sidecar's memory (:mod:`snapshotd.proto.bulk`).
+"""The bulk port: restoring ranks fetch copies held here straight from this sidecar's memory, and buddies push
+the chunks of their streams straight into the buffers of the copies kept here (:mod:`snapshotd.proto.bulk`).
 
 A pull through the data plane lands in the restoring node's sidecar, which then writes the bytes into the rank:
 on a small host that second copy, not the network, bounds a restore. So the restoring sidecar asks each holder
@@ -10,8 +11,13 @@ and hands the tickets to its rank, which connects here and reads the chunks into
 - Each connection is served on a thread of its own: ``sendall`` of zero-copy views of the copy, the kernel's copy
   beside the event loop, never on it. Every chunk is checked against the copy's seal before it goes out, as the
   data plane's pulls do; a copy that fails is dropped (on the event loop) and the connection told ``CORRUPT``.
-- The port serves only on a plaintext data plane (:attr:`~.config.SidecarConfig.serves_bulk`): a ticket is given
-  only over the data plane, so the port admits no one the data plane would not.
+- A push (:meth:`BulkServer.expect`, when a stream's begin asks for one) admits up to :data:`PUSH_CONNECTIONS`
+  connections presenting its token until it ends (complete, aborted, failed) or, unused, expires. Each
+  connection's thread receives its chunks straight into the copy's buffers, taking each chunk's checksum piece by
+  piece as the bytes land (while they are in the CPU's caches), and tells the event loop of each chunk that
+  passed; the first chunk that fails or does not fit the stream ends the push.
+- The port serves only on a plaintext data plane (:attr:`~.config.SidecarConfig.serves_bulk`): a ticket or a push
+  token is given only over the data plane, so the port admits no one the data plane would not.
 """
 
 from __future__ import annotations
@@ -27,14 +33,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, TOKEN_BYTES, VERSION, Status
+from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, PUSH_MAGIC, RANGE, TOKEN_BYTES, VERSION, Status
+from snapshotd.proto.codec import RunningChecksum, mismatch
 
 from .integrity import CorruptCopy
 
 if TYPE_CHECKING:
     from .serve import HeldCopy
 
-__all__ = ["BulkServer"]
+__all__ = ["BulkServer", "Push"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,27 @@ MAX_TICKETS = 1024
 HELLO_TIMEOUT = 2.0
 """Seconds a new connection has to present its ticket: a rank sends it as it connects, so a connection that
 stays silent is no rank and is closed."""
+PUSH_CONNECTIONS = 16
+"""Connections one push admits."""
+RECV_BYTES = 256 << 10
+"""The most one receive of a push asks for: each piece is checksummed right after it lands, while it is hot."""
+
+
+@dataclasses.dataclass(slots=True)
+class Push:
+    """A stream whose sender pushes its chunks over this port (see the module docstring)."""
+
+    what: str
+    """The snapshot, for messages."""
+    buffers: list[memoryview]
+    """Where each chunk lands: one buffer per chunk, of exactly its length."""
+    landed: Callable[[int, int], None]
+    """Called on the event loop with ``(index, checksum)`` of each chunk that landed whole and passed its check."""
+    failed: Callable[[str], None]
+    """Called on the event loop, at most once, with why the push failed."""
+    claimed: set[int] = dataclasses.field(default_factory=set)
+    connections: int = 0
+    ended: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -77,6 +105,7 @@ class BulkServer:
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
+        self._pushes: dict[bytes, Push] = {}
         self._conns: dict[socket.socket, str] = {}  # -> the peer's host
         self._threads: set[threading.Thread] = set()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -107,6 +136,29 @@ class BulkServer:
         self._loop.call_later(self.ticket_ttl, self._expire, token)
         return token
 
+    def expect(self, push: Push) -> bytes:
+        """Admit connections pushing ``push``'s chunks while it lasts (until :meth:`end`); the token they present.
+        A push no connection came for within :attr:`ticket_ttl` seconds ends by itself."""
+        token = os.urandom(TOKEN_BYTES)
+        with self._lock:
+            self._pushes[token] = push
+        self._loop.call_later(self.ticket_ttl, self._expire_push, token)
+        return token
+
+    def end(self, token: bytes) -> None:
+        """End a push: its connections stop at their next chunk, and new ones are refused."""
+        with self._lock:
+            push = self._pushes.pop(token, None)
+            if push is not None:
+                push.ended = True
+
+    def _expire_push(self, token: bytes) -> None:
+        with self._lock:
+            push = self._pushes.get(token)
+            if push is None or push.connections:
+                return
+        self.end(token)
+
     def _expire(self, token: bytes) -> None:
         with self._lock:
             ticket = self._tickets.pop(token, None)
@@ -118,6 +170,9 @@ class BulkServer:
         with self._lock:
             conns, tickets = list(self._conns), list(self._tickets.values())
             self._tickets.clear()
+            for push in self._pushes.values():
+                push.ended = True
+            self._pushes.clear()
         _shut(self._listener)
         self._listener.close()
         for conn in conns:  # each thread closes its own
@@ -157,6 +212,9 @@ class BulkServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             magic, version, token = HELLO.unpack(_recv_exact(conn, HELLO.size))
             conn.settimeout(self.timeout)
+            if magic == PUSH_MAGIC and version == VERSION:
+                self._push(conn, token)
+                return
             if magic == MAGIC and version == VERSION:
                 with self._lock:
                     ticket = self._tickets.pop(token, None)
@@ -196,6 +254,79 @@ class BulkServer:
                 conn.sendall(CHUNK.pack(index, part.nbytes, checksum, Status.OK))
                 conn.sendall(part)
                 self._on_loop(self._served, part.nbytes)
+
+
+    def _push(self, conn: socket.socket, token: bytes) -> None:
+        """Receive one connection's chunks of the push ``token`` admits (see the module docstring)."""
+        with self._lock:
+            push = self._pushes.get(token)
+            if push is None or push.connections >= PUSH_CONNECTIONS:
+                return  # closing the connection refuses it: the sender's stream fails
+            push.connections += 1
+        while not push.ended:
+            header = _recv_header(conn)
+            if header is None:  # the sender sent its last chunk on this connection
+                return
+            index, length, checksum, status = CHUNK.unpack(header)
+            with self._lock:
+                bad = _misfit(push, index, length, status)
+                if bad is None:
+                    push.claimed.add(index)
+            if bad is not None:
+                self._fail(push, f"{push.what}: {bad}")
+                return
+            buf = push.buffers[index]
+            actual = _recv_checked(conn, buf)
+            if actual != checksum:
+                self._fail(push, f"chunk {index} of {push.what} failed its end-to-end check: "
+                                 f"{mismatch(buf.nbytes, actual, checksum)}")  # fmt: skip
+                return
+            self._on_loop(push.landed, index, checksum)
+
+    def _fail(self, push: Push, why: str) -> None:
+        with self._lock:
+            if push.ended:
+                return
+            push.ended = True
+        self._on_loop(push.failed, why)
+
+
+def _misfit(push: Push, index: int, length: int, status: int) -> str | None:
+    """Why a chunk header does not fit ``push``, or None."""
+    if status != Status.OK:
+        return f"a chunk header with status {status}"
+    if not 0 <= index < len(push.buffers):
+        return f"chunk {index} is outside 0..{len(push.buffers) - 1}"
+    if length != push.buffers[index].nbytes:
+        return f"chunk {index} is {length} B, expected {push.buffers[index].nbytes} B"
+    if index in push.claimed:
+        return f"chunk {index} arrived twice"
+    return None
+
+
+def _recv_header(conn: socket.socket) -> bytes | None:
+    """The next chunk header, or None when the peer closed the connection before it."""
+    first = conn.recv(CHUNK.size)
+    if not first:
+        return None
+    return first + _recv_exact(conn, CHUNK.size - len(first)) if len(first) < CHUNK.size else first
+
+
+def _recv_checked(conn: socket.socket, buf: memoryview) -> int:
+    """Fill ``buf`` from ``conn``, taking its checksum piece by piece as the bytes land; the checksum.
+
+    Raises:
+        EOFError: the peer closed first.
+    """
+    running = RunningChecksum()
+    got, n = 0, buf.nbytes
+    while got < n:
+        k = conn.recv_into(buf[got:], min(RECV_BYTES, n - got))
+        if k == 0:
+            raise EOFError(f"the peer closed after {got} of {n} bytes of a chunk")
+        running.update(buf[got : got + k])
+        got += k
+    return running.value()
 
 
 def _unpin(copy: HeldCopy) -> None:

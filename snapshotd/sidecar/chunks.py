@@ -70,6 +70,11 @@ class SnapshotBuffer:
             self._chunks[index] = buf.data
         return buf.data
 
+    def prepare(self) -> list[memoryview]:
+        """Every chunk in a buffer this snapshot owns, taken now: the views to write the chunks into, in order
+        (from other threads too: nothing else takes or reads a chunk until it is written)."""
+        return [self.writable(index) for index in range(self.nchunks)]
+
     def land(self, start: int, data: memoryview) -> None:
         """Write ``data`` at byte ``start`` (a :data:`~.placement.Lander`): a whole chunk of at least
         :data:`ADOPT_MIN_BYTES` is adopted (landers are handed buffers their caller never writes again), anything

@@ -86,6 +86,16 @@ class SidecarConfig:
     (:mod:`snapshotd.proto.bulk`; 0 picks a free one); None: none, restores pull through the sidecars. Served only
     on a plaintext data plane (no secret, or ``members``): with ``curve`` it would expose what CURVE encrypts."""
 
+    push_connections: int = 2
+    """Connections that carry one stream to one buddy when it pushes over the buddy's bulk port (a plaintext data
+    plane with bulk ports at both ends, chunks going raw; :mod:`snapshotd.sidecar.push`); 0: streams go over the
+    data plane's messages. More connections spread the kernel's copies over more cores at each end."""
+
+    @property
+    def pushes(self) -> bool:
+        """Whether this sidecar's streams offer to push over their buddies' bulk ports (see ``push_connections``)."""
+        return self.push_connections > 0 and self.serves_bulk
+
     @property
     def serves_bulk(self) -> bool:
         """Whether this sidecar opens a bulk port (see ``bulk_port``)."""
@@ -123,6 +133,8 @@ class SidecarConfig:
             parse_host_port(self.metrics_bind, "--metrics-bind")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"--bulk-port must be 0-65535 or off, got {self.bulk_port}")
+        if not 0 <= self.push_connections <= 16:
+            raise ValueError(f"--push-connections must be 0-16, got {self.push_connections}")
         if not 0 <= self.drain_timeout <= 3600:
             raise ValueError(f"--drain-timeout must be 0-3600 s, got {self.drain_timeout}")
         if self.heartbeat_interval <= 0 or self.request_timeout <= 0:

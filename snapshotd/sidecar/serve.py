@@ -38,7 +38,7 @@ from snapshotd.proto import (
 )
 from snapshotd.transport import TransportError
 
-from .bulk import BulkServer
+from .bulk import BulkServer, Push
 from .integrity import CorruptCopy, Seal
 from .local import SlotState
 from .node import NodeState
@@ -92,6 +92,7 @@ class ServeService:
         self.tasks = tasks
         self.bulk = bulk
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
+        self._pushes: dict[tuple[str, int, int], bytes] = {}  # incoming streams pushed over the bulk port: tokens
 
     def handle(self, ident: bytes, msg: Message) -> None:
         """Act on one request from the peer at ``ident``.
@@ -124,17 +125,26 @@ class ServeService:
                                               complete=complete, count=count))  # fmt: skip
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
+            key = (msg.job, msg.rank, msg.step)
             again = self._arriving(msg)  # told twice of one stream: what arrived stays, and so does its ack count
-            store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
-                        chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest,
-                        stream=msg.stream)  # fmt: skip
-            if msg.window >= 4 and not again:  # acknowledge every quarter window: fewer messages, the sender never starved
-                self._acks[(msg.job, msg.rank, msg.step)] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
-            self.outbox.reply(ident, StreamAccept(job=msg.job, rank=msg.rank, step=msg.step,
-                                                  bases=tuple(store.steps(msg.job, msg.rank)[-8:])))  # fmt: skip
+            if not again:
+                self._end_push(key)  # a new stream of the step replaces the one arriving
+            snap = store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
+                               chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest,
+                               stream=msg.stream)  # fmt: skip
+            token = self._pushes.get(key, b"")
+            if msg.upload and self.bulk is not None and not snap.complete and not token:
+                token = self._expect_push(ident, snap)
+            if msg.window >= 4 and not again and not token:  # acknowledge every quarter window: fewer messages
+                self._acks[key] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
+            self.outbox.reply(ident, StreamAccept(
+                job=msg.job, rank=msg.rank, step=msg.step, bases=tuple(store.steps(msg.job, msg.rank)[-8:]),
+                upload_port=self.bulk.port if token and self.bulk is not None else 0, upload_token=token,
+            ))  # fmt: skip
         elif isinstance(msg, StreamAbort):
             store.abort(msg.job, msg.rank, msg.step)
             self._acks.pop((msg.job, msg.rank, msg.step), None)
+            self._end_push((msg.job, msg.rank, msg.step))
         elif isinstance(msg, PullManifest):
             held = self._source(msg.job, msg.rank, msg.step)
             try:
@@ -162,8 +172,50 @@ class ServeService:
         return begin.stream != 0 and held.stream == begin.stream and not held.complete
 
     def forget_vanished_streams(self) -> None:
-        """Drop the acknowledgement state of incoming streams the store no longer holds (their sender vanished)."""
+        """Drop the acknowledgement state and pushes of incoming streams the store no longer holds (their sender
+        vanished)."""
         self._acks = {k: v for k, v in self._acks.items() if self.state.store.holds(*k)}
+        for key in [k for k in self._pushes if not self.state.store.holds(*k)]:
+            self._end_push(key)
+
+    def _expect_push(self, ident: bytes, snap: StoredSnapshot) -> bytes:
+        """Have the bulk port take ``snap``'s chunks pushed by the sender at ``ident``; the push's token."""
+        assert self.bulk is not None
+        key = (snap.job, snap.rank, snap.step)
+        what = f"job {snap.job!r} rank {snap.rank} step {snap.step}"
+        buffers = self.state.store.prepare_push(*key)
+
+        def landed(index: int, checksum: int) -> None:
+            if self._pushes.get(key) != token:  # ended meanwhile (aborted, replaced)
+                return
+            try:
+                done = self.state.store.landed(*key, index, checksum)
+            except UnknownSnapshot:
+                self._end_push(key)
+                return
+            self.state.counters.received(snap.src_node, buffers[index].nbytes)
+            if done:
+                self._end_push(key)
+                self.outbox.reply(ident, ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index,
+                                                  complete=True))  # fmt: skip
+
+        def failed(why: str) -> None:
+            if self._pushes.get(key) != token:
+                return
+            self._end_push(key)
+            self.state.counters.errors += 1
+            log.warning("push of %s failed: %s", what, why, extra=fields(snap.job, snap.rank, snap.step, "push_failed"))
+            self.outbox.reply(ident, Error(job=snap.job, code=ErrorCode.BAD_CHUNK, message=why, rank=snap.rank,
+                                           step=snap.step))  # fmt: skip
+
+        token = self.bulk.expect(Push(what, buffers, landed, failed))
+        self._pushes[key] = token
+        return token
+
+    def _end_push(self, key: tuple[str, int, int]) -> None:
+        token = self._pushes.pop(key, None)
+        if token is not None and self.bulk is not None:
+            self.bulk.end(token)
 
     def _source(self, job: str, rank: int, step: int) -> HeldCopy:
         """A complete copy of ``(job, rank, step)`` held here: the buddy store's, else a local rank's valid slot.

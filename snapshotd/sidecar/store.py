@@ -65,6 +65,7 @@ class StoredSnapshot:
     touched: float = dataclasses.field(default_factory=time.monotonic)
     """When the stream last brought a chunk (time.monotonic()): an incomplete copy idle too long is aborted."""
     exported: bool = False  # zero-copy views went to zmq: never give its buffers back to the pool
+    writing: bool = False  # a push's threads may still write its buffers: never give them back to the pool
     stream: int = 0  # the number its sender drew for the stream bringing it (0: none, as a pulled copy)
 
     @property
@@ -97,6 +98,10 @@ class BuddyStore(Protocol):
 
     def put_chunk(self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview,
                   raw_len: int, checksum: int, base_step: int, elem: int) -> bool: ...  # fmt: skip
+
+    def prepare_push(self, job: str, rank: int, step: int) -> list[memoryview]: ...
+
+    def landed(self, job: str, rank: int, step: int, index: int, checksum: int) -> bool: ...
 
     def mark_complete(self, job: str, rank: int, step: int, seal: Seal) -> None: ...
 
@@ -231,11 +236,40 @@ class SnapshotStore:
             out = snap.data.writable(index)
             codec.decompress_chunk(codec_name, payload, raw_len, base=base, elem=elem, out=out)
             codec.verify(out, checksum)
+        return self._arrived(snap, index, checksum)
+
+    def prepare_push(self, job: str, rank: int, step: int) -> list[memoryview]:
+        """Take every chunk buffer of an arriving snapshot now, for a push (:mod:`snapshotd.proto.bulk`) whose
+        threads write the chunks straight into them; each chunk then counts once :meth:`landed` says so. Until
+        the snapshot is complete its buffers never go back to the pool (a thread may still be writing).
+
+        Raises:
+            UnknownSnapshot: no stream for this key.
+        """
+        snap = self.get(job, rank, step, complete=False)
+        snap.writing = True
+        return snap.data.prepare()
+
+    def landed(self, job: str, rank: int, step: int, index: int, checksum: int) -> bool:
+        """Chunk ``index`` of a push is in its buffer and verified against ``checksum``: hold it. Returns True when
+        it completed the snapshot.
+
+        Raises:
+            UnknownSnapshot: no stream for this key (aborted or dropped meanwhile).
+        """
+        snap = self.get(job, rank, step, complete=False)
+        if snap.complete:
+            return False
+        snap.touched = time.monotonic()
+        return self._arrived(snap, index, checksum)
+
+    def _arrived(self, snap: StoredSnapshot, index: int, checksum: int) -> bool:
         snap.seal.sums[index] = checksum
         if not snap.received[index]:
             snap.received[index] = True
             snap.missing -= 1
         if snap.missing == 0:
+            snap.writing = False
             self._complete(snap)
             return True
         return False
@@ -314,7 +348,7 @@ class SnapshotStore:
         freed = snap.data_bytes + len(snap.table) + len(snap.meta)
         self.used_bytes -= freed
         owned = snap.data.release()
-        if not snap.exported:
+        if not (snap.exported or snap.writing):
             for buf in owned:
                 if self.spare_bytes + buf.nbytes > self._spare_cap:
                     break

@@ -89,11 +89,13 @@ class StreamService:
             took: set[str] = set()
 
             async def one(addr: str) -> None:
+                policy = self.policies.setdefault(addr, CodecPolicy(self.cfg.codec))
+                lanes = self.cfg.push_connections if self.cfg.pushes and policy.raw_stream(self.pacer.cap) else 0
                 try:
                     res = await send_snapshot(
                         self.links.get(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.state.node,
                         data=data, table=s.table, meta=s.meta, seal=seal, window=self.cfg.window, pacer=self.pacer,
-                        policy=self.policies.setdefault(addr, CodecPolicy(self.cfg.codec)), base=base, elem=s.elem,
+                        policy=policy, base=base, elem=s.elem, lanes=lanes,
                     )  # fmt: skip
                 except PeerError as exc:
                     log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc,

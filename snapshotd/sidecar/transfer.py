@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -20,6 +21,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from snapshotd.proto import (
     ChecksumMismatch,
@@ -38,6 +40,7 @@ from .integrity import Seal
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
 from .placement import Lander, PlacementError
+from .push import Lanes, PushFailed
 
 __all__ = [
     "CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "describe_snapshot", "pull_snapshot", "send_snapshot",
@@ -88,11 +91,21 @@ class CodecPolicy:
         self._count += 1
         if self.ratio is None:
             return "probe"
-        assert self.enc_Bps is not None
-        rate = min(pacer_rate, self.wire_Bps)
-        if rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps):
+        if self._delta_pays(pacer_rate):
             return "delta"
         return "probe" if self._count % self.PROBE_EVERY == 0 else "raw"
+
+    def raw_stream(self, pacer_rate: float) -> bool:
+        """Whether a whole stream goes raw (a push, :mod:`.push`): no chunk of it would go as a delta now. Its
+        chunks still probe in ``auto`` mode, so that the next stream sees what delta would save."""
+        if self.mode != "auto":
+            return self.mode == "raw"
+        return self.ratio is None or not self._delta_pays(pacer_rate)
+
+    def _delta_pays(self, pacer_rate: float) -> bool:
+        assert self.ratio is not None and self.enc_Bps is not None
+        rate = min(pacer_rate, self.wire_Bps)
+        return rate < codec.breakeven_rate(self.ratio, self.enc_Bps, 2 * self.enc_Bps)
 
     def sample(self, nbytes: int) -> tuple[int, int]:
         """(start, end) of the next probe's sample in a chunk of ``nbytes``: ``PROBE_BYTES`` long (the whole of a
@@ -148,17 +161,20 @@ async def send_snapshot(
     policy: CodecPolicy,
     base: tuple[int, memoryview] | None = None,
     elem: int = 1,
+    lanes: int = 0,
 ) -> SendResult:
     """Stream one snapshot to one buddy and return when the buddy holds it complete.
 
     ``data`` must stay unmodified until this returns (the caller keeps the slot busy). Each chunk is one block of
     ``seal``, sent with the block's checksum (taken now if the seal lacks it, and kept: the streams of one slot to
     several buddies share the seal). ``base`` is the previous snapshot of this rank in the caller's memory (step,
-    bytes), usable for delta-lz4 if the buddy holds it too. On any failure or cancellation the buddy is told to
-    abort, and the error propagates.
+    bytes), usable for delta-lz4 if the buddy holds it too. With ``lanes``, the stream offers to push its chunks
+    raw over that many connections to the buddy's bulk port (:mod:`.push`), which the buddy may take or leave. On
+    any failure or cancellation the buddy is told to abort, and the error propagates.
 
     Raises:
-        PeerError: the buddy refused (memory limit, ...) or failed; PeerTimeout when it went silent.
+        PeerError: the buddy refused (memory limit, ...) or failed, or a push connection failed; PeerTimeout when
+            it went silent.
     """
     nbytes = data.nbytes
     chunk_bytes = seal.block_bytes
@@ -171,12 +187,17 @@ async def send_snapshot(
             await link.send(StreamBegin(
                 job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
                 window=window, digest=seal.digest, table=table, meta=meta, stream=random.getrandbits(62) | 1,
+                upload=lanes > 0,
             ))  # fmt: skip
             accept = await link.receive(replies, StreamAccept)
             assert isinstance(accept, StreamAccept)
             base_ok = base is not None and base[0] in accept.bases and base[1].nbytes >= nbytes
             inflight = sent = 0
             complete = nchunks == 0
+            if accept.upload_port and not complete:
+                wire = await _push(link, replies, accept, lanes, data=data, seal=seal, pacer=pacer, policy=policy,
+                                   base=base if base_ok else None, elem=elem)  # fmt: skip
+                complete = True
             acks_seen: set[int] = set()  # the last chunk of each ack taken (a duplicated ack is skipped)
             while not complete:
                 while inflight < window and sent < nchunks:
@@ -225,6 +246,52 @@ async def send_snapshot(
         policy.record_stream(wire, seconds)
     pacer.observe_throughput(wire / seconds if seconds > 0 else math.inf)
     return SendResult(nbytes, wire, seconds, delta_chunks)
+
+
+async def _push(link: PeerLink, replies: asyncio.Queue[Any], accept: StreamAccept, lanes: int, *, data: memoryview,
+                seal: Seal, pacer: Pacer, policy: CodecPolicy, base: tuple[int, memoryview] | None, elem: int) -> int:  # fmt: skip
+    """Push every chunk of ``data`` over the buddy's bulk port (the accept's port and token) and wait until the
+    buddy holds the snapshot complete; the bytes sent. Chunks go raw; in ``auto`` mode some still probe the
+    codec (a sample compressed and timed, see :class:`CodecPolicy`).
+
+    Raises:
+        PeerError: the buddy refused a chunk (its Error, which names why) or failed, or a connection failed.
+    """
+    host = urlsplit(link.addr).hostname
+    if host is None:
+        raise PeerError(f"{link.addr} names no host for its bulk port")
+    nchunks = -(-data.nbytes // seal.block_bytes)
+    pushing = Lanes(host, accept.upload_port, accept.upload_token, count=max(1, min(lanes, nchunks)), seal=seal,
+                    data=data, timeout=link.timeout)  # fmt: skip
+    wire = 0
+    try:
+        for index in range(nchunks):
+            if pushing.failed:
+                break
+            start = index * seal.block_bytes
+            view = data[start : start + seal.block_bytes]
+            if base is not None and policy.choose(pacer.cap) == "probe":
+                lo, hi = policy.sample(view.nbytes)
+                _, sample, secs = await asyncio.to_thread(
+                    _compress, view[lo:hi], base[1][start + lo : start + hi], elem
+                )
+                policy.record_delta(hi - lo, len(sample), secs)
+            await pacer.take(view.nbytes)
+            pushing.send(index)
+            wire += view.nbytes
+        try:
+            await pushing.finish()
+        except PushFailed as exc:  # the buddy may have said why on the data plane: its word names the cause
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(link.receive(replies, ChunkAck), timeout=1.0)
+            raise PeerError(f"pushing to {link.addr} failed: {exc}") from exc
+    finally:
+        await pushing.stop()
+    while True:
+        ack = await link.receive(replies, ChunkAck)
+        assert isinstance(ack, ChunkAck)
+        if ack.complete:
+            return wire
 
 
 async def describe_snapshot(links: Sequence[PeerLink], *, job: str, rank: int, step: int) -> StreamBegin:

@@ -31,7 +31,7 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto import limits as L
-from snapshotd.proto.schema import Bool, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str
+from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str
 
 PROPS = settings(max_examples=200, deadline=timedelta(milliseconds=500), derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
@@ -50,6 +50,8 @@ def values(spec: Spec) -> st.SearchStrategy[Any]:
         return st.booleans()
     if isinstance(spec, Str):
         return st.one_of(st.text(max_size=12), st.just("s" * (spec.max_len + 1)))
+    if isinstance(spec, Bytes):
+        return st.one_of(st.binary(max_size=spec.max_len), st.just(b"b" * (spec.max_len + 1)))
     if isinstance(spec, Enum):
         return st.sampled_from([*spec.values, "bogus"])
     if isinstance(spec, Opt):
