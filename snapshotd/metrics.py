@@ -172,6 +172,7 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
             _counter("snapshotd_pull_served_bytes", "Bytes served to other sidecars' pulls", c.pull_bytes_out),
             _counter("snapshotd_chunks_sent", "Stream chunks sent, by codec", labels=("codec",),
                      rows=[((k,), n) for k, n in sorted(c.chunks_sent.items())]),  # fmt: skip
+            _counter("snapshotd_pushed_copies", "Buddy copies that arrived pushed over the bulk port", c.pushes_in),
             _gauge("snapshotd_stream_rate_bytes_per_second", "Throughput of the last stream", pacer.observed_rate),
             _gauge("snapshotd_pacer_limit_bytes_per_second", "The pacer's outgoing rate limit (+Inf: unpaced)",
                    pace.rate),  # fmt: skip

@@ -140,11 +140,13 @@ class InProcess(Deployment):
     """Coordinator and sidecars as threads of this process, over ``mem://`` (see the module docstring); with
     ``tcp``, over ZeroMQ on loopback TCP and ipc sockets instead (the sidecars' bulk ports with them, ``bulk_port``
     as :class:`~snapshotd.sidecar.config.SidecarConfig` takes it). ``max_rate`` is the sidecars' ``--max-rate`` in
-    bytes per second (None: auto)."""
+    bytes per second (None: auto), ``push_connections`` their ``--push-connections``."""
 
     def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0,
-                 tcp: bool = False, bulk_port: int | None = 0, max_rate: float | None = None) -> None:  # fmt: skip
+                 tcp: bool = False, bulk_port: int | None = 0, max_rate: float | None = None,
+                 push_connections: int = 2) -> None:  # fmt: skip
         self.tag = uuid.uuid4().hex[:8]
+        self.push_connections = push_connections
         self.chunk_bytes = chunk_bytes
         self.request_timeout = request_timeout
         self.tcp = tcp
@@ -164,7 +166,8 @@ class InProcess(Deployment):
         cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=ipc,
                             data_bind="tcp://127.0.0.1:0" if self.tcp else f"mem://{node}-{self.tag}-data", nice=0,
                             chunk_bytes=self.chunk_bytes, request_timeout=self.request_timeout,
-                            bulk_port=self.bulk_port, max_rate=self.max_rate)  # fmt: skip
+                            bulk_port=self.bulk_port, max_rate=self.max_rate,
+                            push_connections=self.push_connections)  # fmt: skip
         stack = contextlib.ExitStack()
         self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack

@@ -92,6 +92,8 @@ class Counters:
     """Bytes served to pullers."""
     chunks_sent: dict[str, int] = dataclasses.field(default_factory=dict)
     """Stream chunks sent, by codec."""
+    pushes_in: int = 0
+    """Buddy copies that arrived complete pushed over this sidecar's bulk port (not as data-plane messages)."""
     heartbeat_rtt: Tally = dataclasses.field(default_factory=lambda: Tally())
     """Heartbeat round trips to the coordinator, in seconds."""
     restores: dict[str, Tally] = dataclasses.field(default_factory=dict)

@@ -196,6 +196,7 @@ class ServeService:
             self.state.counters.received(snap.src_node, buffers[index].nbytes)
             if done:
                 self._end_push(key)
+                self.state.counters.pushes_in += 1
                 self.outbox.reply(ident, ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index,
                                                   complete=True))  # fmt: skip
 

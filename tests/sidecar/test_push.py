@@ -1,0 +1,176 @@
+"""A stream pushed over the buddy's bulk port: the sender's lanes and the buddy's receiving threads, real sockets.
+
+The buddy side is a :class:`~snapshotd.sidecar.bulk.BulkServer` on an event loop of its own thread expecting one
+:class:`~snapshotd.sidecar.bulk.Push` into buffers of test size; the sender side is
+:class:`~snapshotd.sidecar.push.Lanes`, or a raw socket where a test sends what no sidecar would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+
+from snapshotd.proto import checksum
+from snapshotd.proto.bulk import CHUNK, HELLO, PUSH_MAGIC, VERSION, Status
+from snapshotd.sidecar.bulk import BulkServer, Push
+from snapshotd.sidecar.integrity import Seal
+from snapshotd.sidecar.push import Lanes, PushFailed
+
+from ..waits import wait_until
+
+BLOCK = 64 << 10
+DATA = os.urandom(5 * BLOCK + 1000)  # six chunks, the last one short
+NCHUNKS = 6
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    lp = asyncio.new_event_loop()
+    thread = threading.Thread(target=lp.run_forever, daemon=True)
+    thread.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    thread.join(10)
+    lp.close()
+
+
+def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run_coroutine_threadsafe(coro, loop).result(20)
+
+
+class Buddy:
+    """A bulk port expecting one push of :data:`DATA`; what landed and why it failed, as its callbacks said."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+        async def start() -> BulkServer:
+            return BulkServer("127.0.0.1", 0, served=lambda n: None, ticket_ttl=10.0, timeout=5.0)
+
+        self.server: BulkServer = run(loop, start())
+        self.buffers = [memoryview(bytearray(len(DATA[i * BLOCK : (i + 1) * BLOCK]))) for i in range(NCHUNKS)]
+        self.landed: dict[int, int] = {}
+        self.failures: list[str] = []
+
+        async def expect() -> bytes:
+            push = Push("job 'j' rank 0 step 1", self.buffers, self.landed.__setitem__, self.failures.append)
+            return self.server.expect(push)
+
+        self.token: bytes = run(loop, expect())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+
+
+@pytest.fixture
+def buddy(loop: asyncio.AbstractEventLoop) -> Iterator[Buddy]:
+    b = Buddy(loop)
+    yield b
+    b.close()
+
+
+def raw_push(buddy: Buddy, *headers_and_payloads: bytes, token: bytes | None = None) -> bytes:
+    """Connect, present ``token`` (the push's own by default), send the given bytes; what the buddy sent back
+    before it closed the connection (a buddy that closed it while they were still being sent sent nothing)."""
+    with socket.create_connection(("127.0.0.1", buddy.server.port), timeout=5) as s:
+        try:
+            s.sendall(HELLO.pack(PUSH_MAGIC, VERSION, buddy.token if token is None else token))
+            for part in headers_and_payloads:
+                s.sendall(part)
+            s.shutdown(socket.SHUT_WR)
+            return s.recv(100)
+        except OSError:
+            return b""
+
+
+def chunk(index: int, *, length: int | None = None, sum_: int | None = None, status: int = Status.OK) -> bytes:
+    payload = DATA[index * BLOCK : (index + 1) * BLOCK]
+    n = len(payload) if length is None else length
+    return CHUNK.pack(index, n, checksum(payload) if sum_ is None else sum_, status) + payload[:n]
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_every_chunk_lands_in_its_buffer_with_its_checksum(loop: asyncio.AbstractEventLoop, buddy: Buddy,
+                                                           lanes: int) -> None:  # fmt: skip
+    seal = Seal(BLOCK, 0)
+
+    async def push() -> None:
+        sending = Lanes("127.0.0.1", buddy.server.port, buddy.token, count=lanes, seal=seal, data=memoryview(DATA),
+                        timeout=5.0)  # fmt: skip
+        try:
+            for index in range(NCHUNKS):
+                sending.send(index)
+            await sending.finish()
+        finally:
+            await sending.stop()
+
+    run(loop, push())
+    wait_until(lambda: len(buddy.landed) == NCHUNKS, "every chunk to land")
+    assert b"".join(bytes(b) for b in buddy.buffers) == DATA
+    assert buddy.landed == seal.sums == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
+    assert buddy.failures == []
+
+
+def test_a_chunk_whose_bytes_fail_their_checksum_ends_the_push_naming_it(buddy: Buddy) -> None:
+    assert raw_push(buddy, chunk(0), chunk(1, sum_=12345), chunk(2)) == b""  # the buddy closed the connection
+    wait_until(lambda: buddy.failures, "the push to fail")
+    assert buddy.landed == {0: checksum(DATA[:BLOCK])}  # chunk 2 was never taken
+    (why,) = buddy.failures
+    assert "chunk 1 of job 'j' rank 0 step 1 failed its end-to-end check: xxh3-64 of 65536 bytes" in why
+    assert raw_push(buddy, chunk(3)) == b"" and 3 not in buddy.landed  # an ended push admits no connection
+
+
+@pytest.mark.parametrize(
+    ("header", "why"),
+    [
+        (CHUNK.pack(NCHUNKS, BLOCK, 0, Status.OK), f"chunk {NCHUNKS} is outside 0..{NCHUNKS - 1}"),
+        (CHUNK.pack(0, BLOCK - 1, 0, Status.OK), f"chunk 0 is {BLOCK - 1} B, expected {BLOCK} B"),
+        (CHUNK.pack(0, BLOCK, 0, Status.CORRUPT), "a chunk header with status 1"),
+    ],
+)
+def test_a_chunk_that_does_not_fit_the_stream_ends_the_push(buddy: Buddy, header: bytes, why: str) -> None:
+    raw_push(buddy, header)
+    wait_until(lambda: buddy.failures, "the push to fail")
+    assert buddy.failures == [f"job 'j' rank 0 step 1: {why}"] and buddy.landed == {}
+
+
+def test_a_chunk_sent_twice_ends_the_push(buddy: Buddy) -> None:
+    raw_push(buddy, chunk(1), chunk(1))
+    wait_until(lambda: buddy.failures, "the push to fail")
+    assert buddy.failures == ["job 'j' rank 0 step 1: chunk 1 arrived twice"] and list(buddy.landed) == [1]
+
+
+def test_a_wrong_token_or_an_ended_push_is_refused_and_nothing_lands(loop: asyncio.AbstractEventLoop,
+                                                                     buddy: Buddy) -> None:  # fmt: skip
+    assert raw_push(buddy, chunk(0), token=bytes(16)) == b""
+
+    async def end() -> None:
+        buddy.server.end(buddy.token)
+
+    run(loop, end())
+    assert raw_push(buddy, chunk(0)) == b""
+    assert buddy.landed == {} and buddy.failures == []  # a refusal is no failure of the push
+
+
+def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(loop: asyncio.AbstractEventLoop, buddy: Buddy) -> None:
+    buddy.close()
+    seal = Seal(BLOCK, 0)
+
+    async def push() -> None:
+        sending = Lanes("127.0.0.1", buddy.server.port, buddy.token, count=2, seal=seal, data=memoryview(DATA),
+                        timeout=2.0)  # fmt: skip
+        try:
+            for index in range(NCHUNKS):
+                sending.send(index)
+            await sending.finish()
+        finally:
+            await sending.stop()
+
+    with pytest.raises(PushFailed, match="ConnectionRefusedError|ConnectionResetError|BrokenPipeError"):
+        run(loop, push())
