@@ -37,9 +37,12 @@ import torch
 from snapshotd.client import Snapshotter
 from snapshotd.units import parse_bytes
 
-__all__ = ["main", "train_driver", "transport_driver"]
+__all__ = ["UNPACED", "main", "train_driver", "transport_driver"]
 
 _POLL = 0.05
+UNPACED = "1000GB/s"
+"""A sidecar ``--max-rate`` no link reaches, for harnesses that measure what a stream can move: ``auto`` spreads
+each stream over two thirds of its rank's step on purpose, and a driver's step here is its stream."""
 SETTLE = 4
 """Untimed snapshots after the first durable one. The buddy's memory for its first few snapshots is fresh (it
 holds up to three per rank until the durable watermark passes them, plus the arriving one), and its allocator

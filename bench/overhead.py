@@ -25,7 +25,10 @@ The other summary keys (``step_ratio``, ``torch_save_ratio``, ...) are the headl
 ran. Where the time goes, per snapshot and scenario: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all,
 the sum of ``rank_cpu_ms_per_snapshot`` (the rank processes' extra CPU over ``none``: ``capture()``'s walk, the
 staging copy, the announce), ``sidecar_user_ms_per_snapshot`` (both sidecars' own code: checksums, Python,
-ZeroMQ) and ``sidecar_system_ms_per_snapshot`` (the kernel's work for them: socket copies, TCP). Beside them,
+ZeroMQ) and ``sidecar_system_ms_per_snapshot`` (the kernel's work for them: socket copies, TCP). The sidecars'
+parts are what they used during the ``snapshotd`` blocks (each up to the end of the wait for its last snapshot)
+beyond what they use idle, at the rate measured during the other blocks (``sidecar_idle_cores``: heartbeats
+and the ranks' registrations, which cost the same whether or not snapshots are taken). Beside them,
 measured on this machine in the same run for the same bytes (the least of three tries each), the physical
 minimum ``minimum_cpu_ms``: ``minimum_copy_ms`` (one memcpy of the state, the staging copy's counterpart) plus
 ``minimum_wire_ms`` (a loopback TCP transfer of it, both ends' CPU: the sidecars' kernel time's counterpart);
@@ -50,8 +53,8 @@ off the rank processes per step (snapshotd: state streamed to the buddy, counted
 acknowledged; the baselines: bytes written to disk), the effective interval between completed snapshots or
 checkpoints, and the ratio of the median step time to ``none``'s. Where the time goes: ``rank_cpu_ms`` is the CPU
 time of all rank processes per step (median; every thread, so it includes snapshotd's staging copy and DCP's
-writer), ``sidecar_cpu_ms`` the CPU time both sidecars used during the whole job divided by the snapshotd steps
-(sending on A, receiving and verifying on B; their idle heartbeats are negligible).
+writer), ``sidecar_cpu_ms`` the CPU time both sidecars used for the snapshots (as above) divided by the snapshotd
+steps (sending on A, receiving and verifying on B).
 ``--every``, ``--max-rate`` and ``--sidecar-nice`` (the sidecars under ``nice``, so that they take only the cycles
 training leaves) show how the cost trades against the effective snapshot interval.
 """
@@ -75,6 +78,7 @@ from snapshotd.proto import checksum
 from snapshotd.units import parse_bytes, parse_rate
 
 from .baselines import process_cpu_times
+from .node import run_node
 from .report import Report, progress, scratch_dir
 from .trainer import every_arg, plan_interval, run_ranks
 
@@ -126,9 +130,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9_000_000,
         help="model parameters, e.g. 9M (default 9M: ~110 MB of state per rank)",
     )
-    parser.add_argument("--scenario", choices=(*SCENARIOS, "both"), default="both",
+    parser.add_argument("--scenario", choices=(*SCENARIOS, "both", "node"), default="both",
                         help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
-                             "saturated: --ranks ranks using the cores; both (default): each in turn")  # fmt: skip
+                             "saturated: --ranks ranks using the cores; both (default): each in turn; node: "
+                             "--ranks ranks snapshotting back to back, the rate the node sustains "
+                             "(snapshotd.bench.node)")  # fmt: skip
     parser.add_argument("--ranks", type=int, default=2,
                         help="saturated: gloo ranks, all on node A (default 2; headroom: half the cores)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
@@ -200,7 +206,76 @@ CpuTimes = dict[str, tuple[float, float]]
 """node -> (user, system) CPU seconds its sidecar used during the job (empty where /proc cannot tell)."""
 
 
-def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, int], Blocks], int, CpuTimes]:
+class SidecarCpu(NamedTuple):
+    """Both sidecars' CPU during a job, apart (empty where /proc cannot tell)."""
+
+    total: CpuTimes
+    """Each sidecar's over the whole job."""
+    snapshots: tuple[float, float]
+    """(user, system) seconds both used during the ``snapshotd`` blocks (each from its start to the end of the
+    wait for its last snapshot) beyond what they use idle, at ``idle``'s rate, in the same time: what the
+    snapshots cost."""
+    idle: tuple[float, float]
+    """(user, system) seconds per second both used during the other blocks, where no snapshot is taken
+    (heartbeats, the ranks' registrations): cores."""
+
+
+class _CpuSampler:
+    """Samples the summed (user, system) CPU seconds of some processes every ``every`` seconds on a thread, so
+    that what they used between two wall-clock times can be read afterwards (linearly between samples)."""
+
+    def __init__(self, pids: list[int], every: float = 0.1) -> None:
+        self.pids = pids
+        self.every = every
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        times = [process_cpu_times(pid) for pid in self.pids]
+        if all(t is not None for t in times):
+            self.samples.append((time.time(), sum(t[0] for t in times if t), sum(t[1] for t in times if t)))
+
+    def _run(self) -> None:
+        while True:
+            self._sample()
+            if self._stop.wait(self.every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sample()
+
+    def between(self, t0: float, t1: float) -> tuple[float, float]:
+        """(user, system) seconds used between wall-clock times ``t0`` and ``t1``."""
+        if len(self.samples) < 2:
+            return 0.0, 0.0
+        ts = [s[0] for s in self.samples]
+
+        def at(t: float, k: int) -> float:
+            return float(np.interp(t, ts, [s[k] for s in self.samples]))
+
+        return at(t1, 1) - at(t0, 1), at(t1, 2) - at(t0, 2)
+
+
+def _attribute(sampler: _CpuSampler, blocks: list[dict[str, Any]], total: CpuTimes) -> SidecarCpu:
+    """Split the sidecars' CPU between the snapshotd blocks and idle (see :class:`SidecarCpu`)."""
+    snap = [0.0, 0.0, 0.0]  # user, system, seconds
+    other = [0.0, 0.0, 0.0]
+    for block in blocks:
+        user, system = sampler.between(block["began"], block["ended"])
+        into = snap if block["variant"] == "snapshotd" else other
+        into[0] += user
+        into[1] += system
+        into[2] += block["ended"] - block["began"]
+    idle = (other[0] / other[2], other[1] / other[2]) if other[2] > 0 else (0.0, 0.0)
+    beyond = (max(0.0, snap[0] - idle[0] * snap[2]), max(0.0, snap[1] - idle[1] * snap[2]))
+    return SidecarCpu(total, beyond, idle)
+
+
+def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, int], Blocks], int, SidecarCpu]:
     """Run the plan on a fresh cluster.
 
     Returns:
@@ -222,21 +297,24 @@ def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, in
             flags += ["--job", f"overhead-{uuid.uuid4().hex[:8]}", "--sidecar", cluster.ipc_path("A")]
         pids = {node: p.pid for node, p in cluster.sidecars.items()}
         cpu0 = {node: process_cpu_times(pid) for node, pid in pids.items()}
+        sampler = _CpuSampler(list(pids.values()))
         try:
             with progress(unit="steps") as bar:
                 task = bar.add_task("overhead steps", total=total)
                 results = run_ranks(workdir, args.ranks, flags, timeout=args.timeout,
                                     on_progress=lambda n: bar.update(task, completed=n))  # fmt: skip
         finally:
+            sampler.stop()
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
         cpu1 = {node: process_cpu_times(pid) for node, pid in pids.items()}
-    sidecar_cpu: CpuTimes = {}
+    whole: CpuTimes = {}
     for node in pids:
         start, end = cpu0[node], cpu1[node]
         if start is None or end is None:
-            sidecar_cpu = {}
+            whole = {}
             break
-        sidecar_cpu[node] = (end[0] - start[0], end[1] - start[1])
+        whole[node] = (end[0] - start[0], end[1] - start[1])
+    sidecar_cpu = _attribute(sampler, results[0]["blocks"], whole) if whole else SidecarCpu({}, (0.0, 0.0), (0.0, 0.0))
     out: dict[tuple[str, int], Blocks] = {}
     for i, (name, interval, steps) in enumerate(plan):
         ranks = []
@@ -420,8 +498,8 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
     for row in rows:
         row["step_ratio"] = row["step_median_ms"] / none["step_median_ms"]
         row["mean_ratio"] = row["step_mean_ms"] / none["step_mean_ms"]
-        if row["variant"] == "snapshotd" and sidecar_cpu and snap_steps:
-            row["sidecar_cpu_ms"] = sum(map(sum, sidecar_cpu.values())) / snap_steps * 1e3
+        if row["variant"] == "snapshotd" and sidecar_cpu.total and snap_steps:
+            row["sidecar_cpu_ms"] = sum(sidecar_cpu.snapshots) / snap_steps * 1e3
     out: dict[str, Any] = {
         "ranks": shaped.ranks, "threads": shaped.threads, "step_ratio": None, "mean_ratio": None,
         "capture_ms_median": None, "fence_ms_median": None,
@@ -431,7 +509,8 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
         "sidecar_system_ms_per_snapshot": None, "torch_save_ratio": None, "dcp_async_ratio": None,
         "staging_Bps": None,
         # per node, over the whole job: A sends, B receives
-        "sidecar_cpu_seconds": {node: sum(times) for node, times in sidecar_cpu.items()},
+        "sidecar_cpu_seconds": {node: sum(times) for node, times in sidecar_cpu.total.items()},
+        "sidecar_idle_cores": sum(sidecar_cpu.idle) if sidecar_cpu.total else None,
     }  # fmt: skip
     if snap_runs:
         snap = next(r for r in rows if r["variant"] == "snapshotd")
@@ -439,10 +518,9 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
                    capture_ms_median=float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3,
                    fence_ms_median=float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3)  # fmt: skip
         started = sum(r["started"] for ranks in snap_runs for r in ranks)
-        if sidecar_cpu and started:  # the ranks' extra CPU over none (all ranks), plus both sidecars'
+        if sidecar_cpu.total and started:  # the ranks' extra CPU over none (all ranks), plus both sidecars'
             rank = max(0.0, snap["rank_cpu_mean_ms"] - none["rank_cpu_mean_ms"]) * snap_steps / started
-            user = sum(u for u, _ in sidecar_cpu.values()) * 1e3 / started
-            system = sum(s for _, s in sidecar_cpu.values()) * 1e3 / started
+            user, system = (seconds * 1e3 / started for seconds in sidecar_cpu.snapshots)
             out.update(cpu_ms_per_snapshot=rank + user + system, rank_cpu_ms_per_snapshot=rank,
                        sidecar_user_ms_per_snapshot=user, sidecar_system_ms_per_snapshot=system)  # fmt: skip
         copied = sum(r["copy_seconds"] for ranks in snap_runs for r in ranks)
@@ -463,6 +541,8 @@ def run(args: argparse.Namespace) -> Report:
         RuntimeError: a rank or a sidecar failed (with its log's tail).
     """
     _check(args)
+    if args.scenario == "node":
+        return _run_node(args)
     scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
     setup = (f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
              f"share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
@@ -507,6 +587,18 @@ def run(args: argparse.Namespace) -> Report:
                                           for k, v in per.items()})  # fmt: skip
     config["loadavg_1min"] = [load, os.getloadavg()[0]]  # before and after: other work on the machine skews all
     return Report("overhead", config, rows, summary, columns=list(_COLUMNS))
+
+
+def _run_node(args: argparse.Namespace) -> Report:
+    setup = (f"{args.ranks} rank(s) on node A snapshotting back to back, each streamed to node B (replicas=1, "
+             f"loopback TCP); {os.cpu_count()} cores")  # fmt: skip
+    print(f"overhead: {setup}", flush=True)
+    with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
+        rows, summary = run_node(args, workdir)
+    config = {key: getattr(args, key) for key in _CONFIG_KEYS}
+    config.update(setup=setup)
+    return Report("overhead", config, rows, summary, columns=["scenario", "variant", "runs", "moved_per_step_bytes",
+                                                              "moved_to"])  # fmt: skip
 
 
 def plot(report: Report, path: str) -> None:

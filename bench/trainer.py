@@ -14,7 +14,8 @@ For ``snapshotd-bench overhead``, ``--plan`` runs the steps in blocks, each bloc
 way users take one today (``torch_save``, ``dcp_async``: :class:`~.baselines.DiskCheckpointer`, in
 ``--ckpt-dir``). After each block, untimed, the rank waits for that block's snapshot or save in flight, for the
 kernel to write a disk checkpoint's dirty pages out (``os.sync``), and for the other ranks, so no block's work
-spills into the next.
+spills into the next. Each block records when it began and when that wait ended (``began``, ``ended``: wall
+clock), so that a harness can tell what other processes did during it.
 
 Step times run from the top of one loop iteration to the end of the step, snapshot or checkpoint call and loss
 read-out included (on CUDA the read-out waits for the step's kernels). ``blocked_times`` is, per step, the time
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             ckpt = checkpointers[variant, interval]
         capturing = snap if variant == "snapshotd" else None
         first = len(step_times)
+        began = time.time()
         snap0 = {k: getattr(snap.stats, k) for k in _SNAP_COUNTERS} if snap is not None else {}
         saves0 = (ckpt.started, ckpt.completed) if ckpt is not None else (0, 0)
         for _ in range(nsteps):
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.finish()
                 os.sync()  # the page cache's writeback of the saves would otherwise slow the next block
             dist.barrier()
-        block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps}
+        block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps,
+                                 "began": began, "ended": time.time()}  # fmt: skip
         if capturing is not None:
             block.update({k: getattr(capturing.stats, k) - v for k, v in snap0.items()})
         if ckpt is not None:

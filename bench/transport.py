@@ -26,8 +26,10 @@ durable; ``e2e`` also counts the copy. The raw socket's rate excludes connection
 it moves the same bytes just before and just after each sidecar phase, and its rate is the mean of the two runs'
 medians (both in the row, ``raw_before_Bps`` and ``raw_after_Bps``), so that the machine's speed drifting during a
 phase moves both sides of a ratio alike.
-Every other phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable binds with
-``--insecure``). The coordinator's ``--heartbeat-timeout`` defaults to 8 s here, not 3 s: while a step's
+The sidecars stream unpaced (``--max-rate`` at :data:`~.drivers.UNPACED`): ``auto`` spreads each stream over two
+thirds of its rank's step on purpose, and a driver's step is its stream, so ``auto`` would measure the pacer, not
+the transport. Every other phase runs without ``SNAPSHOTD_SECRET`` (plaintext, as the raw socket is; routable
+binds with ``--insecure``). The coordinator's ``--heartbeat-timeout`` defaults to 8 s here, not 3 s: while a step's
 stream to its buddy is younger than that, the coordinator counts it as in flight; an older one is "missing a
 copy" and the coordinator has the buddy pull the same step again, concurrently with the stream, which then
 fails (the ``replications`` column counts such tasks; it should stay 0).
@@ -63,6 +65,7 @@ from snapshotd.local_cluster import LocalCluster
 from snapshotd.units import format_bytes, parse_bytes
 
 from .baselines import raw_socket_transfer
+from .drivers import UNPACED
 from .links import Link, links_available, shaped_link
 from .report import Report
 
@@ -243,7 +246,7 @@ def _sidecar_rows(
     prefix_a = link.exec_argv(link.ns_a, []) if link else []
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
-    side_flags = ["--codec", codec, *net, *(["--chunk", args.chunk] if args.chunk else [])]
+    side_flags = ["--codec", codec, "--max-rate", UNPACED, *net, *(["--chunk", args.chunk] if args.chunk else [])]
     if security:
         side_flags += ["--data-security", security]
     env = {"SNAPSHOTD_SECRET": _BENCH_SECRET if security else ""}

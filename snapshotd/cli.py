@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="TCP port on the data bind's host where restoring ranks fetch copies held here directly, on "
                         "a plaintext data plane only; 0 picks a free one, off restores through the sidecars "
                         "(default %(default)s)")  # fmt: skip
-    s.add_argument("--push-connections", type=int, default=2, metavar="N",
+    s.add_argument("--push-connections", type=int, default=4, metavar="N",
                    help="connections that carry one stream to a buddy's bulk port (plaintext data plane, raw chunks); "
                         "0 streams over the data plane's messages (default %(default)s)")  # fmt: skip
     s.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",

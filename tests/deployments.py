@@ -144,7 +144,7 @@ class InProcess(Deployment):
 
     def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0,
                  tcp: bool = False, bulk_port: int | None = 0, max_rate: float | None = None,
-                 push_connections: int = 2) -> None:  # fmt: skip
+                 push_connections: int = 4) -> None:  # fmt: skip
         self.tag = uuid.uuid4().hex[:8]
         self.push_connections = push_connections
         self.chunk_bytes = chunk_bytes

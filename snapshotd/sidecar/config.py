@@ -86,7 +86,7 @@ class SidecarConfig:
     (:mod:`snapshotd.proto.bulk`; 0 picks a free one); None: none, restores pull through the sidecars. Served only
     on a plaintext data plane (no secret, or ``members``): with ``curve`` it would expose what CURVE encrypts."""
 
-    push_connections: int = 2
+    push_connections: int = 4
     """Connections that carry one stream to one buddy when it pushes over the buddy's bulk port (a plaintext data
     plane with bulk ports at both ends, chunks going raw; :mod:`snapshotd.sidecar.push`); 0: streams go over the
     data plane's messages. More connections spread the kernel's copies over more cores at each end."""

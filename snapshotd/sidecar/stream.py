@@ -15,6 +15,7 @@ from collections.abc import Callable
 from snapshotd.logs import fields
 
 from .config import SidecarConfig
+from .integrity import Seal
 from .local import LocalRank
 from .node import NodeState
 from .pacer import Pacer
@@ -65,6 +66,11 @@ class StreamService:
                          extra=fields(lr.job, lr.rank, event="buddy_removed"))  # fmt: skip
                 task.cancel()
 
+    def _fill(self, lr: LocalRank, seal: Seal, data: memoryview, step: int) -> None:
+        """Take the checksum of every block of a slot that has none yet, in a worker thread: whether or not a buddy
+        ever takes the slot, its seal is whole."""
+        self.tasks.spawn(asyncio.to_thread(seal.fill, data), f"checksums of {lr.job} rank {lr.rank} step {step}")
+
     async def _stream(self, lr: LocalRank, index: int) -> None:
         s = lr.slots[index]
         s.streaming = True
@@ -73,13 +79,12 @@ class StreamService:
         ok = 0
         me = asyncio.current_task()
         mine: dict[str, asyncio.Task[None]] = {}
+        data = lr.arena.slot(index)[: s.data_bytes]
+        seal = s.seal
+        assert seal is not None  # every announced slot has one
         try:
-            data = lr.arena.slot(index)[: s.data_bytes]
-            seal = s.seal
-            assert seal is not None  # every announced slot has one
-            # the slot's checksums, taken now in a worker thread whether or not a buddy ever takes it (the sends
-            # below take any block's that is not in yet themselves, alike)
-            self.tasks.spawn(asyncio.to_thread(seal.fill, data), f"checksums of {lr.job} rank {lr.rank} step {s.step}")
+            if not self.cfg.pushes:  # the slot's checksums, taken now in a worker thread (the sends below take any
+                self._fill(lr, seal, data, s.step)  # block's that is not in yet themselves, alike)
             # a rank that just registered gets its buddies with the next heartbeat reply
             buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
             prev = lr.previous(index)
@@ -120,6 +125,8 @@ class StreamService:
             if len(errors) < len(buddies) - ok:
                 errors.append("a buddy was reassigned by the coordinator (it died)")
         finally:
+            if self.cfg.pushes:  # the lanes took each block's checksum as they sent it; any they did not reach now
+                self._fill(lr, seal, data, s.step)
             if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
                 lr.buddy_streams = {}
             s.streaming = False
