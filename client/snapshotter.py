@@ -617,6 +617,7 @@ class Snapshotter:
         ]
         self._stager.pin(self._arena)
         if old is not None:
+            self._stager.unpin(old)
             old.close()
         return self._arena
 

@@ -120,15 +120,28 @@ class Stager:
         self._pinned: list[int] = []
 
     def pin(self, arena: Arena) -> None:
-        """Page-lock the arena for CUDA copies (no-op without CUDA)."""
+        """Page-lock the arena for CUDA copies (no-op without CUDA, or when it is page-locked already)."""
         if not torch.cuda.is_available() or arena.slot_bytes == 0:
             return
         ptr = torch.frombuffer(arena.slot(0), dtype=torch.uint8).data_ptr()
+        if ptr in self._pinned:
+            return
         err = torch.cuda.cudart().cudaHostRegister(ptr, arena.slot_bytes * arena.slots, 0)
         if int(err) != 0:
             log.warning("cudaHostRegister of the arena failed (%s): CUDA copies will be slower", err)
             return
         self._pinned.append(ptr)
+
+    def unpin(self, arena: Arena) -> None:
+        """Undo :meth:`pin` before ``arena`` is unmapped (the host must have waited for every copy into it:
+        :meth:`fence` with ``host``): the driver would otherwise keep a registration of memory that a later
+        mapping may reuse."""
+        if arena.slot_bytes == 0 or not self._pinned:
+            return
+        ptr = torch.frombuffer(arena.slot(0), dtype=torch.uint8).data_ptr()
+        if ptr in self._pinned:
+            self._pinned.remove(ptr)
+            torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def _async_mask(self, flat: FlatState) -> list[bool]:
         """Which tensors only optimizer.step() changes (cached per layout)."""
