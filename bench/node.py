@@ -12,8 +12,8 @@ Summary keys (a run of this scenario alone): ``node_ranks``, ``node_state_bytes_
 (the ranks' state bytes over the median time each took from ``capture()`` to durable, summed over the ranks,
 which streamed side by side), ``node_raw_socket_Bps`` (one plain TCP connection moving the same bytes on the same
 machine, just after; :func:`~.baselines.raw_socket_transfer`), ``node_ratio`` (their quotient), and
-``node_sidecar_user_ms_per_GB`` / ``node_sidecar_system_ms_per_GB`` (both sidecars' CPU while the ranks ran, beyond
-what they use idle, measured for a few seconds before, per GB made durable).
+``node_sidecar_user_ms_per_GB`` / ``node_sidecar_system_ms_per_GB`` (both sidecars' CPU while the ranks ran, per GB
+made durable; their idle heartbeats, a few thousandths of a core, are left in).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -36,8 +35,6 @@ from .drivers import UNPACED
 
 __all__ = ["run_node"]
 
-IDLE_SECONDS = 3.0
-"""How long the sidecars' idle CPU is measured before the ranks start."""
 
 
 def _cpu(pids: list[int]) -> tuple[float, float]:
@@ -58,19 +55,15 @@ def run_node(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any
                       heartbeat_timeout=8.0) as cluster:  # fmt: skip
         cluster.start_coordinator()
         pids = [cluster.start_sidecar(node, *flags).pid for node in ("A", "B")]
-        idle0, t0 = _cpu(pids), time.monotonic()
-        time.sleep(IDLE_SECONDS)
-        idle1, t1 = _cpu(pids), time.monotonic()
-        idle_rate = [(b - a) / (t1 - t0) for a, b in zip(idle0, idle1, strict=True)]
         procs = []
         for rank in range(args.ranks):
             argv = [sys.executable, "-m", "snapshotd.bench.drivers", "transport", "--size", str(size),
                     "--repeat", str(repeat), "--settle", "2", "--job", f"node-{rank}-{uuid.uuid4().hex[:6]}",
                     "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        c0, s0 = _cpu(pids), time.monotonic()
+        c0 = _cpu(pids)
         outputs = [proc.communicate(timeout=args.timeout)[0].decode() for proc in procs]
-        c1, s1 = _cpu(pids), time.monotonic()
+        c1 = _cpu(pids)
     results = []
     for rank, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
         if proc.returncode != 0:
@@ -78,7 +71,7 @@ def run_node(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any
         results.append(json.loads(out.strip().splitlines()[-1]))
     durable_Bps = sum(size / float(np.median(r["seconds"])) for r in results)
     moved = sum(r["stats"]["bytes"] / max(1, r["stats"]["started"]) * r["stats"]["durable"] for r in results)
-    beyond = [max(0.0, (b - a) - rate * (s1 - s0)) for a, b, rate in zip(c0, c1, idle_rate, strict=True)]
+    used = [b - a for a, b in zip(c0, c1, strict=True)]
     raw_Bps = raw_socket_transfer(size * args.ranks, repeat=3, timeout=args.timeout)
     summary = {
         "node_ranks": args.ranks,
@@ -86,9 +79,8 @@ def run_node(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any
         "node_durable_Bps": durable_Bps,
         "node_raw_socket_Bps": raw_Bps,
         "node_ratio": durable_Bps / raw_Bps,
-        "node_sidecar_user_ms_per_GB": beyond[0] * 1e3 / (moved / 1e9),
-        "node_sidecar_system_ms_per_GB": beyond[1] * 1e3 / (moved / 1e9),
-        "node_sidecar_idle_cores": sum(idle_rate),
+        "node_sidecar_user_ms_per_GB": used[0] * 1e3 / (moved / 1e9),
+        "node_sidecar_system_ms_per_GB": used[1] * 1e3 / (moved / 1e9),
     }
     row = {"scenario": "node", "variant": "snapshotd", "interval": 1, "runs": args.ranks,
            "moved_per_step_bytes": size, "moved_to": "node B (tcp)"}  # fmt: skip

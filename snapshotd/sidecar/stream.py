@@ -23,9 +23,13 @@ from .peers import PeerError, PeerLinks
 from .tasks import TaskTree
 from .transfer import CodecPolicy, send_snapshot
 
-__all__ = ["RankNotify", "StreamService"]
+__all__ = ["PUSH_MIN_BYTES", "RankNotify", "StreamService"]
 
 log = logging.getLogger(__name__)
+
+PUSH_MIN_BYTES = 1 << 20
+"""Smaller snapshots stream as data-plane messages even where they could push: a push's connections cost more
+than they save on a few chunks."""
 
 RankNotify = Callable[[LocalRank, str, int], None]
 """Hands a rank its free slots: ``notify(lr, note, failed_step)`` (see :meth:`.ingest.RankNotices.slots`)."""
@@ -95,7 +99,8 @@ class StreamService:
 
             async def one(addr: str) -> None:
                 policy = self.policies.setdefault(addr, CodecPolicy(self.cfg.codec))
-                lanes = self.cfg.push_connections if self.cfg.pushes and policy.raw_stream(self.pacer.cap) else 0
+                pushes = self.cfg.pushes and s.data_bytes >= PUSH_MIN_BYTES and policy.raw_stream(self.pacer.cap)
+                lanes = self.cfg.push_connections if pushes else 0
                 try:
                     res = await send_snapshot(
                         self.links.get(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.state.node,
