@@ -15,7 +15,7 @@ import logging
 import sys
 from types import ModuleType
 
-from snapshotd.local_cluster import sigterm_as_interrupt
+from snapshotd.harness.cluster import sigterm_as_interrupt
 
 from .report import Report, emit
 

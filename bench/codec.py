@@ -7,7 +7,7 @@ Two measurements, both on this machine's CPU:
    copy, whatever the chunk size (summary ``encode_decode_vs_memcpy``; the goal is < 0.05). ``memcpy_us``
    copies chunks from a 64 MiB working set, so that each copy streams from memory as a snapshot's does;
    ``memcpy_cached_us`` copies one chunk over and over (cache-resident when it fits: the best case for a copy).
-2. **Codecs on real training state.** A small GPT (:mod:`snapshotd.bench.workloads`) trains a few AdamW steps;
+2. **Codecs on real training state.** A small GPT (:mod:`snapshotd.harness.workloads`) trains a few AdamW steps;
    its parameters and Adam moments (``exp_avg``, ``exp_avg_sq``), in fp32 and cast to bf16, are cut into
    chunks as a snapshot would be, and each codec encodes and decodes every chunk. ``delta-lz4`` encodes the
    last step against the one before (the base a buddy holds). Random fp32 is the incompressible reference.
@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from snapshotd.harness.workloads import GPT, config_for_params, make_optimizer, train_steps
 from snapshotd.proto import Chunk, decode, encode
 from snapshotd.proto.codec import breakeven_rate, checksum, compress_chunk, decompress_chunk
 from snapshotd.units import format_bytes, parse_bytes
 
 from .report import Report
-from .workloads import GPT, config_for_params, make_optimizer, train_steps
 
 __all__ = ["add_arguments", "plot", "run"]
 

@@ -182,7 +182,7 @@ def train_driver(
     Only snapshots are timed; each training step runs before its capture, outside the timing. Two runs with
     the same arguments train bit-identically (one torch thread, seeded), so they stream the same states.
     """
-    from .workloads import GPT, config_for_params, make_batch, make_optimizer, train_step
+    from snapshotd.harness.workloads import GPT, config_for_params, make_batch, make_optimizer, train_step
 
     torch.set_num_threads(1)
     cfg = config_for_params(params, seq_len=seq_len)

@@ -41,7 +41,7 @@ import torch
 import zmq
 
 from snapshotd.client import Snapshotter
-from snapshotd.local_cluster import LocalCluster, ManagedProcess
+from snapshotd.harness.cluster import LocalCluster, ManagedProcess
 from snapshotd.proto import MESSAGE_TYPES, PullManifest, StreamBegin, decode, encode
 from snapshotd.proto.limits import PROTOCOL_VERSION
 from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str

@@ -45,14 +45,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from snapshotd.demo import wait_for
-from snapshotd.local_cluster import LocalCluster, held_interrupts
+from snapshotd.harness.cluster import LocalCluster, held_interrupts
+from snapshotd.harness.demo import wait_for
+from snapshotd.harness.processes import RankProcess, start_module
 from snapshotd.status import fetch_status
 
 from .nodes import EmulatedNode, RendezvousStore
 from .report import Report, scratch_dir
 from .torchrun_trial import TORCHRUN_ENV
-from .warm import RankProcess, start_module
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trainer import _train_step, _write_atomic, batch_for, build_state, state_digest
+from snapshotd.harness.trainer import _train_step, _write_atomic, batch_for, build_state, state_digest
 
 __all__ = ["EXIT_PEER_LOST", "main"]
 

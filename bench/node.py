@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 
 from .baselines import process_cpu_times, raw_socket_transfer
 from .drivers import UNPACED

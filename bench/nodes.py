@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from snapshotd.local_cluster import LocalCluster, ManagedProcess, held_interrupts
+from snapshotd.harness.cluster import LocalCluster, ManagedProcess, held_interrupts
 from snapshotd.shm import pid_alive
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``snapshotd-bench overhead``: what a snapshot after every step costs training, beside today's disk checkpoints.
 
-A real data-parallel job (``--ranks`` gloo processes of :mod:`snapshotd.bench.trainer`, training the GPT of
+A real data-parallel job (``--ranks`` gloo processes of :mod:`snapshotd.harness.trainer`, training the GPT of
 :mod:`.workloads` with AdamW; about 12 bytes of state per parameter) trains in runs of ``--steps`` steps, one
 variant per run, interleaved round by round (``none, snapshotd, torch_save, dcp_async, none, snapshotd, ...``) so
 that drift in the machine's speed (other work on it) hits every variant alike. The runs are blocks of one
@@ -73,14 +73,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.trainer import every_arg, plan_interval, run_ranks
 from snapshotd.proto import checksum
 from snapshotd.units import parse_bytes, parse_rate
 
 from .baselines import process_cpu_times
 from .node import run_node
 from .report import Report, progress, scratch_dir
-from .trainer import every_arg, plan_interval, run_ranks
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 

@@ -72,8 +72,8 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
-from snapshotd.demo import wait_for
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
 

@@ -1,7 +1,7 @@
 """``snapshotd-bench scale``: one real coordinator against thousands of simulated sidecars.
 
 For each N of ``--sidecars`` (default 100, 1,000 and 10,000 in turn): a real ``snapshotd coordinator`` process
-(:class:`~snapshotd.local_cluster.LocalCluster`, heartbeat interval 0.5 s and timeout 3 s by default) and
+(:class:`~snapshotd.harness.cluster.LocalCluster`, heartbeat interval 0.5 s and timeout 3 s by default) and
 ``--workers`` processes of :mod:`.simsidecars` (at nice 10, 4 by default) that drive N simulated sidecars between
 them. A simulator reads its sidecars' plan replies one after another, and that reading counts in the plan latency
 below; on 2 cores four simulators measured the 10,000-sidecar round with less of their own queueing than two, and
@@ -83,7 +83,7 @@ from typing import Any
 import numpy as np
 
 from snapshotd import security
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.status import fetch_status
 
 from .report import Report

@@ -43,8 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 from snapshotd.client.schedule import max_steps_lost
-from snapshotd.demo import TrainingJob, wait_for
-from snapshotd.local_cluster import LocalCluster, ManagedProcess
+from snapshotd.harness.cluster import LocalCluster, ManagedProcess
+from snapshotd.harness.demo import TrainingJob, wait_for
 from snapshotd.status import fetch_status
 from snapshotd.units import parse_rate
 

@@ -3,7 +3,7 @@
 ``examples/torchrun_ddp/train.py`` (DDP, snapshotted every step) runs under real torchrun agents: c10d
 rendezvous on a standalone store with an address of its own (127.0.0.9), ``--max-restarts``, and N emulated
 nodes of ``nproc_per_node`` workers each, every node with its own sidecar (:mod:`.nodes`). A coordinator must
-be running (the caller's :class:`~snapshotd.local_cluster.LocalCluster`).
+be running (the caller's :class:`~snapshotd.harness.cluster.LocalCluster`).
 
 :func:`run_trial` with ``fail=False`` runs the job to the end. With ``fail=True`` it SIGKILLs node ``lose``
 (agent, workers, sidecar and its shared memory) once that node's first rank logged step ``kill_after``, and at
@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 
 from .nodes import EmulatedNode, RendezvousStore, agent_lines
 from .report import Report, scratch_dir

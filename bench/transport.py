@@ -1,7 +1,7 @@
 """``snapshotd-bench transport``: sidecar-to-sidecar streaming against a plain TCP socket with the same bytes.
 
 Each sidecar phase starts a fresh deployment of real processes
-(:class:`~snapshotd.local_cluster.LocalCluster`): a coordinator (``--replicas 1``), sidecar A, which the
+(:class:`~snapshotd.harness.cluster.LocalCluster`): a coordinator (``--replicas 1``), sidecar A, which the
 driver (:mod:`.drivers`, a training-rank stand-in with a real Snapshotter) snapshots into, and sidecar B, A's
 buddy, which receives. The driver times each step from
 ``capture()`` until A reports it durable on B.
@@ -61,7 +61,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.units import format_bytes, parse_bytes
 
 from .baselines import raw_socket_transfer

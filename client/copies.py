@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .meta import TORCH_DTYPES, Layout, check_buffer
+from snapshotd.snapshot_format import TORCH_DTYPES, Layout, check_buffer
+
 from .state import FlatState
 
 __all__ = ["copy_into", "copy_tensors", "dst_views"]

@@ -39,14 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from snapshotd.snapshot_format import DDP_KEY
+
 from .errors import ConfigMismatch
 
 __all__ = ["DDP_KEY", "DDPBuckets", "find_ddp_modules", "rebuild_reducer"]
 
 log = logging.getLogger(__name__)
-
-DDP_KEY = "\0snapshotd.ddp_buckets"
-"""The state key under which snapshots carry the bucket layouts (it cannot clash with a user's key)."""
 
 Layout = list[list[int]]
 

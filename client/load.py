@@ -1,48 +1,38 @@
 """Reading a rank's snapshot back: load a tensor table, a data buffer and a msgpack blob into a live state.
 
-The format is :mod:`.meta`'s; :mod:`.state` writes it. Decoding the blob is msgpack only, never unpickling,
+The format is :mod:`snapshotd.snapshot_format`'s; :mod:`.state` writes it. Decoding the blob is msgpack only, never unpickling,
 and every value is checked before it is used.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 import torch
 
-from ..proto import limits as L
-from ..proto.manifest import DTYPE_SIZES, TensorEntry
-from .errors import ConfigMismatch
-from .meta import (
+from snapshotd.snapshot_format import (
     ELIDED,
-    EXT_DTENSOR,
-    EXT_NDARRAY,
-    EXT_NPSCALAR,
-    EXT_ODICT,
-    EXT_SIZE,
-    EXT_TENSOR,
-    EXT_TUPLE,
     MAX_DEPTH,
     PLAIN,
-    READ_VERSIONS,
     STATEFUL,
     TORCH_DTYPES,
     Path,
-    check_buffer,
+    TensorRef,
+    check_table,
+    decode_meta,
     dtensor_type,
     is_stateful,
-    plain_dtype,
     where,
 )
 
-__all__ = ["TensorRef", "check_table", "decode_meta", "restore_into"]
+from ..proto.manifest import TensorEntry
+from .errors import ConfigMismatch
+
+__all__ = ["restore_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,100 +46,6 @@ def _has_marker(tree: Any, depth: int = 0) -> bool:
     if isinstance(tree, (list, tuple)):
         return any(_has_marker(v, depth + 1) for v in tree)
     return False
-
-
-@dataclasses.dataclass(slots=True)  # eq without frozen: unhashable, so a placeholder can never be a dict key
-class TensorRef:
-    """A tensor's placeholder in decoded meta: entry ``index`` of the table.
-
-    ``dtensor``: the entry is a DTensor's local shard; ``place`` is then ``(global shape, global offset)`` of that
-    shard, or None where the snapshot does not say (format 1) or the shard is no piece of the global tensor (a
-    ``Partial`` placement).
-    """
-
-    index: int
-    dtensor: bool
-    place: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-
-
-class _Decoder:
-    """msgpack decoding of ``meta`` with the ext types of the module docstring; raises on anything else."""
-
-    __slots__ = ("count", "depth", "placed", "unplaced")
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.depth = 0
-        self.placed = self.unplaced = 0  # DTensor placeholders with and without the global layout (format 2, 1)
-
-    def unpack(self, buf: bytes | memoryview) -> Any:
-        return msgpack.unpackb(buf, ext_hook=self.ext, raw=False, strict_map_key=False)
-
-    def ext(self, code: int, data: bytes) -> Any:
-        if code == EXT_TENSOR or (code == EXT_DTENSOR and len(data) == 4):
-            index = int.from_bytes(data, "big")
-            if len(data) != 4 or index >= self.count:
-                raise ValueError(f"tensor placeholder {index} is outside the table of {self.count}")
-            self.unplaced += code == EXT_DTENSOR
-            return TensorRef(index, code == EXT_DTENSOR)
-        if code == EXT_DTENSOR:
-            ref = self.ext(EXT_TENSOR, data[:4])
-            ref.dtensor, ref.place = True, _place(msgpack.unpackb(data[4:]))
-            self.placed += 1
-            return ref
-        if self.depth >= MAX_DEPTH:
-            raise ValueError(f"ext types nest deeper than {MAX_DEPTH} levels")
-        self.depth += 1
-        try:
-            obj = self.unpack(data)
-        finally:
-            self.depth -= 1
-        if code == EXT_TUPLE and type(obj) is list:
-            return tuple(obj)
-        if code == EXT_SIZE and type(obj) is list and all(type(d) is int for d in obj):
-            return torch.Size(obj)
-        if code == EXT_ODICT and type(obj) is dict:
-            return collections.OrderedDict(obj)
-        if code == EXT_NDARRAY and type(obj) is list and len(obj) == 3:
-            dt, shape, raw = _np_dtype(obj[0]), obj[1], obj[2]
-            if (
-                type(shape) is not list
-                or any(type(d) is not int or d < 0 for d in shape)
-                or type(raw) is not bytes
-            ):
-                raise ValueError("bad NumPy array")
-            if math.prod(shape) * dt.itemsize != len(raw):
-                raise ValueError("NumPy array bytes do not match its shape")
-            return np.frombuffer(raw, dt).reshape(shape).copy()
-        if code == EXT_NPSCALAR and type(obj) is list and len(obj) == 2:
-            dt, raw = _np_dtype(obj[0]), obj[1]
-            if type(raw) is not bytes or len(raw) != dt.itemsize:
-                raise ValueError("bad NumPy scalar")
-            return np.frombuffer(raw, dt)[0]
-        raise ValueError(f"unknown or malformed ext type {code}")
-
-
-def _place(obj: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """A DTensor placeholder's ``[global shape, global offset]`` (or nil), checked."""
-    if obj is None:
-        return None
-    if (
-        type(obj) is not list
-        or len(obj) != 2
-        or any(type(v) is not list or any(type(d) is not int or d < 0 for d in v) for v in obj)
-        or len(obj[0]) != len(obj[1])
-    ):
-        raise ValueError("bad DTensor layout")
-    return tuple(obj[0]), tuple(obj[1])
-
-
-def _np_dtype(s: Any) -> np.dtype:
-    if type(s) is not str:
-        raise ValueError("bad NumPy dtype")
-    dt = np.dtype(s)
-    if not plain_dtype(dt):
-        raise ValueError(f"NumPy dtype {s!r} is not plain data")
-    return dt
 
 
 class _Restorer:
@@ -266,49 +162,6 @@ def _optimizer_templates(key: str, optimizer: torch.optim.Optimizer, dtensor: ty
                 out[(key, "state", index)] = param
             index += 1
     return out
-
-
-def check_table(entries: Sequence[TensorEntry], data: torch.Tensor) -> None:
-    """Check that every entry of a snapshot's table is a tensor of a known dtype lying, aligned, inside ``data``.
-
-    Raises:
-        ValueError: ``data`` is not a contiguous aligned 1-D uint8 tensor, or an entry is bad (named).
-    """
-    check_buffer(data, 0, "data")
-    for e in entries:
-        size = DTYPE_SIZES.get(e.dtype)
-        if e.dtype not in TORCH_DTYPES or size is None or e.nbytes != math.prod(e.shape) * size:
-            raise ValueError(f"tensor table entry {e.path!r}: bad dtype or size")
-        if e.offset < 0 or e.offset % size or e.offset + e.nbytes > data.numel():
-            raise ValueError(f"tensor table entry {e.path!r}: byte range outside the data or misaligned")
-
-
-def decode_meta(meta: bytes | memoryview, count: int) -> tuple[int, dict[str, list[Any]]]:
-    """Decode a snapshot's ``meta`` (msgpack only, never unpickled): its format version and ``{key: [kind,
-    tree]}``, each tensor of a tree a :class:`TensorRef` into a table of ``count`` entries.
-
-    Raises:
-        ValueError: malformed meta, or a format this build does not read.
-    """
-    if memoryview(meta).nbytes > L.MAX_META_BYTES:
-        raise ValueError(f"snapshot meta is over {L.MAX_META_BYTES} bytes")
-    decoder = _Decoder(count)
-    try:
-        decoded = decoder.unpack(meta)
-    except Exception as exc:
-        raise ValueError(f"malformed snapshot meta: {exc}") from exc
-    if type(decoded) is not list or len(decoded) != 2 or type(decoded[1]) is not dict:
-        raise ValueError("malformed snapshot meta: not [version, {key: [kind, tree]}]")
-    version = decoded[0]
-    if version not in READ_VERSIONS:
-        raise ValueError(f"snapshot meta of format {version!r}: this build reads formats {list(READ_VERSIONS)} "
-                         "(the snapshot was taken by a newer snapshotd?)")  # fmt: skip
-    if decoder.placed if version == 1 else decoder.unplaced:
-        raise ValueError(f"malformed snapshot meta: a DTensor placeholder of another format than {version}")
-    top: dict[Any, Any] = decoded[1]
-    if any(type(v) is not list or len(v) != 2 or v[0] not in (STATEFUL, PLAIN) for v in top.values()):
-        raise ValueError("malformed snapshot meta: a top-level value is not [kind, tree]")
-    return version, top
 
 
 def restore_into(

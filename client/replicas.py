@@ -32,8 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from snapshotd.snapshot_format import ELIDED, dtensor_type
+
 from .errors import ConfigMismatch, ReplicaGroupError
-from .meta import ELIDED, dtensor_type
 from .state import check_tensor
 
 __all__ = ["ELIDED", "ReplicaShard", "agree", "agree_restored", "assign_keepers", "fail_remaining"]

@@ -1,6 +1,6 @@
 """Writing a rank's snapshot: flatten its state into a tensor table, a data buffer and a msgpack blob.
 
-The format is :mod:`.meta`'s; :mod:`.load` reads a snapshot back into a live state.
+The format is :mod:`snapshotd.snapshot_format`'s; :mod:`.load` reads a snapshot back into a live state.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import msgpack
 import numpy as np
 import torch
 
-from ..proto import limits as L
-from ..proto.manifest import DTYPE_SIZES, TensorEntry
-from .meta import (
+from snapshotd.snapshot_format import (
     ALIGN,
     DTYPE_NAMES,
     EXT_DTENSOR,
@@ -45,6 +43,9 @@ from .meta import (
     plain_dtype,
     where,
 )
+
+from ..proto import limits as L
+from ..proto.manifest import DTYPE_SIZES, TensorEntry
 
 __all__ = ["FlatState", "StateWalker", "check_tensor", "flatten"]
 

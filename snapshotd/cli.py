@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args, secret)
         if args.command == "demo":
-            from snapshotd.demo import run_demo
-            from snapshotd.local_cluster import sigterm_as_interrupt
+            from snapshotd.harness.cluster import sigterm_as_interrupt
+            from snapshotd.harness.demo import run_demo
 
             with sigterm_as_interrupt():
                 return run_demo(steps=args.steps, kill_at=args.kill_at, params=int(parse_bytes(args.params)))

@@ -54,9 +54,6 @@ from typing import Any
 
 import torch
 
-from snapshotd.client.ddp import DDP_KEY
-from snapshotd.client.load import TensorRef, check_table, decode_meta
-from snapshotd.client.meta import ELIDED, TORCH_DTYPES, where
 from snapshotd.proto import (
     Error,
     ErrorCode,
@@ -74,6 +71,15 @@ from snapshotd.sidecar.peers import PeerLinks
 from snapshotd.sidecar.placement import Lander, arena_sink
 from snapshotd.sidecar.tasks import TaskTree
 from snapshotd.sidecar.transfer import PullFailed, pull_snapshot
+from snapshotd.snapshot_format import (
+    DDP_KEY,
+    ELIDED,
+    TORCH_DTYPES,
+    TensorRef,
+    check_table,
+    decode_meta,
+    where,
+)
 from snapshotd.transport import Network, Role, Security, open_network
 
 __all__ = ["ATTEMPTS", "ExportError", "Exported", "export_checkpoint"]

@@ -4,7 +4,7 @@ Both give a test the same few things (:class:`Deployment`): the coordinator's ad
 node (its ipc address for ``Snapshotter(sidecar=...)``), and the loss of a node (its sidecar dies with
 everything it held). :class:`InProcess` runs real :class:`~snapshotd.sidecar.daemon.Sidecar` and coordinator
 code, each on an event loop of its own thread, over the in-memory transport; :class:`Processes` runs
-``snapshotd`` processes over ZeroMQ (:class:`~snapshotd.local_cluster.LocalCluster`).
+``snapshotd`` processes over ZeroMQ (:class:`~snapshotd.harness.cluster.LocalCluster`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from snapshotd.client import Snapshotter
 from snapshotd.coordinator.config import CoordinatorConfig
 from snapshotd.coordinator.server import run_coordinator
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.daemon import Sidecar
 from snapshotd.status import fetch_status

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from snapshotd.client.copies import copy_into
-from snapshotd.client.meta import ELIDED, PLAIN, STATEFUL
 from snapshotd.client.state import flatten
 from snapshotd.export import ExportError, _Assembly, _attempts, _Snapshot
 from snapshotd.proto import TensorEntry
 from snapshotd.sidecar.transfer import PullFailed
+from snapshotd.snapshot_format import ELIDED, PLAIN, STATEFUL
 
 
 def _snapshot(rank: int, values: dict[str, Any]) -> _Snapshot:

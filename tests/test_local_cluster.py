@@ -1,4 +1,4 @@
-"""``snapshotd.local_cluster``'s signal helpers: an interrupt never comes between starting a child and recording it."""
+"""``snapshotd.harness.cluster``'s signal helpers: an interrupt never comes between starting a child and recording it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapshotd.local_cluster import held_interrupts, sigterm_as_interrupt
+from snapshotd.harness.cluster import held_interrupts, sigterm_as_interrupt
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.logs import JsonFormatter, RateLimit, fields, setup_logging
 
 KEYS = {"time", "level", "logger", "node", "job", "rank", "step", "event", "message"}

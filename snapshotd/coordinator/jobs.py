@@ -17,13 +17,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from snapshotd.proto import Watermark
 from snapshotd.proto.limits import MAX_UNUSABLE_STEPS
 
-if TYPE_CHECKING:
-    from .plans import Round
+from .rounds import Round
 
 __all__ = ["Item", "Job", "Jobs", "check_rank"]
 

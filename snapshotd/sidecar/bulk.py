@@ -31,17 +31,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, PUSH_MAGIC, RANGE, TOKEN_BYTES, VERSION, Status
 from snapshotd.proto.codec import RunningChecksum, mismatch
 
-from .integrity import CorruptCopy
+from .integrity import CorruptCopy, Seal
+from .local import SlotState
+from .store import StoredSnapshot
 
-if TYPE_CHECKING:
-    from .serve import HeldCopy
-
-__all__ = ["BulkServer", "Push"]
+__all__ = ["BulkServer", "HeldCopy", "Push"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +56,22 @@ PUSH_CONNECTIONS = 16
 """Connections one push admits."""
 RECV_BYTES = 256 << 10
 """The most one receive of a push asks for: each piece is checksummed right after it lands, while it is hot."""
+
+
+@dataclasses.dataclass(slots=True)
+class HeldCopy:
+    """A complete copy held here, as a pull reads it."""
+
+    table: bytes
+    meta: bytes
+    nbytes: int
+    seal: Seal
+    read: Callable[[int, int], memoryview]
+    """``read(start, end)``: those bytes (zero-copy where they are contiguous here)."""
+    holder: StoredSnapshot | SlotState
+    """What to pin while reading (a pinned copy is never dropped or overwritten)."""
+    drop: Callable[[], None]
+    """Forget the copy (found corrupt): it is never served or reported again."""
 
 
 @dataclasses.dataclass(slots=True)

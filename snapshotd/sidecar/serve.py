@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 
 from snapshotd import proto
 from snapshotd.logs import fields
@@ -38,33 +37,16 @@ from snapshotd.proto import (
 )
 from snapshotd.transport import TransportError
 
-from .bulk import BulkServer, Push
-from .integrity import CorruptCopy, Seal
-from .local import SlotState
+from .bulk import BulkServer, HeldCopy, Push
+from .integrity import CorruptCopy
 from .node import NodeState
 from .outbox import Outbox
 from .store import StoredSnapshot, UnknownSnapshot
 from .tasks import TaskTree
 
-__all__ = ["HeldCopy", "ServeService"]
+__all__ = ["ServeService"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class HeldCopy:
-    """A complete copy held here, as a pull reads it."""
-
-    table: bytes
-    meta: bytes
-    nbytes: int
-    seal: Seal
-    read: Callable[[int, int], memoryview]
-    """``read(start, end)``: those bytes (zero-copy where they are contiguous here)."""
-    holder: StoredSnapshot | SlotState
-    """What to pin while reading (a pinned copy is never dropped or overwritten)."""
-    drop: Callable[[], None]
-    """Forget the copy (found corrupt): it is never served or reported again."""
 
 
 @dataclasses.dataclass(slots=True)

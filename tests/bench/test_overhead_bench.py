@@ -15,8 +15,8 @@ import pytest
 
 from snapshotd.bench import overhead
 from snapshotd.bench.report import Report, emit
-from snapshotd.bench.trainer import run_ranks
-from snapshotd.bench.workloads import config_for_params
+from snapshotd.harness.trainer import run_ranks
+from snapshotd.harness.workloads import config_for_params
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_PARAMS = 30_000

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from snapshotd.bench import warm
-from snapshotd.bench.warm import ForkedProcess, ForkServer
+from snapshotd.harness.processes import ForkedProcess, ForkServer
 from snapshotd.shm import pid_alive
 
 _PROBE = """

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from snapshotd.client import Snapshotter
-from snapshotd.demo import wait_for
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

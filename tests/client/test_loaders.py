@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from snapshotd.client import RNGState, Snapshotter
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 
 pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402

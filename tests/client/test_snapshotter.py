@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from snapshotd.client import RNGState, SidecarUnavailable, Snapshotter
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 
 
 @contextlib.contextmanager

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from snapshotd.client.copies import copy_into
-from snapshotd.client.load import TensorRef, decode_meta, restore_into
-from snapshotd.client.meta import ALIGN, FORMAT_VERSION
+from snapshotd.client.load import restore_into
 from snapshotd.client.rng import RNGState
 from snapshotd.client.state import FlatState, flatten
+from snapshotd.snapshot_format import ALIGN, FORMAT_VERSION, TensorRef, decode_meta
 
 
 def snapshot(state: dict[str, Any]) -> tuple[FlatState, torch.Tensor]:

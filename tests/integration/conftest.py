@@ -1,6 +1,6 @@
 """Fixtures for tests with real snapshotd processes on loopback.
 
-``cluster`` is a started :class:`~snapshotd.local_cluster.LocalCluster` (a coordinator; the test starts
+``cluster`` is a started :class:`~snapshotd.harness.cluster.LocalCluster` (a coordinator; the test starts
 sidecars with :meth:`Cluster.start`) under ``tmp_path``, closed when the test ends. Every node and job name of
 a test carries its ``tag``, so that the check made after the cluster closed (no ``/dev/shm`` file of this test
 is left behind) cannot be confused by other tests or other users of the machine.
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
-from snapshotd.local_cluster import LocalCluster, ManagedProcess
+from snapshotd.harness.cluster import LocalCluster, ManagedProcess
 from snapshotd.proto import (
     Chunk,
     Error,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from snapshotd.local_cluster import ManagedProcess
+from snapshotd.harness.cluster import ManagedProcess
 from snapshotd.proto import Error, ErrorCode, ProtocolError, decode, encode
 from snapshotd.sidecar.daemon import DRAIN_REQUEST_TIMEOUT
 

@@ -31,8 +31,8 @@ from torch import nn
 
 from snapshotd.cli import main as cli_main
 from snapshotd.client import Snapshotter
-from snapshotd.demo import wait_for
 from snapshotd.export import ExportError, export_checkpoint
+from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
 
 from ..gloo_ranks import run_gloo_ranks

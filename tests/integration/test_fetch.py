@@ -19,8 +19,8 @@ import torch
 from snapshotd.client import Snapshotter
 from snapshotd.client import snapshotter as snapshotter_module
 from snapshotd.client.fetch import RestoreFetcher
-from snapshotd.demo import wait_for
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.demo import wait_for
 from snapshotd.proto import RestoreFetch, RestoreFetched
 from snapshotd.status import fetch_status
 

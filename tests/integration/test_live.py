@@ -19,7 +19,7 @@ import torch.distributed as dist
 from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
 from snapshotd.client import RecoveryFailed, SidecarRefused, live
-from snapshotd.demo import wait_for
+from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
 
 from .conftest import Cluster

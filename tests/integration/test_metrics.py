@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapshotd.client import Snapshotter
-from snapshotd.demo import wait_for
+from snapshotd.harness.demo import wait_for
 
 from .conftest import Cluster
 

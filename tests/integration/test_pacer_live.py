@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapshotd.demo import TrainingJob, wait_for
+from snapshotd.harness.demo import TrainingJob, wait_for
 from snapshotd.status import fetch_status
 
 from .conftest import Cluster

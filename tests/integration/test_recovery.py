@@ -11,12 +11,12 @@ import uuid
 import pytest
 import torch
 
-from snapshotd.bench.trainer import build_state
 from snapshotd.client import NotRecoverable, Snapshotter
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.client.state import flatten
-from snapshotd.demo import TrainingJob, run_scenario
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.demo import TrainingJob, run_scenario
+from snapshotd.harness.trainer import build_state
 from snapshotd.status import fetch_status
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import zmq
 
 from snapshotd import proto
 from snapshotd.client import Snapshotter
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.security import data_host, members_source, secure_client
 from snapshotd.sidecar.config import SidecarConfig
 

@@ -21,16 +21,15 @@ import pytest
 
 from snapshotd.client import fetch as fetch_module
 from snapshotd.client.fetch import RestoreFetcher
-from snapshotd.demo import wait_for
+from snapshotd.harness.demo import wait_for
 from snapshotd.proto import RestoreFetch, RestoreFetched, TensorEntry, encode_table
 from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, VERSION, Status
 from snapshotd.shm import Arena, create_arena
 from snapshotd.sidecar import bulk as bulk_module
-from snapshotd.sidecar.bulk import BulkServer
+from snapshotd.sidecar.bulk import BulkServer, HeldCopy
 from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.sidecar.local import SlotState
-from snapshotd.sidecar.serve import HeldCopy
 
 CHUNK_BYTES = 64 << 10
 A_FLOATS = 200_000  # entry "a": 800,000 bytes, into the live array

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from snapshotd.local_cluster import LocalCluster
+from snapshotd.harness.cluster import LocalCluster
 from snapshotd.proto import (
     Error,
     ErrorCode,

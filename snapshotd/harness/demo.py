@@ -22,10 +22,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from snapshotd.bench.trainer import read_progress
-from snapshotd.bench.warm import RankProcess, start_module
 from snapshotd.client.schedule import max_steps_lost
-from snapshotd.local_cluster import LocalCluster, held_interrupts
+from snapshotd.harness.cluster import LocalCluster, held_interrupts
+from snapshotd.harness.processes import RankProcess, start_module
+from snapshotd.harness.trainer import read_progress
 from snapshotd.status import fetch_status
 
 __all__ = ["TrainingJob", "run_demo", "run_scenario", "wait_for"]
@@ -59,7 +59,7 @@ class TrainingJob:
                 argv += ["--job", job, "--sidecar", sidecars[rank], "--every", str(every),
                          *(["--replicated"] if replicated else [])]  # fmt: skip
             with held_interrupts():
-                self.procs[rank] = start_module("snapshotd.bench.trainer", argv,
+                self.procs[rank] = start_module("snapshotd.harness.trainer", argv,
                                                 output=os.path.join(workdir, f"{tag}-rank{rank}.log"), stdin=linger)  # fmt: skip
 
     def result_path(self, rank: int) -> str:

@@ -1,6 +1,6 @@
 """A real data-parallel training job for the demo, the integration tests and the benchmarks.
 
-Each rank is a process (``python -m snapshotd.bench.trainer ...``) in a gloo process group, training the GPT of
+Each rank is a process (``python -m snapshotd.harness.trainer ...``) in a gloo process group, training the GPT of
 :mod:`.workloads` wrapped in ``DistributedDataParallel`` (or, with ``--parallel fsdp2``, sharded with FSDP2's
 ``fully_shard``) with AdamW and a cosine LR schedule. Under DDP the Snapshotter is given the unwrapped model
 (``ddp.module``), as many training scripts keep it, and finds the DDP wrapper itself. The
@@ -51,9 +51,9 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from snapshotd.local_cluster import held_interrupts
+from snapshotd.harness.cluster import held_interrupts
 
-from .baselines import CHECKPOINT_KINDS, DiskCheckpointer
+from .checkpoints import CHECKPOINT_KINDS, DiskCheckpointer
 from .workloads import GPT, config_for_params, make_batch, make_optimizer
 
 LINGER_SECONDS = 600.0
@@ -162,7 +162,7 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for r in range(world):
-            argv = [sys.executable, "-m", "snapshotd.bench.trainer", "--rank", str(r), "--world", str(world),
+            argv = [sys.executable, "-m", "snapshotd.harness.trainer", "--rank", str(r), "--world", str(world),
                     "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
             if r == 0:
                 argv += ["--progress", progress]
@@ -248,7 +248,7 @@ def _wait_for_eof(fd: int, timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m snapshotd.bench.trainer")
+    p = argparse.ArgumentParser(prog="python -m snapshotd.harness.trainer")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--init", required=True, help="torch.distributed init_method, e.g. tcp://127.0.0.1:29500")

@@ -14,7 +14,7 @@ Without the variable (the benchmarks, the demo, users) every process starts cold
 restart cost that the benchmarks measure. A request whose environment differs from the server's in a variable
 read as the interpreter or torch starts (:func:`_read_late`) starts cold too.
 
-Run as ``python -m snapshotd.bench.warm FD MODULE...``, this module is the server: it imports the modules named and
+Run as ``python -m snapshotd.harness.processes FD MODULE...``, this module is the server: it imports the modules named and
 serves the ``AF_UNIX`` ``SOCK_SEQPACKET`` socket ``FD`` until its peer closes it (see :func:`_serve`).
 """
 
@@ -43,7 +43,7 @@ WARM_ENV = "SNAPSHOTD_WARM_STARTS"
 """``1``: start rank processes from the fork server; unset or ``0``: every process starts cold."""
 
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "snapshotd.client",
-           "snapshotd.client.live", "snapshotd.bench.workloads")  # fmt: skip
+           "snapshotd.client.live", "snapshotd.harness.workloads")  # fmt: skip
 """What the server imports before it forks: what every rank program of this package needs."""
 
 _IMPORTING_NICE = 19
@@ -304,7 +304,7 @@ def start_module(module: str, args: Sequence[str], *, output: str, env: Mapping[
                  stdin: bool = False) -> RankProcess:  # fmt: skip
     """Start ``python -m module args`` (output appended to ``output``; ``env``, ``stdin`` as in
     :meth:`ForkServer.popen`): forked where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold. Call it inside
-    :func:`~snapshotd.local_cluster.held_interrupts` where an interrupt must not come between the start and the
+    :func:`~snapshotd.harness.cluster.held_interrupts` where an interrupt must not come between the start and the
     caller recording the process."""
     server = _shared_server()
     if server is not None:
@@ -397,7 +397,7 @@ def _become(request: dict[str, Any], fds: list[int], failed: str) -> None:
     os.close(out)
     os.close(inp)
     if failed:
-        print(f"snapshotd.bench.warm: a preload failed:\n{failed}", file=sys.stderr, flush=True)
+        print(f"snapshotd.harness.processes: a preload failed:\n{failed}", file=sys.stderr, flush=True)
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # as ``-m`` puts it there
     os.environ.clear()

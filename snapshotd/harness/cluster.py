@@ -18,12 +18,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from snapshotd.shm import sweep_stale_arenas
 
-if TYPE_CHECKING:
-    from snapshotd.bench.warm import RankProcess
+from .processes import RankProcess
 
 __all__ = ["LocalCluster", "ManagedProcess", "held_interrupts", "sigterm_as_interrupt"]
 
@@ -99,7 +98,7 @@ class LocalCluster:
         heartbeat_interval / heartbeat_timeout: seconds, passed to the coordinator.
         env: extra environment for every process (e.g. SNAPSHOTD_SECRET).
         launcher: the argv that runs the ``snapshotd`` command, before its own arguments (default: this Python's
-            ``-m snapshotd.cli``; e.g. :func:`snapshotd.bench.faults.command` to interpose faults).
+            ``-m snapshotd.cli``; e.g. a wrapper that interposes faults, as the benchmarks' soak does).
         drain_timeout: every sidecar's ``--drain-timeout``: shorter than the default, so that a sidecar stopped
             (SIGTERM) ends within :meth:`stop`'s wait even when it cannot drain.
     """
