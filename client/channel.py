@@ -1,8 +1,9 @@
 """The training process's one background thread: it owns the ipc socket to the sidecar and runs staging copies.
 
 Everything that crosses from the training thread goes through :meth:`Channel.submit` (a job run on the thread)
-or :meth:`Channel.request` (a message sent, its reply awaited with a deadline). Unsolicited messages from the
-sidecar (slot updates, errors about earlier announces) are handed to ``on_message`` on the thread. The training
+or :meth:`Channel.request` (a message sent under a request id, the answer carrying that id awaited with a
+deadline). Every other message from the sidecar (slot updates, errors about earlier announces, progress) is
+handed to ``on_message`` on the thread. The training
 thread never touches the socket, so network trouble never blocks or raises inside a training step.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -45,7 +48,8 @@ class Channel:
         self.endpoint = self._pipe.address
         self._on_message = on_message
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._waiting: dict[str, concurrent.futures.Future[Message]] = {}
+        self._waiting: dict[int, tuple[str, concurrent.futures.Future[Message]]] = {}  # request id -> (reply type, its answer)
+        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="snapshotd-client", daemon=True)
         self._thread.start()
@@ -63,11 +67,12 @@ class Channel:
 
     def request(self, msg: Message, reply_type: str, timeout: float, on_wait: Callable[[], None] | None = None,
                 on_reply: Callable[[Message], None] | None = None) -> Message:  # fmt: skip
-        """Send ``msg`` and wait for the sidecar's ``reply_type`` (or its error) about it; ``on_wait`` is called on
-        the waiting thread every :attr:`WAIT_TICK` seconds while no answer has come (what ``restore()`` draws its
-        progress with; an exception it raises ends the wait),
-        ``on_reply`` with the reply (or the error) on the channel thread, before it handles the next message from the
-        sidecar.
+        """Send ``msg`` under a request id of its own and wait for the sidecar's answer carrying that id: a
+        ``reply_type`` message or an error. Whatever else the sidecar sends meanwhile (slot updates, an error about
+        an earlier announce, progress) goes to ``on_message``. ``on_wait`` is called on the waiting thread every
+        :attr:`WAIT_TICK` seconds while no answer has come (what ``restore()`` draws its progress with; an
+        exception it raises ends the wait), ``on_reply`` with the answer on the channel thread, before it handles
+        the next message from the sidecar.
 
         Raises:
             SidecarUnavailable: no answer within ``timeout`` seconds.
@@ -76,11 +81,10 @@ class Channel:
         fut: concurrent.futures.Future[Message] = concurrent.futures.Future()
         if on_reply is not None:  # before the future can be found: the channel thread runs it when it sets it
             fut.add_done_callback(lambda done: on_reply(done.result()))
+        request_id = next(self._ids)
         with self._lock:
-            if reply_type in self._waiting:
-                raise RuntimeError(f"a {reply_type} request is already waiting")
-            self._waiting[reply_type] = fut
-        self.send(msg)
+            self._waiting[request_id] = (reply_type, fut)
+        self.send(dataclasses.replace(msg, request_id=request_id))  # type: ignore[call-arg]
         deadline = time.monotonic() + timeout
         try:
             while on_wait is not None and not fut.done() and time.monotonic() + self.WAIT_TICK < deadline:
@@ -96,7 +100,7 @@ class Channel:
             ) from exc
         finally:
             with self._lock:
-                self._waiting.pop(reply_type, None)
+                self._waiting.pop(request_id, None)
         if isinstance(reply, Error):
             raise from_reply(reply, msg.TYPE)
         return reply
@@ -141,12 +145,11 @@ class Channel:
         except ProtocolError as exc:
             log.warning("bad message from the sidecar: %s", exc)
             return
+        request_id = getattr(msg, "request_id", 0)
         with self._lock:
-            fut = self._waiting.get(msg.TYPE)
-            if fut is None and msg.TYPE == "error":
-                fut = next(iter(self._waiting.values()), None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg)
+            waiting = self._waiting.get(request_id) if request_id else None
+        if waiting is not None and msg.TYPE in (waiting[0], Error.TYPE) and not waiting[1].done():
+            waiting[1].set_result(msg)
             return
         try:
             self._on_message(msg)

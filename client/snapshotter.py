@@ -65,7 +65,7 @@ from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval, left_out
 from .staging import Stager
 from .state import FlatState, StateWalker, flatten
-from .stats import SnapshotStats
+from .stats import ProblemLog, SnapshotStats
 from .view import SnapshotView, restore_targets, snapshot_view
 
 __all__ = ["Snapshotter"]
@@ -188,7 +188,7 @@ class Snapshotter:
         # the steps since the last announce, for the sidecar's pacer: durations, and when the last one ended
         self._steps: collections.deque[float] = collections.deque(maxlen=L.MAX_ANNOUNCED_STEPS)
         self._steps_end = 0.0
-        self._reported_errors: set[str] = set()
+        self._problems = ProblemLog()
         self._closed = False
         self._live = live
         if live is not None and self._ddp is not None:
@@ -796,6 +796,5 @@ class Snapshotter:
     def _problem(self, text: str) -> None:
         self.stats.errors += 1
         self.stats.last_error = text
-        if text not in self._reported_errors:
-            self._reported_errors.add(text)
+        if self._problems.first(text):
             log.warning("[job %s rank %d] snapshot problem: %s", self.job, self.rank, text)

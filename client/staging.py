@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from snapshotd.proto import Announce
+from snapshotd.proto.limits import MAX_SLOTS
 from snapshotd.shm import Arena
 
 from .channel import Channel
@@ -82,6 +83,8 @@ class _Groups:
             return hit[1]
         views = dst_views(flat, dst)
         grouped = {name: pick(views) for name, pick in self.pick.items()}
+        if len(self._views) >= MAX_SLOTS:  # the buffers of an arena since replaced: never used again
+            self._views.clear()
         self._views[id(dst)] = (dst, grouped)
         return grouped
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 
-__all__ = ["SnapshotStats"]
+__all__ = ["ProblemLog", "SnapshotStats"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,3 +49,32 @@ class SnapshotStats:
     stride), and the ``slots - 1`` strides whose snapshots may not have reached its buddies yet."""
     errors: int = 0
     last_error: str = ""
+
+
+class ProblemLog:
+    """Which kinds of snapshot problem were warned about already: each kind is logged once as a warning, and the
+    rest only counted (``stats.errors``, ``stats.last_error``).
+
+    A kind is a problem's text with its numbers left out, so that the same failure at step 5 and at step 6 is one
+    kind. At most :attr:`KINDS` kinds are remembered, the oldest forgotten first, so that a long job meeting
+    problem after problem holds a bounded set.
+    """
+
+    KINDS = 64
+
+    def __init__(self) -> None:
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def first(self, text: str) -> bool:
+        """Whether ``text`` is of a kind not warned about (lately); remembers its kind."""
+        kind = re.sub(r"\d+", "#", text)
+        if kind in self._seen:
+            self._seen.move_to_end(kind)
+            return False
+        self._seen[kind] = None
+        if len(self._seen) > self.KINDS:
+            self._seen.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._seen)

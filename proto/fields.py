@@ -33,3 +33,6 @@ SLOT = Int(0, L.MAX_SLOTS - 1)
 NBYTES = Int(0, L.MAX_SNAPSHOT_BYTES)
 PID = Int(0, L.MAX_PID)
 SECONDS = Float(0.0, 1e9)
+REQUEST_ID = Int(0, (1 << 31) - 1)
+"""The number a rank gives an ipc request, which its answer (reply or Error) carries back: 0 for none (messages
+that answer no request, as slot updates and refusals of one-way messages)."""

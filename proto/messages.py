@@ -20,7 +20,9 @@ Three conversations use these messages:
   ``snapshotd export``: :class:`HoldersQuery`, :class:`HoldersReply`.
 
 Any side may answer with :class:`Error`. A header field with a default may be left out of a header; every other
-field must be there.
+field must be there. A rank numbers its ipc requests that await an answer (:class:`RegisterRank`,
+:class:`RestoreRequest`, :class:`SeatRequest`: ``request_id``), and the answer, reply or :class:`Error`, carries
+the number back, so that the rank pairs them whatever else the sidecar sends meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +33,22 @@ from typing import Any, ClassVar
 
 from . import limits as L
 from .errors import ErrorCode
-from .fields import ADDR, CODECS, JOB, NAME, NBYTES, PID, RANK, SECONDS, SLOT, STEP, STEP_OR_NONE, TEXT, WORLD
+from .fields import (
+    ADDR,
+    CODECS,
+    JOB,
+    NAME,
+    NBYTES,
+    PID,
+    RANK,
+    REQUEST_ID,
+    SECONDS,
+    SLOT,
+    STEP,
+    STEP_OR_NONE,
+    TEXT,
+    WORLD,
+)
 from .records import Assignment, HeldSeat, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
 from .schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Record, Str, spec_field
 
@@ -100,6 +117,7 @@ class RegisterRank(Message):
     """A training process joins: the sidecar (re)creates the rank's arena of ``slots`` x ``data_bytes``."""
 
     TYPE: ClassVar[str] = "register_rank"
+    request_id: int = spec_field(REQUEST_ID, default=0)
     rank: int = spec_field(RANK)
     world_size: int = spec_field(WORLD)
     pid: int = spec_field(PID)
@@ -112,6 +130,7 @@ class RankRegistered(Message):
     """The arena file to map (owner-only, under /dev/shm) and its geometry; ``pid`` is the sidecar's."""
 
     TYPE: ClassVar[str] = "rank_registered"
+    request_id: int = spec_field(REQUEST_ID, default=0)
     rank: int = spec_field(RANK)
     arena: str = spec_field(ADDR)
     slot_bytes: int = spec_field(NBYTES)
@@ -186,6 +205,7 @@ class RestoreRequest(Message):
 
     TYPE: ClassVar[str] = "restore_request"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "targets")
+    request_id: int = spec_field(REQUEST_ID, default=0)
     rank: int = spec_field(RANK)
     world_size: int = spec_field(WORLD)
     timeout_s: float = spec_field(SECONDS)
@@ -274,6 +294,7 @@ class RestoreReply(Message):
 
     TYPE: ClassVar[str] = "restore_reply"
     FRAMES: ClassVar[tuple[str, ...]] = ("table", "meta")
+    request_id: int = spec_field(REQUEST_ID, default=0)
     rank: int = spec_field(RANK)
     step: int = spec_field(STEP)
     source: str = spec_field(Enum(("fresh", "local", "replica", "pull")))
@@ -638,6 +659,7 @@ class SeatRequest(Message):
     ``held_granted``: when it was given (:attr:`SeatReply.granted`)."""
 
     TYPE: ClassVar[str] = "seat_request"
+    request_id: int = spec_field(REQUEST_ID, default=0)
     world_size: int = spec_field(WORLD)
     per_node: int = spec_field(Int(1, L.MAX_PLAN_RANKS))
     node: str = spec_field(Str(L.MAX_NAME_LEN), default="")
@@ -655,6 +677,7 @@ class SeatReply(Message):
     coordinator's wall clock, microseconds since the epoch; see :class:`~snapshotd.proto.HeldSeat`)."""
 
     TYPE: ClassVar[str] = "seat_reply"
+    request_id: int = spec_field(REQUEST_ID, default=0)
     status: str = spec_field(Enum(("given", "wait", "taken")))
     first: int = spec_field(RANK, default=0)
     reason: str = spec_field(TEXT, default="")
@@ -714,6 +737,7 @@ class Error(Message):
     """
 
     TYPE: ClassVar[str] = "error"
+    request_id: int = spec_field(REQUEST_ID, default=0)
     code: ErrorCode = spec_field(Enum.of(ErrorCode))
     message: str = spec_field(TEXT, default="")
     rank: int = spec_field(Int(-1, L.MAX_RANKS), default=-1)

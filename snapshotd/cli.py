@@ -165,6 +165,7 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
 
     from snapshotd.sidecar.config import SidecarConfig
     from snapshotd.sidecar.daemon import run_sidecar
+    from snapshotd.sidecar.tasks import ServiceDied
 
     extra = {}
     if args.node:
@@ -198,7 +199,11 @@ def _serve(args: argparse.Namespace, secret: str | None) -> int:
     def ready(data_addr: str, ipc: str) -> None:
         print(f"snapshotd serve ready node={cfg.node} data={data_addr} ipc={ipc}", flush=True)
 
-    uvloop.run(run_sidecar(cfg, ready=ready))
+    try:
+        uvloop.run(run_sidecar(cfg, ready=ready))
+    except ServiceDied as exc:
+        print(f"snapshotd serve: {exc}; the sidecar stopped", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

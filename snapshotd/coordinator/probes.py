@@ -33,6 +33,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from .membership import Node
@@ -89,30 +90,56 @@ async def probe(data_addr: str, timeout: float) -> bool | None:
 class Prober:
     """Runs the probes of the suspects the state queues, and declares dead the nodes found gone.
 
+    The probes are tasks of the prober's own task group: enter it (``async with prober:``) around the loop that
+    calls :meth:`start`; leaving it cancels the probes still running and waits for them.
+
     Args:
         state: the coordinator's state (its membership holds the queue; its configuration's ``bind`` tells
             whether host-local data addresses can be probed, see :func:`host_local`).
         on_death: called after a node was declared dead (the server re-plans held requests).
+        clock: the coordinator's clock, the one its state's ``now`` is read from (node silences are measured
+            on it).
     """
 
-    def __init__(self, state: CoordinatorState, on_death: Callable[[], None]) -> None:
+    def __init__(self, state: CoordinatorState, on_death: Callable[[], None], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.state = state
         self.on_death = on_death
+        self.clock = clock
         self.shares_host = host_local(state.cfg.bind)
+        self._group: asyncio.TaskGroup | None = None
         self._running: set[asyncio.Task[bool]] = set()
         self._connecting = asyncio.Semaphore(MAX_PROBES)
 
+    async def __aenter__(self) -> Prober:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for task in self._running:
+            task.cancel()
+        group, self._group = self._group, None
+        assert group is not None
+        await group.__aexit__(*exc)
+
     def start(self) -> None:
         """Start a check (:meth:`check`) of each queued suspect (at most one per live node: the queue holds each
-        once per heartbeat interval)."""
+        once per heartbeat interval).
+
+        Raises:
+            RuntimeError: outside ``async with`` the prober (no task group to run the probes in).
+        """
         membership = self.state.membership
         if not membership.suspects:
             return
+        if self._group is None:
+            raise RuntimeError("the prober starts probes only inside `async with prober`")
         timeout = min(1.0, self.state.cfg.heartbeat_timeout / 2)
         for node, why in membership.take_suspects(len(membership.suspects)):
             if host_local(node.data_addr) and not self.shares_host:
                 continue  # another host's loopback: this one's would answer
-            task = asyncio.get_running_loop().create_task(self.check(node, node.incarnation, why, timeout))
+            task = self._group.create_task(self.check(node, node.incarnation, why, timeout))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
@@ -132,16 +159,16 @@ class Prober:
                 if found is None or (found and attempt):
                     return False
                 silent_at = node.last_seen + SILENCE_INTERVALS * node.told
-                await asyncio.sleep(node.told if found else max(0.0, silent_at - time.monotonic()))
+                await asyncio.sleep(node.told if found else max(0.0, silent_at - self.clock()))
                 if not node.alive or node.incarnation != incarnation:
                     return False
                 if found:
                     continue
-                if time.monotonic() < node.last_seen + SILENCE_INTERVALS * node.told - 0.01:
+                now = self.clock()
+                if now < node.last_seen + SILENCE_INTERVALS * node.told - 0.01:
                     return False  # it heartbeated while its data address refused
                 if not self.state.lose(node, incarnation, f"refused a connection to its data address "
-                                       f"{node.data_addr} and was silent for {time.monotonic() - node.last_seen:.1f} "
-                                       f"s {why}"):  # fmt: skip
+                                       f"{node.data_addr} and was silent for {now - node.last_seen:.1f} s {why}"):  # fmt: skip
                     return False
                 self.on_death()
                 return True
@@ -150,8 +177,3 @@ class Prober:
             log.exception("probe of node %s failed", node.name)
             return False
 
-    async def close(self) -> None:
-        """Cancel the probes in flight and wait for them."""
-        for task in self._running:
-            task.cancel()
-        await asyncio.gather(*self._running, return_exceptions=True)

@@ -176,7 +176,7 @@ class _Server:
         self.undrafted: collections.deque[Held] = collections.deque(maxlen=MAX_HELD)  # to draft when idle
         self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
-        self.prober = Prober(state, held.wake_all)
+        self.prober = Prober(state, held.wake_all, clock=time.monotonic)
 
     async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
         """Answer requests in batches until ``stop``; then answer what already arrived and return.
@@ -184,42 +184,46 @@ class _Server:
         Expiry runs every ``expire_every`` seconds, but only after a batch that emptied the socket (see the
         module docstring), and with it the garbage-collection policy's tick (see :mod:`.gc_policy`).
         """
-        next_expiry = time.monotonic() + expire_every
-        gc_policy = GcPolicy(next_expiry)
-        turn, waited = time.monotonic(), 0.0
+        gc_policy = GcPolicy(time.monotonic() + expire_every)
         try:
-            while not stop.is_set():
-                now = time.monotonic()
-                lost = now - turn - waited  # the last pass's time beyond the wait it chose: it could not listen
-                if lost > self.state.membership.death_timeout(now) / 4:
-                    self.complain("stall", f"the coordinator did not run for {lost:.1f} s (stopped or starved);"
-                                  " no node's silence counts for that time")  # fmt: skip
-                    self.state.membership.pardon(lost, now)
-                turn = now
-                caught_up = True
-                busy = self.held.due or self.undrafted or self.statuses
-                waited = 0.0 if busy else _IDLE_POLL_S
-                if await self.pipe.poll(waited):
-                    caught_up = self.handle_batch()
-                now = time.monotonic()
-                self.answer_held(now, caught_up=caught_up)
-                if caught_up:
-                    self.draft_some()
-                if self.statuses:
-                    self.build_statuses(time.monotonic() + _STATUS_SLICE_S)
-                if caught_up and now >= next_expiry:
-                    self.expire(now)
-                    gc_policy.tick(now, busy=len(self.held) > 0)
-                    next_expiry = now + expire_every
-                self.prober.start()
-                await asyncio.sleep(0)
+            async with self.prober:
+                await self._passes(stop, expire_every, gc_policy)
         finally:
             gc_policy.close()
-            await self.prober.close()
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
         self.reanswer(self.held.take_all(), now, final=True)  # their sidecars ask the next coordinator at once
+
+    async def _passes(self, stop: asyncio.Event, expire_every: float, gc_policy: GcPolicy) -> None:
+        """The passes of :meth:`serve`, until ``stop``."""
+        next_expiry = time.monotonic() + expire_every
+        turn, waited = time.monotonic(), 0.0
+        while not stop.is_set():
+            now = time.monotonic()
+            lost = now - turn - waited  # the last pass's time beyond the wait it chose: it could not listen
+            if lost > self.state.membership.death_timeout(now) / 4:
+                self.complain("stall", f"the coordinator did not run for {lost:.1f} s (stopped or starved);"
+                              " no node's silence counts for that time")  # fmt: skip
+                self.state.membership.pardon(lost, now)
+            turn = now
+            caught_up = True
+            busy = self.held.due or self.undrafted or self.statuses
+            waited = 0.0 if busy else _IDLE_POLL_S
+            if await self.pipe.poll(waited):
+                caught_up = self.handle_batch()
+            now = time.monotonic()
+            self.answer_held(now, caught_up=caught_up)
+            if caught_up:
+                self.draft_some()
+            if self.statuses:
+                self.build_statuses(time.monotonic() + _STATUS_SLICE_S)
+            if caught_up and now >= next_expiry:
+                self.expire(now)
+                gc_policy.tick(now, busy=len(self.held) > 0)
+                next_expiry = now + expire_every
+            self.prober.start()
+            await asyncio.sleep(0)
 
     def expire(self, now: float) -> None:
         try:

@@ -48,7 +48,7 @@ from .restore import RestoreService
 from .serve import ServeService
 from .store import MemoryLimitReached, UnknownSnapshot
 from .stream import StreamService
-from .tasks import TaskTree
+from .tasks import ServiceDied, TaskTree
 
 __all__ = ["Sidecar", "run_sidecar"]
 
@@ -148,13 +148,13 @@ class Sidecar:
                 ready(self.state.data_addr, cfg.ipc)
             async with asyncio.TaskGroup() as group:
                 self.tasks.attach(group)
-                self.tasks.spawn(network.run(), "the network's security handlers")
-                self.tasks.spawn(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
-                self.tasks.spawn(ipc_out.run(ipc), "ipc replies")
-                self.tasks.spawn(self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint")
-                self.tasks.spawn(data_out.run(data), "data-plane replies")
-                self.tasks.spawn(heartbeat.run(), "the control loop")
-                self.tasks.spawn(control.watch(), "the coordinator connection's handshakes")
+                self.tasks.service(network.run(), "the network's security handlers")
+                self.tasks.service(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
+                self.tasks.service(ipc_out.run(ipc), "ipc replies")
+                self.tasks.service(self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint")
+                self.tasks.service(data_out.run(data), "data-plane replies")
+                self.tasks.service(heartbeat.run(), "the control loop")
+                self.tasks.service(control.watch(), "the coordinator connection's handshakes")
                 await _first(stop, signalled)
                 if signalled.is_set() and not stop.is_set() and cfg.drain_timeout > 0:
                     await self._drain(control, stop)
@@ -271,11 +271,11 @@ _FAIR_SHARE = 16
 
 
 def _error(about: Message | None, code: ErrorCode, text: str) -> Error:
-    """An Error reply about ``about`` (naming its job, rank and step where it has them)."""
+    """An Error reply about ``about`` (naming its job, rank, step and request id where it has them)."""
     if about is None:
         return Error(code=code, message=text)
     return Error(job=about.job, code=code, message=text, rank=getattr(about, "rank", -1),
-                 step=getattr(about, "step", -1))  # fmt: skip
+                 step=getattr(about, "step", -1), request_id=getattr(about, "request_id", 0))  # fmt: skip
 
 
 def _keep_malloc_arenas() -> None:
@@ -312,8 +312,18 @@ async def _first(*waits: asyncio.Event | asyncio.Future[Any]) -> None:
 async def run_sidecar(
     cfg: SidecarConfig, *, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None
 ) -> None:
-    """Run one sidecar until stopped (the ``snapshotd serve`` entry point, under ``uvloop.run``)."""
-    await Sidecar(cfg).run(ready, stop)
+    """Run one sidecar until stopped (the ``snapshotd serve`` entry point, under ``uvloop.run``).
+
+    Raises:
+        ServiceDied: a service of the sidecar ended or failed (see :mod:`.tasks`); the sidecar stopped.
+    """
+    try:
+        await Sidecar(cfg).run(ready, stop)
+    except BaseExceptionGroup as group:
+        died = group.subgroup(ServiceDied)
+        if died is None:
+            raise
+        raise died.exceptions[0] from None
 
 
 def _bind_host(bound: str) -> str:

@@ -171,7 +171,7 @@ class IngestService:
         except Exception as exc:
             log.exception("seat request of %s failed", msg.job)
             reply = Error(job=msg.job, code=ErrorCode.INTERNAL, message=f"{type(exc).__name__}: {exc}")
-        self.notices.reply(ident, reply)
+        self.notices.reply(ident, dataclasses.replace(reply, request_id=msg.request_id))  # type: ignore[call-arg]
 
     async def _peer_lost(self, msg: PeerLostReport) -> None:
         """Tell the coordinator that a rank here lost a peer (it probes the job's other nodes); the rank expects no
@@ -209,7 +209,7 @@ class IngestService:
         lr.table_id = -1  # a new process numbers its tables afresh
         self.notices.reply(ident, RankRegistered(
             job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots,
-            pid=os.getpid(),
+            pid=os.getpid(), request_id=msg.request_id,
         ))  # fmt: skip
         self.notices.slots(lr)
 

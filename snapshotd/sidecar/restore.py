@@ -133,20 +133,20 @@ class RestoreService:
         if lr is None:
             if self._pending.get(key) is task:
                 del self._pending[key]
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
+            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                            message="register the rank before restoring"))  # fmt: skip
             return
         lr.awaiting_restore = True
         try:
             await self._restore(ident, req, lr)
         except _RankGone:
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
+            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
                                            message="the rank unregistered while its restore was pending"))  # fmt: skip
         except Exception as exc:
             self.state.counters.errors += 1
             log.exception("restore of %s rank %d failed", req.job, req.rank,
                           extra=fields(req.job, req.rank, event="restore_failed"))  # fmt: skip
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.INTERNAL, rank=req.rank,
+            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.INTERNAL, rank=req.rank,
                                            message=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         finally:
             if self.state.rank(lr.job, lr.rank) is not lr:  # dropped meanwhile: its arena belongs to nobody
@@ -188,16 +188,16 @@ class RestoreService:
                 t0 + req.timeout_s,
             )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
+            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
             return
         self._check_registered(lr)
         if plan.status == "fresh":
             self.state.counters.restored("fresh", time.monotonic() - t0, 0)
-            self.outbox.reply(ident, RestoreReply(job=req.job, rank=req.rank, step=0, source="fresh",
+            self.outbox.reply(ident, RestoreReply(job=req.job, request_id=req.request_id, rank=req.rank, step=0, source="fresh",
                                                   arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
             return
         if plan.status != "ready":
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank, message=plan.reason))
+            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank, message=plan.reason))
             return
         step = plan.step
         t_data = time.monotonic()
@@ -215,7 +215,7 @@ class RestoreService:
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
                 corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
                 why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
-                self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
+                self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
                                                rank=req.rank, step=step, message=why))  # fmt: skip
                 return
             source = "pull" if pulled else "replica"
@@ -239,7 +239,7 @@ class RestoreService:
         self.outbox.reply(ident, RestoreReply(
             job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
             slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, fetched=by_rank, table=s.table,
-            meta=s.meta,
+            meta=s.meta, request_id=req.request_id,
         ))  # fmt: skip
 
     def _progress(self, ident: bytes, req: RestoreRequest, step: int, source: str, done: int, total: int,

@@ -1,9 +1,11 @@
 """The sidecar's task tree: every task it runs is a child of one ``asyncio.TaskGroup``.
 
-Long-running services (the socket loops, the heartbeat) and per-request work (a stream, a restore, a served pull,
-a re-replication, a peer link's reader) all run here, so that stopping the sidecar stops every one of them. A
-task started with :meth:`TaskTree.spawn` is an error boundary: its failure is logged with its name and counted,
-and never ends the sidecar.
+Long-running services (the socket loops, their outboxes, the heartbeat) and per-request work (a stream, a restore,
+a served pull, a re-replication, a peer link's reader) all run here, so that stopping the sidecar stops every one
+of them. A task started with :meth:`TaskTree.spawn` is an error boundary: its failure is logged with its name and
+counted, and never ends the sidecar. A service started with :meth:`TaskTree.service` is not: the sidecar cannot
+work without it, so its end, by a failure or otherwise, ends the sidecar (:class:`ServiceDied`), which stops
+heartbeating, and the coordinator declares its node dead rather than keep placing snapshots on a node that is deaf.
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ from typing import Any
 
 from .node import Counters
 
-__all__ = ["TaskTree"]
+__all__ = ["ServiceDied", "TaskTree"]
 
 log = logging.getLogger(__name__)
+
+
+class ServiceDied(RuntimeError):
+    """A service of the sidecar ended or failed: the sidecar stops (``snapshotd serve`` exits non-zero)."""
 
 
 class TaskTree:
@@ -42,10 +48,28 @@ class TaskTree:
         task.add_done_callback(lambda _: coro.close())  # cancelled before it started: never awaited, and quiet
         return task
 
-    async def _guarded(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+    def service(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        """Run ``coro``, a service that must run until the sidecar stops, in the tree: if it ends or fails, the
+        failure is logged as critical and the tree's group ends with :class:`ServiceDied` (see the module
+        docstring)."""
+        return self.spawn(self._vital(coro, what), what)
+
+    @staticmethod
+    async def _vital(coro: Coroutine[Any, Any, None], what: str) -> None:
         try:
             await coro
         except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.critical("%s failed: the sidecar stops", what, exc_info=True)
+            raise ServiceDied(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        log.critical("%s ended: the sidecar stops", what)
+        raise ServiceDied(f"{what} ended")
+
+    async def _guarded(self, coro: Coroutine[Any, Any, None], what: str) -> None:
+        try:
+            await coro
+        except (asyncio.CancelledError, ServiceDied):
             raise
         except Exception:
             self._counters.errors += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from snapshotd.client import RNGState, SidecarUnavailable, Snapshotter
+from snapshotd.client.stats import ProblemLog
 from snapshotd.harness.cluster import LocalCluster
 
 
@@ -217,3 +219,21 @@ def test_block_mode_waits_and_a_new_node_pulls(tmp_path) -> None:
             assert torch.equal(w2, torch.full((1 << 16,), 5.0))
             assert snap.restored["source"] == "pull" and snap.restored["bytes_pulled"] == w2.numel() * 4
             assert snap.restored["direct"]  # pulled straight into w2 (this kernel allows process_vm_writev)
+
+
+def test_a_problem_met_step_after_step_is_warned_once_and_remembered_in_bounded_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    snap = Snapshotter({"w": torch.zeros(4)}, job="j", rank=0, world_size=1, sidecar="mem://no-sidecar-here")
+    try:
+        with caplog.at_level(logging.WARNING, logger="snapshotd.client.snapshotter"):
+            for step in range(1000):
+                snap._problem(f"2 of 2 buddies did not take step {step}: memory_limit")
+            for kind in range(200):
+                snap._problem(f"problem kind {'x' * kind}")
+        warned = [r for r in caplog.records if "did not take step" in r.getMessage()]
+        assert len(warned) == 1 and "step 0" in warned[0].getMessage()
+        assert snap.stats.errors == 1200 and snap.stats.last_error == f"problem kind {'x' * 199}"
+        assert len(snap._problems) == ProblemLog.KINDS
+    finally:
+        snap.close(unregister=False)

@@ -10,6 +10,8 @@ import socket
 import time
 from collections.abc import Iterator
 
+import pytest
+
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
 from snapshotd.coordinator.probes import SILENCE_INTERVALS, Prober, host_local, probe
 from snapshotd.proto import (
@@ -150,13 +152,12 @@ def test_another_hosts_loopback_address_is_not_probed() -> None:
     async def main() -> None:
         st = CoordinatorState(CoordinatorConfig(bind="tcp://0.0.0.0:7070", heartbeat_interval=0.1,
                                                 heartbeat_timeout=30.0), now=time.monotonic())  # fmt: skip
-        prober = Prober(st, lambda: None)
         b = _refusing_node(st)
         b.last_seen = time.monotonic() - 1.0
         assert st.membership.suspect("b", "(test)", time.monotonic())
-        prober.start()  # on another host than the coordinator's: not probed
-        assert not st.membership.suspects and not prober._running and b.alive
-        await prober.close()
+        async with Prober(st, lambda: None) as prober:
+            prober.start()  # on another host than the coordinator's: not probed
+            assert not st.membership.suspects and not prober._running and b.alive
 
     asyncio.run(main())
 
@@ -191,3 +192,43 @@ def test_a_report_for_a_job_nobody_runs_probes_nothing(start, dealer) -> None:  
     coord = start()
     reply = ask(dealer(coord.endpoint), PeerLostReport(job="unknown", rank=0, node="a"))
     assert isinstance(reply, PeerLostReply) and reply.probed == 0
+
+
+def test_a_probe_measures_a_nodes_silence_on_the_coordinators_clock(caplog: pytest.LogCaptureFixture) -> None:
+    """The node last heartbeated at the clock's 100.0; the coordinator's clock reads 200.0 (real time has barely
+    moved): the refusal comes after a silence long enough, so the node is declared dead without waiting."""
+
+    async def main() -> None:
+        clock = [100.0]
+        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=clock[0])
+        st.register(RegisterSidecar(node="b", data_addr=_closed_port(), incarnation="i1"), clock[0])
+        b = st.membership.nodes["b"]
+        clock[0] = 200.0
+        t0 = time.monotonic()
+        assert await Prober(st, lambda: None, clock=lambda: clock[0]).check(b, "i1", "(test)", 1.0)
+        assert not b.alive and time.monotonic() - t0 < 1.0
+        assert "was silent for 100.0 s (test): declared dead" in caplog.text
+
+    asyncio.run(main())
+
+
+def test_probes_are_tasks_of_the_probers_group_and_end_with_it() -> None:
+    """Outside its ``async with`` a prober starts none; inside, a probe still waiting when the block ends is
+    cancelled and waited for, so none outlives the coordinator's loop."""
+
+    async def main() -> None:
+        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=5.0, heartbeat_timeout=30.0), now=time.monotonic())
+        b = _refusing_node(st)  # silent for 1.5 intervals = 7.5 s only later: its check waits that long
+        prober = Prober(st, lambda: None)
+        assert st.membership.suspect("b", "(test)", time.monotonic())
+        with pytest.raises(RuntimeError, match="only inside `async with prober`"):
+            prober.start()
+        assert st.membership.suspect("b", "(test)", time.monotonic() + 10.0)
+        async with prober:
+            prober.start()
+            (task,) = prober._running
+            await asyncio.sleep(0.2)  # refused, now waiting for the silence
+            assert not task.done()
+        assert task.cancelled() and b.alive
+
+    asyncio.run(main())

@@ -6,10 +6,13 @@ coordinator process and real ZeroMQ sockets: a raw DEALER on its ipc endpoint pl
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -29,10 +32,14 @@ from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.shm import SHM_DIR
 from snapshotd.sidecar import ingest
 from snapshotd.sidecar.config import SidecarConfig
+from snapshotd.sidecar.daemon import Sidecar
 from snapshotd.sidecar.node import Counters
 from snapshotd.sidecar.outbox import Outbox
+from snapshotd.sidecar.tasks import ServiceDied
+from snapshotd.status import fetch_status
 
-from ..deployments import in_process_sidecar
+from ..deployments import InProcess, in_process_sidecar
+from ..waits import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,3 +116,40 @@ def test_an_error_reply_longer_than_the_protocol_carries_is_cut_not_dropped() ->
     (queued,) = outbox._queues[b"peer"]
     assert isinstance(queued, Error) and len(queued.message) == MAX_TEXT_LEN and queued.message.endswith("...")
     assert decode(encode(queued)) == queued
+
+
+def test_a_service_that_fails_stops_the_sidecar_and_the_coordinator_declares_its_node_dead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ipc endpoint's loop breaks (not one request: the loop itself): the sidecar must not go on heartbeating
+    while deaf to its ranks. It stops with ServiceDied, and its node is declared dead."""
+    die = threading.Event()
+    serve = Sidecar._serve
+
+    async def breaking(self: Sidecar, pipe: Any, outbox: Any, handle: Any, what: str) -> None:
+        if what != "ipc":
+            return await serve(self, pipe, outbox, handle, what)
+        loop = asyncio.ensure_future(serve(self, pipe, outbox, handle, what))
+        try:
+            while not die.is_set():
+                await asyncio.sleep(0.01)
+        finally:
+            loop.cancel()
+        raise OSError("the ipc socket broke")
+
+    monkeypatch.setattr(Sidecar, "_serve", breaking)
+    with InProcess() as dep:
+        node = f"A-{dep.tag}"
+        cfg = SidecarConfig(coordinator=dep.coordinator, node=node, ipc=f"mem://{node}-ipc",
+                            data_bind=f"mem://{node}-data", nice=0)  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"sidecar-{node} failed") as failed, in_process_sidecar(cfg):
+            wait_until(lambda: _node_alive(dep.coordinator, node), "the sidecar to register")
+            die.set()
+            dep.wait_dead("A")
+        cause = failed.value.__cause__
+        assert isinstance(cause, ServiceDied) and "the ipc endpoint failed: OSError: the ipc socket broke" in str(cause)
+
+
+def _node_alive(coordinator: str, node: str) -> bool:
+    nodes = fetch_status(coordinator, secret=None, timeout=2.0)["nodes"]
+    return any(n["node"] == node and n["alive"] for n in nodes)
