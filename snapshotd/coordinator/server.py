@@ -73,6 +73,7 @@ from snapshotd.proto import (
 from snapshotd.proto.limits import MAX_TEXT_LEN
 from snapshotd.transport import Pipe, Role, Security, TransportError, open_network
 
+from .asks import HeldAsks
 from .config import CoordinatorConfig
 from .gc_policy import GcPolicy
 from .held import MAX_HELD, Held, HeldPlans
@@ -177,6 +178,7 @@ class _Server:
         self.statuses: collections.deque[_StatusBuild] = collections.deque()  # documents being built
         self._rebuilding = True
         self.prober = Prober(state, held.wake_all, clock=time.monotonic)
+        self.asks = HeldAsks(state, state.cfg.plan_hold)
 
     async def serve(self, stop: asyncio.Event, expire_every: float) -> None:
         """Answer requests in batches until ``stop``; then answer what already arrived and return.
@@ -194,6 +196,16 @@ class _Server:
         self.build_statuses(math.inf)
         now = time.monotonic()
         self.reanswer(self.held.take_all(), now, final=True)  # their sidecars ask the next coordinator at once
+        self.answer_asks(now, final=True)
+
+    def answer_asks(self, now: float, *, final: bool = False) -> None:
+        """Answer the held seat requests and drains whose answer changed or whose hold is over (see
+        :mod:`.asks`); with ``final``, every one."""
+        try:
+            for envelope, reply in self.asks.due(now, final=final):
+                self.send(envelope, reply)
+        except Exception:  # a bug must not stop the loop: the sidecars ask again
+            self.complain("asks", "answering held asks failed", exc_info=True)
 
     async def _passes(self, stop: asyncio.Event, expire_every: float, gc_policy: GcPolicy) -> None:
         """The passes of :meth:`serve`, until ``stop``."""
@@ -220,6 +232,7 @@ class _Server:
                 self.build_statuses(time.monotonic() + _STATUS_SLICE_S)
             if caught_up and now >= next_expiry:
                 self.expire(now)
+                self.answer_asks(now)
                 gc_policy.tick(now, busy=len(self.held) > 0)
                 next_expiry = now + expire_every
             self.prober.start()
@@ -358,12 +371,10 @@ class _Server:
             return self.state.membership.member(msg)
         if isinstance(msg, HoldersQuery):
             return holders(self.state.jobs, self.state.membership, msg)
-        if isinstance(msg, SeatRequest):
-            return self.state.seats.ask(msg, now)
+        if isinstance(msg, SeatRequest | Drain):
+            return self.asks.answer(envelope, msg, now)
         if isinstance(msg, PeerLostReport):
             return self.state.peer_lost(msg, now)
-        if isinstance(msg, Drain):
-            return self.state.drain(msg)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
                 return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "

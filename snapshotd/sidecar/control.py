@@ -201,9 +201,10 @@ class CoordinatorClient:
         return reply.member
 
     async def seat(self, req: SeatRequest, deadline: float) -> SeatReply:
-        """The node's seat in ``req.job`` (see :mod:`snapshotd.coordinator.seats`), asked again every
-        ``PLAN_POLL_SECONDS`` while the coordinator answers ``wait``, until ``deadline`` (monotonic); the last
-        ``wait`` when it passes. ``given`` and ``taken`` are final.
+        """The node's seat in ``req.job`` (see :mod:`snapshotd.coordinator.seats`), asked again while the
+        coordinator answers ``wait`` (it holds the request until a seat comes free, or a few seconds: see
+        :mod:`snapshotd.coordinator.asks`; at most every ``PLAN_POLL_SECONDS``), until ``deadline`` (monotonic);
+        the last ``wait`` when it passes. ``given`` and ``taken`` are final.
 
         Each request has a socket of its own (a node's ranks ask once, at their start).
 
@@ -213,8 +214,9 @@ class CoordinatorClient:
         """
         last: SeatReply | None = None
         while True:
+            asked = time.monotonic()
             try:
-                reply = await self._ask(req, SeatReply, max(0.0, min(deadline - time.monotonic(), PLAN_REQUEST_TIMEOUT)))
+                reply = await self._ask(req, SeatReply, max(0.0, min(deadline - asked, PLAN_REQUEST_TIMEOUT)))
             except TimeoutError:
                 if time.monotonic() < deadline:
                     continue
@@ -224,8 +226,8 @@ class CoordinatorClient:
                                              f"{req.job} within {req.timeout_s:.0f} s") from None  # fmt: skip
             if reply.status != "wait" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
-            last = reply
-            await asyncio.sleep(PLAN_POLL_SECONDS)
+            last = reply  # held while it waits (coordinator/asks.py): ask again at once, but not faster than this
+            await asyncio.sleep(max(0.0, asked + PLAN_POLL_SECONDS - time.monotonic()))
 
     async def peer_lost(self, msg: PeerLostReport, timeout: float) -> PeerLostReply:
         """Tell the coordinator that a rank of this node lost a peer (it probes the job's other nodes).

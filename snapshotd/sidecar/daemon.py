@@ -55,9 +55,11 @@ __all__ = ["Sidecar", "run_sidecar"]
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_SECONDS = 0.25
-"""Seconds between two drain requests of a draining sidecar (see :meth:`Sidecar._drain`)."""
-DRAIN_REQUEST_TIMEOUT = 3.0
-"""How long a drain request may go unanswered before the sidecar stops without draining."""
+"""The least time between two drain requests of a draining sidecar (see :meth:`Sidecar._drain`; the coordinator
+holds a drain while copies remain to place, :mod:`snapshotd.coordinator.asks`)."""
+DRAIN_REQUEST_TIMEOUT = 5.0
+"""How long a drain request may go unanswered (the coordinator holds one for ``plan_hold``, 3 s by default) before
+the sidecar stops without draining."""
 
 _DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND,
                 ArenaRefused: ErrorCode.MEMORY_LIMIT}  # fmt: skip
@@ -191,7 +193,8 @@ class Sidecar:
                  cfg.drain_timeout, extra=fields(event="draining"))  # fmt: skip
         reply: DrainReply | None = None
         while True:
-            asked = asyncio.ensure_future(control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - loop.time()))))
+            sent = loop.time()
+            asked = asyncio.ensure_future(control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - sent))))
             try:
                 await _first(stop, asked)
             finally:
@@ -216,7 +219,7 @@ class Sidecar:
                 log.info("sidecar %s: drained", cfg.node, extra=fields(event="drained"))
                 return
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(max(0.0, min(DRAIN_POLL_SECONDS, deadline - loop.time()))):
+                async with asyncio.timeout(max(0.0, min(sent + DRAIN_POLL_SECONDS, deadline) - loop.time())):
                     await stop.wait()
             short = "an unknown number of" if reply is None else str(reply.remaining + reply.unplaceable)
             if stop.is_set() or loop.time() >= deadline:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import msgpack
 import pytest
@@ -21,6 +22,8 @@ import zmq
 from snapshotd.coordinator import CoordinatorConfig, run_coordinator
 from snapshotd.proto import (
     ChunkAck,
+    Drain,
+    DrainReply,
     Error,
     ErrorCode,
     Heartbeat,
@@ -31,6 +34,8 @@ from snapshotd.proto import (
     PlanRequest,
     RankInfo,
     RegisterSidecar,
+    SeatReply,
+    SeatRequest,
     SidecarRegistered,
     StatusReply,
     StatusRequest,
@@ -238,6 +243,68 @@ def test_held_plan_requests_are_answered_when_the_coordinator_stops(start, deale
     assert sock.poll(int(TIMEOUT * 1000)), "a held request must be answered at shutdown"
     reply = decode(sock.recv_multipart())
     assert isinstance(reply, PlanReply) and reply.status == "wait"
+
+
+def _send(sock: zmq.Socket, msg: Message) -> None:
+    sock.send_multipart(encode(msg))
+
+
+def _answer(sock: zmq.Socket, within: float) -> Message | None:
+    return decode(sock.recv_multipart()) if sock.poll(int(within * 1000)) else None
+
+
+def test_a_seat_request_is_held_until_a_seat_comes_free(start, dealer) -> None:
+    """Seats 0 and 1 are a's and b's; spare c asks once. It is not answered ``wait`` but held, and answered
+    ``given`` as soon as b is declared dead, with no second ask."""
+    coord = start(plan_hold=10.0)
+    socks = {n: dealer(coord.endpoint) for n in "abc"}
+    for n, sock in socks.items():
+        register(sock, n)
+    ranks = {"a": 0, "b": 1}
+    _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6)  # past the rebuild window
+    seat = {"job": "j", "world_size": 2, "per_node": 1, "timeout_s": 30.0}
+    assert ask(socks["a"], SeatRequest(node="a", **seat)) == SeatReply(job="j", status="given", first=0,
+                                                                      granted=mock.ANY)  # fmt: skip
+    assert ask(socks["b"], SeatRequest(node="b", **seat)).first == 1  # type: ignore[attr-defined]
+    _send(socks["c"], SeatRequest(node="c", **seat))
+    t0 = time.monotonic()
+    _beat_while(socks, ranks, lambda: time.monotonic() - t0 > 0.5)
+    assert _answer(socks["c"], 0.0) is None  # held: b still lives
+    del socks["b"]  # b goes silent: declared dead after the death timeout (0.5 s)
+    _beat_while(socks, ranks, lambda: socks["c"].poll(0) != 0)
+    reply = _answer(socks["c"], TIMEOUT)
+    assert isinstance(reply, SeatReply) and reply.status == "given" and reply.first == 1
+    assert time.monotonic() - t0 < 5.0  # well before the hold's 10 s
+
+
+def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_the_hold_ends(start, dealer) -> None:
+    coord = start(plan_hold=0.4)
+    socks = {n: dealer(coord.endpoint) for n in "abc"}
+    for n, sock in socks.items():
+        register(sock, n)
+    ranks, steps = {"a": 0, "b": 1}, (3,)
+    _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6, steps)
+    assert ask(socks["c"], Drain(node="c", incarnation="i1")) == DrainReply(remaining=0, unplaceable=0)  # at once
+    drainer = dealer(coord.endpoint)
+    t0 = time.monotonic()
+    _send(drainer, Drain(node="b", incarnation="i1"))  # b holds rank 1's only copy of G: held
+    _beat_while(socks, ranks, lambda: drainer.poll(0) != 0, steps)
+    reply = _answer(drainer, TIMEOUT)
+    assert reply == DrainReply(remaining=1, unplaceable=0) and time.monotonic() - t0 >= 0.35
+
+
+def _beat_while(socks: dict[str, zmq.Socket], ranks: dict[str, int], done, steps: tuple[int, ...] = ()) -> None:
+    """Heartbeat each of ``socks`` every 0.05 s (the nodes in ``ranks`` reporting that rank of job j, of 2, and
+    ``steps`` of it) until ``done()``."""
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < TIMEOUT, "timed out"
+        for node, sock in socks.items():
+            if node in ranks:
+                assert heartbeat(sock, node, ranks[node], steps).known
+            else:
+                assert ask(sock, Heartbeat(node=node, incarnation="i1")).known  # type: ignore[attr-defined]
+        time.sleep(0.05)
 
 
 def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(

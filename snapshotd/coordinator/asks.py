@@ -1,0 +1,82 @@
+"""Seat requests and drains held unanswered (long-polling) while their answer would only say "not yet".
+
+A :class:`~snapshotd.proto.SeatRequest` answered ``wait`` (every seat of the job is held by a live node) and a
+:class:`~snapshotd.proto.Drain` whose node still holds snapshots to place elsewhere are held, as plan requests
+are (:mod:`.held`): answered, the sidecar would ask again and again, and learn that a seat came free, or that its
+copies landed, only at its next ask. The server asks the state again for every held one at each expiry pass
+(every tenth of a second at most) and answers it as soon as its answer changes, or with the answer of the moment
+once it was held for ``hold`` seconds, so that its sidecar knows the coordinator is there and asks again. A newer
+ask from the same peer for the same job (or node) replaces the one held; beyond :data:`MAX_ASKS` held, an ask is
+answered at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from snapshotd.proto import Drain, DrainReply, Message, SeatReply, SeatRequest
+
+from .state import CoordinatorState
+
+__all__ = ["MAX_ASKS", "HeldAsks"]
+
+MAX_ASKS = 4096
+"""Asks held at most (one per node and job at a time); beyond, an ask is answered at once."""
+
+Ask = SeatRequest | Drain
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Held:
+    envelope: list[bytes]
+    msg: Ask
+    deadline: float
+
+
+class HeldAsks:
+    """The seat requests and drains held (see the module docstring).
+
+    Args:
+        state: the coordinator's state, which answers them.
+        hold: the longest an ask is held, seconds (0: none is).
+    """
+
+    def __init__(self, state: CoordinatorState, hold: float) -> None:
+        self.state = state
+        self.hold = hold
+        self._held: dict[tuple[bytes, ...], _Held] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def answer(self, envelope: list[bytes], msg: Ask, now: float) -> Message | None:
+        """The answer to send ``msg`` now, or None when it is held."""
+        reply = self._ask(msg, now)
+        if not _waits(reply) or self.hold <= 0 or len(self._held) >= MAX_ASKS:
+            return reply
+        key = (*envelope, msg.TYPE.encode(), msg.job.encode(), msg.node.encode())
+        self._held[key] = _Held(envelope, msg, now + self.hold)
+        return None
+
+    def due(self, now: float, *, final: bool = False) -> list[tuple[list[bytes], Message]]:
+        """The held asks to answer now, with their answers: those whose answer changed, those held for ``hold``
+        seconds, and with ``final`` (the coordinator stops) all of them."""
+        out: list[tuple[list[bytes], Message]] = []
+        for key, held in list(self._held.items()):
+            reply = self._ask(held.msg, now)
+            if final or not _waits(reply) or now >= held.deadline:
+                del self._held[key]
+                out.append((held.envelope, reply))
+        return out
+
+    def _ask(self, msg: Ask, now: float) -> Message:
+        if isinstance(msg, SeatRequest):
+            return self.state.seats.ask(msg, now)
+        return self.state.drain(msg)
+
+
+def _waits(reply: Message) -> bool:
+    """Whether ``reply`` only says "not yet"."""
+    if isinstance(reply, SeatReply):
+        return reply.status == "wait"
+    return isinstance(reply, DrainReply) and reply.remaining > 0
