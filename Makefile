@@ -27,6 +27,7 @@ test: setup
 
 lint: setup
 	$(VENV)/bin/ruff check snapshotd client proto bench tests
+	$(VENV)/bin/ruff format --check snapshotd client proto bench tests
 	$(VENV)/bin/mypy snapshotd client proto bench
 
 demo: setup

@@ -31,8 +31,7 @@ import time
 
 from .links import Link
 
-__all__ = ["process_cpu_seconds", "process_cpu_times",
-           "raw_socket_transfer"]
+__all__ = ["process_cpu_seconds", "process_cpu_times", "raw_socket_transfer"]
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +137,12 @@ def process_cpu_times(pid: int) -> tuple[float, float] | None:
 
 
 def raw_socket_transfer(
-    nbytes: int, *, chunk: int = 1 << 20, repeat: int = 1, link: Link | None = None, timeout: float = 120,
+    nbytes: int,
+    *,
+    chunk: int = 1 << 20,
+    repeat: int = 1,
+    link: Link | None = None,
+    timeout: float = 120,
     whole: bool = False,
 ) -> float:
     """Move ``nbytes`` over one plain TCP connection between two fresh processes; return bytes per second.
@@ -170,8 +174,13 @@ def raw_socket_transfer(
         raise ValueError(f"nbytes, chunk and repeat must be positive (got {nbytes}, {chunk}, {repeat})")
     deadline = time.monotonic() + timeout
     host = link.addr_b if link else "127.0.0.1"
-    common = [f"--nbytes={nbytes}", f"--repeat={repeat}", f"--chunk={chunk}", f"--timeout={timeout}",
-              *(["--whole"] if whole else [])]  # fmt: skip
+    common = [
+        f"--nbytes={nbytes}",
+        f"--repeat={repeat}",
+        f"--chunk={chunk}",
+        f"--timeout={timeout}",
+        *(["--whole"] if whole else []),
+    ]
     base = [sys.executable, "-m", __name__]
     recv_argv = [*base, "recv", "--host", host, *common]
     procs: dict[str, subprocess.Popen[bytes]] = {}

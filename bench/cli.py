@@ -30,10 +30,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "recovery": ("snapshotd.bench.recovery", "time from a failure to a restored rank (local and pull path)"),
     "goodput": ("snapshotd.bench.goodput", "useful training time under failures, against disk checkpoints"),
     "scale": ("snapshotd.bench.scale", "one coordinator against thousands of simulated sidecars"),
-    "torchrun": ("snapshotd.bench.torchrun_trial", "a real torchrun job losing a node: the recovery time, phase by phase"),
+    "torchrun": (
+        "snapshotd.bench.torchrun_trial",
+        "a real torchrun job losing a node: the recovery time, phase by phase",
+    ),
     "live": ("snapshotd.bench.live", "live recovery (survivors keep their processes) against a full restart"),
-    "fuzz": ("snapshotd.bench.fuzz", "random and mutated messages at every live socket; the daemons must live on"),
-    "soak": ("snapshotd.bench.soak", "trials of a training job meeting random faults, each checked bit-identical"),
+    "fuzz": (
+        "snapshotd.bench.fuzz",
+        "random and mutated messages at every live socket; the daemons must live on",
+    ),
+    "soak": (
+        "snapshotd.bench.soak",
+        "trials of a training job meeting random faults, each checked bit-identical",
+    ),
 }
 """Subcommand name -> (module, one-line help)."""
 

@@ -236,7 +236,9 @@ def _bit_entropy_ratio(buf: memoryview, base: memoryview, elem: int) -> float:
     """Entropy of ``buf XOR base`` over its raw bits, bit position ``i`` of every ``elem``-byte element being an
     independent coin whose frequency of ones is measured here (the ``entropy_ratio`` column)."""
     whole = buf.nbytes // elem * elem
-    x = np.bitwise_xor(np.frombuffer(buf, np.uint8, whole), np.frombuffer(base, np.uint8, whole)).reshape(-1, elem)
+    x = np.bitwise_xor(np.frombuffer(buf, np.uint8, whole), np.frombuffer(base, np.uint8, whole)).reshape(
+        -1, elem
+    )
     if not x.size:
         return 1.0
     bits = 0.0
@@ -269,8 +271,12 @@ def _datasets(args: argparse.Namespace) -> list[tuple[str, memoryview, int, memo
     losses = train_steps(model, opt, cfg, args.steps, args.batch, args.seed + 1, on_step=keep)
     log.info(
         "trained %s params for %d steps in %.1f s (loss %.3f -> %.3f)",
-        f"{cfg.n_params:,}", args.steps, time.perf_counter() - start, losses[0], losses[-1],
-    )  # fmt: skip
+        f"{cfg.n_params:,}",
+        args.steps,
+        time.perf_counter() - start,
+        losses[0],
+        losses[-1],
+    )
     prev, last = states[args.steps - 1], states[args.steps]
     plain: list[tuple[str, memoryview, int, memoryview | None]] = [
         ("random-fp32", _bytes(random_fp32), 4, None)

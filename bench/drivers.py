@@ -159,8 +159,15 @@ def transport_driver(
         t = tensors[step % parts]
         t[step % t.numel()] += 1.0
 
-    with Snapshotter({"tensors": tensors}, job=job, rank=0, world_size=1, sidecar=sidecar, when_busy="block",
-                     timeout=timeout) as snap:  # fmt: skip
+    with Snapshotter(
+        {"tensors": tensors},
+        job=job,
+        rank=0,
+        world_size=1,
+        sidecar=sidecar,
+        when_busy="block",
+        timeout=timeout,
+    ) as snap:
         return _measure(snap, advance, repeat, settle, timeout)
 
 
@@ -194,8 +201,15 @@ def train_driver(
         x, y = make_batch(cfg, batch, gen)
         train_step(model, opt, x, y)
 
-    with Snapshotter({"model": model, "optim": opt}, job=job, rank=0, world_size=1, sidecar=sidecar,
-                     when_busy="block", timeout=timeout) as snap:  # fmt: skip
+    with Snapshotter(
+        {"model": model, "optim": opt},
+        job=job,
+        rank=0,
+        world_size=1,
+        sidecar=sidecar,
+        when_busy="block",
+        timeout=timeout,
+    ) as snap:
         out = _measure(snap, advance, repeat, settle, timeout)
     out["n_params"] = cfg.n_params
     return out
@@ -210,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--job", required=True)
         s.add_argument("--sidecar", required=True, help="the sidecar's ipc path")
         s.add_argument("--repeat", type=int, default=5, help="timed snapshots (default %(default)s)")
-        s.add_argument("--settle", type=int, default=SETTLE, help="untimed snapshots before the timed ones "
-                       "(default %(default)s)")  # fmt: skip
+        s.add_argument(
+            "--settle",
+            type=int,
+            default=SETTLE,
+            help="untimed snapshots before the timed ones (default %(default)s)",
+        )
         s.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
         if name == "transport":
             s.add_argument("--size", type=parse_bytes, required=True, help="state bytes (multiple of 4)")
@@ -222,13 +240,19 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--lr", type=float, default=1e-3)
             s.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    common = {"job": args.job, "sidecar": args.sidecar, "repeat": args.repeat, "settle": args.settle,
-              "timeout": args.timeout}  # fmt: skip
+    common = {
+        "job": args.job,
+        "sidecar": args.sidecar,
+        "repeat": args.repeat,
+        "settle": args.settle,
+        "timeout": args.timeout,
+    }
     if args.driver == "transport":
         result = transport_driver(size=args.size, **common)
     else:
-        result = train_driver(params=args.params, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                              seed=args.seed, **common)  # fmt: skip
+        result = train_driver(
+            params=args.params, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed, **common
+        )
     print(json.dumps(result), flush=True)
     return 0
 

@@ -219,7 +219,9 @@ class FaultyNetwork(Network):
     def _wrap(self, pipe: Pipe, role: Role, address: str) -> Pipe:
         if role not in self.plan.roles:
             return pipe
-        return FaultyPipe(pipe, self.plan, random.Random(f"{self.plan.seed}:{role.value}:{address}"), self.faults)
+        return FaultyPipe(
+            pipe, self.plan, random.Random(f"{self.plan.seed}:{role.value}:{address}"), self.faults
+        )
 
     def serve(self, address: str, role: Role) -> Pipe:
         return self._wrap(self.inner.serve(address, role), role, address)
@@ -248,8 +250,9 @@ def install(plan: FaultPlan, networks: list[FaultyNetwork] | None = None) -> Ite
     originals = [m.open_network for m in modules]
 
     def make(real: Callable[..., Network]) -> Callable[..., Network]:
-        def open_faulty(address: str, security: Security,
-                        is_member: Callable[[str], Awaitable[bool]] | None = None) -> Network:  # fmt: skip
+        def open_faulty(
+            address: str, security: Security, is_member: Callable[[str], Awaitable[bool]] | None = None
+        ) -> Network:
             net = FaultyNetwork(real(address, security, is_member), plan)
             if networks is not None:
                 networks.append(net)

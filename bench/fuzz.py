@@ -55,8 +55,25 @@ SOCKETS = ("data", "ipc", "control")
 """The sockets fuzzed: sidecar A's data and ipc sockets, the coordinator's control socket."""
 
 _HOSTILE: tuple[Any, ...] = (
-    None, True, -1, 0, 1 << 31, (1 << 63) - 1, (1 << 64) - 1, -(1 << 63), 1.5, math.nan, math.inf, "", "x" * 300,
-    "y" * 70_000, b"\x00" * 16, [], [[1, 2], "a"], {"k": 1}, {},
+    None,
+    True,
+    -1,
+    0,
+    1 << 31,
+    (1 << 63) - 1,
+    (1 << 64) - 1,
+    -(1 << 63),
+    1.5,
+    math.nan,
+    math.inf,
+    "",
+    "x" * 300,
+    "y" * 70_000,
+    b"\x00" * 16,
+    [],
+    [[1, 2], "a"],
+    {"k": 1},
+    {},
 )
 """Values a hostile peer puts where a field belongs."""
 
@@ -133,7 +150,10 @@ class Mutator:
         elif kind == 1:
             frames = [frames[0][: self.rng.randrange(max(1, len(frames[0])))], *frames[1:]]
         elif kind == 2:
-            frames = [*frames, *(self.rng.randbytes(self.rng.randint(0, 32)) for _ in range(self.rng.randint(1, 3)))]
+            frames = [
+                *frames,
+                *(self.rng.randbytes(self.rng.randint(0, 32)) for _ in range(self.rng.randint(1, 3))),
+            ]
         elif len(frames) > 1:
             frames = [frames[0], *(self.rng.randbytes(self.rng.randint(0, 8192)) for _ in frames[1:])]
         return frames
@@ -141,15 +161,24 @@ class Mutator:
     def value_of_other_field(self) -> Any:
         """A value valid for some other field of some message (right type, wrong place)."""
         cls = MESSAGE_TYPES[self.rng.choice(self.types)]
-        specs = [f.metadata["spec"] for f in dataclasses.fields(cls) if not isinstance(f.metadata["spec"], Frame)]
+        specs = [
+            f.metadata["spec"] for f in dataclasses.fields(cls) if not isinstance(f.metadata["spec"], Frame)
+        ]
         return self.value(self.rng.choice(specs))
 
     def value(self, spec: Spec, depth: int = 0) -> Any:
         """A value that ``spec`` accepts, range edges included."""
         rng = self.rng
         if isinstance(spec, Int):
-            return rng.choice((spec.lo, spec.hi, spec.lo + 1, rng.randint(spec.lo, min(spec.hi, spec.lo + 64)),
-                               rng.randint(spec.lo, spec.hi)))  # fmt: skip
+            return rng.choice(
+                (
+                    spec.lo,
+                    spec.hi,
+                    spec.lo + 1,
+                    rng.randint(spec.lo, min(spec.hi, spec.lo + 64)),
+                    rng.randint(spec.lo, spec.hi),
+                )
+            )
         if isinstance(spec, Float):
             return rng.choice((spec.lo, spec.hi, rng.uniform(spec.lo, min(spec.hi, 10.0))))
         if isinstance(spec, Bool):
@@ -183,8 +212,12 @@ class _Job:
     def start(cls, cluster: LocalCluster, ipcs: tuple[str, str], timeout: float) -> _Job:
         name = f"fuzzed-{uuid.uuid4().hex[:6]}"
         states = [{"w": torch.randn(200_000, generator=torch.Generator().manual_seed(r))} for r in (0, 1)]
-        snaps = [Snapshotter(states[r], job=name, rank=r, world_size=2, sidecar=ipcs[r], timeout=timeout,
-                             when_busy="block") for r in (0, 1)]  # fmt: skip
+        snaps = [
+            Snapshotter(
+                states[r], job=name, rank=r, world_size=2, sidecar=ipcs[r], timeout=timeout, when_busy="block"
+            )
+            for r in (0, 1)
+        ]
         job = cls(name, ipcs, states, snaps)
         assert job.restore_all(timeout) == [0, 0]
         for _ in range(3):
@@ -212,10 +245,22 @@ class _Job:
         expected = [state["w"].clone() for state in self.states]
         for state in self.states:
             state["w"].zero_()
-        self.snaps = [Snapshotter(self.states[r], job=self.name, rank=r, world_size=2, sidecar=self.ipcs[r],
-                                  timeout=timeout, when_busy="block") for r in (0, 1)]  # fmt: skip
+        self.snaps = [
+            Snapshotter(
+                self.states[r],
+                job=self.name,
+                rank=r,
+                world_size=2,
+                sidecar=self.ipcs[r],
+                timeout=timeout,
+                when_busy="block",
+            )
+            for r in (0, 1)
+        ]
         steps = self.restore_all(timeout)
-        return steps == [self.step] * 2 and all(torch.equal(s["w"], e) for s, e in zip(self.states, expected, strict=True))
+        return steps == [self.step] * 2 and all(
+            torch.equal(s["w"], e) for s, e in zip(self.states, expected, strict=True)
+        )
 
     def close(self) -> None:
         for snap in self.snaps:
@@ -295,7 +340,9 @@ def _drain(sock: zmq.Socket) -> int:
         got += 1
 
 
-def _manifest_seconds(ctx: zmq.Context, endpoint: str, job: str, rank: int, step: int, timeout: float) -> float:
+def _manifest_seconds(
+    ctx: zmq.Context, endpoint: str, job: str, rank: int, step: int, timeout: float
+) -> float:
     """Seconds for the sidecar at ``endpoint`` to describe a copy it holds.
 
     Raises:
@@ -320,12 +367,23 @@ def _manifest_seconds(ctx: zmq.Context, endpoint: str, job: str, rank: int, step
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--messages", type=int, default=1_000_000, help="messages per socket (default 1,000,000)")
     p.add_argument("--seed", type=int, default=None, help="the mutator's seed (default: drawn and printed)")
-    p.add_argument("--answer-timeout", type=float, default=10.0,
-                   help="seconds a daemon may take to answer after the fuzz (default 10)")  # fmt: skip
-    p.add_argument("--rss-bound", type=float, default=256.0,
-                   help="MiB each daemon's RSS may grow by over one socket's fuzz (default 256)")  # fmt: skip
-    p.add_argument("--sockets", default=",".join(SOCKETS),
-                   help=f"comma list of the sockets to fuzz, in order (default {','.join(SOCKETS)})")  # fmt: skip
+    p.add_argument(
+        "--answer-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a daemon may take to answer after the fuzz (default 10)",
+    )
+    p.add_argument(
+        "--rss-bound",
+        type=float,
+        default=256.0,
+        help="MiB each daemon's RSS may grow by over one socket's fuzz (default 256)",
+    )
+    p.add_argument(
+        "--sockets",
+        default=",".join(SOCKETS),
+        help=f"comma list of the sockets to fuzz, in order (default {','.join(SOCKETS)})",
+    )
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
 
 
@@ -335,40 +393,62 @@ def run(args: argparse.Namespace) -> Report:
     mutator = Mutator(seed)
     timeout = args.answer_timeout
     rows: list[dict[str, Any]] = []
-    with scratch_dir(args.workdir, prefix="snapshotd-fuzz-") as workdir, LocalCluster(workdir, replicas=1) as cluster:
+    with (
+        scratch_dir(args.workdir, prefix="snapshotd-fuzz-") as workdir,
+        LocalCluster(workdir, replicas=1) as cluster,
+    ):
         coordinator = cluster.start_coordinator()
-        daemons = {"coordinator": coordinator, "A": cluster.start_sidecar(_REAL[0]),
-                   "B": cluster.start_sidecar(_REAL[1])}  # fmt: skip
+        daemons = {
+            "coordinator": coordinator,
+            "A": cluster.start_sidecar(_REAL[0]),
+            "B": cluster.start_sidecar(_REAL[1]),
+        }
         job = _Job.start(cluster, (cluster.ipc_path(_REAL[0]), cluster.ipc_path(_REAL[1])), timeout)
         ctx = zmq.Context()
-        endpoints = {"data": daemons["A"].fields["data"], "ipc": f"ipc://{cluster.ipc_path(_REAL[0])}",
-                     "control": cluster.coordinator_addr}  # fmt: skip
+        endpoints = {
+            "data": daemons["A"].fields["data"],
+            "ipc": f"ipc://{cluster.ipc_path(_REAL[0])}",
+            "control": cluster.coordinator_addr,
+        }
         targets = {name: endpoints[name] for name in args.sockets.split(",")}
         try:
             for socket_name, endpoint in targets.items():
                 before = {name: _rss(p) for name, p in daemons.items()}
                 seconds, replies = _fire(ctx, endpoint, mutator, args.messages, timeout)
                 alive = all(p.alive() for p in daemons.values())
-                row: dict[str, Any] = {"socket": socket_name, "messages": args.messages, "seconds": seconds,
-                                       "msg_rate": args.messages / seconds, "replies": replies, "alive": alive}  # fmt: skip
+                row: dict[str, Any] = {
+                    "socket": socket_name,
+                    "messages": args.messages,
+                    "seconds": seconds,
+                    "msg_rate": args.messages / seconds,
+                    "replies": replies,
+                    "alive": alive,
+                }
                 if alive:
                     t0 = time.monotonic()
                     status = _status(cluster.coordinator_addr, timeout)
                     row["status_s"] = time.monotonic() - t0
-                    if socket_name == "control":  # nodes the fuzz registered fall silent: wait until they are dead
+                    if (
+                        socket_name == "control"
+                    ):  # nodes the fuzz registered fall silent: wait until they are dead
                         deadline = time.monotonic() + status["coordinator"]["heartbeat_timeout"] + timeout
                         while _fakes_alive(status) and time.monotonic() < deadline:
                             time.sleep(0.2)
                             status = _status(cluster.coordinator_addr, timeout)
                     row["nodes_alive"] = sum(1 for n in status["nodes"] if n["alive"])
                     try:
-                        row["manifest_s"] = _manifest_seconds(ctx, daemons["A"].fields["data"], job.name, 1,
-                                                              job.step, timeout)  # fmt: skip
+                        row["manifest_s"] = _manifest_seconds(
+                            ctx, daemons["A"].fields["data"], job.name, 1, job.step, timeout
+                        )
                     except (TimeoutError, RuntimeError) as exc:
                         print(f"snapshotd-bench fuzz: after the {socket_name} socket: {exc}", flush=True)
                         row["manifest_s"] = None
-                    t0 = time.monotonic()  # a snapshot streaming to a buddy the fuzz made up fails: the next goes on
-                    row["snapshots_to_durable"] = next((i for i in range(1, 4) if job.snapshot(timeout)), None)
+                    t0 = (
+                        time.monotonic()
+                    )  # a snapshot streaming to a buddy the fuzz made up fails: the next goes on
+                    row["snapshots_to_durable"] = next(
+                        (i for i in range(1, 4) if job.snapshot(timeout)), None
+                    )
                     row["durable"] = row["snapshots_to_durable"] is not None
                     row["snapshot_s"] = time.monotonic() - t0
                     growth = {name: _rss(p) - before[name] for name, p in daemons.items()}
@@ -385,11 +465,27 @@ def run(args: argparse.Namespace) -> Report:
     rss_growth = max((r.get("rss_growth_MiB", math.inf) for r in rows), default=math.inf)
     passed = (
         len(rows) == len(targets)
-        and all(r["alive"] and r["nodes_alive"] == 2 and r["manifest_s"] is not None and r["durable"] for r in rows)
-        and rss_growth < args.rss_bound and restored and durable_after
-    )  # fmt: skip
-    summary = {"seed": seed, "messages_per_socket": args.messages, "daemons_alive": all(r["alive"] for r in rows),
-               "max_rss_growth_MiB": rss_growth, "restore_bit_identical": restored, "durable_after": durable_after,
-               "passed": passed}  # fmt: skip
-    return Report("fuzz", {"messages": args.messages, "seed": seed, "answer_timeout": timeout,
-                           "rss_bound_MiB": args.rss_bound}, rows, summary, passed=passed)  # fmt: skip
+        and all(
+            r["alive"] and r["nodes_alive"] == 2 and r["manifest_s"] is not None and r["durable"]
+            for r in rows
+        )
+        and rss_growth < args.rss_bound
+        and restored
+        and durable_after
+    )
+    summary = {
+        "seed": seed,
+        "messages_per_socket": args.messages,
+        "daemons_alive": all(r["alive"] for r in rows),
+        "max_rss_growth_MiB": rss_growth,
+        "restore_bit_identical": restored,
+        "durable_after": durable_after,
+        "passed": passed,
+    }
+    return Report(
+        "fuzz",
+        {"messages": args.messages, "seed": seed, "answer_timeout": timeout, "rss_bound_MiB": args.rss_bound},
+        rows,
+        summary,
+        passed=passed,
+    )

@@ -85,32 +85,67 @@ with their defaults on a 2-core AMD EPYC VM (23 GiB, no GPU, torch 2.13 CPU), 20
 
 _DEFAULT_SOURCE = "default (measured on a 2-core CPU VM, see goodput.DEFAULTS)"
 _CHECKPOINTS = ("torch_save", "dcp_async")
-_COLUMNS = ["strategy", "interval_seconds", "overhead", "recovery_seconds", "lost_seconds", "ettr_expected",
-            "ettr_sim", "ettr_sim_p5", "ettr_sim_p95", "wasted_seconds"]  # fmt: skip
+_COLUMNS = [
+    "strategy",
+    "interval_seconds",
+    "overhead",
+    "recovery_seconds",
+    "lost_seconds",
+    "ettr_expected",
+    "ettr_sim",
+    "ettr_sim_p5",
+    "ettr_sim_p95",
+    "wasted_seconds",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``goodput`` subcommand's flags."""
-    parser.add_argument("--mtbf", type=parse_duration, default=3 * 3600.0,
-                        help="job-level mean time between failures (any node), e.g. 3h (default 3h)")
+    parser.add_argument(
+        "--mtbf",
+        type=parse_duration,
+        default=3 * 3600.0,
+        help="job-level mean time between failures (any node), e.g. 3h (default 3h)",
+    )
     parser.add_argument("--hours", type=float, default=72.0, help="job wall time in hours (default 72)")
     parser.add_argument("--ranks", type=int, default=1024, help="ranks of the job (default 1024)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
-    parser.add_argument("--overhead-json", default=None, help="JSON of snapshotd-bench overhead (default: DEFAULTS)")
-    parser.add_argument("--recovery-json", default=None, help="JSON of snapshotd-bench recovery (default: DEFAULTS)")
-    parser.add_argument("--intervals", type=_durations, default=[600.0, 1800.0, 3600.0, 7200.0],
-                        help="checkpoint intervals of training time (default 10min,30min,1h,2h)")
+    parser.add_argument(
+        "--overhead-json", default=None, help="JSON of snapshotd-bench overhead (default: DEFAULTS)"
+    )
+    parser.add_argument(
+        "--recovery-json", default=None, help="JSON of snapshotd-bench recovery (default: DEFAULTS)"
+    )
+    parser.add_argument(
+        "--intervals",
+        type=_durations,
+        default=[600.0, 1800.0, 3600.0, 7200.0],
+        help="checkpoint intervals of training time (default 10min,30min,1h,2h)",
+    )
     parser.add_argument("--step-seconds", type=float, default=1.0, help="training step time (default 1.0)")
-    parser.add_argument("--restart", type=parse_duration, default=60.0,
-                        help="relaunching the job's processes after a failure, any strategy (default 60s, assumed)")
-    parser.add_argument("--state-bytes", type=parse_bytes, default=None,
-                        help="state per rank (default: the recovery run's)")
-    parser.add_argument("--step-ratio", type=float, default=None,
-                        help="snapshotd's step-time ratio to no snapshots, overriding the overhead run's")
-    parser.add_argument("--storage-rate", type=parse_rate, default=None,
-                        help="aggregate read rate of the checkpoint store, e.g. 100GB/s (default: no limit)")
+    parser.add_argument(
+        "--restart",
+        type=parse_duration,
+        default=60.0,
+        help="relaunching the job's processes after a failure, any strategy (default 60s, assumed)",
+    )
+    parser.add_argument(
+        "--state-bytes", type=parse_bytes, default=None, help="state per rank (default: the recovery run's)"
+    )
+    parser.add_argument(
+        "--step-ratio",
+        type=float,
+        default=None,
+        help="snapshotd's step-time ratio to no snapshots, overriding the overhead run's",
+    )
+    parser.add_argument(
+        "--storage-rate",
+        type=parse_rate,
+        default=None,
+        help="aggregate read rate of the checkpoint store, e.g. 100GB/s (default: no limit)",
+    )
     parser.add_argument("--trials", type=int, default=200, help="simulated jobs (default 200)")
-    parser.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")
 
 
 def _durations(text: str) -> list[float]:
@@ -145,14 +180,18 @@ def _overhead_inputs(doc: dict[str, Any]) -> dict[str, float]:
         out["snapshotd_overhead"] = cost_ms(snap) / mean_ms(none)
     state = doc.get("summary", {}).get("state_bytes_per_rank")
     for kind in _CHECKPOINTS:
-        at = sorted((r for r in rows if r.get("variant") == kind and r.get("interval")), key=lambda r: r["interval"])
+        at = sorted(
+            (r for r in rows if r.get("variant") == kind and r.get("interval")), key=lambda r: r["interval"]
+        )
         if at and state:
             stall = cost_ms(at[0]) * at[0]["interval"] / 1e3
             out[f"{kind}_Bps"] = state / stall if stall > 0 else math.inf
     return out
 
 
-def load_inputs(overhead_json: str | None, recovery_json: str | None) -> tuple[dict[str, float], dict[str, str]]:
+def load_inputs(
+    overhead_json: str | None, recovery_json: str | None
+) -> tuple[dict[str, float], dict[str, str]]:
     """The model's measured inputs and where each came from (a file, or :data:`DEFAULTS`).
 
     Raises:
@@ -174,7 +213,11 @@ def load_inputs(overhead_json: str | None, recovery_json: str | None) -> tuple[d
                     del values[f"{kind}_Bps"], sources[f"{kind}_Bps"]
         for key in values:
             value = found.get(key)
-            if isinstance(value, int | float) and not isinstance(value, bool) and (value > 0 or value == 0 == DEFAULTS[key]):
+            if (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and (value > 0 or value == 0 == DEFAULTS[key])
+            ):
                 values[key], sources[key] = float(value), path
     return values, sources
 
@@ -194,8 +237,16 @@ class Strategy:
         step: seconds of work lost per failure for snapshotd (one step, before the slowdown).
     """
 
-    def __init__(self, name: str, *, recovery: float, overhead: float = 0.0, interval: float | None = None,
-                 cost: float = 0.0, step: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        *,
+        recovery: float,
+        overhead: float = 0.0,
+        interval: float | None = None,
+        cost: float = 0.0,
+        step: float = 0.0,
+    ) -> None:
         self.name, self.recovery, self.overhead = name, recovery, overhead
         self.interval, self.cost, self.step = interval, cost, step
 
@@ -296,7 +347,10 @@ def run(args: argparse.Namespace) -> Report:
     _check(args)
     values, sources = load_inputs(args.overhead_json, args.recovery_json)
     if args.step_ratio is not None:
-        values["snapshotd_overhead"], sources["snapshotd_overhead"] = max(0.0, args.step_ratio - 1), "--step-ratio"
+        values["snapshotd_overhead"], sources["snapshotd_overhead"] = (
+            max(0.0, args.step_ratio - 1),
+            "--step-ratio",
+        )
     horizon = args.hours * 3600
     strategies = _strategies(args, values)
     if len(strategies) < 2:
@@ -312,13 +366,20 @@ def run(args: argparse.Namespace) -> Report:
     rows = []
     for j, s in enumerate(strategies):
         mean = float(sims[:, j].mean())
-        rows.append({
-            "strategy": s.name, "interval_seconds": s.interval, "overhead": s.overhead if s.interval is None
-            else s.cost / s.interval, "recovery_seconds": s.recovery, "lost_seconds": s.lost(),
-            "ettr_expected": expected_ettr(s, args.mtbf), "ettr_sim": mean,
-            "ettr_sim_p5": float(np.percentile(sims[:, j], 5)), "ettr_sim_p95": float(np.percentile(sims[:, j], 95)),
-            "wasted_seconds": (1 - mean) * horizon,
-        })  # fmt: skip
+        rows.append(
+            {
+                "strategy": s.name,
+                "interval_seconds": s.interval,
+                "overhead": s.overhead if s.interval is None else s.cost / s.interval,
+                "recovery_seconds": s.recovery,
+                "lost_seconds": s.lost(),
+                "ettr_expected": expected_ettr(s, args.mtbf),
+                "ettr_sim": mean,
+                "ettr_sim_p5": float(np.percentile(sims[:, j], 5)),
+                "ettr_sim_p95": float(np.percentile(sims[:, j], 95)),
+                "wasted_seconds": (1 - mean) * horizon,
+            }
+        )
     best = max(rows[1:], key=lambda r: r["ettr_sim"])
     nodes = math.ceil(args.ranks / args.ranks_per_node)
     summary = {
@@ -329,12 +390,30 @@ def run(args: argparse.Namespace) -> Report:
         "ettr_gain": rows[0]["ettr_sim"] - best["ettr_sim"],
         "saved_hours": (rows[0]["ettr_sim"] - best["ettr_sim"]) * args.hours,
     }
-    config = {k: getattr(args, k) for k in ("mtbf", "hours", "ranks", "ranks_per_node", "intervals",
-                                            "step_seconds", "restart", "storage_rate", "trials", "seed")}  # fmt: skip
-    config.update(state_bytes=float(args.state_bytes or values["state_bytes"]), node_mtbf_seconds=args.mtbf * nodes,
-                  inputs={k: {"value": values[k], "source": sources[k]} for k in values})  # fmt: skip
-    print(f"goodput: {args.hours:g} h job, {args.ranks} ranks on {nodes} nodes, job MTBF {_span(args.mtbf)} "
-          f"(= {_span(args.mtbf * nodes)} per node), {format_bytes(config['state_bytes'])} per rank")  # fmt: skip
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "mtbf",
+            "hours",
+            "ranks",
+            "ranks_per_node",
+            "intervals",
+            "step_seconds",
+            "restart",
+            "storage_rate",
+            "trials",
+            "seed",
+        )
+    }
+    config.update(
+        state_bytes=float(args.state_bytes or values["state_bytes"]),
+        node_mtbf_seconds=args.mtbf * nodes,
+        inputs={k: {"value": values[k], "source": sources[k]} for k in values},
+    )
+    print(
+        f"goodput: {args.hours:g} h job, {args.ranks} ranks on {nodes} nodes, job MTBF {_span(args.mtbf)} "
+        f"(= {_span(args.mtbf * nodes)} per node), {format_bytes(config['state_bytes'])} per rank"
+    )
     for key in values:
         print(f"  input {key} = {values[key]:.4g} from {sources[key]}")
     return Report("goodput", config, rows, summary, columns=list(_COLUMNS))
@@ -351,8 +430,13 @@ def plot(report: Report, path: str) -> None:
     ax = fig.subplots()
     ys = range(len(rows))
     sims = [r["ettr_sim"] for r in rows]
-    err = [[r["ettr_sim"] - r["ettr_sim_p5"] for r in rows], [r["ettr_sim_p95"] - r["ettr_sim"] for r in rows]]
-    ax.barh(ys, sims, xerr=err, color=["tab:green"] + ["tab:blue"] * (len(rows) - 1), capsize=3, label="simulated")
+    err = [
+        [r["ettr_sim"] - r["ettr_sim_p5"] for r in rows],
+        [r["ettr_sim_p95"] - r["ettr_sim"] for r in rows],
+    ]
+    ax.barh(
+        ys, sims, xerr=err, color=["tab:green"] + ["tab:blue"] * (len(rows) - 1), capsize=3, label="simulated"
+    )
     ax.plot([r["ettr_expected"] for r in rows], ys, "k.", label="expected (closed form)")
     ax.set_yticks(ys, [r["strategy"] for r in rows])
     ax.invert_yaxis()
@@ -364,7 +448,9 @@ def plot(report: Report, path: str) -> None:
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1 - 1.2 / len(rows) / 4), ncol=2, fontsize="small")
     c = report.config
-    fig.suptitle(f"snapshotd-bench goodput: {c.get('hours'):g} h, job MTBF {_span(c.get('mtbf', 0))}, "
-                 f"{c.get('ranks')} ranks")  # fmt: skip
+    fig.suptitle(
+        f"snapshotd-bench goodput: {c.get('hours'):g} h, job MTBF {_span(c.get('mtbf', 0))}, "
+        f"{c.get('ranks')} ranks"
+    )
     fig.tight_layout()
     fig.savefig(path, format="png")

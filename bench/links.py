@@ -113,8 +113,27 @@ def links_available() -> str | None:
     try:
         _must(["ip", "netns", "add", probe])
         try:
-            _must(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-                   "rate", "1gbit", "burst", "128kb", "latency", "20ms"])  # fmt: skip
+            _must(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    probe,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "lo",
+                    "root",
+                    "tbf",
+                    "rate",
+                    "1gbit",
+                    "burst",
+                    "128kb",
+                    "latency",
+                    "20ms",
+                ]
+            )
         finally:
             _delete_netns(probe)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
@@ -156,14 +175,48 @@ def shaped_link(rate_bps: float, *, name_prefix: str = "snapd") -> Iterator[Link
             _must(["ip", "netns", "add", ns])
             created.append(ns)
         # Created inside ns_a with its peer inside ns_b: the pair never appears in the caller's namespace.
-        _must(["ip", "-n", link.ns_a, "link", "add", _VETH_A, "type", "veth", "peer", "name", _VETH_B,
-               "netns", link.ns_b])  # fmt: skip
+        _must(
+            [
+                "ip",
+                "-n",
+                link.ns_a,
+                "link",
+                "add",
+                _VETH_A,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                _VETH_B,
+                "netns",
+                link.ns_b,
+            ]
+        )
         for ns, dev, addr in ((link.ns_a, _VETH_A, link.addr_a), (link.ns_b, _VETH_B, link.addr_b)):
             _must(["ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev])
             _must(["ip", "-n", ns, "link", "set", "lo", "up"])
             _must(["ip", "-n", ns, "link", "set", dev, "up"])
-            _must(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", rate, "burst", burst, "latency", _LATENCY])  # fmt: skip
+            _must(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    _LATENCY,
+                ]
+            )
         log.info("link %s <-> %s at %s (burst %s bytes)", link.ns_a, link.ns_b, rate, burst)
         yield link
     finally:

@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LiveConfig", "LiveRanks", "MODES", "STORE_SCRIPT", "add_arguments", "run", "run_trial"]
 
-STORE_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchrun_ddp",
-                            "rdzv_store.py")  # fmt: skip
+STORE_SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchrun_ddp", "rdzv_store.py"
+)
 """The example's standalone rendezvous store, which live mode keeps its membership in."""
 
 
@@ -74,8 +75,17 @@ class LiveRanks:
     ones wrote.
     """
 
-    def __init__(self, workdir: str, *, tag: str, job: str, store: str, nodes: int, per_node: int,
-                 flags: Sequence[str] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        tag: str,
+        job: str,
+        store: str,
+        nodes: int,
+        per_node: int,
+        flags: Sequence[str] = (),
+    ) -> None:
         self.dir = os.path.join(workdir, tag)
         os.makedirs(self.dir, exist_ok=True)
         self.tag, self.job, self.store = tag, job, store
@@ -86,21 +96,50 @@ class LiveRanks:
     def path(self, rank: int, kind: str) -> str:
         return os.path.join(self.dir, f"rank{rank}.{kind}")
 
-    def start_node(self, label: str, ipc: str, index: int | None = None, *, local: Sequence[int] | None = None,
-                   flags: Sequence[str] = ()) -> None:  # fmt: skip
+    def start_node(
+        self,
+        label: str,
+        ipc: str,
+        index: int | None = None,
+        *,
+        local: Sequence[int] | None = None,
+        flags: Sequence[str] = (),
+    ) -> None:
         """Start node ``label``'s ranks, talking to the sidecar at ``ipc``: those of ``index``, or of the seat
         snapshotd gives the node; only the local ranks ``local`` (default all), with ``flags`` besides the job's
         (one of a node's processes restarted, or given a fault, runs as a label of its own)."""
         self.procs[label] = []
         for local_rank in range(self.per_node) if local is None else local:
-            place = ["--nodes", str(self.nodes)] if index is None else \
-                ["--rank", str(index * self.per_node + local_rank), "--world", str(self.world)]  # fmt: skip
-            argv = [*place, "--store", self.store, "--job", self.job, "--sidecar", ipc, "--out", self.dir,
-                    "--progress", self.dir, *self.flags, *flags]  # fmt: skip
+            place = (
+                ["--nodes", str(self.nodes)]
+                if index is None
+                else ["--rank", str(index * self.per_node + local_rank), "--world", str(self.world)]
+            )
+            argv = [
+                *place,
+                "--store",
+                self.store,
+                "--job",
+                self.job,
+                "--sidecar",
+                ipc,
+                "--out",
+                self.dir,
+                "--progress",
+                self.dir,
+                *self.flags,
+                *flags,
+            ]
             env = {**os.environ, "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(self.per_node)}
             with held_interrupts():
-                self.procs[label].append(start_module("snapshotd.bench.live_trainer", argv, env=env,
-                                                      output=os.path.join(self.dir, f"{label}-{local_rank}.log")))  # fmt: skip
+                self.procs[label].append(
+                    start_module(
+                        "snapshotd.bench.live_trainer",
+                        argv,
+                        env=env,
+                        output=os.path.join(self.dir, f"{label}-{local_rank}.log"),
+                    )
+                )
 
     def lose(self, label: str) -> list[RankProcess]:
         """Node ``label``'s processes, no longer waited for (the caller kills them with the node)."""
@@ -129,7 +168,10 @@ class LiveRanks:
 
     def failed(self) -> dict[str, list[int]]:
         """Nodes with a rank that exited non-zero, with the exit codes."""
-        codes = {label: [p.returncode for p in procs if p.poll() not in (None, 0)] for label, procs in self.procs.items()}
+        codes = {
+            label: [p.returncode for p in procs if p.poll() not in (None, 0)]
+            for label, procs in self.procs.items()
+        }
         return {label: c for label, c in codes.items() if c}
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
@@ -146,11 +188,15 @@ class LiveRanks:
                     code = proc.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     self.kill()
-                    raise RuntimeError(f"{self.tag}: node {label} did not finish within {timeout:.0f} s:\n"
-                                       f"{self.log_tail(label)}") from None  # fmt: skip
+                    raise RuntimeError(
+                        f"{self.tag}: node {label} did not finish within {timeout:.0f} s:\n"
+                        f"{self.log_tail(label)}"
+                    ) from None
                 if code != 0:
                     self.kill()
-                    raise RuntimeError(f"{self.tag}: a rank of node {label} exited with {code}:\n{self.log_tail(label)}")
+                    raise RuntimeError(
+                        f"{self.tag}: a rank of node {label} exited with {code}:\n{self.log_tail(label)}"
+                    )
         results = []
         for rank in range(self.world):
             with open(self.path(rank, "json")) as f:
@@ -173,6 +219,7 @@ MODES = ("restart", "live", "restart+spare", "live+spare")
 replacement node was started ahead (a warm spare, its ranks waiting in the job's next epoch with their model
 built), else the scheduler starts it after the loss."""
 
+
 @dataclasses.dataclass(frozen=True)
 class LiveConfig:
     """One benchmark run's parameters (see the module docstring)."""
@@ -190,9 +237,13 @@ class LiveConfig:
         if not self.ranks_per_node or min(self.ranks_per_node) < 1:
             raise ValueError(f"--ranks-per-node must be >= 1, got {self.ranks_per_node}")
         if not 2 <= self.kill_after < self.steps - 1:
-            raise ValueError(f"--kill-after must be in [2, steps - 1), got {self.kill_after} with {self.steps} steps")
+            raise ValueError(
+                f"--kill-after must be in [2, steps - 1), got {self.kill_after} with {self.steps} steps"
+            )
         if not self.modes or set(self.modes) - set(MODES) or not {"restart", "live"} <= set(self.modes):
-            raise ValueError(f"--modes must include restart and live, of {', '.join(MODES)}; got {self.modes}")
+            raise ValueError(
+                f"--modes must include restart and live, of {', '.join(MODES)}; got {self.modes}"
+            )
         if self.step_delay < 0 or self.timeout <= 0:
             raise ValueError("--step-delay must be >= 0 and --timeout > 0")
 
@@ -200,16 +251,40 @@ class LiveConfig:
 _PHASES = ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds", "total_seconds")
 
 
-def _torchrun_node(cluster: LocalCluster, workdir: str, name: str, addr: str, *, index: int | None, per_node: int,
-                   script_args: list[str]) -> EmulatedNode:  # fmt: skip
+def _torchrun_node(
+    cluster: LocalCluster,
+    workdir: str,
+    name: str,
+    addr: str,
+    *,
+    index: int | None,
+    per_node: int,
+    script_args: list[str],
+) -> EmulatedNode:
     """A node: its sidecar and a torchrun agent of its own (one node per torchrun job, as live mode runs), its
     ranks those of ``index`` or, None, of the seat snapshotd gives it."""
-    torchrun_args = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node), "--max-restarts", "3",
-                     "--monitor-interval", "0.1"]  # fmt: skip
+    torchrun_args = [
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(per_node),
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.1",
+    ]
     place = ["--nodes", "2"] if index is None else ["--node-index", str(index), "--world", str(2 * per_node)]
-    return EmulatedNode(cluster, name, addr, torchrun_args=torchrun_args, script="-m",
-                        script_args=["snapshotd.bench.live_trainer", *place, *script_args],
-                        env=dict(TORCHRUN_ENV), workdir=workdir)  # fmt: skip
+    return EmulatedNode(
+        cluster,
+        name,
+        addr,
+        torchrun_args=torchrun_args,
+        script="-m",
+        script_args=["snapshotd.bench.live_trainer", *place, *script_args],
+        env=dict(TORCHRUN_ENV),
+        workdir=workdir,
+    )
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -217,8 +292,9 @@ def _read(path: str) -> dict[str, Any]:
         return dict(json.load(f))
 
 
-def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, *, mode: str, per_node: int,
-              tag: str) -> dict[str, Any]:  # fmt: skip
+def run_trial(
+    cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, *, mode: str, per_node: int, tag: str
+) -> dict[str, Any]:
     """Run the job on two torchrun nodes, lose the second at ``kill_after``, recover by ``mode``; the table row.
 
     Raises:
@@ -233,11 +309,38 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
     world = 2 * per_node
     job = f"live-{name}"
     steps = max(cfg.steps, cfg.spare_steps) if spare else cfg.steps  # still running once the spare is ready
-    script_args = ["--store", store, "--job", job, "--steps", str(steps),
-                   "--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10",
-                   "--on-loss", "recover" if mode.startswith("live") else "exit", "--out", out, "--progress", out]  # fmt: skip
-    nodes = [_torchrun_node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", index=i, per_node=per_node,
-                            script_args=script_args) for i, x in enumerate("AB")]  # fmt: skip
+    script_args = [
+        "--store",
+        store,
+        "--job",
+        job,
+        "--steps",
+        str(steps),
+        "--params",
+        str(cfg.params),
+        "--step-delay",
+        str(cfg.step_delay),
+        "--pg-timeout",
+        "10",
+        "--on-loss",
+        "recover" if mode.startswith("live") else "exit",
+        "--out",
+        out,
+        "--progress",
+        out,
+    ]
+    nodes = [
+        _torchrun_node(
+            cluster,
+            workdir,
+            f"{name}-{x}",
+            f"127.0.0.{2 + i}",
+            index=i,
+            per_node=per_node,
+            script_args=script_args,
+        )
+        for i, x in enumerate("AB")
+    ]
     try:
 
         def progress(rank: int) -> int:
@@ -255,20 +358,34 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
         def reached_kill_point() -> bool:
             for node in nodes:
                 if node.agent.poll() is not None:
-                    raise RuntimeError(f"{node.name}'s agent exited with {node.agent.returncode} before the kill")
+                    raise RuntimeError(
+                        f"{node.name}'s agent exited with {node.agent.returncode} before the kill"
+                    )
             return progress(world - 1) >= cfg.kill_after and durable()
 
         def replacement() -> EmulatedNode:
-            node = _torchrun_node(cluster, workdir, f"{name}-C", "127.0.0.4", index=None, per_node=per_node,
-                                  script_args=script_args)  # fmt: skip
+            node = _torchrun_node(
+                cluster,
+                workdir,
+                f"{name}-C",
+                "127.0.0.4",
+                index=None,
+                per_node=per_node,
+                script_args=script_args,
+            )
             nodes.append(node)
             return node
 
-        if spare:  # once the job runs (its first group formed), the spare's ranks wait for a seat, model built
+        if (
+            spare
+        ):  # once the job runs (its first group formed), the spare's ranks wait for a seat, model built
             wait_for(lambda: progress(0) >= 1, cfg.timeout, "the job's first step")
             replacement()
-            wait_for(lambda: len(glob.glob(os.path.join(out, "built.*"))) >= 3 * per_node, cfg.timeout,
-                     "the spare's ranks waiting for a seat, model built")  # fmt: skip
+            wait_for(
+                lambda: len(glob.glob(os.path.join(out, "built.*"))) >= 3 * per_node,
+                cfg.timeout,
+                "the spare's ranks waiting for a seat, model built",
+            )
         wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
         pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
         killed_at = nodes[1].kill()
@@ -286,8 +403,9 @@ def run_trial(cluster: LocalCluster, workdir: str, store: str, cfg: LiveConfig, 
     return _row(mode, per_node, results, pids, killed_at, out)
 
 
-def _row(mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int, int], killed_at: float,
-         out: str) -> dict[str, Any]:  # fmt: skip
+def _row(
+    mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int, int], killed_at: float, out: str
+) -> dict[str, Any]:
     """The phases of one recovery from the ranks' results (wall-clock times, every rank on one machine)."""
     survivors, lost = results[:per_node], results[per_node:]
     if mode.startswith("live"):
@@ -308,36 +426,64 @@ def _row(mode: str, per_node: int, results: list[dict[str, Any]], pids: dict[int
     first = max(r["done_at"][str(step + 1)] for r in results)
     steps = {len(r["losses"]) + r["start_step"] for r in results}
     kept = sum(r["pid"] == pids[r["rank"]] for r in survivors)
-    row = {"mode": mode, "ranks_per_node": per_node, "step_restored": step, "survivors_kept": kept,
-           "detection_seconds": failed - killed_at, "group_seconds": max(grouped) - failed,
-           "restore_seconds": max(restored) - max(grouped), "first_step_seconds": first - max(restored),
-           "total_seconds": first - killed_at, "epochs": len({r["epoch"] for r in results})}  # fmt: skip
+    row = {
+        "mode": mode,
+        "ranks_per_node": per_node,
+        "step_restored": step,
+        "survivors_kept": kept,
+        "detection_seconds": failed - killed_at,
+        "group_seconds": max(grouped) - failed,
+        "restore_seconds": max(restored) - max(grouped),
+        "first_step_seconds": first - max(restored),
+        "total_seconds": first - killed_at,
+        "epochs": len({r["epoch"] for r in results}),
+    }
     if mode.startswith("live"):
         row["survivor_work_seconds"] = max(rec["ddp_s"] + rec["restore_s"] for rec in recoveries)
         row["survivor_cpu_seconds"] = max(rec["cpu_s"] for rec in recoveries)
     if len(steps) != 1 or row["epochs"] != 1:
-        raise RuntimeError(f"{mode} x{per_node}: the ranks ended apart (steps {steps}, {row['epochs']} epochs)")
+        raise RuntimeError(
+            f"{mode} x{per_node}: the ranks ended apart (steps {steps}, {row['epochs']} epochs)"
+        )
     return row
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``live`` subcommand's flags."""
     d = LiveConfig()
-    parser.add_argument("--ranks-per-node", default=",".join(map(str, d.ranks_per_node)),
-                        help="comma-separated sizes, each run in both modes (default %(default)s)")  # fmt: skip
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES)
-                        + " (default all)")  # fmt: skip
+    parser.add_argument(
+        "--ranks-per-node",
+        default=",".join(map(str, d.ranks_per_node)),
+        help="comma-separated sizes, each run in both modes (default %(default)s)",
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES) + " (default all)"
+    )
     parser.add_argument("--steps", type=int, default=d.steps, help="training steps (default %(default)s)")
-    parser.add_argument("--spare-steps", type=int, default=d.spare_steps,
-                        help="training steps of the spare modes' jobs, which must outlast the spare's start "
-                             "(default %(default)s)")  # fmt: skip
-    parser.add_argument("--kill-after", type=int, default=d.kill_after,
-                        help="lose the second node once its last rank completed this step (and a spare waits) (default %(default)s)")  # fmt: skip
-    parser.add_argument("--step-delay", type=float, default=d.step_delay,
-                        help="idle seconds per step, the accelerator's share (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--spare-steps",
+        type=int,
+        default=d.spare_steps,
+        help="training steps of the spare modes' jobs, which must outlast the spare's start "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--kill-after",
+        type=int,
+        default=d.kill_after,
+        help="lose the second node once its last rank completed this step (and a spare waits) (default %(default)s)",
+    )
+    parser.add_argument(
+        "--step-delay",
+        type=float,
+        default=d.step_delay,
+        help="idle seconds per step, the accelerator's share (default %(default)s)",
+    )
     parser.add_argument("--params", type=int, default=d.params, help="model parameters (default %(default)s)")
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
-    parser.add_argument("--timeout", type=float, default=d.timeout, help="seconds per job (default %(default)s)")
+    parser.add_argument(
+        "--timeout", type=float, default=d.timeout, help="seconds per job (default %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -350,22 +496,37 @@ def run(args: argparse.Namespace) -> Report:
     try:
         sizes = tuple(int(x) for x in str(args.ranks_per_node).split(","))
     except ValueError:
-        raise ValueError(f"--ranks-per-node must be comma-separated integers, got {args.ranks_per_node!r}") from None
-    cfg = LiveConfig(ranks_per_node=sizes, modes=tuple(str(args.modes).split(",")), steps=args.steps, kill_after=args.kill_after, step_delay=args.step_delay,
-                     params=args.params, timeout=args.timeout, spare_steps=args.spare_steps)  # fmt: skip
+        raise ValueError(
+            f"--ranks-per-node must be comma-separated integers, got {args.ranks_per_node!r}"
+        ) from None
+    cfg = LiveConfig(
+        ranks_per_node=sizes,
+        modes=tuple(str(args.modes).split(",")),
+        steps=args.steps,
+        kill_after=args.kill_after,
+        step_delay=args.step_delay,
+        params=args.params,
+        timeout=args.timeout,
+        spare_steps=args.spare_steps,
+    )
     cfg.check()
     tag = uuid.uuid4().hex[:6]
     rows: list[dict[str, Any]] = []
-    with scratch_dir(args.workdir, prefix="snapshotd-live-") as workdir, \
-            LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:  # fmt: skip
+    with (
+        scratch_dir(args.workdir, prefix="snapshotd-live-") as workdir,
+        LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster,
+    ):
         cluster.start_coordinator()
         store = RendezvousStore(STORE_SCRIPT, workdir)
         try:
             for per_node in sizes:
                 for mode in cfg.modes:
                     try:
-                        rows.append(run_trial(cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node,
-                                              tag=tag))  # fmt: skip
+                        rows.append(
+                            run_trial(
+                                cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node, tag=tag
+                            )
+                        )
                     except Exception as exc:  # noqa: BLE001 - a failed trial is a row, not the end of the run
                         log.warning("live bench: %s x%d failed: %s", mode, per_node, exc)
                         rows.append({"mode": mode, "ranks_per_node": per_node, "error": str(exc)[:300]})
@@ -377,22 +538,46 @@ def run(args: argparse.Namespace) -> Report:
         failed = "; ".join(f"{r['mode']} x{r['ranks_per_node']}: {r['error']}" for r in rows if "error" in r)
         raise RuntimeError(f"the first size's restart or live trial failed: {failed}")
     full, live = by["restart", first]["total_seconds"], by["live", first]["total_seconds"]
-    summary: dict[str, Any] = {"ranks_per_node": first, "full_restart_seconds": full, "live_seconds": live,
-                               "live_speedup": full / live}  # fmt: skip
+    summary: dict[str, Any] = {
+        "ranks_per_node": first,
+        "full_restart_seconds": full,
+        "live_seconds": live,
+        "live_speedup": full / live,
+    }
     if {"restart+spare", "live+spare"} <= set(cfg.modes):
         full_s, live_s = by["restart+spare", first]["total_seconds"], by["live+spare", first]["total_seconds"]
-        summary.update(full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s)
+        summary.update(
+            full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s
+        )
     spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
     work_of = {k: by[spare_mode, k]["survivor_work_seconds"] for k in sizes if (spare_mode, k) in by}
     cpu_of = {k: by[spare_mode, k]["survivor_cpu_seconds"] for k in sizes if (spare_mode, k) in by}
     work, cpu = list(work_of.values()), list(cpu_of.values())
-    summary.update(survivor_work_mode=spare_mode, survivor_work_seconds={str(k): v for k, v in work_of.items()},
-                   survivor_work_spread=max(work) / min(work) - 1 if work and min(work) > 0 else None,
-                   survivor_cpu_seconds={str(k): v for k, v in cpu_of.items()},
-                   survivor_cpu_spread=max(cpu) / min(cpu) - 1 if cpu and min(cpu) > 0 else None,
-                   failed_trials=sum("error" in r for r in rows),
-                   survivors_kept_live=all(r["survivors_kept"] == r["ranks_per_node"] for r in rows
-                                           if r["mode"].startswith("live")))  # fmt: skip
-    return Report("live", dataclasses.asdict(cfg), rows, summary,
-                  columns=["mode", "ranks_per_node", "step_restored", "survivors_kept", *_PHASES,
-                           "survivor_work_seconds", "survivor_cpu_seconds", "epochs", "error"])  # fmt: skip
+    summary.update(
+        survivor_work_mode=spare_mode,
+        survivor_work_seconds={str(k): v for k, v in work_of.items()},
+        survivor_work_spread=max(work) / min(work) - 1 if work and min(work) > 0 else None,
+        survivor_cpu_seconds={str(k): v for k, v in cpu_of.items()},
+        survivor_cpu_spread=max(cpu) / min(cpu) - 1 if cpu and min(cpu) > 0 else None,
+        failed_trials=sum("error" in r for r in rows),
+        survivors_kept_live=all(
+            r["survivors_kept"] == r["ranks_per_node"] for r in rows if r["mode"].startswith("live")
+        ),
+    )
+    return Report(
+        "live",
+        dataclasses.asdict(cfg),
+        rows,
+        summary,
+        columns=[
+            "mode",
+            "ranks_per_node",
+            "step_restored",
+            "survivors_kept",
+            *_PHASES,
+            "survivor_work_seconds",
+            "survivor_cpu_seconds",
+            "epochs",
+            "error",
+        ],
+    )

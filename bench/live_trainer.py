@@ -50,10 +50,18 @@ EXIT_PEER_LOST = 3
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rank", type=int, default=None, help="rank in the job (or --node-index, or --nodes)")
-    p.add_argument("--node-index", type=int, default=None,
-                   help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)")  # fmt: skip
-    p.add_argument("--nodes", type=int, default=None,
-                   help="the job's nodes: snapshotd gives this node a seat, rank = its first + $LOCAL_RANK")  # fmt: skip
+    p.add_argument(
+        "--node-index",
+        type=int,
+        default=None,
+        help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)",
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="the job's nodes: snapshotd gives this node a seat, rank = its first + $LOCAL_RANK",
+    )
     p.add_argument("--world", type=int, default=None, help="the job's ranks (with --rank or --node-index)")
     p.add_argument("--store", required=True, help="the rendezvous store, host:port")
     p.add_argument("--job", required=True, help="the job (snapshotd's, and the live group's in the store)")
@@ -64,22 +72,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=0.25)
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument("--pg-timeout", type=float, default=30.0, help="the group's collective timeout (a hung peer)")
-    p.add_argument("--join-timeout", type=float, default=600.0,
-                   help="seconds to wait for the whole membership (a spare started ahead waits this long)")  # fmt: skip
-    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
-                   help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)")  # fmt: skip
-    p.add_argument("--replicated", default="", help="state keys snapshotted once across the ranks (replicated=), "
-                   "comma-separated")
-    p.add_argument("--die-in-rollback", action="store_true",
-                   help="a survivor dying during its rollback: 0.2 s into its first recovery's restore, SIGKILL itself")  # fmt: skip
-    p.add_argument("--die-before-restore", action="store_true",
-                   help="a replacement dying after its group formed: SIGKILL itself after DDP's constructor, before "
-                   "restore()")  # fmt: skip
-    p.add_argument("--on-loss", choices=("recover", "exit"), default="recover",
-                   help="recover in place (live mode), or exit for the launcher to restart every rank")  # fmt: skip
-    p.add_argument("--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)")
-    p.add_argument("--progress", default=None, help="progress file (a folder under torchrun: rank{R}.progress)")
+    p.add_argument(
+        "--pg-timeout", type=float, default=30.0, help="the group's collective timeout (a hung peer)"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the whole membership (a spare started ahead waits this long)",
+    )
+    p.add_argument(
+        "--snapshot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)",
+    )
+    p.add_argument(
+        "--replicated",
+        default="",
+        help="state keys snapshotted once across the ranks (replicated=), comma-separated",
+    )
+    p.add_argument(
+        "--die-in-rollback",
+        action="store_true",
+        help="a survivor dying during its rollback: 0.2 s into its first recovery's restore, SIGKILL itself",
+    )
+    p.add_argument(
+        "--die-before-restore",
+        action="store_true",
+        help="a replacement dying after its group formed: SIGKILL itself after DDP's constructor, before "
+        "restore()",
+    )
+    p.add_argument(
+        "--on-loss",
+        choices=("recover", "exit"),
+        default="recover",
+        help="recover in place (live mode), or exit for the launcher to restart every rank",
+    )
+    p.add_argument(
+        "--out", required=True, help="result JSON path (a folder under torchrun: rank{R}.json in it)"
+    )
+    p.add_argument(
+        "--progress", default=None, help="progress file (a folder under torchrun: rank{R}.progress)"
+    )
     args = p.parse_args(argv)
     if sum(x is not None for x in (args.rank, args.node_index, args.nodes)) != 1:
         p.error("give exactly one of --rank, --node-index and --nodes")
@@ -100,11 +135,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.progress is not None and os.path.isdir(args.progress):  # the model is built (a spare is now warm)
         _write_atomic(os.path.join(args.progress, f"built.{os.getpid()}"), json.dumps({"time": time.time()}))
     if args.nodes is not None:
-        group = live.init_process_group(store=args.store, job=args.job, nodes=args.nodes, sidecar=args.sidecar,
-                                        timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
+        group = live.init_process_group(
+            store=args.store,
+            job=args.job,
+            nodes=args.nodes,
+            sidecar=args.sidecar,
+            timeout=args.pg_timeout,
+            join_timeout=args.join_timeout,
+        )
     else:
-        group = live.init_process_group(store=args.store, job=args.job, rank=rank, world_size=args.world,
-                                        timeout=args.pg_timeout, join_timeout=args.join_timeout)  # fmt: skip
+        group = live.init_process_group(
+            store=args.store,
+            job=args.job,
+            rank=rank,
+            world_size=args.world,
+            timeout=args.pg_timeout,
+            join_timeout=args.join_timeout,
+        )
     rank, world = group.rank, group.world_size
     t_group = time.time()
     out = os.path.join(args.out, f"rank{rank}.json") if os.path.isdir(args.out) else args.out
@@ -116,8 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
     recoveries: list[dict[str, Any]] = []
     replicated = [key for key in args.replicated.split(",") if key]
-    snap = Snapshotter(state, job=args.job, rank=rank, world_size=world, sidecar=args.sidecar, live=group,
-                       replicated=replicated) if args.snapshot else None  # fmt: skip
+    snap = (
+        Snapshotter(
+            state,
+            job=args.job,
+            rank=rank,
+            world_size=world,
+            sidecar=args.sidecar,
+            live=group,
+            replicated=replicated,
+        )
+        if args.snapshot
+        else None
+    )
     guard = snap.guard if snap is not None else contextlib.nullcontext
     recovering = False  # inside recover(): --die-in-rollback's restore dies
     if args.die_in_rollback and snap is not None:
@@ -134,8 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t_restore = time.time()
         step = start = snap.restore() if snap is not None else 0
-        started = {"process_start": t_start, "group_formed": t_group, "restore_start": t_restore,
-                   "restored": time.time(), "step": start, "epoch": group.epoch}  # fmt: skip
+        started = {
+            "process_start": t_start,
+            "group_formed": t_group,
+            "restore_start": t_restore,
+            "restored": time.time(),
+            "step": start,
+            "epoch": group.epoch,
+        }
         while step < args.steps:
             try:
                 with guard():  # capture() too: its first call after DDP rebuilt its buckets runs a collective
@@ -155,9 +219,17 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = time.process_time()
                 reached, step = step, snap.recover()
                 recovering = False
-                recoveries.append({"failed_at": failed_at, "recovered_at": time.time(), "reached": reached,
-                                   "step": step, "epoch": group.epoch, "cpu_s": time.process_time() - cpu,
-                                   **snap.recovered})  # fmt: skip
+                recoveries.append(
+                    {
+                        "failed_at": failed_at,
+                        "recovered_at": time.time(),
+                        "reached": reached,
+                        "step": step,
+                        "epoch": group.epoch,
+                        "cpu_s": time.process_time() - cpu,
+                        **snap.recovered,
+                    }
+                )
                 continue
             losses[step + 1] = float(loss.detach())
             step += 1
@@ -168,9 +240,18 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.step_delay)
         if snap is not None:
             snap.wait(timeout=30)
-        result = {"rank": rank, "pid": os.getpid(), "start_step": start, "started": started, "losses": losses,
-                  "done_at": done_at, "recoveries": recoveries, "digest": state_digest(state), "epoch": group.epoch,
-                  "restored": snap.restored if snap is not None else {}}  # fmt: skip
+        result = {
+            "rank": rank,
+            "pid": os.getpid(),
+            "start_step": start,
+            "started": started,
+            "losses": losses,
+            "done_at": done_at,
+            "recoveries": recoveries,
+            "digest": state_digest(state),
+            "epoch": group.epoch,
+            "restored": snap.restored if snap is not None else {},
+        }
     except BaseException:
         if snap is not None:
             snap.close(unregister=False)  # as a crash leaves it: the arena stays for the restarted rank

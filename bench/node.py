@@ -36,7 +36,6 @@ from .drivers import UNPACED
 __all__ = ["run_node"]
 
 
-
 def _cpu(pids: list[int]) -> tuple[float, float]:
     times = [process_cpu_times(pid) or (0.0, 0.0) for pid in pids]
     return sum(t[0] for t in times), sum(t[1] for t in times)
@@ -51,15 +50,31 @@ def run_node(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any
     size = max(4, 12 * args.params // 4 * 4)
     repeat = max(3, args.steps // 2)
     flags = ["--max-rate", args.max_rate or UNPACED, "--nice", str(args.sidecar_nice)]
-    with LocalCluster(os.path.join(workdir, "node"), replicas=1, heartbeat_interval=0.5,
-                      heartbeat_timeout=8.0) as cluster:  # fmt: skip
+    with LocalCluster(
+        os.path.join(workdir, "node"), replicas=1, heartbeat_interval=0.5, heartbeat_timeout=8.0
+    ) as cluster:
         cluster.start_coordinator()
         pids = [cluster.start_sidecar(node, *flags).pid for node in ("A", "B")]
         procs = []
         for rank in range(args.ranks):
-            argv = [sys.executable, "-m", "snapshotd.bench.drivers", "transport", "--size", str(size),
-                    "--repeat", str(repeat), "--settle", "2", "--job", f"node-{rank}-{uuid.uuid4().hex[:6]}",
-                    "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "snapshotd.bench.drivers",
+                "transport",
+                "--size",
+                str(size),
+                "--repeat",
+                str(repeat),
+                "--settle",
+                "2",
+                "--job",
+                f"node-{rank}-{uuid.uuid4().hex[:6]}",
+                "--sidecar",
+                cluster.ipc_path("A"),
+                "--timeout",
+                str(args.timeout),
+            ]
             procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         c0 = _cpu(pids)
         outputs = [proc.communicate(timeout=args.timeout)[0].decode() for proc in procs]
@@ -82,6 +97,12 @@ def run_node(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any
         "node_sidecar_user_ms_per_GB": used[0] * 1e3 / (moved / 1e9),
         "node_sidecar_system_ms_per_GB": used[1] * 1e3 / (moved / 1e9),
     }
-    row = {"scenario": "node", "variant": "snapshotd", "interval": 1, "runs": args.ranks,
-           "moved_per_step_bytes": size, "moved_to": "node B (tcp)"}  # fmt: skip
+    row = {
+        "scenario": "node",
+        "variant": "snapshotd",
+        "interval": 1,
+        "runs": args.ranks,
+        "moved_per_step_bytes": size,
+        "moved_to": "node B (tcp)",
+    }
     return [row], summary

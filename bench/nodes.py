@@ -36,9 +36,14 @@ from snapshotd.harness.cluster import LocalCluster, ManagedProcess, held_interru
 from snapshotd.shm import pid_alive
 
 __all__ = [
-    "MARKER", "AgentLine", "EmulatedNode", "RendezvousStore",
-    "agent_lines", "marked_processes", "node_processes",
-]  # fmt: skip
+    "MARKER",
+    "AgentLine",
+    "EmulatedNode",
+    "RendezvousStore",
+    "agent_lines",
+    "marked_processes",
+    "node_processes",
+]
 
 MARKER = "SNAPSHOTD_TRIAL_NODE"
 """The environment variable that marks every process of an emulated node (its value is unique per node)."""
@@ -119,9 +124,13 @@ class RendezvousStore:
     def __init__(self, script: str, workdir: str, *, host: str = "127.0.0.9", timeout: float = 30.0) -> None:
         self.log_path = os.path.join(workdir, "rdzv-store.log")
         with open(self.log_path, "wb") as log, held_interrupts():
-            self.proc = subprocess.Popen([sys.executable, script, "--host", host, "--port", "0"], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, script, "--host", host, "--port", "0"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while (m := re.search(r"rendezvous store ready (\S+)", self._output())) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -196,9 +205,19 @@ class EmulatedNode:
         cwd: the agent's (and so its workers') working directory; None: the caller's.
     """
 
-    def __init__(self, cluster: LocalCluster, name: str, addr: str, *, torchrun_args: Sequence[str],
-                 script: str, script_args: Sequence[str], env: dict[str, str],
-                 workdir: str, cwd: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        name: str,
+        addr: str,
+        *,
+        torchrun_args: Sequence[str],
+        script: str,
+        script_args: Sequence[str],
+        env: dict[str, str],
+        workdir: str,
+        cwd: str | None = None,
+    ) -> None:
         self.cluster, self.name, self.addr = cluster, name, addr
         self.marker = f"{name}.{os.getpid()}.{time.monotonic_ns()}"
         self.log_path = os.path.join(workdir, f"agent-{name}.log")
@@ -206,14 +225,34 @@ class EmulatedNode:
         self.sidecar: ManagedProcess = cluster.start_sidecar(name)
         tmpdir = os.path.join(workdir, f"tmp-{name}")
         os.makedirs(tmpdir, exist_ok=True)
-        agent_env = {**os.environ, **env, "SNAPSHOTD_SIDECAR": cluster.ipc_path(name), MARKER: self.marker,
-                     "PYTHONUNBUFFERED": "1", "TMPDIR": tmpdir}  # fmt: skip
-        argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--local-addr", addr,
-                script, *script_args]  # fmt: skip
+        agent_env = {
+            **os.environ,
+            **env,
+            "SNAPSHOTD_SIDECAR": cluster.ipc_path(name),
+            MARKER: self.marker,
+            "PYTHONUNBUFFERED": "1",
+            "TMPDIR": tmpdir,
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args,
+            "--local-addr",
+            addr,
+            script,
+            *script_args,
+        ]
         with open(self.log_path, "wb") as log, held_interrupts():  # stop() ends what ``agent`` holds
-            self.agent = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, env=agent_env, cwd=cwd,
-                                          start_new_session=True)  # fmt: skip
+            self.agent = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=agent_env,
+                cwd=cwd,
+                start_new_session=True,
+            )
 
     def processes(self) -> set[int]:
         """The node's live processes: its agent, workers, any process with its marker (not the sidecar)."""

@@ -87,12 +87,43 @@ __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 VARIANTS = ("none", "snapshotd", "torch_save", "dcp_async")
 _SUMMARY_RATIO = {"torch_save": "torch_save_ratio", "dcp_async": "dcp_async_ratio"}
 SCENARIOS = ("headroom", "saturated")
-_COLUMNS = ["scenario", "variant", "interval", "runs", "step_median_ms", "step_mean_ms", "step_p99_ms", "step_ratio", "mean_ratio", "blocked_median_ms",
-            "blocked_mean_ms", "rank_cpu_ms", "sidecar_cpu_ms", "moved_per_step_bytes", "moved_to", "completed_every"]  # fmt: skip
+_COLUMNS = [
+    "scenario",
+    "variant",
+    "interval",
+    "runs",
+    "step_median_ms",
+    "step_mean_ms",
+    "step_p99_ms",
+    "step_ratio",
+    "mean_ratio",
+    "blocked_median_ms",
+    "blocked_mean_ms",
+    "rank_cpu_ms",
+    "sidecar_cpu_ms",
+    "moved_per_step_bytes",
+    "moved_to",
+    "completed_every",
+]
 
 
-_CONFIG_KEYS = ("scenario", "params", "ranks", "steps", "warmup", "rounds", "batch", "interval", "variants", "every",
-               "replicated", "max_rate", "sidecar_nice", "device", "threads")  # fmt: skip
+_CONFIG_KEYS = (
+    "scenario",
+    "params",
+    "ranks",
+    "steps",
+    "warmup",
+    "rounds",
+    "batch",
+    "interval",
+    "variants",
+    "every",
+    "replicated",
+    "max_rate",
+    "sidecar_nice",
+    "device",
+    "threads",
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -130,13 +161,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=9_000_000,
         help="model parameters, e.g. 9M (default 9M: ~110 MB of state per rank)",
     )
-    parser.add_argument("--scenario", choices=(*SCENARIOS, "both", "node"), default="both",
-                        help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
-                             "saturated: --ranks ranks using the cores; both (default): each in turn; node: "
-                             "--ranks ranks snapshotting back to back, the rate the node sustains "
-                             "(snapshotd.bench.node)")  # fmt: skip
-    parser.add_argument("--ranks", type=int, default=2,
-                        help="saturated: gloo ranks, all on node A (default 2; headroom: half the cores)")  # fmt: skip
+    parser.add_argument(
+        "--scenario",
+        choices=(*SCENARIOS, "both", "node"),
+        default="both",
+        help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
+        "saturated: --ranks ranks using the cores; both (default): each in turn; node: "
+        "--ranks ranks snapshotting back to back, the rate the node sustains "
+        "(snapshotd.bench.node)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=2,
+        help="saturated: gloo ranks, all on node A (default 2; headroom: half the cores)",
+    )
     parser.add_argument("--steps", type=int, default=12, help="training steps per run (default 12)")
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out (default 2)")
     parser.add_argument("--rounds", type=int, default=8, help="runs of each variant, interleaved (default 8)")
@@ -154,15 +193,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma list of {','.join(VARIANTS)} (default all)",
     )
     parser.add_argument(
-        "--every", type=every_arg, default=1,
+        "--every",
+        type=every_arg,
+        default=1,
         help="snapshotd: snapshot every K-th step, or auto: as often as 1%% of step time allows (default 1)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--max-rate", type=_rate, default=None, help="the sidecars' --max-rate, e.g. 2Gbit (default auto)"
     )
-    parser.add_argument("--replicated", action="store_true",
-                        help="snapshotd: each rank snapshots its share of the model, optimizer and scheduler, which "
-                             "every data-parallel rank holds alike (Snapshotter replicated=)")  # fmt: skip
+    parser.add_argument(
+        "--replicated",
+        action="store_true",
+        help="snapshotd: each rank snapshots its share of the model, optimizer and scheduler, which "
+        "every data-parallel rank holds alike (Snapshotter replicated=)",
+    )
     parser.add_argument(
         "--sidecar-nice",
         type=int,
@@ -170,10 +214,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the sidecars' --nice (default 10, as `snapshotd serve`; 0: the ranks' priority)",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the ranks train")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="saturated: torch threads per rank (default 1; headroom: 1)")  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=1, help="saturated: torch threads per rank (default 1; headroom: 1)"
+    )
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)")  # fmt: skip
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for the whole job (default 600)"
+    )
 
 
 def _block_steps(args: argparse.Namespace, interval: int) -> int:
@@ -284,9 +331,24 @@ def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, in
     plan = _plan(args)
     total = sum(k for _, _, k in plan)
     extra = ("--max-rate", args.max_rate) if args.max_rate else ()
-    flags = ["--steps", str(total), "--params", str(args.params), "--batch", str(args.batch),
-             "--threads", str(args.threads), "--device", args.device, "--no-digest", "--plan", json.dumps(plan),
-             "--every", str(args.every), *(["--replicated"] if args.replicated else [])]  # fmt: skip
+    flags = [
+        "--steps",
+        str(total),
+        "--params",
+        str(args.params),
+        "--batch",
+        str(args.batch),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+        "--no-digest",
+        "--plan",
+        json.dumps(plan),
+        "--every",
+        str(args.every),
+        *(["--replicated"] if args.replicated else []),
+    ]
     if any(name in _SUMMARY_RATIO for name, _, _ in plan):
         flags += ["--ckpt-dir", os.path.join(workdir, "checkpoints")]
     with LocalCluster(workdir, replicas=1, heartbeat_interval=0.5, heartbeat_timeout=5.0) as cluster:
@@ -301,8 +363,13 @@ def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, in
         try:
             with progress(unit="steps") as bar:
                 task = bar.add_task("overhead steps", total=total)
-                results = run_ranks(workdir, args.ranks, flags, timeout=args.timeout,
-                                    on_progress=lambda n: bar.update(task, completed=n))  # fmt: skip
+                results = run_ranks(
+                    workdir,
+                    args.ranks,
+                    flags,
+                    timeout=args.timeout,
+                    on_progress=lambda n: bar.update(task, completed=n),
+                )
         finally:
             sampler.stop()
             shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
@@ -314,7 +381,9 @@ def _measure(args: argparse.Namespace, workdir: str) -> tuple[dict[tuple[str, in
             whole = {}
             break
         whole[node] = (end[0] - start[0], end[1] - start[1])
-    sidecar_cpu = _attribute(sampler, results[0]["blocks"], whole) if whole else SidecarCpu({}, (0.0, 0.0), (0.0, 0.0))
+    sidecar_cpu = (
+        _attribute(sampler, results[0]["blocks"], whole) if whole else SidecarCpu({}, (0.0, 0.0), (0.0, 0.0))
+    )
     out: dict[tuple[str, int], Blocks] = {}
     for i, (name, interval, steps) in enumerate(plan):
         ranks = []
@@ -487,11 +556,15 @@ def _device_to_host_Bps(nbytes: int, tries: int) -> float:
     return nbytes / best
 
 
-def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+def _scenario(
+    args: argparse.Namespace, scenario: str, workdir: str
+) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
     """Measure ``scenario``: its rows, its summary (keys without the scenario's prefix), state bytes per rank."""
     shaped = _shaped(args, scenario)
     measured, state_bytes, sidecar_cpu = _measure(shaped, os.path.join(workdir, scenario))
-    rows = [_row(scenario, name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()]
+    rows = [
+        _row(scenario, name, interval, blocks, args.warmup) for (name, interval), blocks in measured.items()
+    ]
     snap_runs = measured.get(("snapshotd", plan_interval(args.every)), [])
     snap_steps = sum(ranks[0]["steps"] for ranks in snap_runs)
     none = next(r for r in rows if r["variant"] == "none")
@@ -501,28 +574,43 @@ def _scenario(args: argparse.Namespace, scenario: str, workdir: str) -> tuple[li
         if row["variant"] == "snapshotd" and sidecar_cpu.total and snap_steps:
             row["sidecar_cpu_ms"] = sum(sidecar_cpu.snapshots) / snap_steps * 1e3
     out: dict[str, Any] = {
-        "ranks": shaped.ranks, "threads": shaped.threads, "step_ratio": None, "mean_ratio": None,
-        "capture_ms_median": None, "fence_ms_median": None,
+        "ranks": shaped.ranks,
+        "threads": shaped.threads,
+        "step_ratio": None,
+        "mean_ratio": None,
+        "capture_ms_median": None,
+        "fence_ms_median": None,
         "snapshots_durable": sum(r["durable"] for ranks in snap_runs for r in ranks),
         "snapshots_skipped": sum(r["skipped"] for ranks in snap_runs for r in ranks),
-        "cpu_ms_per_snapshot": None, "rank_cpu_ms_per_snapshot": None, "sidecar_user_ms_per_snapshot": None,
-        "sidecar_system_ms_per_snapshot": None, "torch_save_ratio": None, "dcp_async_ratio": None,
+        "cpu_ms_per_snapshot": None,
+        "rank_cpu_ms_per_snapshot": None,
+        "sidecar_user_ms_per_snapshot": None,
+        "sidecar_system_ms_per_snapshot": None,
+        "torch_save_ratio": None,
+        "dcp_async_ratio": None,
         "staging_Bps": None,
         # per node, over the whole job: A sends, B receives
         "sidecar_cpu_seconds": {node: sum(times) for node, times in sidecar_cpu.total.items()},
         "sidecar_idle_cores": sum(sidecar_cpu.idle) if sidecar_cpu.total else None,
-    }  # fmt: skip
+    }
     if snap_runs:
         snap = next(r for r in rows if r["variant"] == "snapshotd")
-        out.update(step_ratio=snap["step_ratio"], mean_ratio=snap["mean_ratio"],
-                   capture_ms_median=float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3,
-                   fence_ms_median=float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3)  # fmt: skip
+        out.update(
+            step_ratio=snap["step_ratio"],
+            mean_ratio=snap["mean_ratio"],
+            capture_ms_median=float(np.median(_pooled(snap_runs, "capture_times", args.warmup))) * 1e3,
+            fence_ms_median=float(np.median(_pooled(snap_runs, "fence_times", args.warmup))) * 1e3,
+        )
         started = sum(r["started"] for ranks in snap_runs for r in ranks)
         if sidecar_cpu.total and started:  # the ranks' extra CPU over none (all ranks), plus both sidecars'
             rank = max(0.0, snap["rank_cpu_mean_ms"] - none["rank_cpu_mean_ms"]) * snap_steps / started
             user, system = (seconds * 1e3 / started for seconds in sidecar_cpu.snapshots)
-            out.update(cpu_ms_per_snapshot=rank + user + system, rank_cpu_ms_per_snapshot=rank,
-                       sidecar_user_ms_per_snapshot=user, sidecar_system_ms_per_snapshot=system)  # fmt: skip
+            out.update(
+                cpu_ms_per_snapshot=rank + user + system,
+                rank_cpu_ms_per_snapshot=rank,
+                sidecar_user_ms_per_snapshot=user,
+                sidecar_system_ms_per_snapshot=system,
+            )
         copied = sum(r["copy_seconds"] for ranks in snap_runs for r in ranks)
         if copied > 0:
             out["staging_Bps"] = sum(r["bytes"] for ranks in snap_runs for r in ranks) / copied
@@ -544,8 +632,10 @@ def run(args: argparse.Namespace) -> Report:
     if args.scenario == "node":
         return _run_node(args)
     scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
-    setup = (f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
-             f"share this machine's {os.cpu_count()} cores with the ranks")  # fmt: skip
+    setup = (
+        f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
+        f"share this machine's {os.cpu_count()} cores with the ranks"
+    )
     print(f"overhead: {setup}", flush=True)
     load = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
@@ -563,9 +653,19 @@ def run(args: argparse.Namespace) -> Report:
     summary: dict[str, Any] = {
         "scenario": scenarios[0],
         "state_bytes_per_rank": state_bytes,
-        **{key: head[key] for key in ("step_ratio", "mean_ratio", "capture_ms_median", "fence_ms_median",
-                                      "snapshots_durable", "snapshots_skipped", "torch_save_ratio",
-                                      "dcp_async_ratio")},  # fmt: skip
+        **{
+            key: head[key]
+            for key in (
+                "step_ratio",
+                "mean_ratio",
+                "capture_ms_median",
+                "fence_ms_median",
+                "snapshots_durable",
+                "snapshots_skipped",
+                "torch_save_ratio",
+                "dcp_async_ratio",
+            )
+        },
         "minimum_cpu_ms": minimum_ms,
         "minimum_copy_ms": minimum.copy_s * 1e3,
         "minimum_wire_ms": minimum.wire_s * 1e3,
@@ -578,27 +678,47 @@ def run(args: argparse.Namespace) -> Report:
         summary[f"{scenario}_skipped"] = figures["snapshots_skipped"]
         summary[f"{scenario}_cpu_ms_per_snapshot"] = figures["cpu_ms_per_snapshot"]
         per_snapshot = figures["cpu_ms_per_snapshot"]
-        summary[f"{scenario}_cpu_vs_minimum"] = per_snapshot / minimum_ms if per_snapshot and minimum_ms > 0 else None
-        for key in ("rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot",
-                    "staging_Bps"):  # fmt: skip
+        summary[f"{scenario}_cpu_vs_minimum"] = (
+            per_snapshot / minimum_ms if per_snapshot and minimum_ms > 0 else None
+        )
+        for key in (
+            "rank_cpu_ms_per_snapshot",
+            "sidecar_user_ms_per_snapshot",
+            "sidecar_system_ms_per_snapshot",
+            "staging_Bps",
+        ):
             summary[f"{scenario}_{key}"] = figures[key]
     config = {key: getattr(args, key) for key in _CONFIG_KEYS}
-    config.update(setup=setup, scenarios={k: {key: v[key] for key in ("ranks", "threads", "sidecar_cpu_seconds")}
-                                          for k, v in per.items()})  # fmt: skip
-    config["loadavg_1min"] = [load, os.getloadavg()[0]]  # before and after: other work on the machine skews all
+    config.update(
+        setup=setup,
+        scenarios={
+            k: {key: v[key] for key in ("ranks", "threads", "sidecar_cpu_seconds")} for k, v in per.items()
+        },
+    )
+    config["loadavg_1min"] = [
+        load,
+        os.getloadavg()[0],
+    ]  # before and after: other work on the machine skews all
     return Report("overhead", config, rows, summary, columns=list(_COLUMNS))
 
 
 def _run_node(args: argparse.Namespace) -> Report:
-    setup = (f"{args.ranks} rank(s) on node A snapshotting back to back, each streamed to node B (replicas=1, "
-             f"loopback TCP); {os.cpu_count()} cores")  # fmt: skip
+    setup = (
+        f"{args.ranks} rank(s) on node A snapshotting back to back, each streamed to node B (replicas=1, "
+        f"loopback TCP); {os.cpu_count()} cores"
+    )
     print(f"overhead: {setup}", flush=True)
     with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
         rows, summary = run_node(args, workdir)
     config = {key: getattr(args, key) for key in _CONFIG_KEYS}
     config.update(setup=setup)
-    return Report("overhead", config, rows, summary, columns=["scenario", "variant", "runs", "moved_per_step_bytes",
-                                                              "moved_to"])  # fmt: skip
+    return Report(
+        "overhead",
+        config,
+        rows,
+        summary,
+        columns=["scenario", "variant", "runs", "moved_per_step_bytes", "moved_to"],
+    )
 
 
 def plot(report: Report, path: str) -> None:
@@ -607,7 +727,10 @@ def plot(report: Report, path: str) -> None:
     from matplotlib.figure import Figure
 
     rows = report.results
-    labels = [f"{r.get('scenario', '')} {r['variant']}" + (f" N={r['interval']}" if r.get("interval") else "") for r in rows]
+    labels = [
+        f"{r.get('scenario', '')} {r['variant']}" + (f" N={r['interval']}" if r.get("interval") else "")
+        for r in rows
+    ]
     fig = Figure(figsize=(8.0, 7.0), dpi=100)
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1)
@@ -629,7 +752,9 @@ def plot(report: Report, path: str) -> None:
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize="small")
     cfg = report.config
-    fig.suptitle(f"snapshotd-bench overhead: {cfg.get('scenario')}, {cfg.get('params', 0) / 1e6:.1f}M params, "
-                 f"{cfg.get('device')}")  # fmt: skip
+    fig.suptitle(
+        f"snapshotd-bench overhead: {cfg.get('scenario')}, {cfg.get('params', 0) / 1e6:.1f}M params, "
+        f"{cfg.get('device')}"
+    )
     fig.tight_layout()
     fig.savefig(path, format="png")

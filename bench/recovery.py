@@ -99,16 +99,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``recovery`` subcommand's flags."""
     parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="rank state (default 1GiB)")
     parser.add_argument("--tensors", type=int, default=4, help="float32 tensors holding it (default 4)")
-    parser.add_argument("--interval", type=_int_list, default=[10, 100],
-                        help="checkpoint-restart baselines: checkpoint every N steps (default 10,100)")  # fmt: skip
-    parser.add_argument("--step-seconds", type=float, default=1.0,
-                        help="training step time for the lost-work rows (default 1.0)")  # fmt: skip
-    parser.add_argument("--restart-seconds", type=float, default=0.0,
-                        help="launcher relaunch time, charged to both (default 0: not counted)")  # fmt: skip
+    parser.add_argument(
+        "--interval",
+        type=_int_list,
+        default=[10, 100],
+        help="checkpoint-restart baselines: checkpoint every N steps (default 10,100)",
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=1.0,
+        help="training step time for the lost-work rows (default 1.0)",
+    )
+    parser.add_argument(
+        "--restart-seconds",
+        type=float,
+        default=0.0,
+        help="launcher relaunch time, charged to both (default 0: not counted)",
+    )
     parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 4MiB)")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="restores (each a fresh replacement node) and torchft transfers timed; medians are "
-                             "reported (default 3)")  # fmt: skip
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="restores (each a fresh replacement node) and torchft transfers timed; medians are "
+        "reported (default 3)",
+    )
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per phase (default 300)")
 
@@ -126,7 +142,9 @@ def make_state(size: int, parts: int, *, seed: int = 0) -> list[Any]:
 
     n = size // 4
     if size < 4 or size % 4 or not 1 <= parts <= n:
-        raise ValueError(f"need a positive size that is a multiple of 4 and 1 <= tensors <= size/4, got {size}, {parts}")
+        raise ValueError(
+            f"need a positive size that is a multiple of 4 and 1 <= tensors <= size/4, got {size}, {parts}"
+        )
     gen = torch.Generator().manual_seed(seed)
     return [torch.rand(n // parts + (i < n % parts), generator=gen) for i in range(parts)]
 
@@ -213,14 +231,28 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
     """The three steps of the module docstring; the measurements and the restore driver's report."""
     job = f"recovery-{uuid.uuid4().hex[:8]}"
     flags = ["--chunk", args.chunk] if args.chunk else []
-    common = ["--job", job, "--size", str(args.size), "--tensors", str(args.tensors), "--timeout", str(args.timeout)]
-    with LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5,
-                      env={"SNAPSHOTD_SECRET": ""}) as cluster, contextlib.ExitStack() as roles:  # fmt: skip
+    common = [
+        "--job",
+        job,
+        "--size",
+        str(args.size),
+        "--tensors",
+        str(args.tensors),
+        "--timeout",
+        str(args.timeout),
+    ]
+    with (
+        LocalCluster(
+            workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5, env={"SNAPSHOTD_SECRET": ""}
+        ) as cluster,
+        contextlib.ExitStack() as roles,
+    ):
         cluster.start_coordinator()
         addr = cluster.coordinator_addr
         # Both ranks start now (torch import, state allocation) and wait for a go line before the sidecar.
-        rank_b = roles.enter_context(_role(workdir, "snapshot", [*common, "--sidecar", cluster.ipc_path("B")],
-                                           node_loss=True))  # fmt: skip
+        rank_b = roles.enter_context(
+            _role(workdir, "snapshot", [*common, "--sidecar", cluster.ipc_path("B")], node_loss=True)
+        )
         rank_r = roles.enter_context(_role(workdir, "restore", [*common, "--sidecar", cluster.ipc_path("R")]))
         for node in ("A", "B", "C"):
             cluster.start_sidecar(node, *flags)
@@ -235,8 +267,13 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
         wait_for(lambda: _copies(addr, job) >= 2, args.timeout, "re-replication back to two copies")
         re_replication = time.monotonic() - t_fail
         holders = _copies(addr, job)
-        log.info("node B (step %d) declared dead after %.2f s, %d copies again after %.2f s", snap["step"],
-                 detection, holders, re_replication)  # fmt: skip
+        log.info(
+            "node B (step %d) declared dead after %.2f s, %d copies again after %.2f s",
+            snap["step"],
+            detection,
+            holders,
+            re_replication,
+        )
         phase_done()
         cluster.start_sidecar("R", *flags)
         restores = [_timed_restore(cluster, "R", rank_r, args.timeout)]
@@ -251,14 +288,24 @@ def _node_loss(workdir: str, args: argparse.Namespace, phase_done: Callable[[], 
                 raise RuntimeError(f"sidecar {name} exited during the run; log:\n{cluster.tail(p)}")
     for restored in restores:
         if restored["digest"] != snap["digest"] or restored["step"] != snap["step"]:
-            raise RuntimeError(f"restored step {restored['step']} digest {restored['digest']}, but step "
-                               f"{snap['step']} digest {snap['digest']} was snapshotted")  # fmt: skip
+            raise RuntimeError(
+                f"restored step {restored['step']} digest {restored['digest']}, but step "
+                f"{snap['step']} digest {snap['digest']} was snapshotted"
+            )
     middle = sorted(restores, key=lambda r: r["seconds"])[(len(restores) - 1) // 2]  # the median restore
     spread = (min(r["seconds"] for r in restores), max(r["seconds"] for r in restores))
-    return {"detection": detection, "re_replication": re_replication, "holders": holders, "spread": spread, **middle}
+    return {
+        "detection": detection,
+        "re_replication": re_replication,
+        "holders": holders,
+        "spread": spread,
+        **middle,
+    }
 
 
-def _timed_restore(cluster: LocalCluster, node: str, rank: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+def _timed_restore(
+    cluster: LocalCluster, node: str, rank: subprocess.Popen[bytes], timeout: float
+) -> dict[str, Any]:
     """Let the restore rank ``rank`` (waiting on ``node``, whose sidecar is ready) restore; its result, with
     ``cpu``: the CPU seconds the rank spent in ``restore()``, its sidecar and the other sidecars (the holders,
     and nodes that only heartbeat) over the restore and the rank's report after it."""
@@ -270,8 +317,11 @@ def _timed_restore(cluster: LocalCluster, node: str, rank: subprocess.Popen[byte
         start, end = before[name], process_cpu_seconds(pid)
         if start is not None and end is not None:
             spent[name] = end - start
-    result["cpu"] = {"rank": result["cpu_seconds"], "sidecar": spent.get(node, 0.0),
-                     "other_sidecars": sum(v for name, v in spent.items() if name != node)}  # fmt: skip
+    result["cpu"] = {
+        "rank": result["cpu_seconds"],
+        "sidecar": spent.get(node, 0.0),
+        "other_sidecars": sum(v for name, v in spent.items() if name != node),
+    }
     return result
 
 
@@ -304,30 +354,71 @@ def run(args: argparse.Namespace) -> Report:
     pulled, cpu = loss["restored"], loss["cpu"]
     cpu_total = cpu["rank"] + cpu["sidecar"] + cpu["other_sidecars"]
     rows: list[dict[str, Any]] = [
-        {"path": f"snapshotd restore ({pulled['source']})", "time_seconds": restore, "state_bytes": size,
-         "rate_Bps": size / restore, "note": f"{format_bytes(pulled['bytes_pulled'])} pulled from {loss['holders']} "
-         f"live holders; sidecar share {pulled['seconds']:.2f} s; CPU: rank {cpu['rank']:.2f} s, its sidecar "
-         f"{cpu['sidecar']:.2f} s, the others {cpu['other_sidecars']:.2f} s{_median_of(args.repeat, loss['spread'])}"},
-        {"path": "torch.load, local disk (cold)", "time_seconds": load, "state_bytes": size, "rate_Bps": size / load,
-         "note": f"file {format_bytes(disk['file_bytes'])} dropped from the page cache; save took {disk['save_seconds']:.2f} s"},
-        {"path": "torch.load, page cache (warm)", "time_seconds": disk["warm_seconds"], "state_bytes": size,
-         "rate_Bps": size / disk["warm_seconds"], "note": "the same file, read again"},
-        {"path": "raw TCP socket, loopback", "time_seconds": size / raw, "state_bytes": size, "rate_Bps": raw,
-         "note": "two processes, sendall / recv_into, one 1 MiB buffer each (in cache), median of 3"},
-        {"path": "raw TCP socket, loopback, state to state", "time_seconds": size / raw_state, "state_bytes": size,
-         "rate_Bps": raw_state, "note": "the same, from and into buffers of the state's size, median of 3"},
-        {"path": "torchft HTTPTransport", "time_seconds": torchft, "state_bytes": size,
-         "rate_Bps": size / torchft if torchft else None,
-         "note": f"recv_checkpoint, process to process{_median_of(args.repeat, (min(torchft_each), max(torchft_each)))}"
-         if torchft_each else "torchft not installed; skipped"},
-    ]  # fmt: skip
+        {
+            "path": f"snapshotd restore ({pulled['source']})",
+            "time_seconds": restore,
+            "state_bytes": size,
+            "rate_Bps": size / restore,
+            "note": f"{format_bytes(pulled['bytes_pulled'])} pulled from {loss['holders']} "
+            f"live holders; sidecar share {pulled['seconds']:.2f} s; CPU: rank {cpu['rank']:.2f} s, its sidecar "
+            f"{cpu['sidecar']:.2f} s, the others {cpu['other_sidecars']:.2f} s{_median_of(args.repeat, loss['spread'])}",
+        },
+        {
+            "path": "torch.load, local disk (cold)",
+            "time_seconds": load,
+            "state_bytes": size,
+            "rate_Bps": size / load,
+            "note": f"file {format_bytes(disk['file_bytes'])} dropped from the page cache; save took {disk['save_seconds']:.2f} s",
+        },
+        {
+            "path": "torch.load, page cache (warm)",
+            "time_seconds": disk["warm_seconds"],
+            "state_bytes": size,
+            "rate_Bps": size / disk["warm_seconds"],
+            "note": "the same file, read again",
+        },
+        {
+            "path": "raw TCP socket, loopback",
+            "time_seconds": size / raw,
+            "state_bytes": size,
+            "rate_Bps": raw,
+            "note": "two processes, sendall / recv_into, one 1 MiB buffer each (in cache), median of 3",
+        },
+        {
+            "path": "raw TCP socket, loopback, state to state",
+            "time_seconds": size / raw_state,
+            "state_bytes": size,
+            "rate_Bps": raw_state,
+            "note": "the same, from and into buffers of the state's size, median of 3",
+        },
+        {
+            "path": "torchft HTTPTransport",
+            "time_seconds": torchft,
+            "state_bytes": size,
+            "rate_Bps": size / torchft if torchft else None,
+            "note": f"recv_checkpoint, process to process{_median_of(args.repeat, (min(torchft_each), max(torchft_each)))}"
+            if torchft_each
+            else "torchft not installed; skipped",
+        },
+    ]
     fixed = loss["detection"] + args.restart_seconds
-    rows.append({"path": "failure: snapshotd", "lost_steps": 1, "wasted_seconds": fixed + restore + args.step_seconds,
-                 "note": "detection + restart + restore + one step (the usual loss; see the bound)"})  # fmt: skip
+    rows.append(
+        {
+            "path": "failure: snapshotd",
+            "lost_steps": 1,
+            "wasted_seconds": fixed + restore + args.step_seconds,
+            "note": "detection + restart + restore + one step (the usual loss; see the bound)",
+        }
+    )
     for n in args.interval:
-        rows.append({"path": f"failure: checkpoint every {n}", "lost_steps": n / 2,
-                     "wasted_seconds": fixed + load + n / 2 * args.step_seconds,
-                     "note": "detection + restart + torch.load + half an interval recomputed"})  # fmt: skip
+        rows.append(
+            {
+                "path": f"failure: checkpoint every {n}",
+                "lost_steps": n / 2,
+                "wasted_seconds": fixed + load + n / 2 * args.step_seconds,
+                "note": "detection + restart + torch.load + half an interval recomputed",
+            }
+        )
     summary: dict[str, Any] = {
         "state_bytes": size,
         "detection_seconds": loss["detection"],
@@ -354,9 +445,14 @@ def run(args: argparse.Namespace) -> Report:
     if torchft is not None:
         summary["torchft_seconds"] = torchft
         summary["torchft_ratio"] = torchft / restore
-    config = {k: getattr(args, k) for k in ("size", "tensors", "interval", "step_seconds", "restart_seconds", "repeat", "chunk")}
-    config["setup"] = ("coordinator + sidecars A, B, C, R on one machine (loopback TCP, plaintext); rank 0 on B; "
-                       "B killed; R (and with --repeat, R2, R3, ...) restores from the live holders")  # fmt: skip
+    config = {
+        k: getattr(args, k)
+        for k in ("size", "tensors", "interval", "step_seconds", "restart_seconds", "repeat", "chunk")
+    }
+    config["setup"] = (
+        "coordinator + sidecars A, B, C, R on one machine (loopback TCP, plaintext); rank 0 on B; "
+        "B killed; R (and with --repeat, R2, R3, ...) restores from the live holders"
+    )
     return Report("recovery", config, rows, summary, columns=list(_COLUMNS))
 
 
@@ -368,8 +464,10 @@ def plot(report: Report, path: str) -> None:
     fig = Figure(figsize=(8.0, 6.5), dpi=100)
     FigureCanvasAgg(fig)
     top, bottom = fig.subplots(2, 1)
-    for ax, key, title in ((top, "time_seconds", "time to get the rank's state back"),
-                           (bottom, "wasted_seconds", "expected time lost per failure")):  # fmt: skip
+    for ax, key, title in (
+        (top, "time_seconds", "time to get the rank's state back"),
+        (bottom, "wasted_seconds", "expected time lost per failure"),
+    ):
         rows = [r for r in report.results if r.get(key) is not None]
         ax.barh(range(len(rows)), [r[key] for r in rows])
         ax.set_yticks(range(len(rows)), [r["path"] for r in rows])
@@ -389,7 +487,9 @@ def plot(report: Report, path: str) -> None:
 
 
 @contextlib.contextmanager
-def _role(workdir: str, role: str, argv: list[str], *, node_loss: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+def _role(
+    workdir: str, role: str, argv: list[str], *, node_loss: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
     """Start ``python -m snapshotd.bench.recovery ROLE ARGV`` (stderr to a log), yield it, then close its stdin
     and wait up to 60 s for its exit (it is killed when the block raised or it does not exit).
 
@@ -402,8 +502,13 @@ def _role(workdir: str, role: str, argv: list[str], *, node_loss: bool = False) 
     log_path = os.path.join(workdir, f"{role}-{uuid.uuid4().hex[:4]}.log")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", __name__, role, *argv], stdout=subprocess.PIPE,
-                                stderr=err, stdin=subprocess.PIPE, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, role, *argv],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.PIPE,
+            env=env,
+        )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         yield proc
@@ -477,8 +582,15 @@ def _snapshot_role(args: argparse.Namespace) -> dict[str, Any]:
     tensors = make_state(args.size, args.tensors)
     deadline = time.monotonic() + args.timeout
     _await_go(deadline)
-    with Snapshotter({"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar,
-                     when_busy="block", timeout=args.timeout) as snap:  # fmt: skip
+    with Snapshotter(
+        {"tensors": tensors},
+        job=args.job,
+        rank=0,
+        world_size=1,
+        sidecar=args.sidecar,
+        when_busy="block",
+        timeout=args.timeout,
+    ) as snap:
         if snap.restore(timeout=args.timeout) != 0:
             raise RuntimeError(f"job {args.job} already has a snapshot: use a fresh job name")
         step = 0
@@ -503,14 +615,20 @@ def _restore_role(args: argparse.Namespace) -> dict[str, Any]:
     n, parts = args.size // 4, args.tensors
     tensors = [torch.full((n // parts + (i < n % parts),), 0.0) for i in range(parts)]  # make_state's shapes
     _await_go(time.monotonic() + args.timeout)
-    with Snapshotter({"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar,
-                     timeout=args.timeout) as snap:  # fmt: skip
+    with Snapshotter(
+        {"tensors": tensors}, job=args.job, rank=0, world_size=1, sidecar=args.sidecar, timeout=args.timeout
+    ) as snap:
         t0, cpu0 = time.perf_counter(), time.process_time()
         step = snap.restore(timeout=args.timeout)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
         restored = dict(snap.restored)
-    return {"step": step, "seconds": seconds, "cpu_seconds": cpu_seconds, "restored": restored,
-            "digest": state_digest(tensors)}  # fmt: skip
+    return {
+        "step": step,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "restored": restored,
+        "digest": state_digest(tensors),
+    }
 
 
 def _torchft_send(args: argparse.Namespace) -> dict[str, Any]:
@@ -543,8 +661,12 @@ def _emit(doc: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-_ROLES = {"snapshot": _snapshot_role, "restore": _restore_role, "torchft-send": _torchft_send,
-          "torchft-recv": _torchft_recv}  # fmt: skip
+_ROLES = {
+    "snapshot": _snapshot_role,
+    "restore": _restore_role,
+    "torchft-send": _torchft_send,
+    "torchft-recv": _torchft_recv,
+}
 
 
 def _main(argv: list[str] | None = None) -> int:

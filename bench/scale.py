@@ -93,10 +93,34 @@ __all__ = ["add_arguments", "plot", "run"]
 
 log = logging.getLogger(__name__)
 
-_COLUMNS = ["sidecars", "ranks", "heartbeats_per_s", "hb_interval_s", "hb_ratio", "hb_rtt_p50_ms", "hb_rtt_p99_ms",
-            "coordinator_cpu", "coordinator_py_cpu", "cpu_per_hb_us", "drivers_cpu", "status_ms", "up", "ramp_s",
-            "death_timeout_s", "freeze_s", "plan_p50_ms", "plan_p99_ms", "plan_max_ms", "plan_answer_ms",
-            "plan_samples", "plan_answered", "plan_wrong", "plan_waits", "timeouts", "reregistered"]  # fmt: skip
+_COLUMNS = [
+    "sidecars",
+    "ranks",
+    "heartbeats_per_s",
+    "hb_interval_s",
+    "hb_ratio",
+    "hb_rtt_p50_ms",
+    "hb_rtt_p99_ms",
+    "coordinator_cpu",
+    "coordinator_py_cpu",
+    "cpu_per_hb_us",
+    "drivers_cpu",
+    "status_ms",
+    "up",
+    "ramp_s",
+    "death_timeout_s",
+    "freeze_s",
+    "plan_p50_ms",
+    "plan_p99_ms",
+    "plan_max_ms",
+    "plan_answer_ms",
+    "plan_samples",
+    "plan_answered",
+    "plan_wrong",
+    "plan_waits",
+    "timeouts",
+    "reregistered",
+]
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _ANSWER_S = 30.0  # a simulator answers every command at once; this long means it is wedged
 _POLL_S = 0.25
@@ -111,18 +135,34 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``scale`` subcommand's flags."""
-    parser.add_argument("--sidecars", type=_int_list, default=[100, 1000, 10000],
-                        help="simulated sidecars, one run per value (default 100,1000,10000)")
+    parser.add_argument(
+        "--sidecars",
+        type=_int_list,
+        default=[100, 1000, 10000],
+        help="simulated sidecars, one run per value (default 100,1000,10000)",
+    )
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks each sidecar hosts (default 8)")
     parser.add_argument("--workers", type=int, default=4, help="simulator processes (default 4)")
-    parser.add_argument("--window", type=float, default=5.0, help="seconds of measured heartbeats (default 5)")
-    parser.add_argument("--settle", type=float, default=1.0, help="seconds after the ramp before measuring (1)")
-    parser.add_argument("--step-seconds", type=float, default=0.5,
-                        help="simulated training step time; inventories change every step (default 0.5)")
+    parser.add_argument(
+        "--window", type=float, default=5.0, help="seconds of measured heartbeats (default 5)"
+    )
+    parser.add_argument(
+        "--settle", type=float, default=1.0, help="seconds after the ramp before measuring (1)"
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.5,
+        help="simulated training step time; inventories change every step (default 0.5)",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds (default 0.5)")
     parser.add_argument("--heartbeat-timeout", type=float, default=3.0, help="seconds (default 3)")
-    parser.add_argument("--timeout", type=float, default=30.0,
-                        help="seconds the ramp and each plan phase may take before the run goes on (default 30)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        help="seconds the ramp and each plan phase may take before the run goes on (default 30)",
+    )
     parser.add_argument("--profile", metavar="PATH.prof", help="cProfile the coordinator (in a thread here)")
 
 
@@ -130,11 +170,26 @@ def run(args: argparse.Namespace) -> Report:
     """Run every N of ``args.sidecars`` in turn; see the module docstring for what each row means."""
     results = [asyncio.run(_one(n, args)) for n in args.sidecars]
     top = max(results, key=lambda r: r["sidecars"])
-    summary = {"sidecars": top["sidecars"], "heartbeats_per_s": top["heartbeats_per_s"],
-               "coordinator_cpu": top["coordinator_cpu"], "plan_ms_p99": top["plan_p99_ms"]}  # fmt: skip
-    config = {k: getattr(args, k) for k in ("sidecars", "ranks_per_node", "workers", "window", "settle",
-                                            "step_seconds", "heartbeat_interval", "heartbeat_timeout",
-                                            "profile")}  # fmt: skip
+    summary = {
+        "sidecars": top["sidecars"],
+        "heartbeats_per_s": top["heartbeats_per_s"],
+        "coordinator_cpu": top["coordinator_cpu"],
+        "plan_ms_p99": top["plan_p99_ms"],
+    }
+    config = {
+        k: getattr(args, k)
+        for k in (
+            "sidecars",
+            "ranks_per_node",
+            "workers",
+            "window",
+            "settle",
+            "step_seconds",
+            "heartbeat_interval",
+            "heartbeat_timeout",
+            "profile",
+        )
+    }
     return Report("scale", config, results, summary, columns=_COLUMNS)
 
 
@@ -165,11 +220,17 @@ def plot(report: Report, path: str) -> None:
     axes = fig.subplots(4, 1, sharex=True)
     panels: tuple[tuple[str, list[tuple[str | None, str]], tuple[float, str] | None], ...] = (
         ("heartbeats / s", [("heartbeats_per_s", "answered"), (None, "N / interval (keeping up)")], None),
-        ("coordinator CPU (cores)", [("coordinator_cpu", "process"), ("coordinator_py_cpu", "Python thread")],
-         (1.0, "one core")),
+        (
+            "coordinator CPU (cores)",
+            [("coordinator_cpu", "process"), ("coordinator_py_cpu", "Python thread")],
+            (1.0, "one core"),
+        ),
         ("heartbeat round trip (ms)", [("hb_rtt_p50_ms", "p50"), ("hb_rtt_p99_ms", "p99")], None),
-        ("plan latency (ms)", [("plan_p50_ms", "p50"), ("plan_p99_ms", "p99"),
-                                ("plan_answer_ms", "the coordinator's part")], (100.0, "goal: p99 < 100 ms")),
+        (
+            "plan latency (ms)",
+            [("plan_p50_ms", "p50"), ("plan_p99_ms", "p99"), ("plan_answer_ms", "the coordinator's part")],
+            (100.0, "goal: p99 < 100 ms"),
+        ),
     )
     for ax, (label, lines, goal) in zip(axes, panels, strict=True):
         log_y = label != "coordinator CPU (cores)"
@@ -179,7 +240,9 @@ def plot(report: Report, path: str) -> None:
             ax.plot(px, py, marker="o" if key else None, linestyle="-" if key else "--", label=name)
             missing += [f"{name}: N={n}" for n in xs if n not in px]
         if missing:
-            ax.text(0.01, 0.02, "not measured: " + ", ".join(missing), transform=ax.transAxes, fontsize="x-small")
+            ax.text(
+                0.01, 0.02, "not measured: " + ", ".join(missing), transform=ax.transAxes, fontsize="x-small"
+            )
         if goal is not None:
             ax.axhline(goal[0], color="tab:red", linewidth=0.8, linestyle=":", label=goal[1])
         ax.set_ylabel(label)
@@ -213,8 +276,9 @@ class _Worker:
             async with asyncio.timeout(timeout):
                 line = await self.proc.stdout.readline()
         except TimeoutError:
-            raise RuntimeError(f"simulator {self.first}+{self.count} did not answer in {timeout:g} s:\n"
-                               f"{self.tail()}") from None  # fmt: skip
+            raise RuntimeError(
+                f"simulator {self.first}+{self.count} did not answer in {timeout:g} s:\n{self.tail()}"
+            ) from None
         if not line:
             raise RuntimeError(f"simulator {self.first}+{self.count} exited:\n{self.tail()}")
         return json.loads(line)
@@ -247,7 +311,9 @@ class _ThreadCoordinator:
     def __init__(self, interval: float, timeout: float, prof_path: str) -> None:
         from snapshotd.coordinator.config import CoordinatorConfig
 
-        self.cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=interval, heartbeat_timeout=timeout)
+        self.cfg = CoordinatorConfig(
+            bind="tcp://127.0.0.1:0", heartbeat_interval=interval, heartbeat_timeout=timeout
+        )
         self.prof_path = prof_path
         self.endpoint = ""
         self.tid = 0
@@ -309,19 +375,24 @@ def _coordinator(args: argparse.Namespace, n: int, workdir: str, connections: in
     try:
         if args.profile:
             root, ext = os.path.splitext(args.profile)
-            inproc = _ThreadCoordinator(args.heartbeat_interval, args.heartbeat_timeout, f"{root}-{n}{ext or '.prof'}")
+            inproc = _ThreadCoordinator(
+                args.heartbeat_interval, args.heartbeat_timeout, f"{root}-{n}{ext or '.prof'}"
+            )
             try:
                 yield inproc.endpoint, {"thread": f"/proc/self/task/{inproc.tid}/stat"}
             finally:
                 inproc.close()
                 log.info("wrote %s", inproc.prof_path)
             return
-        cluster = LocalCluster(workdir, heartbeat_interval=args.heartbeat_interval,
-                               heartbeat_timeout=args.heartbeat_timeout)  # fmt: skip
+        cluster = LocalCluster(
+            workdir, heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout
+        )
         with cluster:
             proc = cluster.start_coordinator()
-            yield cluster.coordinator_addr, {"process": f"/proc/{proc.pid}/stat",
-                                             "thread": f"/proc/{proc.pid}/task/{proc.pid}/stat"}  # fmt: skip
+            yield (
+                cluster.coordinator_addr,
+                {"process": f"/proc/{proc.pid}/stat", "thread": f"/proc/{proc.pid}/task/{proc.pid}/stat"},
+            )
             code = cluster.stop(proc)
             if code != 0:
                 raise RuntimeError(f"the coordinator exited with {code}:\n{cluster.tail(proc)}")
@@ -332,11 +403,15 @@ def _coordinator(args: argparse.Namespace, n: int, workdir: str, connections: in
 async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
     nworkers = max(1, min(args.workers, n))
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    while hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard:  # each one's sockets fit
+    while (
+        hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard
+    ):  # each one's sockets fit
         nworkers += 1
     connections = n + 1 + nworkers * plan_sockets(-(-n // nworkers))
-    with tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir, \
-            _coordinator(args, n, workdir, connections) as (ep, stat):  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="snapshotd-scale-") as workdir,
+        _coordinator(args, n, workdir, connections) as (ep, stat),
+    ):
         workers: list[_Worker] = []
         try:
             for w in range(nworkers):
@@ -344,8 +419,14 @@ async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 log_path = os.path.join(workdir, f"sim-{w}.log")
                 with open(log_path, "wb") as err:
                     proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "snapshotd.bench.simsidecars", stdin=asyncio.subprocess.PIPE,
-                        stdout=asyncio.subprocess.PIPE, stderr=err, limit=1 << 26)  # fmt: skip
+                        sys.executable,
+                        "-m",
+                        "snapshotd.bench.simsidecars",
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE,
+                        stderr=err,
+                        limit=1 << 26,
+                    )
                 workers.append(_Worker(proc, log_path, first, count))
             return await _measure(n, args, ep, stat, workers)
         finally:
@@ -354,8 +435,9 @@ async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 log.warning("simulator exit codes %s", codes)
 
 
-async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
-                   workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
+async def _measure(
+    n: int, args: argparse.Namespace, ep: str, stat: dict[str, str], workers: list[_Worker]
+) -> dict[str, Any]:
     """Phases 1-5 of the module docstring against the coordinator at ``ep``; the result row."""
     row = await _heartbeats(n, args, ep, stat, workers)
     victim, stop_at = n // 2, time.monotonic()
@@ -373,21 +455,38 @@ async def _measure(n: int, args: argparse.Namespace, ep: str, stat: dict[str, st
     answer_s = rnd["answer_s"] if rnd is not None else None
     row["plan_answer_ms"] = round(answer_s * 1e3, 1) if answer_s is not None else math.nan
     last = await _all(workers, {"cmd": "mark"})
-    row.update(timeouts=sum(x["timeouts"] for x in last), reregistered=sum(x["reregistered"] for x in last),
-               plan_waits=sum(x["plan_waits"] for x in last))
+    row.update(
+        timeouts=sum(x["timeouts"] for x in last),
+        reregistered=sum(x["reregistered"] for x in last),
+        plan_waits=sum(x["plan_waits"] for x in last),
+    )
     return row
 
 
-async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str, str],
-                      workers: list[_Worker]) -> dict[str, Any]:  # fmt: skip
+async def _heartbeats(
+    n: int, args: argparse.Namespace, ep: str, stat: dict[str, str], workers: list[_Worker]
+) -> dict[str, Any]:
     """Start the simulated sidecars, wait for them to be up, and measure the heartbeat window."""
     interval = args.heartbeat_interval
     job, t0 = f"scale-{uuid.uuid4().hex[:6]}", time.monotonic()
     for w in workers:
-        await w.ask({"cmd": "start", "config": {
-            "coordinator": ep, "job": job, "first": w.first, "count": w.count, "total": n,
-            "ranks_per_node": args.ranks_per_node, "interval": interval, "step_seconds": args.step_seconds,
-            "t0": t0}}, _ANSWER_S)  # fmt: skip
+        await w.ask(
+            {
+                "cmd": "start",
+                "config": {
+                    "coordinator": ep,
+                    "job": job,
+                    "first": w.first,
+                    "count": w.count,
+                    "total": n,
+                    "ranks_per_node": args.ranks_per_node,
+                    "interval": interval,
+                    "step_seconds": args.step_seconds,
+                    "t0": t0,
+                },
+            },
+            _ANSWER_S,
+        )
     marks = await _until(workers, {"cmd": "mark"}, lambda ms: sum(m["up"] for m in ms) >= n, args.timeout)
     ramp_s, up = time.monotonic() - t0, sum(m["up"] for m in marks)
     log.info("%d sidecars: %d up after %.1f s", n, up, ramp_s)
@@ -408,16 +507,27 @@ async def _heartbeats(n: int, args: argparse.Namespace, ep: str, stat: dict[str,
     hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in pairs)
     drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in pairs)
     rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
-    rate = sum(m["rate"] for m in marks1)  # heartbeats/s the sidecars aim at, at the intervals they were given
+    rate = sum(
+        m["rate"] for m in marks1
+    )  # heartbeats/s the sidecars aim at, at the intervals they were given
     coord = cpu.get("process", cpu["thread"])
     log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, coord)
     return {
-        "sidecars": n, "ranks": n * args.ranks_per_node, "heartbeats_per_s": round(hb, 1),
-        "hb_interval_s": round(n / rate, 3) if rate else math.nan, "hb_ratio": round(hb / rate, 3) if rate else math.nan, "hb_rtt_p50_ms": _pct(rtts, 50), "hb_rtt_p99_ms": _pct(rtts, 99),
-        "coordinator_cpu": round(coord, 3), "coordinator_py_cpu": round(cpu["thread"], 3),
-        "cpu_per_hb_us": round(coord / hb * 1e6, 1) if hb else math.nan, "drivers_cpu": round(drivers, 3),
-        "status_ms": round(status_ms, 1), "up": up, "ramp_s": round(ramp_s, 2),
-    }  # fmt: skip
+        "sidecars": n,
+        "ranks": n * args.ranks_per_node,
+        "heartbeats_per_s": round(hb, 1),
+        "hb_interval_s": round(n / rate, 3) if rate else math.nan,
+        "hb_ratio": round(hb / rate, 3) if rate else math.nan,
+        "hb_rtt_p50_ms": _pct(rtts, 50),
+        "hb_rtt_p99_ms": _pct(rtts, 99),
+        "coordinator_cpu": round(coord, 3),
+        "coordinator_py_cpu": round(cpu["thread"], 3),
+        "cpu_per_hb_us": round(coord / hb * 1e6, 1) if hb else math.nan,
+        "drivers_cpu": round(drivers, 3),
+        "status_ms": round(status_ms, 1),
+        "up": up,
+        "ramp_s": round(ramp_s, 2),
+    }
 
 
 async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victim: int) -> dict[str, Any]:
@@ -426,25 +536,47 @@ async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victi
     await _all(workers, {"cmd": "ask", "spread": args.heartbeat_interval})
     await _until(workers, {"cmd": "plans"}, _all_answered(ranks), args.timeout)
     got = await _all(workers, {"cmd": "plans", "replies": True})
-    replies = [r for g in got for r in g["replies"]]  # [node, rank, answered at, status, step, local, sources]
+    replies = [
+        r for g in got for r in g["replies"]
+    ]  # [node, rank, answered at, status, step, local, sources]
     firsts = [g[k] for g in got for k in ("first_min", "first_max") if g[k] is not None]
     last_first = max(g["first_max"] for g in got if g["first_max"] is not None) if firsts else math.nan
     ms = np.asarray([(r[2] - last_first) * 1e3 for r in replies], dtype=float)
     if len(replies) < ranks:  # unanswered within the limit: the percentiles they reach are unknown
-        log.warning("%d sidecars: %d of %d ranks got no plan in %g s", n, ranks - len(replies), ranks, args.timeout)
+        log.warning(
+            "%d sidecars: %d of %d ranks got no plan in %g s", n, ranks - len(replies), ranks, args.timeout
+        )
         ms = np.append(ms, [math.inf] * (ranks - len(replies)))
     steps = {r[4] for r in replies}
-    wrong = [r for r in replies if r[3] != "ready" or len(steps) != 1 or data_addr(victim) in r[6]
-             or r[5] != (r[0] != n) or (r[0] == n and not r[6])]  # fmt: skip
+    wrong = [
+        r
+        for r in replies
+        if r[3] != "ready"
+        or len(steps) != 1
+        or data_addr(victim) in r[6]
+        or r[5] != (r[0] != n)
+        or (r[0] == n and not r[6])
+    ]
     if wrong:
-        log.warning("%d sidecars: %d plan answers are wrong, e.g. %s (the lost node is %s at %s; steps %s)", n,
-                    len(wrong), wrong[0], node_name(victim, n), data_addr(victim), sorted(steps))  # fmt: skip
+        log.warning(
+            "%d sidecars: %d plan answers are wrong, e.g. %s (the lost node is %s at %s; steps %s)",
+            n,
+            len(wrong),
+            wrong[0],
+            node_name(victim, n),
+            data_addr(victim),
+            sorted(steps),
+        )
     done = len(replies) == ranks and firsts
     return {
         "freeze_s": round(max(r[2] for r in replies) - min(firsts), 2) if done else math.nan,
-        "plan_p50_ms": _pct(ms, 50), "plan_p99_ms": _pct(ms, 99), "plan_max_ms": _pct(ms, 100),
-        "plan_samples": ranks, "plan_answered": len(replies), "plan_wrong": len(wrong),
-    }  # fmt: skip
+        "plan_p50_ms": _pct(ms, 50),
+        "plan_p99_ms": _pct(ms, 99),
+        "plan_max_ms": _pct(ms, 100),
+        "plan_samples": ranks,
+        "plan_answered": len(replies),
+        "plan_wrong": len(wrong),
+    }
 
 
 async def _status(ep: str) -> dict[str, Any]:
@@ -463,8 +595,9 @@ async def _all(workers: list[_Worker], cmd: dict[str, Any]) -> list[dict[str, An
     return list(await asyncio.gather(*(w.event(_ANSWER_S) for w in workers)))
 
 
-async def _until(workers: list[_Worker], cmd: dict[str, Any], done: Callable[[list[dict[str, Any]]], bool],
-                 limit: float) -> list[dict[str, Any]]:  # fmt: skip
+async def _until(
+    workers: list[_Worker], cmd: dict[str, Any], done: Callable[[list[dict[str, Any]]], bool], limit: float
+) -> list[dict[str, Any]]:
     """Ask every worker ``cmd`` every ``_POLL_S`` until ``done(answers)`` or ``limit`` s; the last answers."""
     end = time.monotonic() + limit
     while True:

@@ -58,15 +58,26 @@ from snapshotd import security
 from snapshotd.proto import FramePacker, Heartbeat, PlanReply, PlanRequest, RegisterSidecar, decode, encode
 
 __all__ = [
-    "FleetConfig", "HeartbeatFrames", "data_addr", "fds_needed", "main", "node_name", "plan_sockets", "raise_nofile",
-]  # fmt: skip
+    "FleetConfig",
+    "HeartbeatFrames",
+    "data_addr",
+    "fds_needed",
+    "main",
+    "node_name",
+    "plan_sockets",
+    "raise_nofile",
+]
 
 log = logging.getLogger(__name__)
 
-_CONNECT_BATCH = 100  # sockets connected per 0.1 s while ramping up: a gentle start, inside the listen backlog
+_CONNECT_BATCH = (
+    100  # sockets connected per 0.1 s while ramping up: a gentle start, inside the listen backlog
+)
 _FDS_PER_SOCKET = 2  # the TCP connection and the socket's mailbox (an eventfd)
 _PLAN_SHARE = 4  # simulated sidecars of a process that share one plan socket
-_WAIT = msgpack.packb("status") + msgpack.packb("wait")  # in a plan reply's header exactly when it says ``wait``
+_WAIT = msgpack.packb("status") + msgpack.packb(
+    "wait"
+)  # in a plan reply's header exactly when it says ``wait``
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -127,11 +138,21 @@ class HeartbeatFrames:
             ranks: ``[job, rank, world_size, pid, alive]`` per rank (the wire form of ``RankInfo``).
         """
         piece = self._packer.piece
-        return {"node": piece("node", node), "incarnation": piece("incarnation", incarnation),
-                "ranks": piece("ranks", ranks)}  # fmt: skip
+        return {
+            "node": piece("node", node),
+            "incarnation": piece("incarnation", incarnation),
+            "ranks": piece("ranks", ranks),
+        }
 
-    def frame(self, fixed: dict[str, bytes], changed: bool, inventory: list[list[Any]], bytes_out: int,
-              bytes_in: int, stored_bytes: int) -> bytes:  # fmt: skip
+    def frame(
+        self,
+        fixed: dict[str, bytes],
+        changed: bool,
+        inventory: list[list[Any]],
+        bytes_out: int,
+        bytes_in: int,
+        stored_bytes: int,
+    ) -> bytes:
         """A heartbeat of the sidecar of ``fixed`` (see :meth:`sidecar`): its ranks and ``inventory`` with
         ``changed``, neither without.
 
@@ -139,13 +160,18 @@ class HeartbeatFrames:
             inventory: ``[job, rank, step, local]`` per snapshot (the wire form of ``InventoryItem``).
         """
         piece = self._packer.piece
-        return self._packer.frame({
-            "node": fixed["node"], "incarnation": fixed["incarnation"], "changed": self._changed[changed],
-            "ranks": fixed["ranks"] if changed else self._no_ranks,
-            "inventory": piece("inventory", inventory) if changed else self._no_inventory,
-            "bytes_out": piece("bytes_out", bytes_out), "bytes_in": piece("bytes_in", bytes_in),
-            "stored_bytes": piece("stored_bytes", stored_bytes),
-        })  # fmt: skip
+        return self._packer.frame(
+            {
+                "node": fixed["node"],
+                "incarnation": fixed["incarnation"],
+                "changed": self._changed[changed],
+                "ranks": fixed["ranks"] if changed else self._no_ranks,
+                "inventory": piece("inventory", inventory) if changed else self._no_inventory,
+                "bytes_out": piece("bytes_out", bytes_out),
+                "bytes_in": piece("bytes_in", bytes_in),
+                "stored_bytes": piece("stored_bytes", stored_bytes),
+            }
+        )
 
 
 def raise_nofile(need: int) -> None:
@@ -192,14 +218,31 @@ class Fleet:
         self.world = cfg.total * cfg.ranks_per_node
         self.sims: dict[int, _Sim] = {}
         self.freeze_at = float("inf")
-        self.counts = dict.fromkeys(("hb_sent", "hb_replies", "changed_sent", "timeouts", "stale", "reregistered",
-                                     "tasks", "errors", "up", "plan_waits"), 0)  # fmt: skip
+        self.counts = dict.fromkeys(
+            (
+                "hb_sent",
+                "hb_replies",
+                "changed_sent",
+                "timeouts",
+                "stale",
+                "reregistered",
+                "tasks",
+                "errors",
+                "up",
+                "plan_waits",
+            ),
+            0,
+        )
         self.rtts: list[float] = []
         self.frames = HeartbeatFrames()
         self.plan_socks: dict[int, zmq.Socket[bytes]] = {}  # sidecar index // _PLAN_SHARE -> its plan socket
-        self.asked: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}  # (job, first rank) -> (node, ranks)
+        self.asked: dict[
+            tuple[str, int], tuple[int, tuple[int, ...]]
+        ] = {}  # (job, first rank) -> (node, ranks)
         self.first: list[float] = []  # when each rank of the round was first asked for
-        self.answers: list[tuple[int, float, bytes]] = []  # (node, answered at, reply header) of final answers
+        self.answers: list[
+            tuple[int, float, bytes]
+        ] = []  # (node, answered at, reply header) of final answers
         self.received = 0  # ranks answered
         self.unread: list[tuple[float, bytes]] = []  # (read at, header) of plan replies not looked at yet
         self._ramp: asyncio.Task[None] | None = None
@@ -266,7 +309,9 @@ class Fleet:
     def _register(self, sim: _Sim) -> None:
         sim.registered, sim.hb_sent = False, None
         name = node_name(sim.index, self.cfg.total)
-        self._send(sim.sock, sim, encode(RegisterSidecar(node=name, data_addr=data_addr(sim.index), incarnation="1")))
+        self._send(
+            sim.sock, sim, encode(RegisterSidecar(node=name, data_addr=data_addr(sim.index), incarnation="1"))
+        )
         self._arm(sim, _reply_timeout(sim), self._register)
 
     def _beat(self, sim: _Sim) -> None:
@@ -287,8 +332,14 @@ class Fleet:
                 inventory += [[job, r, s, False] for r in sim.backed for s in theirs]
             self.counts["changed_sent"] += 1
         nbytes = cfg.snapshot_bytes * step
-        header = self.frames.frame(sim.pieces, changed, inventory, nbytes * len(sim.own), nbytes * len(sim.backed),
-                                   2 * cfg.snapshot_bytes * len(sim.backed))  # fmt: skip
+        header = self.frames.frame(
+            sim.pieces,
+            changed,
+            inventory,
+            nbytes * len(sim.own),
+            nbytes * len(sim.backed),
+            2 * cfg.snapshot_bytes * len(sim.backed),
+        )
         sim.state, sim.hb_sent = (step, frozen), now
         self.counts["hb_sent"] += 1
         self._arm(sim, _reply_timeout(sim), self._timed_out)
@@ -368,8 +419,13 @@ class Fleet:
 
     def _ask(self, index: int, ranks: tuple[int, ...]) -> None:
         sock = self.plan_socks[index // _PLAN_SHARE]
-        msg = PlanRequest(job=self.cfg.job, rank=ranks[0], world_size=self.world, node=node_name(index, self.cfg.total),
-                          ranks=ranks[1:])  # fmt: skip
+        msg = PlanRequest(
+            job=self.cfg.job,
+            rank=ranks[0],
+            world_size=self.world,
+            node=node_name(index, self.cfg.total),
+            ranks=ranks[1:],
+        )
         sock.send_multipart(encode(msg), zmq.NOBLOCK)
         if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # the send may have eaten the FD's wake-up
             self._drain_plans(sock)
@@ -423,28 +479,43 @@ class Fleet:
         if name == "mark":
             rtts, self.rtts = self.rtts, []
             rate = sum(1.0 / s.interval for s in self.sims.values() if not s.silent)  # heartbeats/s expected
-            return {"event": "mark", "t": time.monotonic(), "cpu_s": time.process_time(), **self.counts, "rtts": rtts,
-                    "rate": rate}  # fmt: skip
+            return {
+                "event": "mark",
+                "t": time.monotonic(),
+                "cpu_s": time.process_time(),
+                **self.counts,
+                "rtts": rtts,
+                "rate": rate,
+            }
         if name == "freeze":
             self.freeze_at = cmd["at"]
             return {"event": "frozen"}
-        if name == "lose":  # silence the victim; the replacement (index total) hosts its ranks and holds nothing
+        if (
+            name == "lose"
+        ):  # silence the victim; the replacement (index total) hosts its ranks and holds nothing
             victim = self.sims[cmd["victim"]]
             victim.silent = True
             if victim.timer is not None:
                 victim.timer.cancel()
-            self._add(_Sim(self.cfg.total, self._socket(), list(victim.own), [], self.cfg.interval, holds=False))
+            self._add(
+                _Sim(self.cfg.total, self._socket(), list(victim.own), [], self.cfg.interval, holds=False)
+            )
             return {"event": "lost"}
         if name == "ask":  # every live sidecar (the replacement too) asks for all its ranks
             asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent]
             return {"event": "asking", "requests": self.ask(asks, cmd["spread"])}
-        if name == "plans":  # matching costs a decode per reply: while replies are still coming, only at the end
+        if (
+            name == "plans"
+        ):  # matching costs a decode per reply: while replies are still coming, only at the end
             if cmd.get("replies") or len(self.unread) >= len(self.asked):
                 self._read_plans()
-            out: dict[str, Any] = {"event": "plans", "received": self.received,
-                                   "left": sum(len(ranks) for _, ranks in self.asked.values()),
-                                   "first_min": min(self.first, default=None),
-                                   "first_max": max(self.first, default=None)}  # fmt: skip
+            out: dict[str, Any] = {
+                "event": "plans",
+                "received": self.received,
+                "left": sum(len(ranks) for _, ranks in self.asked.values()),
+                "first_min": min(self.first, default=None),
+                "first_max": max(self.first, default=None),
+            }
             if cmd.get("replies"):
                 out["replies"] = self._replies()
             return out

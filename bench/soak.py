@@ -53,8 +53,17 @@ from .report import Report, scratch_dir
 
 __all__ = ["FAULTS", "Soak", "add_arguments", "run"]
 
-FAULTS = ("node-kill", "rank-kill", "rank-term", "sidecar-kill", "sidecar-stop", "rank-stop", "coordinator-stop",
-          "coordinator-kill", "coordinator-in-recovery")  # fmt: skip
+FAULTS = (
+    "node-kill",
+    "rank-kill",
+    "rank-term",
+    "sidecar-kill",
+    "sidecar-stop",
+    "rank-stop",
+    "coordinator-stop",
+    "coordinator-kill",
+    "coordinator-in-recovery",
+)
 """The faults a trial draws from (see the module docstring)."""
 
 _HANGS = ("sidecar-stop", "rank-stop", "coordinator-stop", "coordinator-in-recovery")
@@ -91,14 +100,35 @@ class Soak:
         say: progress lines.
     """
 
-    def __init__(self, workdir: str, *, steps: int, params: int, step_delay: float, noise: bool, max_hang: float,
-                 say: Callable[[str], None], max_rate: str | None = None) -> None:  # fmt: skip
-        self.workdir, self.steps, self.params, self.step_delay, self.max_hang = workdir, steps, params, step_delay, max_hang
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        steps: int,
+        params: int,
+        step_delay: float,
+        noise: bool,
+        max_hang: float,
+        say: Callable[[str], None],
+        max_rate: str | None = None,
+    ) -> None:
+        self.workdir, self.steps, self.params, self.step_delay, self.max_hang = (
+            workdir,
+            steps,
+            params,
+            step_delay,
+            max_hang,
+        )
         self.sidecar_flags = ("--max-rate", max_rate) if max_rate else ()
         self.say = say
         launcher = command(NOISE) if noise else None
-        self.cluster = LocalCluster(workdir, replicas=1, heartbeat_interval=HEARTBEAT_INTERVAL,
-                                    heartbeat_timeout=HEARTBEAT_TIMEOUT, launcher=launcher)  # fmt: skip
+        self.cluster = LocalCluster(
+            workdir,
+            replicas=1,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+            launcher=launcher,
+        )
         self._names = (f"n{i}" for i in range(1 << 30))
         self.nodes: list[str] = []  # rank r runs on node nodes[r]
         self.endpoint = ""
@@ -149,8 +179,17 @@ class Soak:
 
     def _job(self, tag: str, job: str | None, *, linger: bool = False) -> TrainingJob:
         sidecars = {r: self.cluster.ipc_path(self.nodes[r]) for r in range(WORLD)}
-        j = TrainingJob(self.workdir, tag, world=WORLD, steps=self.steps, params=self.params, job=job,
-                        sidecars=sidecars, step_delay=self.step_delay, linger=linger)  # fmt: skip
+        j = TrainingJob(
+            self.workdir,
+            tag,
+            world=WORLD,
+            steps=self.steps,
+            params=self.params,
+            job=job,
+            sidecars=sidecars,
+            step_delay=self.step_delay,
+            linger=linger,
+        )
         self._jobs.append(j)
         return j
 
@@ -175,16 +214,30 @@ class Soak:
         fault = rng.choice(faults)
         if cycle:
             fault = faults[number % len(faults)]
-        return Trial(number, fault, rng.randrange(WORLD), rng.randint(2, max(2, self.steps // 4)),
-                     round(rng.uniform(0.3, self.max_hang), 2))  # fmt: skip
+        return Trial(
+            number,
+            fault,
+            rng.randrange(WORLD),
+            rng.randint(2, max(2, self.steps // 4)),
+            round(rng.uniform(0.3, self.max_hang), 2),
+        )
 
     def run_trial(self, trial: Trial) -> dict[str, Any]:
         """Run ``trial``; its table row (``passed``, ``steps_lost``, ``detection_s``, ``restore_s``, ``error``)."""
         self._heal()
-        row: dict[str, Any] = {"trial": trial.number, "fault": trial.fault, "rank": trial.target,
-                               "at_step": trial.at_step, "passed": False, "steps_lost": None, "stride": None,
-                               "hang_s": trial.hang if trial.fault in _HANGS else None, "detection_s": None,
-                               "restore_s": None, "error": ""}  # fmt: skip
+        row: dict[str, Any] = {
+            "trial": trial.number,
+            "fault": trial.fault,
+            "rank": trial.target,
+            "at_step": trial.at_step,
+            "passed": False,
+            "steps_lost": None,
+            "stride": None,
+            "hang_s": trial.hang if trial.fault in _HANGS else None,
+            "detection_s": None,
+            "restore_s": None,
+            "error": "",
+        }
         job = f"soak{trial.number}-{uuid.uuid4().hex[:6]}"
         try:
             row.update(self._trial(trial, job))
@@ -204,7 +257,9 @@ class Soak:
             raise RuntimeError(f"ranks exited {when} with codes {failed}; see {job.tag}-rank*.log")
 
     def _trial(self, trial: Trial, job: str) -> dict[str, Any]:
-        first = self._job(f"t{trial.number}a", job, linger=True)  # its ranks outlive their last step until killed
+        first = self._job(
+            f"t{trial.number}a", job, linger=True
+        )  # its ranks outlive their last step until killed
         r = trial.target
 
         def due() -> bool:
@@ -242,15 +297,24 @@ class Soak:
             elif fault == "coordinator-kill":
                 self._restart_coordinator()
             else:
-                target = {"sidecar-stop": self._sidecar(r).pid, "rank-stop": first.procs[r].pid,
-                          "coordinator-stop": self._coordinator().pid}[fault]  # fmt: skip
+                target = {
+                    "sidecar-stop": self._sidecar(r).pid,
+                    "rank-stop": first.procs[r].pid,
+                    "coordinator-stop": self._coordinator().pid,
+                }[fault]
                 os.kill(target, signal.SIGSTOP)
                 time.sleep(trial.hang)  # the fault itself: the process hangs this long
                 os.kill(target, signal.SIGCONT)
             # the job goes on for a step; then every rank crashes, so that the trial ends in a restore
             at = first.progress(0)
-            wait_for(lambda: first.progress(0) >= min(at + 1, self.steps) or any(p.poll() is not None for p in first.procs.values()),
-                       120, "a step after the fault")  # fmt: skip
+            wait_for(
+                lambda: (
+                    first.progress(0) >= min(at + 1, self.steps)
+                    or any(p.poll() is not None for p in first.procs.values())
+                ),
+                120,
+                "a step after the fault",
+            )
             self._check_alive(first, "after the fault")
             reached = max(first.progress(k) for k in range(WORLD))
             first.kill()
@@ -261,38 +325,67 @@ class Soak:
         stride = max(1, first.stride(list(range(WORLD))))
         results = second.wait(300)
         restored = {res["restored"]["step"] for res in results}
-        identical = all(res["digest"] == ref["digest"] and res["losses"] == {k: ref["losses"][k] for k in res["losses"]}
-                        for res, ref in zip(results, self.reference, strict=True))  # fmt: skip
+        identical = all(
+            res["digest"] == ref["digest"] and res["losses"] == {k: ref["losses"][k] for k in res["losses"]}
+            for res, ref in zip(results, self.reference, strict=True)
+        )
         lost = reached - min(restored)
-        out.update(steps_lost=lost, stride=stride, restore_s=max(res["restore_seconds"] for res in results),
-                   source="/".join(res["restored"]["source"] for res in results))  # fmt: skip
+        out.update(
+            steps_lost=lost,
+            stride=stride,
+            restore_s=max(res["restore_seconds"] for res in results),
+            source="/".join(res["restored"]["source"] for res in results),
+        )
         bound = max_steps_lost(stride)
         bounded = lost <= bound
         out["passed"] = len(restored) == 1 and identical and bounded
         if not out["passed"]:
-            out["error"] = (f"restored steps {sorted(restored)}; bit-identical: {identical}; {lost} steps lost at "
-                            f"stride {stride} (at most {bound})")  # fmt: skip
+            out["error"] = (
+                f"restored steps {sorted(restored)}; bit-identical: {identical}; {lost} steps lost at "
+                f"stride {stride} (at most {bound})"
+            )
         return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=100, help="trials to run (default 100)")
     p.add_argument("--seed", type=int, default=None, help="the draws' seed (default: drawn and printed)")
-    p.add_argument("--steps", type=int, default=30,
-                   help="steps of each run of the job: more than a hang lasts (default 30)")  # fmt: skip
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="steps of each run of the job: more than a hang lasts (default 30)",
+    )
     p.add_argument("--params", type=int, default=150_000, help="model parameters (default 150,000)")
-    p.add_argument("--step-delay", type=float, default=0.1,
-                   help="idle seconds per step, the accelerator's share (default 0.1)")  # fmt: skip
-    p.add_argument("--max-hang", type=float, default=2.5,
-                   help="the longest a stopped process stays stopped, seconds: past the death timeout, 1.5 s "
-                        "(default 2.5)")  # fmt: skip
-    p.add_argument("--noise", action=argparse.BooleanOptionalAction, default=True,
-                   help="also duplicate, delay and reorder daemon messages now and then (default on)")  # fmt: skip
-    p.add_argument("--faults", default=",".join(FAULTS), help="comma list of the faults to draw from (default all)")
+    p.add_argument(
+        "--step-delay",
+        type=float,
+        default=0.1,
+        help="idle seconds per step, the accelerator's share (default 0.1)",
+    )
+    p.add_argument(
+        "--max-hang",
+        type=float,
+        default=2.5,
+        help="the longest a stopped process stays stopped, seconds: past the death timeout, 1.5 s "
+        "(default 2.5)",
+    )
+    p.add_argument(
+        "--noise",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also duplicate, delay and reorder daemon messages now and then (default on)",
+    )
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help="comma list of the faults to draw from (default all)"
+    )
     p.add_argument("--cycle", action="store_true", help="take the faults in turn instead of drawing them")
-    p.add_argument("--max-rate", default=None,
-                   help="the sidecars' --max-rate (default auto); below what the snapshots need, the ranks skip "
-                        "snapshots and the bound on steps lost grows with their stride")  # fmt: skip
+    p.add_argument(
+        "--max-rate",
+        default=None,
+        help="the sidecars' --max-rate (default auto); below what the snapshots need, the ranks skip "
+        "snapshots and the bound on steps lost grows with their stride",
+    )
     p.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
 
 
@@ -301,7 +394,9 @@ def run(args: argparse.Namespace) -> Report:
     faults = tuple(args.faults.split(","))
     unknown = set(faults) - set(FAULTS)
     if unknown or args.steps < 8 or args.trials < 1:
-        raise SystemExit(f"snapshotd-bench soak: --faults from {','.join(FAULTS)}, --steps >= 8, --trials >= 1")
+        raise SystemExit(
+            f"snapshotd-bench soak: --faults from {','.join(FAULTS)}, --steps >= 8, --trials >= 1"
+        )
     if args.max_rate is not None:
         try:
             parse_rate(args.max_rate)
@@ -310,30 +405,70 @@ def run(args: argparse.Namespace) -> Report:
     print(f"snapshotd-bench soak: seed {seed}", flush=True)
     rows: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    with scratch_dir(args.workdir, prefix="snapshotd-soak-") as workdir, \
-            Soak(workdir, steps=args.steps, params=args.params, step_delay=args.step_delay, noise=args.noise,
-                 max_hang=args.max_hang, say=print, max_rate=args.max_rate) as soak:  # fmt: skip
+    with (
+        scratch_dir(args.workdir, prefix="snapshotd-soak-") as workdir,
+        Soak(
+            workdir,
+            steps=args.steps,
+            params=args.params,
+            step_delay=args.step_delay,
+            noise=args.noise,
+            max_hang=args.max_hang,
+            say=print,
+            max_rate=args.max_rate,
+        ) as soak,
+    ):
         for number in range(args.trials):
             trial = soak.draw(seed, number, faults, cycle=args.cycle)
             row = soak.run_trial(trial)
             rows.append(row)
-            print(f"  trial {number:3d} {trial.fault:<24} rank {trial.target} step {trial.at_step:2d}: "
-                  f"{'passed' if row['passed'] else 'FAILED ' + row['error']}", flush=True)
+            print(
+                f"  trial {number:3d} {trial.fault:<24} rank {trial.target} step {trial.at_step:2d}: "
+                f"{'passed' if row['passed'] else 'FAILED ' + row['error']}",
+                flush=True,
+            )
     passed = [r for r in rows if r["passed"]]
     lost = [r["steps_lost"] for r in passed]
     detection = [r["detection_s"] for r in rows if r["detection_s"] is not None]
     restore = [r["restore_s"] for r in passed]
     summary = {
-        "seed": seed, "trials": len(rows), "passed": len(passed),
-        "steps_lost_max": max(lost, default=None), "steps_lost_median": statistics.median(lost) if lost else None,
+        "seed": seed,
+        "trials": len(rows),
+        "passed": len(passed),
+        "steps_lost_max": max(lost, default=None),
+        "steps_lost_median": statistics.median(lost) if lost else None,
         "detection_s_median": statistics.median(detection) if detection else None,
         "detection_s_max": max(detection, default=None),
-        "restore_s_median": statistics.median(restore) if restore else None, "restore_s_max": max(restore, default=None),
-        "faults": {f: sum(1 for r in rows if r["fault"] == f) for f in FAULTS if any(r["fault"] == f for r in rows)},
+        "restore_s_median": statistics.median(restore) if restore else None,
+        "restore_s_max": max(restore, default=None),
+        "faults": {
+            f: sum(1 for r in rows if r["fault"] == f) for f in FAULTS if any(r["fault"] == f for r in rows)
+        },
         "seconds": time.monotonic() - t0,
-    }  # fmt: skip
-    config = {"trials": args.trials, "seed": seed, "steps": args.steps, "params": args.params, "cycle": args.cycle,
-              "step_delay": args.step_delay, "max_hang": args.max_hang, "noise": args.noise, "faults": list(faults)}  # fmt: skip
-    columns = ["trial", "fault", "rank", "at_step", "hang_s", "passed", "steps_lost", "stride", "detection_s", "restore_s",
-               "source", "error"]  # fmt: skip
+    }
+    config = {
+        "trials": args.trials,
+        "seed": seed,
+        "steps": args.steps,
+        "params": args.params,
+        "cycle": args.cycle,
+        "step_delay": args.step_delay,
+        "max_hang": args.max_hang,
+        "noise": args.noise,
+        "faults": list(faults),
+    }
+    columns = [
+        "trial",
+        "fault",
+        "rank",
+        "at_step",
+        "hang_s",
+        "passed",
+        "steps_lost",
+        "stride",
+        "detection_s",
+        "restore_s",
+        "source",
+        "error",
+    ]
     return Report("soak", config, rows, summary, columns=columns, passed=len(passed) == len(rows))

@@ -105,8 +105,17 @@ class TrialConfig:
     """Leave torch's shared rendezvous TCPStore on (without ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``), to see
     it fail."""
     model_args: tuple[str, ...] = (
-        "--width", "32", "--layers", "1", "--heads", "2", "--block", "32", "--batch", "32",
-    )  # fmt: skip
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--block",
+        "32",
+        "--batch",
+        "32",
+    )
     """The example's model and batch flags: a model of 15k parameters, 9 steps an epoch on 4 ranks."""
     step_delay: float = 0.1
     """The example's ``--step-delay``: idle seconds per step, the accelerator's share of a step on a GPU node,
@@ -257,11 +266,16 @@ def _read_outcome(
     if killed_at is not None:
         before = set()
         for rank in range(world):
-            before |= {e["pid"] for e in _read_jsonl(os.path.join(out, f"events-rank{rank}.jsonl"))
-                       if e["event"] == "start" and e["t"] < killed_at}  # fmt: skip
+            before |= {
+                e["pid"]
+                for e in _read_jsonl(os.path.join(out, f"events-rank{rank}.jsonl"))
+                if e["event"] == "start" and e["t"] < killed_at
+            }
         logged = (_read_jsonl(os.path.join(out, f"losses-rank{rank}.jsonl")) for rank in range(world))
-        last = [max((r for r in lines if r["pid"] in before), key=lambda r: int(r["step"]), default=None)
-                for lines in logged]  # each rank's last step before the kill
+        last = [
+            max((r for r in lines if r["pid"] in before), key=lambda r: int(r["step"]), default=None)
+            for lines in logged
+        ]  # each rank's last step before the kill
         result.reached = max((int(r["step"]) for r in last if r is not None), default=0)
         result.stride_at_loss = max((int(r.get("stride", 0)) for r in last if r is not None), default=0)
         restored_steps = {e.get("step") for e in restored.values()}
@@ -270,8 +284,13 @@ def _read_outcome(
     return result
 
 
-def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None,
-                    survivors: list[EmulatedNode], agents: list[EmulatedNode]) -> None:  # fmt: skip
+def _recovery_split(
+    result: TrialResult,
+    killed_at: float,
+    dead_at: float | None,
+    survivors: list[EmulatedNode],
+    agents: list[EmulatedNode],
+) -> None:
     """Fill ``result.milestones`` and ``result.split`` from the logs (see :attr:`TrialResult.split`)."""
     nan = float("nan")
     year = datetime.datetime.fromtimestamp(killed_at).year
@@ -296,8 +315,10 @@ def _recovery_split(result: TrialResult, killed_at: float, dead_at: float | None
         "workers_raised": max(raised, default=nan),
         "workers_failed": max(noticed, default=nan),
         "round": max(rounds, default=nan),
-        **{f"rank_{e}": max(new.get(e, [nan])) for e in ("start", "pg_ready", "built", "restored",
-                                                          "first_step")},  # fmt: skip
+        **{
+            f"rank_{e}": max(new.get(e, [nan]))
+            for e in ("start", "pg_ready", "built", "restored", "first_step")
+        },
     }
     result.milestones = m
     result.split = {
@@ -330,8 +351,9 @@ def _nodes_stopped(nodes: list[EmulatedNode]) -> Iterator[None]:
             raise RuntimeError("; ".join(errors))
 
 
-def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str, fail: bool,
-              node_names: list[str]) -> TrialResult:  # fmt: skip
+def run_trial(
+    cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str, fail: bool, node_names: list[str]
+) -> TrialResult:
     """Run the example under torchrun on ``cfg.nodes`` emulated nodes, losing one of them when ``fail``.
 
     Args:
@@ -359,8 +381,15 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
     if cfg.share_store:
         del env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]
     script = os.path.join(cfg.example_dir, "train.py")
-    script_args = [*cfg.model_args, "--steps", str(cfg.steps), "--step-delay", str(cfg.step_delay),
-                   "--out", out]  # fmt: skip
+    script_args = [
+        *cfg.model_args,
+        "--steps",
+        str(cfg.steps),
+        "--step-delay",
+        str(cfg.step_delay),
+        "--out",
+        out,
+    ]
     deadline = time.monotonic() + cfg.timeout
     store = None
     if cfg.store_on is None:
@@ -374,13 +403,33 @@ def run_trial(cluster: LocalCluster, workdir: str, cfg: TrialConfig, *, job: str
         def start(index: int) -> EmulatedNode:
             conf = cfg.rdzv_conf if cfg.store_on is None else _is_host(cfg.rdzv_conf, index == cfg.store_on)
             torchrun_args = [
-                "--nnodes", str(cfg.nodes), "--nproc-per-node", str(cfg.nproc_per_node),
-                "--max-restarts", str(cfg.max_restarts), "--monitor-interval", str(cfg.monitor_interval),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-                "--rdzv-conf", conf,
-            ]  # fmt: skip
-            node = EmulatedNode(cluster, node_names[index], cfg.node_addr(index), torchrun_args=torchrun_args,
-                                script=script, script_args=script_args, env=env, workdir=workdir)  # fmt: skip
+                "--nnodes",
+                str(cfg.nodes),
+                "--nproc-per-node",
+                str(cfg.nproc_per_node),
+                "--max-restarts",
+                str(cfg.max_restarts),
+                "--monitor-interval",
+                str(cfg.monitor_interval),
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                endpoint,
+                "--rdzv-id",
+                job,
+                "--rdzv-conf",
+                conf,
+            ]
+            node = EmulatedNode(
+                cluster,
+                node_names[index],
+                cfg.node_addr(index),
+                torchrun_args=torchrun_args,
+                script=script,
+                script_args=script_args,
+                env=env,
+                workdir=workdir,
+            )
             nodes.append(node)
             return node
 
@@ -429,10 +478,18 @@ def compare(reference: TrialResult, trial: TrialResult) -> dict[str, Any]:
     """How ``trial`` differs from the failure-free ``reference``: ``losses_identical`` (every step of every
     rank, bit for bit), ``first_difference`` ((rank, step) or None), ``digests_equal`` (model and optimizer of
     every rank), ``states_equal`` (everything snapshotted: scheduler and RNG too), ``reruns_identical``."""
-    diffs = sorted((rank, step) for rank, steps in reference.losses.items() for step, loss in steps.items()
-                   if trial.losses.get(rank, {}).get(step) != loss)  # fmt: skip
-    missing = sorted((rank, step) for rank, steps in trial.losses.items() for step in steps
-                     if step not in reference.losses.get(rank, {}))  # fmt: skip
+    diffs = sorted(
+        (rank, step)
+        for rank, steps in reference.losses.items()
+        for step, loss in steps.items()
+        if trial.losses.get(rank, {}).get(step) != loss
+    )
+    missing = sorted(
+        (rank, step)
+        for rank, steps in trial.losses.items()
+        for step in steps
+        if step not in reference.losses.get(rank, {})
+    )
     ranks = range(reference.world)
     return {
         "losses_identical": not diffs and not missing and reference.losses.keys() == trial.losses.keys(),
@@ -448,10 +505,18 @@ def compare(reference: TrialResult, trial: TrialResult) -> dict[str, Any]:
 
 
 _SPLIT_COLUMNS = (
-    "detection_seconds", "launcher_restart_seconds", "worker_error_seconds", "worker_exit_seconds",
-    "rendezvous_seconds", "process_start_seconds", "process_group_seconds", "model_build_seconds",
-    "restore_seconds", "first_step_seconds", "total_seconds",
-)  # fmt: skip
+    "detection_seconds",
+    "launcher_restart_seconds",
+    "worker_error_seconds",
+    "worker_exit_seconds",
+    "rendezvous_seconds",
+    "process_start_seconds",
+    "process_group_seconds",
+    "model_build_seconds",
+    "restore_seconds",
+    "first_step_seconds",
+    "total_seconds",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -459,24 +524,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = TrialConfig()
     parser.add_argument("--runs", type=int, default=3, help="trials with a node loss (default 3)")
     parser.add_argument("--nodes", type=int, default=d.nodes, help=f"emulated nodes (default {d.nodes})")
-    parser.add_argument("--nproc-per-node", type=int, default=d.nproc_per_node,
-                        help=f"workers per node (default {d.nproc_per_node})")  # fmt: skip
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=d.nproc_per_node,
+        help=f"workers per node (default {d.nproc_per_node})",
+    )
     parser.add_argument("--steps", type=int, default=d.steps, help=f"training steps (default {d.steps})")
-    parser.add_argument("--kill-after", type=int, default=d.kill_after,
-                        help=f"lose the node once its first rank logged this step (default {d.kill_after})")
-    parser.add_argument("--step-delay", type=float, default=d.step_delay,
-                        help=f"idle seconds per step, the accelerator's share (default {d.step_delay})")
-    parser.add_argument("--model-args", default=" ".join(d.model_args),
-                        help=f"the example's model flags (default {' '.join(d.model_args)!r})")  # fmt: skip
+    parser.add_argument(
+        "--kill-after",
+        type=int,
+        default=d.kill_after,
+        help=f"lose the node once its first rank logged this step (default {d.kill_after})",
+    )
+    parser.add_argument(
+        "--step-delay",
+        type=float,
+        default=d.step_delay,
+        help=f"idle seconds per step, the accelerator's share (default {d.step_delay})",
+    )
+    parser.add_argument(
+        "--model-args",
+        default=" ".join(d.model_args),
+        help=f"the example's model flags (default {' '.join(d.model_args)!r})",
+    )
     parser.add_argument(
         "--rdzv-conf", default=d.rdzv_conf, help=f"torchrun --rdzv-conf (default {d.rdzv_conf})"
     )
-    parser.add_argument("--share-store", action="store_true",
-                        help="leave torch's shared rendezvous TCPStore on (fails on torch 2.13)")
-    parser.add_argument("--replacement-first", action="store_true",
-                        help="the replacement node takes the first ranks (its address sorts first)")
-    parser.add_argument("--store-on-node", type=int, default=None, metavar="INDEX",
-                        help="node INDEX's agent hosts the rendezvous store (not a host of its own)")
+    parser.add_argument(
+        "--share-store",
+        action="store_true",
+        help="leave torch's shared rendezvous TCPStore on (fails on torch 2.13)",
+    )
+    parser.add_argument(
+        "--replacement-first",
+        action="store_true",
+        help="the replacement node takes the first ranks (its address sorts first)",
+    )
+    parser.add_argument(
+        "--store-on-node",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="node INDEX's agent hosts the rendezvous store (not a host of its own)",
+    )
     parser.add_argument("--workdir", default=None, help="keep logs here (default: a temporary folder)")
     parser.add_argument(
         "--timeout", type=float, default=d.timeout, help=f"seconds per job (default {d.timeout:.0f})"
@@ -492,27 +583,56 @@ def run(args: argparse.Namespace) -> Report:
     """
     if args.runs < 1:
         raise ValueError(f"--runs must be >= 1, got {args.runs}")
-    cfg = TrialConfig(nodes=args.nodes, nproc_per_node=args.nproc_per_node, steps=args.steps,
-                      kill_after=args.kill_after, step_delay=args.step_delay,
-                      model_args=tuple(args.model_args.split()), rdzv_conf=args.rdzv_conf,
-                      share_store=args.share_store, timeout=args.timeout, store_on=args.store_on_node,
-                      replacement_first=args.replacement_first)  # fmt: skip
+    cfg = TrialConfig(
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        steps=args.steps,
+        kill_after=args.kill_after,
+        step_delay=args.step_delay,
+        model_args=tuple(args.model_args.split()),
+        rdzv_conf=args.rdzv_conf,
+        share_store=args.share_store,
+        timeout=args.timeout,
+        store_on=args.store_on_node,
+        replacement_first=args.replacement_first,
+    )
     tag = uuid.uuid4().hex[:6]
     rows = []
-    with scratch_dir(args.workdir, prefix="snapshotd-torchrun-") as workdir, \
-            LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster:  # fmt: skip
+    with (
+        scratch_dir(args.workdir, prefix="snapshotd-torchrun-") as workdir,
+        LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster,
+    ):
         cluster.start_coordinator()
         letters = [chr(ord("A") + i) for i in range(cfg.nodes + 1)]
-        reference = run_trial(cluster, workdir, cfg, job=f"reference-{tag}", fail=False,
-                              node_names=[f"{x}0-{tag}" for x in letters])  # fmt: skip
+        reference = run_trial(
+            cluster,
+            workdir,
+            cfg,
+            job=f"reference-{tag}",
+            fail=False,
+            node_names=[f"{x}0-{tag}" for x in letters],
+        )
         for i in range(1, args.runs + 1):
-            trial = run_trial(cluster, workdir, cfg, job=f"trial{i}-{tag}", fail=True,
-                              node_names=[f"{x}{i}-{tag}" for x in letters])  # fmt: skip
+            trial = run_trial(
+                cluster,
+                workdir,
+                cfg,
+                job=f"trial{i}-{tag}",
+                fail=True,
+                node_names=[f"{x}{i}-{tag}" for x in letters],
+            )
             same = compare(reference, trial)
             sources = sorted({str(r.get("source")) for r in trial.restored.values()})
             identical = same["losses_identical"] and same["digests_equal"] and same["states_equal"]
-            rows.append({"run": i, "steps_lost": trial.steps_lost, **trial.split, "bit_identical": identical,
-                         "sources": "/".join(sources)})  # fmt: skip
+            rows.append(
+                {
+                    "run": i,
+                    "steps_lost": trial.steps_lost,
+                    **trial.split,
+                    "bit_identical": identical,
+                    "sources": "/".join(sources),
+                }
+            )
     summary: dict[str, Any] = {f"median_{c}": statistics.median(r[c] for r in rows) for c in _SPLIT_COLUMNS}
     summary["max_steps_lost"] = max(
         (r["steps_lost"] for r in rows if r["steps_lost"] is not None), default=None

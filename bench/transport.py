@@ -75,12 +75,41 @@ log = logging.getLogger(__name__)
 
 _HEARTBEAT_INTERVAL = 0.5  # the CLI's default
 _LINK_RATES = (("1gbit", 1e9), ("10gbit", 10e9))
-_COLUMNS = ["run", "state_bytes", "stream_Bps", "vs_raw", "e2e_Bps", "stage_seconds", "receiver_rss_bytes",
-            "sender_rss_bytes", "replications"]  # fmt: skip
-_SUMMARY_KEYS = ("state_bytes", "sidecar_GBps", "raw_socket_GBps", "loopback_ratio", "sidecar_rss_bytes",
-                 "link_1gbit_ratio", "link_10gbit_ratio", "delta_speedup_1gbit", "curve_GBps", "members_GBps")  # fmt: skip
-_CONFIG_KEYS = ("size", "repeat", "chunk", "link_size", "link_repeat", "delta_params", "delta_repeat",
-                "security", "heartbeat_timeout", "timeout")  # fmt: skip
+_COLUMNS = [
+    "run",
+    "state_bytes",
+    "stream_Bps",
+    "vs_raw",
+    "e2e_Bps",
+    "stage_seconds",
+    "receiver_rss_bytes",
+    "sender_rss_bytes",
+    "replications",
+]
+_SUMMARY_KEYS = (
+    "state_bytes",
+    "sidecar_GBps",
+    "raw_socket_GBps",
+    "loopback_ratio",
+    "sidecar_rss_bytes",
+    "link_1gbit_ratio",
+    "link_10gbit_ratio",
+    "delta_speedup_1gbit",
+    "curve_GBps",
+    "members_GBps",
+)
+_CONFIG_KEYS = (
+    "size",
+    "repeat",
+    "chunk",
+    "link_size",
+    "link_repeat",
+    "delta_params",
+    "delta_repeat",
+    "security",
+    "heartbeat_timeout",
+    "timeout",
+)
 _BENCH_SECRET = "snapshotd-bench transport"  # a throwaway secret for the security phase
 
 
@@ -89,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_bytes, default=1 << 30, help="state on loopback (default 1GiB)")
     parser.add_argument("--repeat", type=int, default=5, help="timed snapshots on loopback (default 5)")
     parser.add_argument("--chunk", default=None, help="sidecars' --chunk (default: theirs, 4MiB)")
-    parser.add_argument("--link-size", type=parse_bytes, default=256 << 20,
-                        help="state on the shaped links (default 256MiB)")  # fmt: skip
+    parser.add_argument(
+        "--link-size", type=parse_bytes, default=256 << 20, help="state on the shaped links (default 256MiB)"
+    )
     parser.add_argument("--link-repeat", type=int, default=5, help="timed snapshots per link (default 5)")
     parser.add_argument(
         "--delta-params",
@@ -102,8 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delta-repeat", type=int, default=3, help="timed training steps per codec (default 3)"
     )
     parser.add_argument("--no-links", action="store_true", help="skip the shaped-link phases")
-    parser.add_argument("--security", action="store_true",
-                        help="also stream on loopback with a secret: CURVE, and --data-security members")  # fmt: skip
+    parser.add_argument(
+        "--security",
+        action="store_true",
+        help="also stream on loopback with a secret: CURVE, and --data-security members",
+    )
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -129,8 +162,9 @@ def run(args: argparse.Namespace) -> Report:
     results: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="snapshotd-bench-transport-") as workdir:
-        phase = functools.partial(_sidecar_rows, workdir, "loopback", None, "raw", args,
-                                  [_transport_argv(args.size, args.repeat)])  # fmt: skip
+        phase = functools.partial(
+            _sidecar_rows, workdir, "loopback", None, "raw", args, [_transport_argv(args.size, args.repeat)]
+        )
         (side,), raw = _beside_raw("loopback", None, args.size, args.repeat, args, results, phase)
         summary["state_bytes"] = side["state_bytes"]
         summary["sidecar_GBps"] = side["stream_Bps"] / 1e9
@@ -138,8 +172,15 @@ def run(args: argparse.Namespace) -> Report:
         summary["loopback_ratio"] = side["stream_Bps"] / raw
         summary["sidecar_rss_bytes"] = side["receiver_rss_bytes"]
         for mode in ("curve", "members") if args.security else ():
-            (row,) = _sidecar_rows(workdir, f"loopback-{mode}", None, "raw", args,
-                                   [_transport_argv(args.size, args.repeat)], security=mode)  # fmt: skip
+            (row,) = _sidecar_rows(
+                workdir,
+                f"loopback-{mode}",
+                None,
+                "raw",
+                args,
+                [_transport_argv(args.size, args.repeat)],
+                security=mode,
+            )
             row["run"], row["vs_raw"] = f"loopback sidecar, {mode}", row["stream_Bps"] / raw
             results.append(row)
             summary[f"{mode}_GBps"] = row["stream_Bps"] / 1e9
@@ -201,8 +242,16 @@ def _beside_raw(
     after = raw_socket_transfer(size, repeat=repeat, link=link, timeout=args.timeout)
     raw = (before + after) / 2
     rows[0]["vs_raw"] = rows[0]["stream_Bps"] / raw
-    results.append({"run": f"{label} raw socket", "state_bytes": size, "stream_Bps": raw, "vs_raw": 1.0,
-                    "raw_before_Bps": before, "raw_after_Bps": after})  # fmt: skip
+    results.append(
+        {
+            "run": f"{label} raw socket",
+            "state_bytes": size,
+            "stream_Bps": raw,
+            "vs_raw": 1.0,
+            "raw_before_Bps": before,
+            "raw_after_Bps": after,
+        }
+    )
     results.append(rows[0])
     return rows, raw
 
@@ -246,12 +295,24 @@ def _sidecar_rows(
     prefix_a = link.exec_argv(link.ns_a, []) if link else []
     prefix_b = link.exec_argv(link.ns_b, []) if link else []
     net = ["--insecure"] if link else []  # namespace addresses are routable; plaintext as the raw socket is
-    side_flags = ["--codec", codec, "--max-rate", UNPACED, *net, *(["--chunk", args.chunk] if args.chunk else [])]
+    side_flags = [
+        "--codec",
+        codec,
+        "--max-rate",
+        UNPACED,
+        *net,
+        *(["--chunk", args.chunk] if args.chunk else []),
+    ]
     if security:
         side_flags += ["--data-security", security]
     env = {"SNAPSHOTD_SECRET": _BENCH_SECRET if security else ""}
-    with LocalCluster(phase_dir, replicas=1, heartbeat_interval=_HEARTBEAT_INTERVAL,
-                      heartbeat_timeout=args.heartbeat_timeout, env=env) as cluster:  # fmt: skip
+    with LocalCluster(
+        phase_dir,
+        replicas=1,
+        heartbeat_interval=_HEARTBEAT_INTERVAL,
+        heartbeat_timeout=args.heartbeat_timeout,
+        env=env,
+    ) as cluster:
         _start_coordinator(cluster, f"tcp://{host_a}:0", net, prefix_a)
         sender = cluster.start_sidecar("A", *side_flags, prefix=prefix_a, data_bind=f"tcp://{host_a}:0")
         receiver = cluster.start_sidecar("B", *side_flags, prefix=prefix_b, data_bind=f"tcp://{host_b}:0")
@@ -260,8 +321,19 @@ def _sidecar_rows(
         for i, driver in enumerate(drivers):
             log.info("%s: driver %s", label, " ".join(driver))
             job = f"bench-{label}-{i}-{uuid.uuid4().hex[:6]}"
-            argv = [*prefix_a, sys.executable, "-m", "snapshotd.bench.drivers", *driver, "--job", job,
-                    "--sidecar", cluster.ipc_path("A"), "--timeout", str(args.timeout)]  # fmt: skip
+            argv = [
+                *prefix_a,
+                sys.executable,
+                "-m",
+                "snapshotd.bench.drivers",
+                *driver,
+                "--job",
+                job,
+                "--sidecar",
+                cluster.ipc_path("A"),
+                "--timeout",
+                str(args.timeout),
+            ]
             before = _replications(cluster.coordinator.log_path)
             try:
                 out = _run_driver(argv, os.path.join(phase_dir, f"driver-{i}.log"), args.timeout + 30)
@@ -294,9 +366,18 @@ def _start_coordinator(cluster: LocalCluster, bind: str, extra: list[str], prefi
     if not prefix:
         cluster.start_coordinator(bind, *extra)
         return
-    argv = ["coordinator", "--bind", bind, "--replicas", str(cluster.replicas),
-            "--heartbeat-interval", f"{cluster.heartbeat_interval}s",
-            "--heartbeat-timeout", f"{cluster.heartbeat_timeout}s", *extra]  # fmt: skip
+    argv = [
+        "coordinator",
+        "--bind",
+        bind,
+        "--replicas",
+        str(cluster.replicas),
+        "--heartbeat-interval",
+        f"{cluster.heartbeat_interval}s",
+        "--heartbeat-timeout",
+        f"{cluster.heartbeat_timeout}s",
+        *extra,
+    ]
     ready = re.compile(r"snapshotd coordinator ready (?P<endpoint>\S+)")
     cluster.coordinator = cluster._start("coordinator", argv, ready, prefix=prefix)
 
@@ -310,8 +391,15 @@ def _run_driver(argv: list[str], log_path: str, timeout: float) -> dict[str, Any
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as err:
         try:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                  timeout=timeout, check=False)  # fmt: skip
+            proc = subprocess.run(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired as exc:
             raise RuntimeError(f"driver ran past {timeout:.0f} s; log:\n{_tail(log_path)}") from exc
     if proc.returncode != 0:

@@ -48,7 +48,9 @@ class Channel:
         self.endpoint = self._pipe.address
         self._on_message = on_message
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._waiting: dict[int, tuple[str, concurrent.futures.Future[Message]]] = {}  # request id -> (reply type, its answer)
+        self._waiting: dict[
+            int, tuple[str, concurrent.futures.Future[Message]]
+        ] = {}  # request id -> (reply type, its answer)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="snapshotd-client", daemon=True)
@@ -65,8 +67,14 @@ class Channel:
         """Send a one-way message from the channel thread (after the jobs submitted before it)."""
         self.submit(lambda: self.send_now(msg))
 
-    def request(self, msg: Message, reply_type: str, timeout: float, on_wait: Callable[[], None] | None = None,
-                on_reply: Callable[[Message], None] | None = None) -> Message:  # fmt: skip
+    def request(
+        self,
+        msg: Message,
+        reply_type: str,
+        timeout: float,
+        on_wait: Callable[[], None] | None = None,
+        on_reply: Callable[[Message], None] | None = None,
+    ) -> Message:
         """Send ``msg`` under a request id of its own and wait for the sidecar's answer carrying that id: a
         ``reply_type`` message or an error. Whatever else the sidecar sends meanwhile (slot updates, an error about
         an earlier announce, progress) goes to ``on_message``. ``on_wait`` is called on the waiting thread every

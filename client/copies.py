@@ -21,7 +21,9 @@ from .state import FlatState
 __all__ = ["copy_into", "copy_tensors", "dst_views"]
 
 
-def copy_tensors(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool = False) -> None:
+def copy_tensors(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool = False
+) -> None:
     """``dst[i].copy_(src[i])`` for every ``i``, in one call (see the module docstring)."""
     if dst:
         torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)

@@ -73,8 +73,11 @@ def find_ddp_modules(state: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in state.items():
         if not isinstance(value, torch.nn.Module):
             continue
-        inside = {f"{key}.{name}" if name else key: sub for name, sub in value.named_modules()
-                  if isinstance(sub, ddp_cls)}  # fmt: skip
+        inside = {
+            f"{key}.{name}" if name else key: sub
+            for name, sub in value.named_modules()
+            if isinstance(sub, ddp_cls)
+        }
         if inside:
             found.update(inside)
         else:
@@ -98,7 +101,9 @@ def _read_layout(ddp: Any) -> Layout:
     zeroed buffer per bucket, as much memory as the gradients: call it once per rebuild, not per step.
     """
     index = {id(p): i for i, p in enumerate(_reducer_params(ddp))}
-    return [[index[id(p)] for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
+    return [
+        [index[id(p)] for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()
+    ]
 
 
 @contextlib.contextmanager
@@ -129,10 +134,14 @@ def _check_rebuildable(ddp: Any, where: str) -> None:
         return
     hook_name = ddp._get_ddp_logging_data().get("comm_hook")
     if hook_name and not ddp._comm_hooks:
-        raise ConfigMismatch(f"{where}: DDP has the built-in comm hook {hook_name}, which snapshotd cannot carry over to "
-                         "the reducer it rebuilds to restore the gradient bucket layout; use register_comm_hook")  # fmt: skip
+        raise ConfigMismatch(
+            f"{where}: DDP has the built-in comm hook {hook_name}, which snapshotd cannot carry over to "
+            "the reducer it rebuilds to restore the gradient bucket layout; use register_comm_hook"
+        )
     if getattr(ddp, "_delay_all_reduce_all_params", False) or getattr(ddp, "_delay_all_reduce_params", None):
-        raise ConfigMismatch(f"{where}: DDP with delay_all_reduce_named_params cannot have its bucket layout restored")
+        raise ConfigMismatch(
+            f"{where}: DDP with delay_all_reduce_named_params cannot have its bucket layout restored"
+        )
 
 
 def rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
@@ -144,8 +153,10 @@ def rebuild_reducer(ddp: Any, layout: Layout | None, where: str) -> None:
     if layout is not None:
         flat = sorted(i for bucket in layout for i in bucket)
         if flat != list(range(len(params))):
-            raise ConfigMismatch(f"{where}: the snapshot's DDP bucket layout covers parameters {flat[:8]}... but the "
-                             f"live reducer has {len(params)} parameters: not the same model")  # fmt: skip
+            raise ConfigMismatch(
+                f"{where}: the snapshot's DDP bucket layout covers parameters {flat[:8]}... but the "
+                f"live reducer has {len(params)} parameters: not the same model"
+            )
     names = ddp._build_debug_param_to_name_mapping(params)
     if ddp.reducer is not None:
         ddp.reducer._remove_autograd_hooks()
@@ -209,9 +220,12 @@ class DDPBuckets:
         if rebuilt:
             layout: Layout | None = _read_layout(ddp)
             if known is not None and known[0] is reducer and known[2] is not None and known[2] != layout:
-                log.warning("%s: DDP rebuilt its gradient buckets into another layout than the snapshot's: the "
-                            "gradient-ready order changed, so this run may differ from the original in the last "
-                            "bits", where)  # fmt: skip
+                log.warning(
+                    "%s: DDP rebuilt its gradient buckets into another layout than the snapshot's: the "
+                    "gradient-ready order changed, so this run may differ from the original in the last "
+                    "bits",
+                    where,
+                )
         else:
             layout = known[2] if known is not None and known[0] is reducer else None
         self._known[where] = (reducer, rebuilt, layout)
@@ -238,14 +252,25 @@ class DDPBuckets:
                     "carries DDP's gradient bucket layout, without which the restored run would sum gradients in "
                     "another order and differ in the last bits"
                 )
-            if not (layout is None or (isinstance(layout, list) and all(
-                    isinstance(b, list) and all(type(i) is int for i in b) for b in layout))):  # fmt: skip
+            if not (
+                layout is None
+                or (
+                    isinstance(layout, list)
+                    and all(isinstance(b, list) and all(type(i) is int for i in b) for b in layout)
+                )
+            ):
                 raise ValueError(f"state[{where!r}]: malformed DDP bucket layout in the snapshot")
             if self._layout(where, ddp) != layout:
                 rebuild_reducer(ddp, layout, f"state[{where!r}]")
                 self._known[where] = (ddp.reducer, False, layout)
-                log.info("%s: DDP gradient buckets set to the snapshot's layout (%s buckets)", where,
-                         "initial" if layout is None else len(layout))  # fmt: skip
+                log.info(
+                    "%s: DDP gradient buckets set to the snapshot's layout (%s buckets)",
+                    where,
+                    "initial" if layout is None else len(layout),
+                )
         for where in self._modules.keys() - state_dict.keys():
-            log.warning("state[%r]: a DDP module the snapshot did not know (it was wrapped after the snapshotted run "
-                        "started); its gradient buckets stay as they are", where)  # fmt: skip
+            log.warning(
+                "state[%r]: a DDP module the snapshot did not know (it was wrapped after the snapshotted run "
+                "started); its gradient buckets stay as they are",
+                where,
+            )

@@ -30,7 +30,8 @@ def direct_targets(flat: FlatState) -> bytes:
     """``RestoreRequest.targets`` for ``flat``: per entry, the address of its live tensor's bytes where the sidecar
     may write them directly (a contiguous CPU tensor), else 0; empty when no entry qualifies."""
     addresses = [
-        t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() and t.numel() else 0 for t in flat.tensors
+        t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() and t.numel() else 0
+        for t in flat.tensors
     ]
     return np.asarray(addresses, dtype="<u8").tobytes() if any(addresses) else b""
 
@@ -50,7 +51,9 @@ def writable_by(pid: int) -> Iterator[None]:
     A no-op without Yama, at other scopes (0 needs nothing; 2 and 3 forbid it, and the sidecar falls back to
     the arena), or without a pid. The permission is withdrawn when the block ends.
     """
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if pid > 0 and _yama_scope() == 1 else None
+    libc = (
+        ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if pid > 0 and _yama_scope() == 1 else None
+    )
     if libc is None or libc.prctl(_PR_SET_PTRACER, pid, 0, 0, 0) != 0:
         yield
         return

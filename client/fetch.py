@@ -49,8 +49,15 @@ class RestoreFetcher:
     the answer says what went wrong. :meth:`cancel` (any thread) stops it.
     """
 
-    def __init__(self, msg: RestoreFetch, live: Sequence[TensorEntry], targets: Sequence[int], *, timeout: float,
-                 on_progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        msg: RestoreFetch,
+        live: Sequence[TensorEntry],
+        targets: Sequence[int],
+        *,
+        timeout: float,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
         self.msg = msg
         self.live = live
         self.targets = targets
@@ -93,8 +100,10 @@ class RestoreFetcher:
         arena: Arena | None = None
         try:
             arena = self._open()
-            threads = [threading.Thread(target=self._worker, args=holder, name="snapshotd-fetch", daemon=True)
-                       for holder in self.holders]  # fmt: skip
+            threads = [
+                threading.Thread(target=self._worker, args=holder, name="snapshotd-fetch", daemon=True)
+                for holder in self.holders
+            ]
             with self.cond:
                 if self.cancelled:
                     return self._failed("cancelled")
@@ -111,11 +120,21 @@ class RestoreFetcher:
                 return self._failed("cancelled")
             if self.pending:
                 everywhere = {addr for addr, _ in self.holders}
-                bad = sorted(i for todo in self.pending for i in todo if everywhere <= self.corrupt_from.get(i, set()))
+                bad = sorted(
+                    i for todo in self.pending for i in todo if everywhere <= self.corrupt_from.get(i, set())
+                )
                 why = f"chunk {bad[0]} failed its check from every holder; " if bad else ""
                 return self._failed(f"{why}{'; '.join(self.errors)}")
-            return RestoreFetched(job=msg.job, rank=msg.rank, step=msg.step, fetch=msg.fetch, ok=True,
-                                  direct=self.direct, fetched=msg.data_bytes, sums=self.sums.tobytes())  # fmt: skip
+            return RestoreFetched(
+                job=msg.job,
+                rank=msg.rank,
+                step=msg.step,
+                fetch=msg.fetch,
+                ok=True,
+                direct=self.direct,
+                fetched=msg.data_bytes,
+                sums=self.sums.tobytes(),
+            )
         except (OSError, ValueError) as exc:  # the arena is gone or too small, a bad table or token list
             return self._failed(f"cannot take the fetch: {exc}")
         except Exception as exc:  # a bug here must still answer: the sidecar waits for the answer, then pulls
@@ -128,7 +147,9 @@ class RestoreFetcher:
 
     def _failed(self, reason: str) -> RestoreFetched:
         msg = self.msg
-        return RestoreFetched(job=msg.job, rank=msg.rank, step=msg.step, fetch=msg.fetch, ok=False, reason=reason)
+        return RestoreFetched(
+            job=msg.job, rank=msg.rank, step=msg.step, fetch=msg.fetch, ok=False, reason=reason
+        )
 
     def _open(self) -> Arena | None:
         """Work out where every byte lands (mapping the arena if some go to the slot) and what to ask for."""
@@ -136,7 +157,9 @@ class RestoreFetcher:
         tokens = memoryview(msg.tokens).tobytes()
         if len(tokens) != TOKEN_BYTES * len(msg.holders) or not msg.holders:
             raise ValueError(f"{len(tokens)} bytes of tokens for {len(msg.holders)} holders")
-        self.holders = [(addr, tokens[i * TOKEN_BYTES : (i + 1) * TOKEN_BYTES]) for i, addr in enumerate(msg.holders)]
+        self.holders = [
+            (addr, tokens[i * TOKEN_BYTES : (i + 1) * TOKEN_BYTES]) for i, addr in enumerate(msg.holders)
+        ]
         targets = list(self.targets) if len(self.targets) == len(live) else [0] * len(live)
         segments = landing_segments(decode_table(msg.table, msg.data_bytes), live, targets)
         self.direct = any(addr for _, _, addr in segments)
@@ -199,7 +222,9 @@ class RestoreFetcher:
                 todo = None
             sock.sendall(RANGE.pack(0, 0))
         except Exception as exc:  # OSError, EOFError, _HolderFailed; anything else is logged with its trace
-            why = f"silent for {self.timeout:.1f} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+            why = (
+                f"silent for {self.timeout:.1f} s" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+            )
             expected = isinstance(exc, (OSError, EOFError, _HolderFailed))
             if not self.cancelled:
                 log.warning("fetch from %s failed: %s", addr, why, exc_info=not expected)

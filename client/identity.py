@@ -32,7 +32,9 @@ class Identity:
     """The sidecar's ipc path."""
 
     @classmethod
-    def resolve(cls, job: str | None, rank: int | None, world_size: int | None, sidecar: str | None) -> Identity:
+    def resolve(
+        cls, job: str | None, rank: int | None, world_size: int | None, sidecar: str | None
+    ) -> Identity:
         """The identity from the arguments given and the environment (see the module docstring).
 
         Raises:
@@ -45,9 +47,15 @@ class Identity:
         if world_size is None:
             world_size = torch.distributed.get_world_size() if dist_ready else _env_int("WORLD_SIZE")
         if not job:
-            raise ValueError("no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)")
+            raise ValueError(
+                "no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)"
+            )
         if rank is None or world_size is None:
-            raise ValueError("rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE")
+            raise ValueError(
+                "rank/world_size unknown: pass them, initialise torch.distributed, or set RANK/WORLD_SIZE"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
-        return cls(job, rank, world_size, sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path())
+        return cls(
+            job, rank, world_size, sidecar or os.environ.get("SNAPSHOTD_SIDECAR") or default_ipc_path()
+        )

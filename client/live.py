@@ -59,7 +59,15 @@ from .ddp import rebuild_reducer
 from .errors import RecoveryFailed
 from .identity import Identity
 
-__all__ = ["HANG_CHECK_S", "LiveGroup", "STORE_ENV", "check_rebindable", "init_process_group", "is_peer_failure", "rebind_ddp"]
+__all__ = [
+    "HANG_CHECK_S",
+    "LiveGroup",
+    "STORE_ENV",
+    "check_rebindable",
+    "init_process_group",
+    "is_peer_failure",
+    "rebind_ddp",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +86,12 @@ SEAT_ASK_MIN_S = 0.5
 """The shortest seat request a rank sends: with less time left before its deadline it stops asking (a request of a
 few milliseconds would time out at the sidecar before the coordinator could answer it)."""
 
-_TRANSPORT_MARKERS = ("gloo/transport", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_TRANSPORT_MARKERS = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -97,9 +110,19 @@ class LiveGroup:
     (``group_s``).
     """
 
-    def __init__(self, store: dist.TCPStore, *, job: str, rank: int, world_size: int, backend: str,
-                 timeout: float, join_timeout: float, attempts: int,
-                 seat: tuple[int, str | None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: dist.TCPStore,
+        *,
+        job: str,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout: float,
+        join_timeout: float,
+        attempts: int,
+        seat: tuple[int, str | None] | None = None,
+    ) -> None:
         if timeout <= 0 or join_timeout <= 0 or attempts < 1:
             raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
         self._address = (store.host, store.port)  # the watchdog opens a connection of its own there
@@ -118,7 +141,9 @@ class LiveGroup:
         self._watchdog: threading.Thread | None = None
 
     def __repr__(self) -> str:
-        return f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
+        return (
+            f"LiveGroup(job={self.job!r}, rank={self.rank}, world_size={self.world_size}, epoch={self.epoch})"
+        )
 
     def join(self) -> None:
         """Form the job's group as a fresh process (the job's start, a replacement, a restarted rank).
@@ -170,8 +195,10 @@ class LiveGroup:
             nodes, sidecar = self.seat
             rank, _ = _seat(self.job, nodes, sidecar, max(SEAT_ASK_MIN_S, deadline - time.monotonic()))
             if rank != self.rank:
-                raise RecoveryFailed(f"job {self.job!r}: this node's seat now gives rank {rank}, not this process's "
-                                     f"rank {self.rank}")  # fmt: skip
+                raise RecoveryFailed(
+                    f"job {self.job!r}: this node's seat now gives rank {rank}, not this process's "
+                    f"rank {self.rank}"
+                )
         self._form(self._next(self.epoch), deadline)
 
     @contextlib.contextmanager
@@ -201,8 +228,12 @@ class LiveGroup:
         if self._watchdog is not None:
             return
         self._watching = threading.Event()
-        self._watchdog = threading.Thread(target=self._watch, args=(self._watching,), daemon=True,
-                                          name=f"snapshotd-live-watchdog-{self.rank}")  # fmt: skip
+        self._watchdog = threading.Thread(
+            target=self._watch,
+            args=(self._watching,),
+            daemon=True,
+            name=f"snapshotd-live-watchdog-{self.rank}",
+        )
         self._watchdog.start()
 
     def unwatch(self, timeout: float = 5.0) -> None:
@@ -223,9 +254,16 @@ class LiveGroup:
             try:
                 if store is None:
                     host, port = self._address
-                    store = dist.PrefixStore(f"snapshotd/{self.job}", dist.TCPStore(
-                        host, port, is_master=False, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=max(HANG_CHECK_S, 5.0))))  # fmt: skip
+                    store = dist.PrefixStore(
+                        f"snapshotd/{self.job}",
+                        dist.TCPStore(
+                            host,
+                            port,
+                            is_master=False,
+                            wait_for_workers=False,
+                            timeout=datetime.timedelta(seconds=max(HANG_CHECK_S, 5.0)),
+                        ),
+                    )
                 newest = int(store.get("epoch"))
             except Exception as exc:  # the store is away: the group's timeout still ends a hung collective
                 log.debug("[job %s rank %d] watchdog: cannot read the store: %s", self.job, self.rank, exc)
@@ -234,9 +272,15 @@ class LiveGroup:
             with self._lock:
                 if newest <= epoch or self._step_since != since or self.epoch != epoch or stop.is_set():
                     continue
-                log.warning("[job %s rank %d] a step of epoch %d has run %.1f s and the job opened epoch %d: a "
-                            "member hung and is being replaced; leaving the group", self.job, self.rank, epoch,
-                            time.monotonic() - since, newest)  # fmt: skip
+                log.warning(
+                    "[job %s rank %d] a step of epoch %d has run %.1f s and the job opened epoch %d: a "
+                    "member hung and is being replaced; leaving the group",
+                    self.job,
+                    self.rank,
+                    epoch,
+                    time.monotonic() - since,
+                    newest,
+                )
                 self.left_behind = True
                 self._leave()
 
@@ -279,9 +323,13 @@ class LiveGroup:
             t2 = time.monotonic()
             before = set(_sockets().values())
             try:
-                dist.init_process_group(self.backend, store=dist.PrefixStore(f"e{epoch}/pg", self.store),
-                                        rank=self.rank, world_size=self.world_size,
-                                        timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
+                dist.init_process_group(
+                    self.backend,
+                    store=dist.PrefixStore(f"e{epoch}/pg", self.store),
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                )
             except (RuntimeError, dist.DistError) as exc:  # a member died while the group formed
                 failures += 1
                 problems.append(f"epoch {epoch}: {str(exc).splitlines()[0][:200]}")
@@ -292,13 +340,24 @@ class LiveGroup:
             with self._lock:
                 self._links = {fd: link for fd, link in _sockets().items() if link not in before}
                 self.epoch, self.left_behind = epoch, False
-            self.timings = {"membership_s": t2 - t0, "group_s": time.monotonic() - t2, "arrival_wait_s": t2 - t1}
-            log.info("[job %s rank %d] process group of epoch %d formed (%d ranks)", self.job, self.rank, epoch,
-                     self.world_size)  # fmt: skip
+            self.timings = {
+                "membership_s": t2 - t0,
+                "group_s": time.monotonic() - t2,
+                "arrival_wait_s": t2 - t1,
+            }
+            log.info(
+                "[job %s rank %d] process group of epoch %d formed (%d ranks)",
+                self.job,
+                self.rank,
+                epoch,
+                self.world_size,
+            )
             return
         why = "; ".join(problems) or "every epoch tried was abandoned (a rank arrived twice)"
-        raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: no process group formed within "
-                             f"{self.join_timeout:.0f} s and {self.attempts} attempts: {why}")  # fmt: skip
+        raise RecoveryFailed(
+            f"job {self.job!r} rank {self.rank}: no process group formed within "
+            f"{self.join_timeout:.0f} s and {self.attempts} attempts: {why}"
+        )
 
     def _next(self, failed: int) -> int:
         """:meth:`_open_after`, checked: the epoch after ``failed`` or a newer one.
@@ -308,8 +367,10 @@ class LiveGroup:
         """
         epoch = self._open_after(failed)
         if epoch <= failed:
-            raise RecoveryFailed(f"job {self.job!r} rank {self.rank}: the rendezvous store did not open the epoch "
-                                 f"after {failed} (its newest is {epoch}); was it restarted?")  # fmt: skip
+            raise RecoveryFailed(
+                f"job {self.job!r} rank {self.rank}: the rendezvous store did not open the epoch "
+                f"after {failed} (its newest is {epoch}); was it restarted?"
+            )
         return epoch
 
     def _arrive(self, epoch: int) -> bool:
@@ -371,9 +432,17 @@ def _forget_failed_group() -> None:
 
 
 def init_process_group(
-    *, store: str | None = None, job: str | None = None, rank: int | None = None, world_size: int | None = None,
-    nodes: int | None = None, sidecar: str | None = None, backend: str = "gloo", timeout: float = 60.0,
-    join_timeout: float = 600.0, attempts: int = 3,
+    *,
+    store: str | None = None,
+    job: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    nodes: int | None = None,
+    sidecar: str | None = None,
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    join_timeout: float = 600.0,
+    attempts: int = 3,
 ) -> LiveGroup:
     """Form the job's default process group in live mode (in place of ``torch.distributed.init_process_group``).
 
@@ -416,11 +485,27 @@ def init_process_group(
     where = store if store is not None else os.environ.get(STORE_ENV, "")
     host, _, port = where.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"live mode needs the rendezvous store as host:port (store= or ${STORE_ENV}), got {where!r}")
-    client = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=max(timeout, 30.0)))  # fmt: skip
-    group = LiveGroup(client, job=me.job, rank=me.rank, world_size=me.world_size, backend=backend,
-                      timeout=timeout, join_timeout=join_timeout, attempts=attempts, seat=seat)  # fmt: skip
+        raise ValueError(
+            f"live mode needs the rendezvous store as host:port (store= or ${STORE_ENV}), got {where!r}"
+        )
+    client = dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=max(timeout, 30.0)),
+    )
+    group = LiveGroup(
+        client,
+        job=me.job,
+        rank=me.rank,
+        world_size=me.world_size,
+        backend=backend,
+        timeout=timeout,
+        join_timeout=join_timeout,
+        attempts=attempts,
+        seat=seat,
+    )
     group.join()
     return group
 
@@ -437,12 +522,16 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
     """
     local_rank, per_node = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
     if not local_rank.isdigit() or not per_node.isdigit() or not 0 <= int(local_rank) < int(per_node):
-        raise ValueError("nodes= needs $LOCAL_RANK and $LOCAL_WORLD_SIZE (torchrun sets them), got "
-                         f"{local_rank!r} and {per_node!r}")  # fmt: skip
+        raise ValueError(
+            "nodes= needs $LOCAL_RANK and $LOCAL_WORLD_SIZE (torchrun sets them), got "
+            f"{local_rank!r} and {per_node!r}"
+        )
     if nodes < 1:
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     world_size = nodes * int(per_node)
-    me = Identity.resolve(job, 0, world_size, sidecar)  # the job's name and the sidecar; the rank comes from the seat
+    me = Identity.resolve(
+        job, 0, world_size, sidecar
+    )  # the job's name and the sidecar; the rank comes from the seat
     deadline = time.monotonic() + timeout
     channel = Channel(me.sidecar, lambda msg: None)
     try:
@@ -460,8 +549,14 @@ def _seat(job: str | None, nodes: int, sidecar: str | None, timeout: float) -> t
     if reply.status != "given":
         raise RecoveryFailed(f"job {me.job!r}: no seat for this node within {timeout:.0f} s: {reply.reason}")
     rank = reply.first + int(local_rank)
-    log.info("[job %s] this node has seat %d: ranks %d-%d; this process is rank %d", me.job,
-             reply.first // int(per_node), reply.first, reply.first + int(per_node) - 1, rank)  # fmt: skip
+    log.info(
+        "[job %s] this node has seat %d: ranks %d-%d; this process is rank %d",
+        me.job,
+        reply.first // int(per_node),
+        reply.first,
+        reply.first + int(per_node) - 1,
+        rank,
+    )
     return rank, world_size
 
 
@@ -476,8 +571,10 @@ def check_rebindable(ddp: Any, where: str) -> None:
     if getattr(ddp, "mixed_precision", None) is not None:
         raise ValueError(f"{where}: live mode does not support DDP with mixed_precision")
     if not getattr(ddp, "forward_sync_buffers", True) and any(True for _ in ddp.module.buffers()):
-        raise ValueError(f"{where}: live mode needs DDP's default buffer sync (broadcast_buffers / "
-                         "forward_sync_buffers left on) for a model with buffers")  # fmt: skip
+        raise ValueError(
+            f"{where}: live mode needs DDP's default buffer sync (broadcast_buffers / "
+            "forward_sync_buffers left on) for a model with buffers"
+        )
 
 
 def rebind_ddp(modules: Mapping[str, Any], order: Sequence[str]) -> None:
@@ -504,6 +601,11 @@ def rebind_ddp(modules: Mapping[str, Any], order: Sequence[str]) -> None:
         rebuild_reducer(ddp, None, f"state[{where!r}]")
         params, _ = ddp._build_params_for_reducer()
         _verify_param_shape_across_processes(group, params)
-        _sync_module_states(module=ddp.module, process_group=group, broadcast_bucket_size=ddp.broadcast_bucket_size,
-                            src=0, params_and_buffers_to_ignore=ddp.parameters_to_ignore,
-                            broadcast_buffers=True)  # fmt: skip
+        _sync_module_states(
+            module=ddp.module,
+            process_group=group,
+            broadcast_bucket_size=ddp.broadcast_bucket_size,
+            src=0,
+            params_and_buffers_to_ignore=ddp.parameters_to_ignore,
+            broadcast_buffers=True,
+        )

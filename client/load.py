@@ -76,8 +76,14 @@ class _Restorer:
                 f"{where(keys)}: the snapshot holds a DTensor shard but the live state has no DTensor here "
                 "(only an optimizer's state shaped like its parameter can be rebuilt from the parameter's layout)"
             )
-        return self.dtensor.from_local(src.clone(), like.device_mesh, like.placements, run_check=False,  # type: ignore[union-attr]
-                                       shape=like.shape, stride=like.stride())  # fmt: skip
+        return self.dtensor.from_local(
+            src.clone(),
+            like.device_mesh,
+            like.placements,
+            run_check=False,  # type: ignore[union-attr]
+            shape=like.shape,
+            stride=like.stride(),
+        )
 
     def tensor(self, ref: TensorRef, cur: Any, keys: Path, strict: bool) -> Any:
         e = self.entries[ref.index]
@@ -98,7 +104,9 @@ class _Restorer:
             return self.new_dtensor(src, keys)
         if isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == e.shape:
             same = (
-                target.device == src.device and target.data_ptr() == src.data_ptr() and target.stride() == src.stride()
+                target.device == src.device
+                and target.data_ptr() == src.data_ptr()
+                and target.stride() == src.stride()
             )
             if not same:  # a placed tensor is often the live one itself: its bytes are already there
                 target.copy_(src)
@@ -205,8 +213,10 @@ def restore_into(
 
     for key, value in state.items():
         if not getattr(value, "fills_markers", False) and _has_marker(top[key][1]):
-            raise ConfigMismatch(f"{where((key,))} was snapshotted with replicated=, each rank keeping part of it: "
-                             "restore it with the same replicated= keys and group size")  # fmt: skip
+            raise ConfigMismatch(
+                f"{where((key,))} was snapshotted with replicated=, each rank keeping part of it: "
+                "restore it with the same replicated= keys and group size"
+            )
     restorer = _Restorer(entries, data, placed or {})
     if restorer.dtensor is not None:
         for key, value in state.items():
@@ -218,7 +228,9 @@ def restore_into(
             keys = (key,)
             stateful = not isinstance(value, torch.Tensor) and is_stateful(value)
             if kind != (STATEFUL if stateful else PLAIN):
-                raise ConfigMismatch(f"{where(keys)}: snapshot and state disagree on whether this is Stateful")
+                raise ConfigMismatch(
+                    f"{where(keys)}: snapshot and state disagree on whether this is Stateful"
+                )
             if isinstance(value, torch.Tensor):
                 if type(tree) is not TensorRef:
                     raise ConfigMismatch(f"{where(keys)}: the snapshot holds no tensor here")
@@ -234,7 +246,8 @@ def restore_into(
                 restored = restorer.merge(tree, value, keys, inplace=True)
                 if restored is not value:
                     if not isinstance(state, MutableMapping):
-                        raise ConfigMismatch(f"{where(keys)}: cannot replace this value in a read-only mapping")
+                        raise ConfigMismatch(
+                            f"{where(keys)}: cannot replace this value in a read-only mapping"
+                        )
                     state[key] = restored
     logger.debug("restored %d tensors into %d state keys", len(entries), len(state))
-

@@ -30,8 +30,9 @@ __all__ = ["RestoreDisplay", "restore_display"]
 log = logging.getLogger(__name__)
 
 
-def restore_display(job: str, rank: int, *, stream: TextIO | None = None,
-                    env: Mapping[str, str] | None = None) -> RestoreDisplay | None:  # fmt: skip
+def restore_display(
+    job: str, rank: int, *, stream: TextIO | None = None, env: Mapping[str, str] | None = None
+) -> RestoreDisplay | None:
     """A display of rank ``rank``'s restore on ``stream`` (``sys.stderr``), or None where nothing is to be drawn:
     ``stream`` is not a terminal, or ``LOCAL_RANK`` (in ``env``, ``os.environ`` by default) is set to another
     rank than 0."""
@@ -44,7 +45,9 @@ def restore_display(job: str, rank: int, *, stream: TextIO | None = None,
             return None
     except (AttributeError, ValueError, OSError):  # closed, or no isatty
         return None
-    return RestoreDisplay(job, rank, stream)  # rich is imported only here: a rank that draws nothing never loads it
+    return RestoreDisplay(
+        job, rank, stream
+    )  # rich is imported only here: a rank that draws nothing never loads it
 
 
 class RestoreDisplay:
@@ -93,14 +96,21 @@ class RestoreDisplay:
             self._guard(bar.update, self._task, description=f"restore rank {self._rank}: failed")
         elif reply.source == "fresh":  # a line of text instead of a bar: nothing moved
             self._guard(bar.remove_task, self._task)
-            self._say(f"restore {self._job} rank {self._rank}: a fresh job, nothing to restore; starting at step 0")
+            self._say(
+                f"restore {self._job} rank {self._rank}: a fresh job, nothing to restore; starting at step 0"
+            )
         else:
             msg = self._shown
             total = msg.total_bytes if msg is not None and msg.step == reply.step else None
             if msg is None or (msg.step, msg.source) != (reply.step, reply.source):
                 self._say(self._headline(reply.step, reply.source, (), total))
-            self._guard(bar.update, self._task, description=f"restore rank {self._rank} step {reply.step}",
-                        total=total, completed=total or 0)  # fmt: skip
+            self._guard(
+                bar.update,
+                self._task,
+                description=f"restore rank {self._rank} step {reply.step}",
+                total=total,
+                completed=total or 0,
+            )
         if self._bar is not None:
             self._guard(bar.stop)
         self._bar = None
@@ -117,13 +127,18 @@ class RestoreDisplay:
         if self._shown is None or (msg.step, msg.source) != (self._shown.step, self._shown.source):
             self._say(self._headline(msg.step, msg.source, msg.sources, msg.total_bytes))
             # the bytes start moving now: rate and elapsed time count from here, not from the wait for the plan
-            self._bar.reset(self._task, total=msg.total_bytes, description=f"restore rank {self._rank} step {msg.step}")
+            self._bar.reset(
+                self._task, total=msg.total_bytes, description=f"restore rank {self._rank} step {msg.step}"
+            )
         self._bar.update(self._task, total=msg.total_bytes, completed=msg.done_bytes)
         self._shown = msg
 
     def _headline(self, step: int, source: str, sources: tuple[str, ...], total: int | None) -> str:
-        where = {"local": "from local shared memory", "replica": "from the replica held on this node",
-                 "pull": "pull from " + (", ".join(sources) or "the other nodes")}.get(source, source)  # fmt: skip
+        where = {
+            "local": "from local shared memory",
+            "replica": "from the replica held on this node",
+            "pull": "pull from " + (", ".join(sources) or "the other nodes"),
+        }.get(source, source)
         size = f" ({format_bytes(total)})" if total is not None else ""
         return f"restore {self._job} rank {self._rank} step {step}: {where}{size}"
 

@@ -78,12 +78,18 @@ class ReplicaShard:
     """
 
     def __init__(self, inner: Any, group: Any, name: str, before: Sequence[ReplicaShard] = ()) -> None:
-        if not (callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None))):
-            raise ValueError(f"replicated state {name!r} must be Stateful (have state_dict and load_state_dict)")
+        if not (
+            callable(getattr(inner, "state_dict", None)) and callable(getattr(inner, "load_state_dict", None))
+        ):
+            raise ValueError(
+                f"replicated state {name!r} must be Stateful (have state_dict and load_state_dict)"
+            )
         backend = str(dist.get_backend(group))
         if "gloo" not in backend:
-            raise ValueError(f"replica group of {name!r} uses {backend}; it must be a gloo group, which carries CPU "
-                             "tensors: torch.distributed.new_group(ranks, backend='gloo')")  # fmt: skip
+            raise ValueError(
+                f"replica group of {name!r} uses {backend}; it must be a gloo group, which carries CPU "
+                "tensors: torch.distributed.new_group(ranks, backend='gloo')"
+            )
         self.inner = inner
         self.group = group
         self.name = name
@@ -91,8 +97,11 @@ class ReplicaShard:
         if self.rank < 0:
             raise ValueError(f"this process is not a member of the replica group of {name!r}")
         self.size = dist.get_world_size(group)
-        self.own = (frozenset(n for n, _ in inner.named_buffers(remove_duplicate=False))
-                    if isinstance(inner, torch.nn.Module) else frozenset())  # fmt: skip
+        self.own = (
+            frozenset(n for n, _ in inner.named_buffers(remove_duplicate=False))
+            if isinstance(inner, torch.nn.Module)
+            else frozenset()
+        )
         """State dict keys every rank keeps: a module's buffers (see the module docstring). Only a module's own:
         a Stateful that wraps a module has its buffers shared out like any tensor."""
         self.agreed = False
@@ -154,18 +163,26 @@ class ReplicaShard:
         for i, (mark, k) in enumerate(zip(marks, keeper, strict=True) if not problem else ()):
             if (mark is None) != (k == self.rank) or (mark is not None and mark[0] != k):
                 unsharded = all(m is None for m in marks)
-                problem = (f"state[{self.name!r}]: tensor {i} of its state dict was snapshotted "
-                           + ("without replicated=" if unsharded else f"by another assignment of ranks (this group "
-                              f"has {self.size})") + ": restore with the replicated= keys and group size it was "
-                           "taken with")  # fmt: skip
+                problem = (
+                    f"state[{self.name!r}]: tensor {i} of its state dict was snapshotted "
+                    + (
+                        "without replicated="
+                        if unsharded
+                        else f"by another assignment of ranks (this group has {self.size})"
+                    )
+                    + ": restore with the replicated= keys and group size it was "
+                    "taken with"
+                )
                 break
         self.agreed = True
         failed = agree(self.group, ok=not problem)
         if problem:
             raise (ConfigMismatch if mismatch else ValueError)(problem)
         if failed:
-            raise ReplicaGroupError(f"state[{self.name!r}]: rank(s) {failed} of the replica group could not load "
-                                    "their part of it (see their errors)")  # fmt: skip
+            raise ReplicaGroupError(
+                f"state[{self.name!r}]: rank(s) {failed} of the replica group could not load "
+                "their part of it (see their errors)"
+            )
         filled: list[Any] = list(leaves)
         for k in range(self.size):
             mine = [i for i in range(len(leaves)) if keeper[i] == k]
@@ -182,7 +199,11 @@ class ReplicaShard:
                 for i, off in zip(mine, offsets, strict=True):
                     _, dtype, shape = _marker(leaves[i])  # type: ignore[misc]
                     n = _nbytes(leaves[i])
-                    filled[i] = buf[off : off + n].view(dtype).reshape(shape).clone() if n else torch.empty(shape, dtype=dtype)
+                    filled[i] = (
+                        buf[off : off + n].view(dtype).reshape(shape).clone()
+                        if n
+                        else torch.empty(shape, dtype=dtype)
+                    )
         it = iter(filled)
         self.inner.load_state_dict(_rebuild(sd, lambda _x, _keys: next(it), self.own))
 
@@ -198,7 +219,9 @@ def fail_remaining(shards: Sequence[ReplicaShard]) -> None:
             try:
                 agree(shard.group, ok=False)
             except Exception as exc:  # the group itself broke: the caller's error is the one that matters
-                log.warning("could not tell the replica group of %r that this rank failed: %s", shard.name, exc)
+                log.warning(
+                    "could not tell the replica group of %r that this rank failed: %s", shard.name, exc
+                )
                 return
 
 
@@ -216,8 +239,10 @@ def agree_restored(group: Any, *, ok: bool, job: str, wait: datetime.timedelta) 
     dist.monitored_barrier(group, timeout=wait, wait_all_ranks=True)
     failed = agree(group, ok=ok)
     if ok and failed:
-        raise ReplicaGroupError(f"job {job!r}: rank(s) {failed} of the replica group could not restore their part "
-                                "of the replicated state (see their errors), so no rank can load it whole")  # fmt: skip
+        raise ReplicaGroupError(
+            f"job {job!r}: rank(s) {failed} of the replica group could not restore their part "
+            "of the replicated state (see their errors), so no rank can load it whole"
+        )
 
 
 def agree(group: Any, *, ok: bool) -> list[int]:
@@ -238,7 +263,11 @@ def _marker(x: Any) -> tuple[int, torch.dtype, tuple[int, ...]] | None:
     try:
         keeper, dtype_name, shape = x[ELIDED]
         dtype = getattr(torch, dtype_name)
-        if not isinstance(dtype, torch.dtype) or type(keeper) is not int or not all(type(n) is int for n in shape):
+        if (
+            not isinstance(dtype, torch.dtype)
+            or type(keeper) is not int
+            or not all(type(n) is int for n in shape)
+        ):
             raise TypeError
         return keeper, dtype, tuple(shape)
     except (KeyError, TypeError, ValueError, AttributeError):

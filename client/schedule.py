@@ -77,7 +77,9 @@ class AutoInterval:
     PROBE_STEPS = 3
     PROBE_BELOW = 4
     BASELINE_WINDOW = 16
-    PAUSE = 20  # a "step" this many baselines long is a pause of the loop (evaluation, a disk save): not counted
+    PAUSE = (
+        20  # a "step" this many baselines long is a pause of the loop (evaluation, a disk save): not counted
+    )
     ALPHA = 0.3
 
     def __init__(self, budget: float = 0.01) -> None:
@@ -103,7 +105,10 @@ class AutoInterval:
         """Whether ``step`` should be snapshotted (the caller still skips it if no slot is free)."""
         if self._first:
             return True
-        if self.interval < self.PROBE_BELOW and step % self.PROBE_EVERY >= self.PROBE_EVERY - self.PROBE_STEPS:
+        if (
+            self.interval < self.PROBE_BELOW
+            and step % self.PROBE_EVERY >= self.PROBE_EVERY - self.PROBE_STEPS
+        ):
             return False
         return step % self.interval == 0
 

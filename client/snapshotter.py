@@ -140,11 +140,15 @@ class Snapshotter:
         me = Identity.resolve(job, rank, world_size, sidecar)
         if live is not None:
             if (live.job, live.rank, live.world_size) != (me.job, me.rank, me.world_size):
-                raise ValueError(f"live={live!r} is not this Snapshotter's job {me.job!r}, rank {me.rank} of "
-                                 f"{me.world_size}")  # fmt: skip
+                raise ValueError(
+                    f"live={live!r} is not this Snapshotter's job {me.job!r}, rank {me.rank} of "
+                    f"{me.world_size}"
+                )
             if replica_group is not None:
-                raise ValueError("live mode forms the job's group anew after a loss: replica_group must be the "
-                                 "default group (leave it out)")  # fmt: skip
+                raise ValueError(
+                    "live mode forms the job's group anew after a loss: replica_group must be the "
+                    "default group (leave it out)"
+                )
         self.job, self.rank, self.world_size, self.sidecar = me.job, me.rank, me.world_size, me.sidecar
         if every != "auto" and not (isinstance(every, int) and every >= 1):
             raise ValueError(f"every must be an int >= 1 or 'auto', got {every!r}")
@@ -154,7 +158,9 @@ class Snapshotter:
             raise ValueError(f"slots must be 1-16, got {slots}")
         self.state = state
         self._snapshotted, self._replica_group, self._ddp = snapshot_view(state, replicated, replica_group)
-        self._replicated = self._replica_group is not None  # the group itself is None while recover() forms one
+        self._replicated = (
+            self._replica_group is not None
+        )  # the group itself is None while recover() forms one
         self.every = every
         self._auto = AutoInterval() if every == "auto" else None
         self._aligned = AlignedStride(every) if isinstance(every, int) and when_busy == "skip" else None
@@ -182,7 +188,10 @@ class Snapshotter:
         self._last_step = -1  # newest step started (or restored)
         self._last_captured = -1  # newest step capture() was called with
         self._taken_at: dict[int, float] = {}  # step -> when capture() started it, until it is durable
-        self._recovery_point = (-1, time.monotonic())  # newest durable (or restored) step, and when it was taken
+        self._recovery_point = (
+            -1,
+            time.monotonic(),
+        )  # newest durable (or restored) step, and when it was taken
         self._last_capture_end: float | None = None  # time.monotonic()
         self._step_seconds = 0.0
         # the steps since the last announce, for the sidecar's pacer: durations, and when the last one ended
@@ -236,8 +245,13 @@ class Snapshotter:
             live = self._live
             if live is None or self._recovering:
                 raise
-            log.warning("[job %s rank %d] the job formed a newer group while this rank waited for its restore in "
-                        "epoch %d: joining it", self.job, self.rank, live.epoch)  # fmt: skip
+            log.warning(
+                "[job %s rank %d] the job formed a newer group while this rank waited for its restore in "
+                "epoch %d: joining it",
+                self.job,
+                self.rank,
+                live.epoch,
+            )
             return self.recover(timeout)
 
     def _restore_in_group(self, timeout: float) -> int:
@@ -255,24 +269,41 @@ class Snapshotter:
                 log.warning("could not tell the replica group that this rank's restore failed: %s", exc)
             raise
         self._agree(ok=True, timeout=timeout)
-        self.restored = {"step": reply.step, "source": reply.source, "bytes_pulled": reply.bytes_pulled,
-                         "seconds": reply.seconds, "direct": reply.direct, "fetched": reply.fetched}  # fmt: skip
+        self.restored = {
+            "step": reply.step,
+            "source": reply.source,
+            "bytes_pulled": reply.bytes_pulled,
+            "seconds": reply.seconds,
+            "direct": reply.direct,
+            "fetched": reply.fetched,
+        }
         if reply.source == "fresh":
             log.info("[job %s rank %d] fresh job: starting at step 0", self.job, self.rank)
             return 0
-        arena = self._map_arena(reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots)
+        arena = self._map_arena(
+            reply.arena, reply.slot_bytes, self._arena.slots if self._arena else self.slots
+        )
         entries = decode_table(reply.table, reply.slot_bytes)
-        targets = direct_targets(flat)  # entries paired with a live tensor that had no target went to the slot
-        placed = {i: flat.tensors[j] for i, j in match_entries(entries, flat.entries).items()
-                  if reply.direct and j < len(targets) // 8 and any(targets[8 * j : 8 * j + 8])}  # fmt: skip
+        targets = direct_targets(
+            flat
+        )  # entries paired with a live tensor that had no target went to the slot
+        placed = {
+            i: flat.tensors[j]
+            for i, j in match_entries(entries, flat.entries).items()
+            if reply.direct and j < len(targets) // 8 and any(targets[8 * j : 8 * j + 8])
+        }
         try:
-            restore_into(self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed)
+            restore_into(
+                self._snapshotted, entries, reply.meta, self._slot_tensors[reply.slot], placed=placed
+            )
         except SnapshotdError:
             fail_remaining(shards)
             raise
         except ValueError as exc:  # the snapshot's own table or meta is malformed
             fail_remaining(shards)
-            raise RestoreFailed(f"job {self.job!r} rank {self.rank}: step {reply.step} could not be loaded: {exc}") from exc
+            raise RestoreFailed(
+                f"job {self.job!r} rank {self.rank}: step {reply.step} could not be loaded: {exc}"
+            ) from exc
         except Exception:
             fail_remaining(shards)
             raise
@@ -280,8 +311,15 @@ class Snapshotter:
         self._recovery_point = (reply.step, time.monotonic())
         self.stats.last_durable_step = reply.step  # it came from memory that survived the failure
         self._table_sent = False
-        log.info("[job %s rank %d] restored step %d (%s%s) in %.2f s", self.job, self.rank, reply.step, reply.source,
-                 f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "", reply.seconds)  # fmt: skip
+        log.info(
+            "[job %s rank %d] restored step %d (%s%s) in %.2f s",
+            self.job,
+            self.rank,
+            reply.step,
+            reply.source,
+            f", {reply.bytes_pulled / 1e6:.1f} MB pulled" if reply.bytes_pulled else "",
+            reply.seconds,
+        )
         del arena
         return reply.step
 
@@ -297,7 +335,9 @@ class Snapshotter:
         (see :mod:`snapshotd.coordinator.probes`), so that a replacement or spare gets its seat sooner.
         """
         if self._live is None:
-            raise RuntimeError("guard() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
+            raise RuntimeError(
+                "guard() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())"
+            )
         try:
             with self._live.step():
                 yield
@@ -305,9 +345,13 @@ class Snapshotter:
             if not is_peer_failure(exc) and not self._live.left_behind:
                 raise
             self._live.leave()  # the peers blocked on this rank fail now, not after the group's timeout
-            self._channel.send(PeerLostReport(job=self.job, rank=self.rank))  # the coordinator probes the job's nodes
-            raise PeerLost(f"job {self.job!r} rank {self.rank}: a peer of epoch {self._live.epoch} was lost: "
-                           f"{str(exc).splitlines()[0][:300]}") from exc  # fmt: skip
+            self._channel.send(
+                PeerLostReport(job=self.job, rank=self.rank)
+            )  # the coordinator probes the job's nodes
+            raise PeerLost(
+                f"job {self.job!r} rank {self.rank}: a peer of epoch {self._live.epoch} was lost: "
+                f"{str(exc).splitlines()[0][:300]}"
+            ) from exc
 
     def recover(self, timeout: float = 300.0) -> int:
         """Live mode: bring the job back after :class:`~snapshotd.client.PeerLost`, in this process; the step
@@ -333,7 +377,9 @@ class Snapshotter:
             Whatever :meth:`restore` raises.
         """
         if self._live is None:
-            raise RuntimeError("recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())")
+            raise RuntimeError(
+                "recover() is for live mode: Snapshotter(..., live=snapshotd.client.live.init_process_group())"
+            )
         self._recovering = True
         try:
             return self._recover(timeout)
@@ -343,7 +389,9 @@ class Snapshotter:
     def _recover(self, timeout: float) -> int:
         assert self._live is not None
         t0 = time.monotonic()
-        self._stager.fence(timeout=self.timeout, host=True)  # the copy in flight reads the tensors the rollback writes
+        self._stager.fence(
+            timeout=self.timeout, host=True
+        )  # the copy in flight reads the tensors the rollback writes
         replicated = self._replicated
         for attempt in range(1, self._live.attempts + 1):
             # the broken group is destroyed once nothing holds it (its gloo loop spins while it lives)
@@ -363,14 +411,34 @@ class Snapshotter:
                 step = self.restore(timeout)
                 break
             except Exception as exc:  # a member of the new group died too: form the next one
-                if not (is_peer_failure(exc) or isinstance(exc, _LeftBehind)) or attempt == self._live.attempts:
+                if (
+                    not (is_peer_failure(exc) or isinstance(exc, _LeftBehind))
+                    or attempt == self._live.attempts
+                ):
                     raise
-                log.warning("[job %s rank %d] a peer was lost again while recovering (epoch %d): %s", self.job,
-                            self.rank, self._live.epoch, str(exc).splitlines()[0][:200])  # fmt: skip
-        self.recovered = {"step": step, "epoch": self._live.epoch, **self._live.timings, "ddp_s": t2 - t1,
-                          "restore_s": time.monotonic() - t2, "seconds": time.monotonic() - t0}  # fmt: skip
-        log.info("[job %s rank %d] recovered in place at step %d (epoch %d) in %.2f s", self.job, self.rank, step,
-                 self._live.epoch, self.recovered["seconds"])  # fmt: skip
+                log.warning(
+                    "[job %s rank %d] a peer was lost again while recovering (epoch %d): %s",
+                    self.job,
+                    self.rank,
+                    self._live.epoch,
+                    str(exc).splitlines()[0][:200],
+                )
+        self.recovered = {
+            "step": step,
+            "epoch": self._live.epoch,
+            **self._live.timings,
+            "ddp_s": t2 - t1,
+            "restore_s": time.monotonic() - t2,
+            "seconds": time.monotonic() - t0,
+        }
+        log.info(
+            "[job %s rank %d] recovered in place at step %d (epoch %d) in %.2f s",
+            self.job,
+            self.rank,
+            step,
+            self._live.epoch,
+            self.recovered["seconds"],
+        )
         return step
 
     def _replicate_over(self, group: Any) -> None:
@@ -407,22 +475,36 @@ class Snapshotter:
 
         reply: Message | None = None
         try:
-            with writable_by(self._sidecar_pid if targets else 0), live.step() if live is not None else contextlib.nullcontext():
+            with (
+                writable_by(self._sidecar_pid if targets else 0),
+                live.step() if live is not None else contextlib.nullcontext(),
+            ):
                 reply = self._channel.request(
-                    RestoreRequest(job=self.job, rank=self.rank, world_size=self.world_size, timeout_s=timeout,
-                                   progress=display is not None, fetch=True,
-                                   table=encode_table(flat.entries) if targets else b"", targets=targets),
+                    RestoreRequest(
+                        job=self.job,
+                        rank=self.rank,
+                        world_size=self.world_size,
+                        timeout_s=timeout,
+                        progress=display is not None,
+                        fetch=True,
+                        table=encode_table(flat.entries) if targets else b"",
+                        targets=targets,
+                    ),
                     "restore_reply",
                     timeout + 5,
                     on_wait=on_wait if display is not None or live is not None else None,
-                )  # fmt: skip
+                )
         except _LeftBehind:  # the sidecar abandons the restore asked in the old group now, before this rank
             self._stop_fetch(ended=True)  # before the sidecar frees the slot it writes into
             try:  # joins the next: an answer to it, were the round to freeze on its ask, would reach no one
                 self._register(flat.data_bytes, self.timeout)
             except SnapshotdError as exc:
-                log.warning("[job %s rank %d] could not register again after leaving the group: %s", self.job,
-                            self.rank, exc)  # fmt: skip
+                log.warning(
+                    "[job %s rank %d] could not register again after leaving the group: %s",
+                    self.job,
+                    self.rank,
+                    exc,
+                )
             raise
         except NotRecoverable as exc:
             raise NotRecoverable(
@@ -430,7 +512,9 @@ class Snapshotter:
                 "go on under a new job name: this job's snapshots belong to a run that cannot be resumed."
             ) from exc
         finally:
-            self._stop_fetch(ended=True)  # the reply came after the fetch's answer; on any other end it stops here
+            self._stop_fetch(
+                ended=True
+            )  # the reply came after the fetch's answer; on any other end it stops here
             self._restore_display = None
             if display is not None:
                 display.finish(reply if isinstance(reply, RestoreReply) else None)
@@ -477,7 +561,9 @@ class Snapshotter:
                 due = step % self.every == 0 and not left_out(step, self.every)  # type: ignore[operator,arg-type]
             if not due:
                 return False
-            flat = self._walker.flatten(self._snapshotted)  # TypeError for unsnapshottable values propagates: a user error
+            flat = self._walker.flatten(
+                self._snapshotted
+            )  # TypeError for unsnapshottable values propagates: a user error
             # at every step due, not only at the aligned ones: a registration retried in the background (the
             # sidecar restarted) goes on while the stride is long
             registered = self._ensure_registered(flat.data_bytes)
@@ -554,8 +640,14 @@ class Snapshotter:
     # ---------------------------------------------------------------------------------------- internals
 
     def _registration(self, data_bytes: int) -> RegisterRank:
-        return RegisterRank(job=self.job, rank=self.rank, world_size=self.world_size, pid=os.getpid(),
-                            data_bytes=data_bytes, slots=self.slots)  # fmt: skip
+        return RegisterRank(
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            pid=os.getpid(),
+            data_bytes=data_bytes,
+            slots=self.slots,
+        )
 
     def _register(self, data_bytes: int, timeout: float) -> None:
         """Register (or re-register with a bigger size) and map the arena, waiting at most ``timeout``."""
@@ -569,11 +661,15 @@ class Snapshotter:
                 self._free.clear()
                 replied.append(self._updates)
 
-        reply = self._channel.request(self._registration(data_bytes), "rank_registered", timeout, on_reply=on_reply)
+        reply = self._channel.request(
+            self._registration(data_bytes), "rank_registered", timeout, on_reply=on_reply
+        )
         assert isinstance(reply, RankRegistered)
         self._adopt(reply)
         with self._lock:  # the sidecar sends the free slots right after its reply
-            self._lock.wait_for(lambda: bool(replied) and self._updates > replied[0], timeout=min(timeout, 5.0))
+            self._lock.wait_for(
+                lambda: bool(replied) and self._updates > replied[0], timeout=min(timeout, 5.0)
+            )
 
     def _adopt(self, reply: RankRegistered) -> None:
         self._map_arena(reply.arena, reply.slot_bytes, reply.slots)
@@ -612,7 +708,9 @@ class Snapshotter:
         old = self._arena
         self._arena = attach_arena(path, slot_bytes, slots)
         self._slot_tensors = [
-            torch.frombuffer(self._arena.slot(i), dtype=torch.uint8) if slot_bytes else torch.empty(0, dtype=torch.uint8)
+            torch.frombuffer(self._arena.slot(i), dtype=torch.uint8)
+            if slot_bytes
+            else torch.empty(0, dtype=torch.uint8)
             for i in range(slots)
         ]
         self._stager.pin(self._arena)
@@ -632,8 +730,11 @@ class Snapshotter:
                 # every slot busy, and the sidecar's process gone or no word from it for long: it restarted and
                 # forgot us, and with it the steps it had seen. Every announce goes out before the registration
                 # does; the update after its reply says which slots are free.
-                self._problem(f"the sidecar (pid {self._sidecar_pid}) is gone; registering again" if gone else
-                              f"no slot update from the sidecar for {self.timeout:.0f} s; registering again")  # fmt: skip
+                self._problem(
+                    f"the sidecar (pid {self._sidecar_pid}) is gone; registering again"
+                    if gone
+                    else f"no slot update from the sidecar for {self.timeout:.0f} s; registering again"
+                )
                 self._stager.fence(timeout=self.timeout)
                 with self._lock:
                     self._inflight.clear()
@@ -649,17 +750,29 @@ class Snapshotter:
             self._table_layout = flat.layout
             self._table_sent = True
         announce = Announce(
-            job=self.job, rank=self.rank, step=step, slot=slot, table_id=self._table_id,
-            step_seconds=self._step_seconds, skipped=self.stats.skipped, steps=tuple(self._steps),
-            steps_end=self._steps_end, table=table, meta=flat.meta,
-        )  # fmt: skip
+            job=self.job,
+            rank=self.rank,
+            step=step,
+            slot=slot,
+            table_id=self._table_id,
+            step_seconds=self._step_seconds,
+            skipped=self.stats.skipped,
+            steps=tuple(self._steps),
+            steps_end=self._steps_end,
+            table=table,
+            meta=flat.meta,
+        )
         self._steps.clear()
         self._last_step = step
         with self._lock:
             self._taken_at[step] = time.monotonic()
-            if len(self._taken_at) > 64:  # bounded when no step becomes durable (no buddy, every stream failing)
+            if (
+                len(self._taken_at) > 64
+            ):  # bounded when no step becomes durable (no buddy, every stream failing)
                 del self._taken_at[min(self._taken_at)]
-        self._stager.stage(flat, self._slot_tensors[slot], self._channel, announce, lambda: self._release(slot))
+        self._stager.stage(
+            flat, self._slot_tensors[slot], self._channel, announce, lambda: self._release(slot)
+        )
         self.stats.started += 1
         self.stats.bytes += flat.data_bytes
         return True
@@ -699,7 +812,9 @@ class Snapshotter:
     def _on_message(self, msg: Message) -> None:
         """Channel thread: slot updates and errors about announces."""
         if isinstance(msg, RankRegistered):  # a registration retried in the background was answered
-            with self._lock:  # free slots come from the sidecar's update after its reply, not from earlier ones
+            with (
+                self._lock
+            ):  # free slots come from the sidecar's update after its reply, not from earlier ones
                 self._free.clear()
             self._pending_registration = msg
         elif isinstance(msg, SlotUpdate):
@@ -752,11 +867,20 @@ class Snapshotter:
         with self._fetch_lock:
             live, targets = self._restore_targets
         if not live:
-            log.info("[job %s rank %d] the sidecar asked to fetch step %d after the restore ended: ignored",
-                     self.job, self.rank, msg.step)  # fmt: skip
+            log.info(
+                "[job %s rank %d] the sidecar asked to fetch step %d after the restore ended: ignored",
+                self.job,
+                self.rank,
+                msg.step,
+            )
             return
-        fetcher = RestoreFetcher(msg, live, targets, timeout=self.timeout,
-                                 on_progress=display.advance if display is not None else None)  # fmt: skip
+        fetcher = RestoreFetcher(
+            msg,
+            live,
+            targets,
+            timeout=self.timeout,
+            on_progress=display.advance if display is not None else None,
+        )
 
         def run() -> None:
             answer = fetcher.run()
@@ -782,8 +906,12 @@ class Snapshotter:
             fetcher.cancel()
             thread.join(self.timeout)
             if thread.is_alive():
-                log.warning("[job %s rank %d] the restore's fetch did not stop within %.0f s", self.job, self.rank,
-                            self.timeout)  # fmt: skip
+                log.warning(
+                    "[job %s rank %d] the restore's fetch did not stop within %.0f s",
+                    self.job,
+                    self.rank,
+                    self.timeout,
+                )
 
     def _update_rpo(self) -> None:
         """``stats.rpo_*`` from the newest step captured and the recovery point (call with the lock held)."""

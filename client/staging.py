@@ -73,7 +73,9 @@ class _Groups:
         self.cpu_async = [i for i in idx if safe[i] and not cuda[i]]
         self.cuda_mutable = [i for i in idx if not safe[i] and cuda[i]]
         self.cuda_safe = [i for i in idx if safe[i] and cuda[i]]
-        self.pick = {name: _picker(getattr(self, name)) for name in ("sync", "cpu_async", "cuda_mutable", "cuda_safe")}
+        self.pick = {
+            name: _picker(getattr(self, name)) for name in ("sync", "cpu_async", "cuda_mutable", "cuda_safe")
+        }
         self._views: dict[int, tuple[torch.Tensor, dict[str, list[torch.Tensor]]]] = {}
 
     def views(self, flat: FlatState, dst: torch.Tensor) -> dict[str, list[torch.Tensor]]:
@@ -88,7 +90,9 @@ class _Groups:
         self._views[id(dst)] = (dst, grouped)
         return grouped
 
-    def sources(self, flat: FlatState, name: str, views: dict[str, list[torch.Tensor]]) -> tuple[list[Any], list[Any]]:
+    def sources(
+        self, flat: FlatState, name: str, views: dict[str, list[torch.Tensor]]
+    ) -> tuple[list[Any], list[Any]]:
         """(destinations, sources) of group ``name``."""
         return views[name], self.pick[name](flat.tensors)
 
@@ -179,7 +183,9 @@ class Stager:
             groups is not None
             and groups.layout is flat.layout
             and self._captures % DEVICE_CHECK_EVERY
-            and (not tensors or (tensors[0].is_cuda, tensors[-1].is_cuda) == (groups.cuda[0], groups.cuda[-1]))
+            and (
+                not tensors or (tensors[0].is_cuda, tensors[-1].is_cuda) == (groups.cuda[0], groups.cuda[-1])
+            )
         ):
             return groups
         cuda = list(map(_IS_CUDA, tensors))
@@ -188,7 +194,12 @@ class Stager:
         return groups
 
     def stage(
-        self, flat: FlatState, dst: torch.Tensor, channel: Channel, announce: Announce, on_abandon: Callable[[], None]
+        self,
+        flat: FlatState,
+        dst: torch.Tensor,
+        channel: Channel,
+        announce: Announce,
+        on_abandon: Callable[[], None],
     ) -> None:
         """Copy ``flat`` into ``dst`` (partly now, partly in the background) and then send ``announce``.
 

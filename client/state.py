@@ -165,7 +165,9 @@ class _Flattener:
 
 
 @functools.lru_cache(maxsize=4096)
-def _global_place(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]) -> bytes:
+def _global_place(
+    shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...], local: tuple[int, ...]
+) -> bytes:
     """msgpack of ``[global shape, global offset]`` of this rank's shard (of shape ``local``) of a DTensor laid out
     so, or of ``nil`` when its local values may not be one block of the global tensor (a placement other than
     ``Shard`` and ``Replicate``, such as ``Partial`` or the strided shards of FSDP2 over tensor parallelism, or
@@ -174,7 +176,9 @@ def _global_place(shape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...]
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(type(p) not in (Shard, Replicate) for p in placements):  # Partial, _StridedShard (FSDP2 + TP): not one block
+    if any(
+        type(p) not in (Shard, Replicate) for p in placements
+    ):  # Partial, _StridedShard (FSDP2 + TP): not one block
         return msgpack.packb(None)
     computed, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(computed) != local:
@@ -325,7 +329,12 @@ class StateWalker:
                 parts.append(msgpack.packb(key) + b"\x92" + msgpack.packb(STATEFUL) + packed)
             else:
                 self._memos.pop(key, None)
-                parts.append(msgpack.packb(key) + b"\x92" + msgpack.packb(PLAIN) + msgpack.packb(walk.value(value, (key,))))
+                parts.append(
+                    msgpack.packb(key)
+                    + b"\x92"
+                    + msgpack.packb(PLAIN)
+                    + msgpack.packb(walk.value(value, (key,)))
+                )
         if len(walk.tensors) > L.MAX_TENSORS:
             raise ValueError(f"the state holds {len(walk.tensors)} tensors, at most {L.MAX_TENSORS}")
         last = self._table
@@ -338,7 +347,9 @@ class StateWalker:
             raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
         meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + _header(len(parts), 0x80, 0xDE) + b"".join(parts)
         if len(meta) > L.MAX_META_BYTES:
-            raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
+            raise ValueError(
+                f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}"
+            )
         return FlatState(list(entries), walk.tensors, meta, data_bytes, layout)
 
     def _reuse(self, key: str, sd: Any, walk: _Flattener) -> bytes | None:
@@ -381,7 +392,9 @@ class StateWalker:
             inner = list(st.values())
             state_tree = walk.value(st, (key, "state"))
             packed = msgpack.packb(state_tree)
-            if all(type(d) is dict for d in inner) and _plain_tensors(list(itertools.chain.from_iterable(map(dict.values, inner)))):
+            if all(type(d) is dict for d in inner) and _plain_tensors(
+                list(itertools.chain.from_iterable(map(dict.values, inner)))
+            ):
                 self._remember("optimizer", key, sd, list(st), [tuple(d) for d in inner], start, walk, packed)
             groups = walk.value(sd["param_groups"], (key, "param_groups"))
             return _OPTIMIZER_HEAD + packed + _GROUPS_KEY + msgpack.packb(groups)
@@ -390,12 +403,27 @@ class StateWalker:
             self._remember("tensors", key, sd, list(sd), [], start, walk, packed)
         return packed
 
-    def _remember(self, kind: str, key: str, sd: Any, keys: list[Any], inner: list[tuple[Any, ...]], start: int,
-                  walk: _Flattener, packed: bytes) -> None:  # fmt: skip
+    def _remember(
+        self,
+        kind: str,
+        key: str,
+        sd: Any,
+        keys: list[Any],
+        inner: list[tuple[Any, ...]],
+        start: int,
+        walk: _Flattener,
+        packed: bytes,
+    ) -> None:
         tensors = walk.tensors[start:]
         self._memos[key] = _Memo(
-            kind, type(sd), tuple(keys), inner, start, list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)),
-            walk.specs[start:], packed, tensors,
+            kind,
+            type(sd),
+            tuple(keys),
+            inner,
+            start,
+            list(map(_DTYPE, tensors)),
+            list(map(_SHAPE, tensors)),
+            walk.specs[start:],
+            packed,
+            tensors,
         )
-
-

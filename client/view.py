@@ -27,7 +27,9 @@ class SnapshotView(MutableMapping[str, Any]):
     ``stand_ins`` and ``extra`` cannot be written or deleted.
     """
 
-    def __init__(self, base: Mapping[str, Any], stand_ins: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
+    def __init__(
+        self, base: Mapping[str, Any], stand_ins: Mapping[str, Any], extra: Mapping[str, Any]
+    ) -> None:
         self.base = base
         self.stand_ins = dict(stand_ins)
         self.extra = dict(extra)

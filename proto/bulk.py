@@ -37,7 +37,17 @@ from __future__ import annotations
 import enum
 import struct
 
-__all__ = ["CHUNK", "HELLO", "MAGIC", "PUSH_MAGIC", "RANGE", "TOKEN_BYTES", "VERSION", "Status", "chunk_length"]
+__all__ = [
+    "CHUNK",
+    "HELLO",
+    "MAGIC",
+    "PUSH_MAGIC",
+    "RANGE",
+    "TOKEN_BYTES",
+    "VERSION",
+    "Status",
+    "chunk_length",
+]
 
 MAGIC = b"SNPB"
 """A rank fetching a holder's copy."""

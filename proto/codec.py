@@ -28,7 +28,15 @@ from . import limits as L
 from .errors import ChecksumMismatch, CodecError
 from .fields import CODECS, Buffer
 
-__all__ = ["RunningChecksum", "blob_digest", "breakeven_rate", "checksum", "compress_chunk", "decompress_chunk", "verify"]
+__all__ = [
+    "RunningChecksum",
+    "blob_digest",
+    "breakeven_rate",
+    "checksum",
+    "compress_chunk",
+    "decompress_chunk",
+    "verify",
+]
 
 _LZ4_MODE = "default"
 """lz4's default mode (acceleration 1). On shuffled step deltas the faster modes lose about as much in ratio as

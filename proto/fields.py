@@ -10,9 +10,21 @@ from . import limits as L
 from .schema import Float, Int, Str
 
 __all__ = [
-    "ADDR", "CODECS", "JOB", "NAME", "NBYTES", "PID", "RANK", "SECONDS", "SLOT", "STEP", "STEP_OR_NONE",
-    "TEXT", "WORLD", "Buffer",
-]  # fmt: skip
+    "ADDR",
+    "CODECS",
+    "JOB",
+    "NAME",
+    "NBYTES",
+    "PID",
+    "RANK",
+    "SECONDS",
+    "SLOT",
+    "STEP",
+    "STEP_OR_NONE",
+    "TEXT",
+    "WORLD",
+    "Buffer",
+]
 
 Buffer = bytes | bytearray | memoryview
 """What a payload frame may be given as."""

@@ -18,12 +18,26 @@ from .errors import LimitExceeded, MalformedMessage
 __all__ = ["DTYPE_SIZES", "TensorEntry", "decode_table", "encode_table", "match_entries", "table_data_bytes"]
 
 DTYPE_SIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-    "complex128": 16, "complex64": 8,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+}
 """Element size in bytes of every dtype a snapshot may hold (torch's names, without the ``torch.`` prefix)."""
 
 
@@ -56,7 +70,12 @@ def decode_table(buf: bytes | memoryview, data_bytes: int | None = None) -> list
         raise LimitExceeded(f"tensor table is {len(buf)} bytes, at most {L.MAX_TABLE_BYTES}")
     try:
         raw = msgpack.unpackb(
-            buf, raw=False, max_array_len=L.MAX_TENSORS, max_map_len=0, max_str_len=L.MAX_TEXT_LEN, max_ext_len=0
+            buf,
+            raw=False,
+            max_array_len=L.MAX_TENSORS,
+            max_map_len=0,
+            max_str_len=L.MAX_TEXT_LEN,
+            max_ext_len=0,
         )
     except Exception as exc:
         raise MalformedMessage(f"tensor table is not valid msgpack: {exc}") from exc
@@ -76,10 +95,17 @@ def decode_table(buf: bytes | memoryview, data_bytes: int | None = None) -> list
             if type(d) is not int or not 0 <= d <= L.MAX_SNAPSHOT_BYTES:
                 raise MalformedMessage(f"tensor table entry {i} ({path}): bad dimension {d!r}")
             numel *= d
-        if type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes != numel * DTYPE_SIZES[dtype]:
+        if (
+            type(offset) is not int
+            or type(nbytes) is not int
+            or offset < 0
+            or nbytes != numel * DTYPE_SIZES[dtype]
+        ):
             raise MalformedMessage(f"tensor table entry {i} ({path}): bad offset or size")
         if data_bytes is not None and offset + nbytes > data_bytes:
-            raise MalformedMessage(f"tensor table entry {i} ({path}) ends past the data buffer ({data_bytes} B)")
+            raise MalformedMessage(
+                f"tensor table entry {i} ({path}) ends past the data buffer ({data_bytes} B)"
+            )
         entries.append(TensorEntry(path, dtype, tuple(shape), offset, nbytes))
     return entries
 
@@ -111,4 +137,6 @@ def landing_segments(
     bytes, sorted by ``start``. ``address`` is the target (``targets[j]``, one per live entry) of the live entry
     :func:`match_entries` pairs the entry with, or 0 where there is none (the bytes go to the arena slot)."""
     direct = {i: targets[j] for i, j in match_entries(snapshot, live).items() if targets[j]}
-    return sorted((e.offset, e.offset + e.nbytes, direct.get(i, 0)) for i, e in enumerate(snapshot) if e.nbytes)
+    return sorted(
+        (e.offset, e.offset + e.nbytes, direct.get(i, 0)) for i, e in enumerate(snapshot) if e.nbytes
+    )

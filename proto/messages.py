@@ -518,7 +518,9 @@ class HeartbeatReply(Message):
 
     TYPE: ClassVar[str] = "heartbeat_reply"
     known: bool = spec_field(Bool(), default=True)
-    assignments: tuple[Assignment, ...] = spec_field(ListOf(Record(Assignment), L.MAX_LIST_ITEMS), factory=tuple)
+    assignments: tuple[Assignment, ...] = spec_field(
+        ListOf(Record(Assignment), L.MAX_LIST_ITEMS), factory=tuple
+    )
     watermarks: tuple[Watermark, ...] = spec_field(ListOf(Record(Watermark), L.MAX_LIST_ITEMS), factory=tuple)
     tasks: tuple[ReplicateTask, ...] = spec_field(ListOf(Record(ReplicateTask), 4096), factory=tuple)
     heartbeat_interval: float = spec_field(Float(0.0, 3600.0), default=0.0)
@@ -578,8 +580,16 @@ class PlanReply(Message):
         """The reply carrying ``plans`` (at least one): the first in the top-level fields, the others in ``plans``;
         the inverse of :meth:`answers`."""
         first = plans[0]
-        return cls(job=job, rank=first.rank, status=first.status, step=first.step, local=first.local,
-                   sources=first.sources, reason=first.reason, plans=tuple(plans[1:]))  # fmt: skip
+        return cls(
+            job=job,
+            rank=first.rank,
+            status=first.status,
+            step=first.step,
+            local=first.local,
+            sources=first.sources,
+            reason=first.reason,
+            plans=tuple(plans[1:]),
+        )
 
     def answers(self) -> tuple[RankPlan, ...]:
         """Every rank's plan: ``rank``'s from the top-level fields, then ``plans`` (not for ``wait``)."""
@@ -747,11 +757,43 @@ class Error(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (
-        RegisterRank, RankRegistered, UnregisterRank, Announce, SlotUpdate, RestoreRequest, RestoreProgress, RestoreReply,
-        RestoreFetch, RestoreFetched,
-        StreamBegin, StreamAccept, Chunk, ChunkAck, StreamAbort, PullManifest, PullRequest, TicketRequest, Ticket,
-        RegisterSidecar, SidecarRegistered, Heartbeat, HeartbeatReply, PlanRequest, PlanReply,
-        StatusRequest, StatusReply, MemberQuery, MemberReply, HoldersQuery, HoldersReply, SeatRequest, SeatReply,
-        PeerLostReport, PeerLostReply, Drain, DrainReply, Error,
+        RegisterRank,
+        RankRegistered,
+        UnregisterRank,
+        Announce,
+        SlotUpdate,
+        RestoreRequest,
+        RestoreProgress,
+        RestoreReply,
+        RestoreFetch,
+        RestoreFetched,
+        StreamBegin,
+        StreamAccept,
+        Chunk,
+        ChunkAck,
+        StreamAbort,
+        PullManifest,
+        PullRequest,
+        TicketRequest,
+        Ticket,
+        RegisterSidecar,
+        SidecarRegistered,
+        Heartbeat,
+        HeartbeatReply,
+        PlanRequest,
+        PlanReply,
+        StatusRequest,
+        StatusReply,
+        MemberQuery,
+        MemberReply,
+        HoldersQuery,
+        HoldersReply,
+        SeatRequest,
+        SeatReply,
+        PeerLostReport,
+        PeerLostReply,
+        Drain,
+        DrainReply,
+        Error,
     )
-}  # fmt: skip
+}

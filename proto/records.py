@@ -9,9 +9,16 @@ from .fields import ADDR, JOB, PID, RANK, STEP, STEP_OR_NONE, TEXT, WORLD
 from .schema import Bool, Enum, Int, ListOf, spec_field
 
 __all__ = [
-    "PLAN_STATUSES", "Assignment", "HeldSeat", "InventoryItem", "RankInfo", "RankPlan", "RankPlanFields", "ReplicateTask",
+    "PLAN_STATUSES",
+    "Assignment",
+    "HeldSeat",
+    "InventoryItem",
+    "RankInfo",
+    "RankPlan",
+    "RankPlanFields",
+    "ReplicateTask",
     "Watermark",
-]  # fmt: skip
+]
 
 PLAN_STATUSES = ("ready", "fresh", "none")
 """What one rank's plan may say (see :class:`~snapshotd.proto.PlanReply`); ``wait`` is never one rank's alone."""

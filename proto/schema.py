@@ -28,7 +28,20 @@ from typing import Any
 
 from .errors import LimitExceeded, MalformedMessage, ProtocolError
 
-__all__ = ["Bool", "Bytes", "Enum", "Float", "Frame", "Int", "ListOf", "Opt", "Record", "Spec", "Str", "spec_field"]
+__all__ = [
+    "Bool",
+    "Bytes",
+    "Enum",
+    "Float",
+    "Frame",
+    "Int",
+    "ListOf",
+    "Opt",
+    "Record",
+    "Spec",
+    "Str",
+    "spec_field",
+]
 
 _INT = frozenset({int})
 _FLOATISH = frozenset({int, float})
@@ -40,7 +53,9 @@ _LIST = frozenset({list})
 _SEQ = frozenset({list, tuple})  # what a sender may give as a msgpack array
 
 
-_drain: Callable[[Iterable[Any]], None] = collections.deque(maxlen=0).extend  # runs an iterator out, keeps nothing
+_drain: Callable[[Iterable[Any]], None] = collections.deque(
+    maxlen=0
+).extend  # runs an iterator out, keeps nothing
 
 
 class Spec:
@@ -239,7 +254,9 @@ class ListOf(Spec):
         checked = self.item.check_column(value)
         if checked is not None:
             return tuple(checked)
-        return tuple(self.item.check(v, f"{name}[{i}]") for i, v in enumerate(value))  # raises, naming the item
+        return tuple(
+            self.item.check(v, f"{name}[{i}]") for i, v in enumerate(value)
+        )  # raises, naming the item
 
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
@@ -315,7 +332,9 @@ class Record(Spec):
             return built[0]
         if type(value) is not list or len(value) != len(self.fields):
             raise MalformedMessage(f"field {name!r}: expected a list of {len(self.fields)} values")
-        return self.cls(*(spec.check(v, f"{name}.{fname}") for (fname, spec), v in zip(self.fields, value, strict=True)))
+        return self.cls(
+            *(spec.check(v, f"{name}.{fname}") for (fname, spec), v in zip(self.fields, value, strict=True))
+        )
 
     def check_column(self, col: Sequence[Any]) -> Sequence[Any] | None:
         if not col:
@@ -374,7 +393,9 @@ class Record(Spec):
         return [self.dump(v) for v in values]
 
 
-def spec_field(spec: Spec, default: Any = dataclasses.MISSING, factory: Callable[[], Any] | None = None) -> Any:
+def spec_field(
+    spec: Spec, default: Any = dataclasses.MISSING, factory: Callable[[], Any] | None = None
+) -> Any:
     """A dataclass field that carries its wire spec in its metadata.
 
     A field with a default (or ``factory``) may be left out of a header a peer sends: it then takes that default.

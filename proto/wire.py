@@ -90,8 +90,13 @@ class FramePacker:
                 self._specs[name + "[]"] = spec.item
                 self._max_items[name] = spec.max_items
         self._keys = tuple((name, self._pack(name)) for name, _ in lay.header)
-        self._head = (packer.pack_map_header(2 + len(lay.header)) + self._pack("v") + self._pack(L.PROTOCOL_VERSION)
-                      + self._pack("type") + self._pack(cls.TYPE))  # fmt: skip
+        self._head = (
+            packer.pack_map_header(2 + len(lay.header))
+            + self._pack("v")
+            + self._pack(L.PROTOCOL_VERSION)
+            + self._pack("type")
+            + self._pack(cls.TYPE)
+        )
         self._header = tuple((name, spec, f"{cls.TYPE}.{name}") for name, spec in lay.header)
         self._names = {name: f"{cls.TYPE}.{name}" for name in self._specs}
         self._defaults = {name: self.piece(name, value) for name, value in lay.defaults.items()}
@@ -205,20 +210,35 @@ class PlanReplyPacker:
             raise frame
         return frame
 
-    def pack_many(self, replies: Sequence[tuple[str, Sequence[RankPlanFields]]]) -> list[bytes | ProtocolError]:
+    def pack_many(
+        self, replies: Sequence[tuple[str, Sequence[RankPlanFields]]]
+    ) -> list[bytes | ProtocolError]:
         """:meth:`pack` of each ``(job, plans)`` of ``replies``, in order; a reply that breaks a limit or a spec
         gets the error :meth:`pack` raises for it, and does not keep the others from being packed."""
-        checked = (all([1 <= len(plans) <= L.MAX_PLAN_RANKS for _, plans in replies])
-                   and self._job.valid_column([job for job, _ in replies])
-                   and self._record.valid_column(list(itertools.chain.from_iterable(plans for _, plans in replies))))  # fmt: skip
+        checked = (
+            all([1 <= len(plans) <= L.MAX_PLAN_RANKS for _, plans in replies])
+            and self._job.valid_column([job for job, _ in replies])
+            and self._record.valid_column(list(itertools.chain.from_iterable(plans for _, plans in replies)))
+        )
         out: list[bytes | ProtocolError] = []
         for job, plans in replies:
             if checked:
                 rank, status, step, local, sources, reason = plans[0]
-                frame: bytes = msgpack.packb({
-                    "v": L.PROTOCOL_VERSION, "type": PlanReply.TYPE, "job": job, "rank": rank, "status": status,
-                    "step": step, "local": local, "sources": sources, "reason": reason, "plans": plans[1:],
-                }, use_bin_type=True)  # fmt: skip
+                frame: bytes = msgpack.packb(
+                    {
+                        "v": L.PROTOCOL_VERSION,
+                        "type": PlanReply.TYPE,
+                        "job": job,
+                        "rank": rank,
+                        "status": status,
+                        "step": step,
+                        "local": local,
+                        "sources": sources,
+                        "reason": reason,
+                        "plans": plans[1:],
+                    },
+                    use_bin_type=True,
+                )
                 if len(frame) <= L.MAX_HEADER_BYTES:
                     out.append(frame)
                     continue
@@ -240,8 +260,16 @@ class PlanReplyPacker:
         if len(first) != _PLAN_FIELDS:
             raise MalformedMessage(f"plan_reply: a plan has {len(first)} fields, not {_PLAN_FIELDS}")
         rank, status, step, local, sources, reason = first
-        return {"job": job, "rank": rank, "status": status, "step": step, "local": local,
-                "sources": sources, "reason": reason, "plans": plans[1:]}  # fmt: skip
+        return {
+            "job": job,
+            "rank": rank,
+            "status": status,
+            "step": step,
+            "local": local,
+            "sources": sources,
+            "reason": reason,
+            "plans": plans[1:],
+        }
 
 
 def encode(msg: Message) -> list[Buffer]:

@@ -20,54 +20,104 @@ DEFAULT_COORDINATOR = "tcp://127.0.0.1:7070"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="snapshotd", description="In-memory, every-step snapshots for PyTorch training.")
+    p = argparse.ArgumentParser(
+        prog="snapshotd", description="In-memory, every-step snapshots for PyTorch training."
+    )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run the job's recovery coordinator")
     c.add_argument("--bind", default=DEFAULT_COORDINATOR, help="control-plane endpoint (default %(default)s)")
     c.add_argument("--replicas", type=int, default=1, help="buddy copies per rank (default %(default)s)")
-    c.add_argument("--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)")
-    c.add_argument("--heartbeat-interval", default="0.5s", help="sidecar heartbeat period (default %(default)s)")
+    c.add_argument(
+        "--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)"
+    )
+    c.add_argument(
+        "--heartbeat-interval", default="0.5s", help="sidecar heartbeat period (default %(default)s)"
+    )
     c.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
-    c.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
-    c.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                   help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
+    c.add_argument(
+        "--metrics-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+    c.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default %(default)s)",
+    )
 
     s = sub.add_parser("serve", help="run this node's sidecar")
     s.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
     s.add_argument("--node", default=None, help="node name (default: the host name)")
     s.add_argument("--rack", default="", help="failure-domain label; buddies are never in the same rack")
     s.add_argument("--ipc", default=None, help="ipc socket path for local ranks (default: per-user path)")
-    s.add_argument("--data-bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (default %(default)s)")
+    s.add_argument(
+        "--data-bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (default %(default)s)"
+    )
     s.add_argument("--advertise", default=None, help="host name peers use to reach --data-bind")
-    s.add_argument("--memory-limit", default="64GiB", help="host memory for buddy copies (default %(default)s)")
+    s.add_argument(
+        "--memory-limit", default="64GiB", help="host memory for buddy copies (default %(default)s)"
+    )
     s.add_argument("--max-rate", default="auto", help="outgoing snapshot rate, e.g. 10Gbit, or auto")
-    s.add_argument("--step-budget", default="1%",
-                   help="with --max-rate auto: the step-time slowdown snapshots may cost, e.g. 1%% or 0.01 (default 1%%)")
+    s.add_argument(
+        "--step-budget",
+        default="1%",
+        help="with --max-rate auto: the step-time slowdown snapshots may cost, e.g. 1%% or 0.01 (default 1%%)",
+    )
     s.add_argument("--chunk", default="4MiB", help="data-plane chunk size (default %(default)s)")
     s.add_argument("--codec", default="auto", choices=("auto", "raw", "delta-lz4"))
-    s.add_argument("--nice", type=int, default=10, help="CPU priority increment: snapshots use idle CPU (default %(default)s)")
+    s.add_argument(
+        "--nice",
+        type=int,
+        default=10,
+        help="CPU priority increment: snapshots use idle CPU (default %(default)s)",
+    )
     s.add_argument("--peer-timeout", default="10s", help="wait for any one peer reply (default %(default)s)")
-    s.add_argument("--drain-timeout", default="20s",
-                   help="on SIGTERM, serve on at most this long while what only this node holds is copied "
-                        "elsewhere; 0 stops at once (default %(default)s)")  # fmt: skip
-    s.add_argument("--data-security", default="curve", choices=DATA_SECURITY_MODES,
-                   help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
-                        "the hosts of the job's members (default %(default)s)")  # fmt: skip
+    s.add_argument(
+        "--drain-timeout",
+        default="20s",
+        help="on SIGTERM, serve on at most this long while what only this node holds is copied "
+        "elsewhere; 0 stops at once (default %(default)s)",
+    )
+    s.add_argument(
+        "--data-security",
+        default="curve",
+        choices=DATA_SECURITY_MODES,
+        help="with a secret: curve encrypts the data plane; members leaves it plaintext and admits only "
+        "the hosts of the job's members (default %(default)s)",
+    )
     s.add_argument("--insecure", action="store_true", help="allow a routable bind without SNAPSHOTD_SECRET")
-    s.add_argument("--bulk-port", default="0", metavar="PORT|off",
-                   help="TCP port on the data bind's host where restoring ranks fetch copies held here directly, on "
-                        "a plaintext data plane only; 0 picks a free one, off restores through the sidecars "
-                        "(default %(default)s)")  # fmt: skip
-    s.add_argument("--push-connections", type=int, default=4, metavar="N",
-                   help="connections that carry one stream to a buddy's bulk port (plaintext data plane, raw chunks); "
-                        "0 streams over the data plane's messages (default %(default)s)")  # fmt: skip
-    s.add_argument("--metrics-bind", default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)")  # fmt: skip
-    s.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                   help="text lines, or one JSON object per line (default %(default)s)")  # fmt: skip
+    s.add_argument(
+        "--bulk-port",
+        default="0",
+        metavar="PORT|off",
+        help="TCP port on the data bind's host where restoring ranks fetch copies held here directly, on "
+        "a plaintext data plane only; 0 picks a free one, off restores through the sidecars "
+        "(default %(default)s)",
+    )
+    s.add_argument(
+        "--push-connections",
+        type=int,
+        default=4,
+        metavar="N",
+        help="connections that carry one stream to a buddy's bulk port (plaintext data plane, raw chunks); "
+        "0 streams over the data plane's messages (default %(default)s)",
+    )
+    s.add_argument(
+        "--metrics-bind",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: none)",
+    )
+    s.add_argument(
+        "--log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text lines, or one JSON object per line (default %(default)s)",
+    )
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
     st.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
@@ -77,13 +127,22 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
     e.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
     e.add_argument("--job", required=True, help="the job to export")
-    e.add_argument("--step", type=int, default=None, help="the step (default: the newest durable step D, else the recoverable step G)")
+    e.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        help="the step (default: the newest durable step D, else the recoverable step G)",
+    )
     e.add_argument("--out", required=True, help="the checkpoint directory (must not exist, or be empty)")
     e.add_argument("--timeout", default="10s", help="wait for any one reply (default %(default)s)")
 
-    d = sub.add_parser("demo", help="the whole story on one machine: train, lose a node, recover bit-identically")
+    d = sub.add_parser(
+        "demo", help="the whole story on one machine: train, lose a node, recover bit-identically"
+    )
     d.add_argument("--steps", type=int, default=24, help="training steps (default %(default)s)")
-    d.add_argument("--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)")
+    d.add_argument(
+        "--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)"
+    )
     d.add_argument("--params", default="2M", help="model size in parameters (default %(default)s)")
     return p
 
@@ -141,12 +200,17 @@ def _export(args: argparse.Namespace, secret: str | None) -> int:
 
     timeout = parse_duration(args.timeout)
     try:
-        done = export_checkpoint(args.coordinator, args.job, args.out, step=args.step, secret=secret, timeout=timeout)
+        done = export_checkpoint(
+            args.coordinator, args.job, args.out, step=args.step, secret=secret, timeout=timeout
+        )
     except ExportError as exc:
         print(f"snapshotd export: {exc}", file=sys.stderr)
         return 1
-    print(f"snapshotd export: job {done.job} step {done.step} ({done.world_size} ranks; pulled ranks "
-          f"{done.pulled}, {done.pulled_bytes} bytes) -> {done.out}", flush=True)  # fmt: skip
+    print(
+        f"snapshotd export: job {done.job} step {done.step} ({done.world_size} ranks; pulled ranks "
+        f"{done.pulled}, {done.pulled_bytes} bytes) -> {done.out}",
+        flush=True,
+    )
     return 0
 
 

@@ -191,8 +191,10 @@ class _Assembly:
                     if isinstance(leaf, TensorRef) and leaf.dtensor:
                         shape, offset = self._place(leaf, keys, snap, version)
                         if shape != tuple(slot.tensor.shape):
-                            raise ExportError(f"{self.what}: {where(keys)} is a DTensor of global shape {list(shape)} "
-                                              f"on rank {snap.rank}, {list(slot.tensor.shape)} on rank 0")  # fmt: skip
+                            raise ExportError(
+                                f"{self.what}: {where(keys)} is a DTensor of global shape {list(shape)} "
+                                f"on rank {snap.rank}, {list(slot.tensor.shape)} on rank 0"
+                            )
                         slot.add(self._tensor(leaf, keys, snap), offset)
                         if slot.complete:
                             del self.pending[keys]
@@ -208,42 +210,58 @@ class _Assembly:
             return
         keys, slot = next(iter(self.pending.items()))
         if isinstance(slot, _Sharded):
-            raise ExportError(f"{self.what}: the ranks' shards of the DTensor {where(keys)} cover "
-                              f"{slot.covered} of its {slot.tensor.numel()} elements")  # fmt: skip
-        raise ExportError(f"{self.what}: no rank's snapshot holds {where(keys)}, which rank {slot.keeper} of the "
-                          "replica group kept (a replica_group other than the whole world?)")  # fmt: skip
+            raise ExportError(
+                f"{self.what}: the ranks' shards of the DTensor {where(keys)} cover "
+                f"{slot.covered} of its {slot.tensor.numel()} elements"
+            )
+        raise ExportError(
+            f"{self.what}: no rank's snapshot holds {where(keys)}, which rank {slot.keeper} of the "
+            "replica group kept (a replica_group other than the whole world?)"
+        )
 
     def _decode(self, snap: _Snapshot) -> tuple[int, dict[str, list[Any]]]:
         try:
             check_table(snap.entries, snap.data)
             return decode_meta(snap.meta, len(snap.entries))
         except ValueError as exc:
-            raise ExportError(f"{self.what}: the snapshot of rank {snap.rank} does not decode: {exc}") from exc
+            raise ExportError(
+                f"{self.what}: the snapshot of rank {snap.rank} does not decode: {exc}"
+            ) from exc
 
     def _tensor(self, ref: TensorRef, keys: Path, snap: _Snapshot) -> torch.Tensor:
         """The bytes of ``ref`` as a tensor of its own (the snapshot's buffer is dropped after merging)."""
         e = snap.entries[ref.index]
         if e.path != "/".join(map(str, keys)):
-            raise ExportError(f"{self.what}: the snapshot of rank {snap.rank} names {e.path!r} at {where(keys)}: "
-                              "its table and meta do not match")  # fmt: skip
+            raise ExportError(
+                f"{self.what}: the snapshot of rank {snap.rank} names {e.path!r} at {where(keys)}: "
+                "its table and meta do not match"
+            )
         dtype = TORCH_DTYPES[e.dtype]
         if not e.nbytes:
             return torch.empty(e.shape, dtype=dtype)
         return snap.data[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape).clone()
 
-    def _place(self, ref: TensorRef, keys: Path, snap: _Snapshot, version: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    def _place(
+        self, ref: TensorRef, keys: Path, snap: _Snapshot, version: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         if version < 2:
-            raise ExportError(f"{self.what}: the snapshot of rank {snap.rank} is of format {version}, which does not "
-                              f"record where a DTensor's shard lies in the global tensor ({where(keys)}); snapshots "
-                              "taken by this build of the client can be exported")  # fmt: skip
+            raise ExportError(
+                f"{self.what}: the snapshot of rank {snap.rank} is of format {version}, which does not "
+                f"record where a DTensor's shard lies in the global tensor ({where(keys)}); snapshots "
+                "taken by this build of the client can be exported"
+            )
         if ref.place is None:
-            raise ExportError(f"{self.what}: {where(keys)} on rank {snap.rank} is a DTensor shard with no place in "
-                              "the global tensor (a Partial placement, or a layout snapshotd cannot place)")  # fmt: skip
+            raise ExportError(
+                f"{self.what}: {where(keys)} on rank {snap.rank} is a DTensor shard with no place in "
+                "the global tensor (a Partial placement, or a layout snapshotd cannot place)"
+            )
         shape, offset = ref.place
         local = snap.entries[ref.index].shape
         if len(local) != len(shape) or any(o + n > g for o, n, g in zip(offset, local, shape, strict=True)):
-            raise ExportError(f"{self.what}: {where(keys)} on rank {snap.rank}: a shard {list(local)} at offset "
-                              f"{list(offset)} does not fit the global shape {list(shape)}")  # fmt: skip
+            raise ExportError(
+                f"{self.what}: {where(keys)} on rank {snap.rank}: a shard {list(local)} at offset "
+                f"{list(offset)} does not fit the global shape {list(shape)}"
+            )
         return shape, offset
 
     def _build(self, node: Any, keys: Path, snap: _Snapshot, version: int) -> Any:
@@ -288,7 +306,11 @@ def _leaves(node: Any, keys: Path) -> Iterator[tuple[Path, Any]]:
 def _marker(node: dict[Any, Any], keys: Path, what: str) -> tuple[int, str, list[int]]:
     try:
         keeper, dtype_name, shape = node[ELIDED]
-        if type(keeper) is not int or dtype_name not in TORCH_DTYPES or not all(type(n) is int for n in shape):
+        if (
+            type(keeper) is not int
+            or dtype_name not in TORCH_DTYPES
+            or not all(type(n) is int for n in shape)
+        ):
             raise TypeError
         return keeper, dtype_name, shape
     except (TypeError, ValueError):
@@ -298,8 +320,9 @@ def _marker(node: dict[Any, Any], keys: Path, what: str) -> tuple[int, str, list
 class _Exporter:
     """One export's connections: to the coordinator and, as they are needed, to the holders' data planes."""
 
-    def __init__(self, network: Network, links: PeerLinks, coordinator: str, job: str, timeout: float,
-                 parallel: int) -> None:  # fmt: skip
+    def __init__(
+        self, network: Network, links: PeerLinks, coordinator: str, job: str, timeout: float, parallel: int
+    ) -> None:
         self.network = network
         self.links = links
         self.coordinator = coordinator
@@ -319,13 +342,19 @@ class _Exporter:
                 reply = decode(await self.control.recv(copy=True))
         except TimeoutError:
             why = f" ({self.control.failure})" if self.control.failure else ""
-            raise ExportError(f"no answer from the coordinator at {self.coordinator} within {self.timeout:g} s"
-                              f"{why}") from None  # fmt: skip
+            raise ExportError(
+                f"no answer from the coordinator at {self.coordinator} within {self.timeout:g} s{why}"
+            ) from None
         if isinstance(reply, Error):
-            raise ExportError(reply.message if reply.code == ErrorCode.NOT_FOUND
-                              else f"the coordinator refused: {reply.code}: {reply.message}")  # fmt: skip
+            raise ExportError(
+                reply.message
+                if reply.code == ErrorCode.NOT_FOUND
+                else f"the coordinator refused: {reply.code}: {reply.message}"
+            )
         if not isinstance(reply, HoldersReply):
-            raise ExportError(f"the coordinator answered {reply.TYPE!r} to a holders query (an older coordinator?)")
+            raise ExportError(
+                f"the coordinator answered {reply.TYPE!r} to a holders query (an older coordinator?)"
+            )
         return reply
 
     async def holders(self, step: int) -> tuple[int, int, list[tuple[str, ...]]]:
@@ -346,9 +375,13 @@ class _Exporter:
             sources += more.sources
         missing = [r for r, s in enumerate(sources) if not s]
         if missing:
-            shown = ", ".join(map(str, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise ExportError(f"step {reply.step} of job {self.job!r} is not held for rank(s) {shown} (newest "
-                              f"durable step: {_step(reply.durable)}, recoverable: {_step(reply.recoverable)})")  # fmt: skip
+            shown = ", ".join(map(str, missing[:8])) + (
+                f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            )
+            raise ExportError(
+                f"step {reply.step} of job {self.job!r} is not held for rank(s) {shown} (newest "
+                f"durable step: {_step(reply.durable)}, recoverable: {_step(reply.recoverable)})"
+            )
         return reply.step, reply.world_size, sources
 
     async def pull(self, rank: int, step: int, sources: tuple[str, ...]) -> _Snapshot:
@@ -369,11 +402,15 @@ class _Exporter:
         try:
             entries = decode_table(manifest.table, manifest.data_bytes)
         except ValueError as exc:
-            raise ExportError(f"job {self.job!r} step {step}: the tensor table of rank {rank} is bad: {exc}") from exc
+            raise ExportError(
+                f"job {self.job!r} step {step}: the tensor table of rank {rank} is bad: {exc}"
+            ) from exc
         self.pulled_bytes += manifest.data_bytes
         return _Snapshot(rank, entries, bytes(manifest.meta), buf[0])
 
-    async def collect(self, step: int, world_size: int, sources: list[tuple[str, ...]]) -> tuple[dict[str, Any], list[int]]:
+    async def collect(
+        self, step: int, world_size: int, sources: list[tuple[str, ...]]
+    ) -> tuple[dict[str, Any], list[int]]:
         """The checkpoint's state dict for ``step`` and the ranks pulled for it."""
         assembly = _Assembly(self.job, step)
         first = await self.pull(0, step, sources[0])
@@ -404,8 +441,9 @@ class _Exporter:
         return assembly.state, pulled
 
 
-async def _export(coordinator: str, job: str, step: int | None, secret: str | None, timeout: float,
-                  parallel: int) -> tuple[dict[str, Any], Exported]:  # fmt: skip
+async def _export(
+    coordinator: str, job: str, step: int | None, secret: str | None, timeout: float, parallel: int
+) -> tuple[dict[str, Any], Exported]:
     network = open_network(coordinator, Security(secret))
     tasks = TaskTree(Counters())
     links = PeerLinks(network, timeout=timeout, source=None, tasks=tasks)
@@ -438,16 +476,29 @@ async def _attempts(exporter: _Exporter, step: int | None) -> tuple[dict[str, An
             if step is None and attempt + 1 < ATTEMPTS:
                 newer = (await exporter.ask(-1)).step
                 if newer > at:
-                    log.info("step %d of job %s was collected while exporting it (%s); exporting step %d", at,
-                             exporter.job, failure, newer)  # fmt: skip
+                    log.info(
+                        "step %d of job %s was collected while exporting it (%s); exporting step %d",
+                        at,
+                        exporter.job,
+                        failure,
+                        newer,
+                    )
                     continue
             raise ExportError(f"job {exporter.job!r} step {at}: {failure}") from None
         return state, Exported(exporter.job, at, world_size, sorted(pulled), exporter.pulled_bytes, "")
     raise AssertionError("unreachable")
 
 
-def export_checkpoint(coordinator: str, job: str, out: str, *, step: int | None = None, secret: str | None = None,
-                      timeout: float = 10.0, parallel: int = 4) -> Exported:  # fmt: skip
+def export_checkpoint(
+    coordinator: str,
+    job: str,
+    out: str,
+    *,
+    step: int | None = None,
+    secret: str | None = None,
+    timeout: float = 10.0,
+    parallel: int = 4,
+) -> Exported:
     """Write step ``step`` of ``job`` (default: its newest durable step) as a DCP checkpoint in directory ``out``.
 
     Args:
@@ -477,16 +528,27 @@ def export_checkpoint(coordinator: str, job: str, out: str, *, step: int | None 
     try:
         with warnings.catch_warnings():  # that no process group is needed is the point
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial), planner=dcp.DefaultSavePlanner(),
-                     no_dist=True)  # fmt: skip
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(partial),
+                planner=dcp.DefaultSavePlanner(),
+                no_dist=True,
+            )
         if os.path.isdir(out):
             os.rmdir(out)  # empty, checked above
         os.rename(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    log.info("exported job %s step %d (%d ranks; pulled ranks %s, %d bytes) to %s", job, done.step, done.world_size,
-             done.pulled, done.pulled_bytes, out)  # fmt: skip
+    log.info(
+        "exported job %s step %d (%d ranks; pulled ranks %s, %d bytes) to %s",
+        job,
+        done.step,
+        done.world_size,
+        done.pulled,
+        done.pulled_bytes,
+        out,
+    )
     return dataclasses.replace(done, out=out)
 
 

@@ -32,8 +32,9 @@ LOG_FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
-def fields(job: str | None = None, rank: int | None = None, step: int | None = None,
-           event: str | None = None) -> dict[str, Any]:  # fmt: skip
+def fields(
+    job: str | None = None, rank: int | None = None, step: int | None = None, event: str | None = None
+) -> dict[str, Any]:
     """The ``extra`` of a log call that names what it is about (any may be None)."""
     return {"job": job, "rank": rank, "step": step, "event": event}
 
@@ -47,7 +48,9 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
-            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(timespec="milliseconds"),
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
             "level": record.levelname,
             "logger": record.name,
             "node": self.node,
@@ -72,7 +75,9 @@ class RateLimit(logging.Filter):
         clock: the time (``time.monotonic``), for tests.
     """
 
-    def __init__(self, burst: int = 20, window: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, burst: int = 20, window: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__()
         self.burst = burst
         self.window = window

@@ -182,14 +182,18 @@ def members_source(addr: str) -> str:
     """
     host = data_host(addr)
     if not host:
-        raise ValueError(f"--data-security members needs an IPv4 address to advertise, got {addr}: pass --advertise "
-                         "with this node's address on the training network")  # fmt: skip
+        raise ValueError(
+            f"--data-security members needs an IPv4 address to advertise, got {addr}: pass --advertise "
+            "with this node's address on the training network"
+        )
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((host, 0))
     except OSError as exc:
-        raise ValueError(f"--advertise {host} is not an address of this host ({exc.strerror}): in members mode "
-                         "peers admit this node by it, and its connections leave from it") from None  # fmt: skip
+        raise ValueError(
+            f"--advertise {host} is not an address of this host ({exc.strerror}): in members mode "
+            "peers admit this node by it, and its connections leave from it"
+        ) from None
     return host
 
 
@@ -212,15 +216,22 @@ class MembersGate:
     """
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, is_member: Callable[[str], Awaitable[bool]], *,
+        self,
+        ctx: zmq.asyncio.Context,
+        is_member: Callable[[str], Awaitable[bool]],
+        *,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.ctx = ctx
         self.is_member = is_member
         self.clock = clock
         self.sock: zmq.asyncio.Socket | None = None
-        self._known: dict[str, tuple[str, float]] = {}  # host -> (verdict: "member" | "refused" | a failure, until)
-        self._asking: dict[str, asyncio.Future[None]] = {}  # host -> done when its question in flight is answered
+        self._known: dict[
+            str, tuple[str, float]
+        ] = {}  # host -> (verdict: "member" | "refused" | a failure, until)
+        self._asking: dict[
+            str, asyncio.Future[None]
+        ] = {}  # host -> done when its question in flight is answered
         self._questions = asyncio.Semaphore(MAX_QUESTIONS)
         self._logged: dict[str, float] = {}  # host -> when its last refusal was logged
 
@@ -250,14 +261,18 @@ class MembersGate:
             _version, request_id, domain, address, _identity, mechanism = request[:6]
             host = address.decode("ascii", "replace").lower()
             if domain != DATA_DOMAIN or mechanism != b"NULL" or not host:
-                code, why = b"400", f"unexpected {mechanism.decode('ascii', 'replace')} handshake from {host or '?'}"
+                code, why = (
+                    b"400",
+                    f"unexpected {mechanism.decode('ascii', 'replace')} handshake from {host or '?'}",
+                )
             else:
                 code, why = await self.decide(host)
             if code != b"200":
                 self._log_refusal(host, why)
             if self.sock is not None:
-                await self.sock.send_multipart([*envelope, b"1.0", request_id, code, why.encode()[:255] or b"OK",
-                                                b"", b""])  # fmt: skip
+                await self.sock.send_multipart(
+                    [*envelope, b"1.0", request_id, code, why.encode()[:255] or b"OK", b"", b""]
+                )
         except Exception:  # one handshake's answer: never the gate's end (ZeroMQ retries the connection)
             log.exception("answering a data-plane handshake failed")
 
@@ -307,11 +322,17 @@ class MembersGate:
         if len(self._logged) > 1024:
             self._logged = {h: t for h, t in self._logged.items() if now - t < 60.0}
         self._logged[host] = now
-        log.warning("refused a data-plane connection from %s: %s (logged at most once a minute per host)", host, why)
+        log.warning(
+            "refused a data-plane connection from %s: %s (logged at most once a minute per host)", host, why
+        )
 
 
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)  # fmt: skip
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class HandshakeWatch:
@@ -345,7 +366,9 @@ class HandshakeWatch:
         """Read handshake events until cancelled (or :meth:`close`)."""
         while self._monitor is not None:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if self.note(event["event"], event["value"]):  # ZeroMQ gives up on this connection: ask again later
+            if self.note(
+                event["event"], event["value"]
+            ):  # ZeroMQ gives up on this connection: ask again later
                 await asyncio.sleep(self.retry_s)
                 self.sock.disconnect(self.endpoint)
                 self.sock.connect(self.endpoint)
@@ -367,15 +390,27 @@ class HandshakeWatch:
     def _explain(self, kind: int, value: int) -> tuple[str, bool]:
         """Why a handshake failed, and whether ZeroMQ said (False: a guess)."""
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 300:
-            return f"{self.peer} cannot check this node's membership now (its coordinator does not answer)", True
+            return (
+                f"{self.peer} cannot check this node's membership now (its coordinator does not answer)",
+                True,
+            )
         if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-            return (f"{self.peer} refused this node (status {value}): it does not know this host as a member of the "
-                    "job (--data-security members; check --advertise) or this node's key is not the job's"), True
-        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return (f"security mismatch with {self.peer}: one side uses CURVE and the other does not (is "
-                    "SNAPSHOTD_SECRET set on both, with the same --data-security?)"), True
-        return (f"handshake with {self.peer} failed, with no detail from ZeroMQ: SNAPSHOTD_SECRET differs between the "
-                "two sides, or one side uses CURVE and the other does not (--data-security)?"), False
+            return (
+                f"{self.peer} refused this node (status {value}): it does not know this host as a member of the "
+                "job (--data-security members; check --advertise) or this node's key is not the job's"
+            ), True
+        if (
+            kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            return (
+                f"security mismatch with {self.peer}: one side uses CURVE and the other does not (is "
+                "SNAPSHOTD_SECRET set on both, with the same --data-security?)"
+            ), True
+        return (
+            f"handshake with {self.peer} failed, with no detail from ZeroMQ: SNAPSHOTD_SECRET differs between the "
+            "two sides, or one side uses CURVE and the other does not (--data-security)?"
+        ), False
 
     def close(self) -> None:
         if self._monitor is not None:

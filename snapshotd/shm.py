@@ -17,8 +17,16 @@ import os
 import re
 import uuid
 
-__all__ = ["SHM_DIR", "Arena", "attach_arena", "create_arena", "default_ipc_path", "pid_alive",
-           "process_started", "sweep_stale_arenas"]
+__all__ = [
+    "SHM_DIR",
+    "Arena",
+    "attach_arena",
+    "create_arena",
+    "default_ipc_path",
+    "pid_alive",
+    "process_started",
+    "sweep_stale_arenas",
+]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +36,9 @@ _NAME_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 def default_ipc_path() -> str:
     """The per-user ipc socket path that both ``snapshotd serve`` and the client find without flags."""
-    return os.path.join(SHM_DIR if os.access(SHM_DIR, os.W_OK) else "/tmp", f"snapshotd-{getpass.getuser()}.ipc")
+    return os.path.join(
+        SHM_DIR if os.access(SHM_DIR, os.W_OK) else "/tmp", f"snapshotd-{getpass.getuser()}.ipc"
+    )
 
 
 class Arena:

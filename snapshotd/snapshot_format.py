@@ -38,11 +38,39 @@ from snapshotd.proto import limits as L
 from snapshotd.proto.manifest import DTYPE_SIZES, TensorEntry
 
 __all__ = [
-    "ALIGN", "DDP_KEY", "DTYPE_NAMES", "ELIDED", "EXT_DTENSOR", "EXT_NDARRAY", "EXT_NPSCALAR", "EXT_ODICT", "EXT_SIZE",
-    "EXT_TENSOR", "EXT_TUPLE", "FORMAT_VERSION", "INT_MAX", "INT_MIN", "KEY_TYPES", "Layout", "MAX_DEPTH",
-    "MAX_ELEMENT", "PLAIN", "Path", "READ_VERSIONS", "SCALAR_TYPES", "STATEFUL", "TORCH_DTYPES", "check_buffer",
-    "TensorRef", "check_table", "decode_meta", "dtensor_type", "is_stateful", "plain_dtype", "where",
-]  # fmt: skip
+    "ALIGN",
+    "DDP_KEY",
+    "DTYPE_NAMES",
+    "ELIDED",
+    "EXT_DTENSOR",
+    "EXT_NDARRAY",
+    "EXT_NPSCALAR",
+    "EXT_ODICT",
+    "EXT_SIZE",
+    "EXT_TENSOR",
+    "EXT_TUPLE",
+    "FORMAT_VERSION",
+    "INT_MAX",
+    "INT_MIN",
+    "KEY_TYPES",
+    "Layout",
+    "MAX_DEPTH",
+    "MAX_ELEMENT",
+    "PLAIN",
+    "Path",
+    "READ_VERSIONS",
+    "SCALAR_TYPES",
+    "STATEFUL",
+    "TORCH_DTYPES",
+    "check_buffer",
+    "TensorRef",
+    "check_table",
+    "decode_meta",
+    "dtensor_type",
+    "is_stateful",
+    "plain_dtype",
+    "where",
+]
 
 ALIGN = 64
 """Every tensor's offset in the data buffer is a multiple of this."""
@@ -128,7 +156,9 @@ class _Decoder:
     def __init__(self, count: int) -> None:
         self.count = count
         self.depth = 0
-        self.placed = self.unplaced = 0  # DTensor placeholders with and without the global layout (format 2, 1)
+        self.placed = self.unplaced = (
+            0  # DTensor placeholders with and without the global layout (format 2, 1)
+        )
 
     def unpack(self, buf: bytes | memoryview) -> Any:
         return msgpack.unpackb(buf, ext_hook=self.ext, raw=False, strict_map_key=False)
@@ -233,8 +263,10 @@ def decode_meta(meta: bytes | memoryview, count: int) -> tuple[int, dict[str, li
         raise ValueError("malformed snapshot meta: not [version, {key: [kind, tree]}]")
     version = decoded[0]
     if version not in READ_VERSIONS:
-        raise ValueError(f"snapshot meta of format {version!r}: this build reads formats {list(READ_VERSIONS)} "
-                         "(the snapshot was taken by a newer snapshotd?)")  # fmt: skip
+        raise ValueError(
+            f"snapshot meta of format {version!r}: this build reads formats {list(READ_VERSIONS)} "
+            "(the snapshot was taken by a newer snapshotd?)"
+        )
     if decoder.placed if version == 1 else decoder.unplaced:
         raise ValueError(f"malformed snapshot meta: a DTensor placeholder of another format than {version}")
     top: dict[Any, Any] = decoded[1]

@@ -60,7 +60,9 @@ def fetch_status(coordinator: str, *, secret: str | None, timeout: float = 5.0) 
     return doc
 
 
-def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | None, timeout: float = 5.0) -> int:
+def status_main(
+    coordinator: str, *, watch: bool, as_json: bool, secret: str | None, timeout: float = 5.0
+) -> int:
     """Print the status once, or every second with ``watch`` until Ctrl-C; ``timeout`` bounds each fetch.
 
     Returns:
@@ -81,7 +83,13 @@ def status_main(coordinator: str, *, watch: bool, as_json: bool, secret: str | N
                 shown = [Text(f"snapshotd status: {exc}")]
             else:
                 shown = status_renderables(doc) if tty else []
-                text = "" if tty else json.dumps(doc, indent=None if watch else 2) if as_json else render_status(doc)
+                text = (
+                    ""
+                    if tty
+                    else json.dumps(doc, indent=None if watch else 2)
+                    if as_json
+                    else render_status(doc)
+                )
             if out is not None:  # a terminal: in colour, cleared between refreshes
                 if watch:
                     out.clear()
@@ -121,8 +129,10 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
     colour on a terminal): what :func:`render_status` prints as plain text."""
     c = doc.get("coordinator", {})
     out: list[RenderableType] = [
-        Text(f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
-             f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages\n"),  # fmt: skip
+        Text(
+            f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
+            f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages\n"
+        ),
     ]
     nodes = _table("NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "PACE", "DATA")
     for n in doc.get("nodes", []):
@@ -132,17 +142,28 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
             state = Text("DEAD", style="bold red")
         else:
             state = Text("leaving", style="yellow") if n.get("leaving") else Text("live")
-        nodes.add_row(n["node"], n.get("rack") or "-", state, format_seconds(n.get("last_seen_s", 0)) + " ago", ranks,
-                      format_bytes(n.get("stored_bytes", 0)), format_rate(n.get("out_Bps", 0.0)),
-                      format_rate(n.get("in_Bps", 0.0)), _pace(n), n.get("data_addr", ""))  # fmt: skip
+        nodes.add_row(
+            n["node"],
+            n.get("rack") or "-",
+            state,
+            format_seconds(n.get("last_seen_s", 0)) + " ago",
+            ranks,
+            format_bytes(n.get("stored_bytes", 0)),
+            format_rate(n.get("out_Bps", 0.0)),
+            format_rate(n.get("in_Bps", 0.0)),
+            _pace(n),
+            n.get("data_addr", ""),
+        )
     out.append(nodes)
     if not nodes.row_count:
         out.append(Text("(no sidecar registered)"))
     replicas = c.get("replicas")
     for j in doc.get("jobs", []):
         g, d = j.get("recoverable", -1), j.get("durable", -1)
-        lines = [f"\njob {j['job']}: world size {j.get('world_size')}, recoverable step G = {_step(g)}, "
-                 f"newest durable step = {_step(d)}"]  # fmt: skip
+        lines = [
+            f"\njob {j['job']}: world size {j.get('world_size')}, recoverable step G = {_step(g)}, "
+            f"newest durable step = {_step(d)}"
+        ]
         if j.get("round"):
             lines.append("  " + _round(j["round"], j.get("world_size")))
         out.append(Text("\n".join(lines)))
@@ -155,8 +176,13 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
         for r in shown:
             copies = r.get("copies", 0)
             few = isinstance(replicas, int) and copies < 1 + replicas
-            table.add_row(str(r["rank"]), r.get("node") or "-", _step(r.get("newest_step", -1)), _rpo(r),
-                          Text(str(copies), style="yellow" if few else ""))  # fmt: skip
+            table.add_row(
+                str(r["rank"]),
+                r.get("node") or "-",
+                _step(r.get("newest_step", -1)),
+                _rpo(r),
+                Text(str(copies), style="yellow" if few else ""),
+            )
         out.append(Padding(table, (0, 0, 0, 2)))
         notes = []
         if len(shown) < len(ranks):

@@ -48,8 +48,17 @@ def console(stream: TextIO | None = None, *, width: int | None = None) -> Consol
     stream = sys.stderr if stream is None else stream
     if is_terminal(stream):
         return Console(file=stream, width=width, highlight=False, emoji=False)
-    return Console(file=stream, width=width or WIDTH, force_terminal=False, force_interactive=False, no_color=True,
-                   color_system=None, highlight=False, emoji=False, soft_wrap=False)  # fmt: skip
+    return Console(
+        file=stream,
+        width=width or WIDTH,
+        force_terminal=False,
+        force_interactive=False,
+        no_color=True,
+        color_system=None,
+        highlight=False,
+        emoji=False,
+        soft_wrap=False,
+    )
 
 
 def to_text(*renderables: RenderableType, width: int = WIDTH) -> str:
@@ -94,8 +103,13 @@ class RateColumn(ProgressColumn):
         return Text(format_rate(rate) if self.unit == "bytes" else f"{rate:.1f} {self.unit}/s")
 
 
-def progress(*, unit: str = "items", stream: TextIO | None = None, extra: tuple[ProgressColumn, ...] = (),
-             auto_refresh: bool | None = None) -> Progress:  # fmt: skip
+def progress(
+    *,
+    unit: str = "items",
+    stream: TextIO | None = None,
+    extra: tuple[ProgressColumn, ...] = (),
+    auto_refresh: bool | None = None,
+) -> Progress:
     """A rich progress display on ``stream`` (``sys.stderr``): description, bar, percentage, amount, rate,
     elapsed time, then ``extra`` columns. Use it as a context manager and add tasks to it. On a narrow terminal
     the bar gives way first.
@@ -105,8 +119,19 @@ def progress(*, unit: str = "items", stream: TextIO | None = None, extra: tuple[
     prints its final state once, when it stops.
     """
     out = console(stream)
-    columns = (TextColumn("{task.description}", table_column=Column(no_wrap=True)), BarColumn(bar_width=30),
-               TaskProgressColumn(table_column=Column(no_wrap=True)), AmountColumn(unit), RateColumn(unit),
-               TimeElapsedColumn(table_column=Column(no_wrap=True)), *extra)  # fmt: skip
-    return Progress(*columns, console=out, auto_refresh=out.is_terminal if auto_refresh is None else auto_refresh,
-                    redirect_stdout=False, redirect_stderr=False)  # fmt: skip
+    columns = (
+        TextColumn("{task.description}", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=30),
+        TaskProgressColumn(table_column=Column(no_wrap=True)),
+        AmountColumn(unit),
+        RateColumn(unit),
+        TimeElapsedColumn(table_column=Column(no_wrap=True)),
+        *extra,
+    )
+    return Progress(
+        *columns,
+        console=out,
+        auto_refresh=out.is_terminal if auto_refresh is None else auto_refresh,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )

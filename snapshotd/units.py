@@ -5,13 +5,45 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-__all__ = ["format_bytes", "format_rate", "format_seconds", "parse_bytes", "parse_duration", "parse_fraction",
-           "parse_rate"]
+__all__ = [
+    "format_bytes",
+    "format_rate",
+    "format_seconds",
+    "parse_bytes",
+    "parse_duration",
+    "parse_fraction",
+    "parse_rate",
+]
 
-_SIZE = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-         "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-_RATE = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
-         "b/s": 1, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "mib/s": 1 << 20, "gib/s": 1 << 30}  # fmt: skip
+_SIZE = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_RATE = {
+    "bit": 1 / 8,
+    "kbit": 1e3 / 8,
+    "mbit": 1e6 / 8,
+    "gbit": 1e9 / 8,
+    "tbit": 1e12 / 8,
+    "b/s": 1,
+    "kb/s": 1e3,
+    "mb/s": 1e6,
+    "gb/s": 1e9,
+    "mib/s": 1 << 20,
+    "gib/s": 1 << 30,
+}
 _FRACTION = {"": 1.0, "%": 0.01}
 _TIME = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/%]*)\s*$", re.IGNORECASE)

@@ -47,5 +47,7 @@ def pytest_runtest_makereport(
         for path in sorted(pathlib.Path(funcargs["tmp_path"]).rglob("*.log")):
             with contextlib.suppress(OSError):
                 lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-                report.sections.append((f"daemon log {path.name} (last {len(lines)} lines)", "\n".join(lines)))
+                report.sections.append(
+                    (f"daemon log {path.name} (last {len(lines)} lines)", "\n".join(lines))
+                )
     return report

@@ -29,8 +29,15 @@ from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.daemon import Sidecar
 from snapshotd.status import fetch_status
 
-__all__ = ["Deployment", "InProcess", "LoopThread", "Processes", "in_process_sidecar", "restore_all",
-           "snapshot_then_crash"]
+__all__ = [
+    "Deployment",
+    "InProcess",
+    "LoopThread",
+    "Processes",
+    "in_process_sidecar",
+    "restore_all",
+    "snapshot_then_crash",
+]
 
 HEARTBEAT_INTERVAL = 0.2
 HEARTBEAT_TIMEOUT = 1.5
@@ -44,8 +51,12 @@ class LoopThread:
         RuntimeError: it did not report ready within ``timeout`` seconds, failed, or did not stop in time.
     """
 
-    def __init__(self, name: str, main: Callable[[asyncio.Event, Callable[..., None]], Coroutine[Any, Any, None]],
-                 timeout: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        main: Callable[[asyncio.Event, Callable[..., None]], Coroutine[Any, Any, None]],
+        timeout: float = 10.0,
+    ) -> None:
         self.timeout = timeout
         self.fields: tuple[Any, ...] = ()
         self._ready = threading.Event()
@@ -142,9 +153,17 @@ class InProcess(Deployment):
     as :class:`~snapshotd.sidecar.config.SidecarConfig` takes it). ``max_rate`` is the sidecars' ``--max-rate`` in
     bytes per second (None: auto), ``push_connections`` their ``--push-connections``."""
 
-    def __init__(self, *, replicas: int = 1, chunk_bytes: int = 1 << 20, request_timeout: float = 10.0,
-                 tcp: bool = False, bulk_port: int | None = 0, max_rate: float | None = None,
-                 push_connections: int = 4) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        replicas: int = 1,
+        chunk_bytes: int = 1 << 20,
+        request_timeout: float = 10.0,
+        tcp: bool = False,
+        bulk_port: int | None = 0,
+        max_rate: float | None = None,
+        push_connections: int = 4,
+    ) -> None:
         self.tag = uuid.uuid4().hex[:8]
         self.push_connections = push_connections
         self.chunk_bytes = chunk_bytes
@@ -153,21 +172,38 @@ class InProcess(Deployment):
         self.bulk_port = bulk_port
         self.max_rate = max_rate
         self._ipc_dir = tempfile.TemporaryDirectory(prefix="snapshotd-ipc-") if tcp else None
-        cfg = CoordinatorConfig(bind="tcp://127.0.0.1:0" if tcp else f"mem://coordinator-{self.tag}", replicas=replicas,
-                                heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
-        self._coordinator = LoopThread("coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop))
+        cfg = CoordinatorConfig(
+            bind="tcp://127.0.0.1:0" if tcp else f"mem://coordinator-{self.tag}",
+            replicas=replicas,
+            heartbeat_interval=HEARTBEAT_INTERVAL,
+            heartbeat_timeout=HEARTBEAT_TIMEOUT,
+        )
+        self._coordinator = LoopThread(
+            "coordinator", lambda stop, ready: run_coordinator(cfg, ready=ready, stop=stop)
+        )
         self.coordinator = self._coordinator.fields[0]
         self._sidecars: dict[str, contextlib.ExitStack] = {}
         self.sidecars: dict[str, Sidecar] = {}
         """The running sidecars by node, for tests that look inside them (their loops run in other threads)."""
 
     def start_sidecar(self, node: str) -> str:
-        ipc = f"mem://{node}-{self.tag}-ipc" if self._ipc_dir is None else os.path.join(self._ipc_dir.name, node)
-        cfg = SidecarConfig(coordinator=self.coordinator, node=f"{node}-{self.tag}", ipc=ipc,
-                            data_bind="tcp://127.0.0.1:0" if self.tcp else f"mem://{node}-{self.tag}-data", nice=0,
-                            chunk_bytes=self.chunk_bytes, request_timeout=self.request_timeout,
-                            bulk_port=self.bulk_port, max_rate=self.max_rate,
-                            push_connections=self.push_connections)  # fmt: skip
+        ipc = (
+            f"mem://{node}-{self.tag}-ipc"
+            if self._ipc_dir is None
+            else os.path.join(self._ipc_dir.name, node)
+        )
+        cfg = SidecarConfig(
+            coordinator=self.coordinator,
+            node=f"{node}-{self.tag}",
+            ipc=ipc,
+            data_bind="tcp://127.0.0.1:0" if self.tcp else f"mem://{node}-{self.tag}-data",
+            nice=0,
+            chunk_bytes=self.chunk_bytes,
+            request_timeout=self.request_timeout,
+            bulk_port=self.bulk_port,
+            max_rate=self.max_rate,
+            push_connections=self.push_connections,
+        )
         stack = contextlib.ExitStack()
         self.sidecars[node], _, ipc = stack.enter_context(in_process_sidecar(cfg))
         self._sidecars[node] = stack
@@ -195,8 +231,9 @@ class Processes(Deployment):
 
     def __init__(self, workdir: str) -> None:
         self.tag = uuid.uuid4().hex[:8]
-        self.cluster = LocalCluster(workdir, replicas=1, heartbeat_interval=HEARTBEAT_INTERVAL,
-                                    heartbeat_timeout=HEARTBEAT_TIMEOUT)  # fmt: skip
+        self.cluster = LocalCluster(
+            workdir, replicas=1, heartbeat_interval=HEARTBEAT_INTERVAL, heartbeat_timeout=HEARTBEAT_TIMEOUT
+        )
         self.cluster.start_coordinator()
         self.coordinator = self.cluster.coordinator_addr
 
@@ -228,13 +265,17 @@ def restore_all(snaps: list[Snapshotter], timeout: float = 60.0) -> list[int | B
         return list(pool.map(one, snaps))
 
 
-def snapshot_then_crash(ipcs: Mapping[int, str], job: str, steps: int, state: Callable[[int, int], dict]) -> None:
+def snapshot_then_crash(
+    ipcs: Mapping[int, str], job: str, steps: int, state: Callable[[int, int], dict]
+) -> None:
     """Ranks 0 and 1 of ``job`` (on the sidecars at ``ipcs[rank]``) start fresh and snapshot steps 1..``steps``,
     each complete on its buddies, then crash: their sidecars keep everything. ``state(rank, step)`` is the
     rank's state after ``step``: tensors (``w``, and any others) and a dict ``loop``."""
     states = [state(r, 0) for r in (0, 1)]
-    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10, when_busy="block")
-             for r in (0, 1)]  # fmt: skip
+    snaps = [
+        Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10, when_busy="block")
+        for r in (0, 1)
+    ]
     assert restore_all(snaps) == [0, 0]  # a fresh job
     for step in range(1, steps + 1):
         for r in (0, 1):

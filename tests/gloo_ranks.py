@@ -24,8 +24,9 @@ multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__])
 def _entry(rank: int, body: Callable[[int], Any], world: int, out_dir: str) -> None:
     try:
         store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        )
         torch.set_num_threads(1)
         result = body(rank)
         Path(out_dir, f"rank{rank}.txt").write_text(repr(result))
@@ -35,7 +36,9 @@ def _entry(rank: int, body: Callable[[int], Any], world: int, out_dir: str) -> N
         raise
 
 
-def run_gloo_ranks(body: Callable[[int], Any], world: int, tmp_path: Path, timeout: float = 120.0) -> list[Any]:
+def run_gloo_ranks(
+    body: Callable[[int], Any], world: int, tmp_path: Path, timeout: float = 120.0
+) -> list[Any]:
     """``body(rank)`` on ``world`` spawned ranks of a gloo group (one intra-op thread each); their results.
 
     ``body`` must be a module-level function (it is pickled), and its result a ``repr`` that ``eval`` reads back
@@ -43,8 +46,9 @@ def run_gloo_ranks(body: Callable[[int], Any], world: int, tmp_path: Path, timeo
     ranks run past ``timeout``; every rank is killed before this returns.
     """
     out_dir = os.fspath(tmp_path)
-    ctx = mp.start_processes(_entry, args=(body, world, out_dir), nprocs=world, join=False,
-                             start_method="forkserver")  # fmt: skip
+    ctx = mp.start_processes(
+        _entry, args=(body, world, out_dir), nprocs=world, join=False, start_method="forkserver"
+    )
     exited: Exception | None = None
     try:
         for _ in range(int(timeout / 0.5)):

@@ -38,8 +38,9 @@ def recovery_story(dep: Deployment) -> None:
     dep.wait_dead("B")
     nodes[1] = dep.start_sidecar("C")
     restored = [{"w": torch.zeros(50_000), "loop": {}} for _ in (0, 1)]
-    snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=nodes[r], timeout=10)
-             for r in (0, 1)]  # fmt: skip
+    snaps = [
+        Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=nodes[r], timeout=10) for r in (0, 1)
+    ]
     try:
         assert restore_all(snaps) == [STEPS, STEPS]
         assert snaps[0].restored["source"] == "local"

@@ -34,7 +34,9 @@ def _sharded(rank: int, shard: torch.Tensor, place: Any, version: int = 2) -> _S
     data[: shard.numel() * 4] = shard.view(torch.uint8)
     ext = (0).to_bytes(4, "big") + (msgpack.packb(place) if version == 2 else b"")
     meta = msgpack.packb([version, {"w": [PLAIN, msgpack.ExtType(2, ext)]}])
-    return _Snapshot(rank, [TensorEntry("w", "float32", tuple(shard.shape), 0, shard.numel() * 4)], meta, data)
+    return _Snapshot(
+        rank, [TensorEntry("w", "float32", tuple(shard.shape), 0, shard.numel() * 4)], meta, data
+    )
 
 
 def test_dtensor_shards_make_the_global_tensor() -> None:
@@ -53,11 +55,15 @@ def test_dtensor_shards_make_the_global_tensor() -> None:
 
 
 def test_dtensor_without_its_place_is_refused() -> None:
-    with pytest.raises(ExportError, match="rank 0 is of format 1, which does not record where a DTensor's shard"):
+    with pytest.raises(
+        ExportError, match="rank 0 is of format 1, which does not record where a DTensor's shard"
+    ):
         _Assembly("j", 5).first(_sharded(0, torch.ones(2), None, version=1))
     with pytest.raises(ExportError, match="a DTensor shard with no place in the global tensor"):
         _Assembly("j", 5).first(_sharded(0, torch.ones(2), None))
-    with pytest.raises(ExportError, match=r"a shard \[2\] at offset \[9\] does not fit the global shape \[10\]"):
+    with pytest.raises(
+        ExportError, match=r"a shard \[2\] at offset \[9\] does not fit the global shape \[10\]"
+    ):
         _Assembly("j", 5).first(_sharded(0, torch.ones(2), [[10], [9]]))
 
 
@@ -69,7 +75,11 @@ def test_replicated_tensors_come_from_a_rank_that_holds_them() -> None:
     a.add(_snapshot(2, {"m": {"a": torch.zeros(2), "b": {ELIDED: [1, "float32", [3]]}}, "loop": {"step": 5}}))
     with pytest.raises(ExportError, match=r"no rank's snapshot holds state\['m'\]\['b'\], which rank 1"):
         a.check_complete()
-    a.add(_snapshot(1, {"m": {"a": {ELIDED: [0, "float32", [2]]}, "b": torch.full((3,), 7.0)}, "loop": {"step": 5}}))
+    a.add(
+        _snapshot(
+            1, {"m": {"a": {ELIDED: [0, "float32", [2]]}, "b": torch.full((3,), 7.0)}, "loop": {"step": 5}}
+        )
+    )
     a.check_complete()
     assert torch.equal(a.state["m"]["a"], torch.ones(2))  # rank 0's
     assert torch.equal(a.state["m"]["b"], torch.full((3,), 7.0))  # its keeper's
@@ -84,7 +94,9 @@ def test_stateful_values_are_their_state_dicts_and_snapshotd_keys_are_left_out()
     a = _Assembly("j", 5)
     a.first(snap)
     assert list(a.state) == ["model"]
-    assert set(a.state["model"]) == {"weight", "bias"} and torch.equal(a.state["model"]["weight"], model.weight)
+    assert set(a.state["model"]) == {"weight", "bias"} and torch.equal(
+        a.state["model"]["weight"], model.weight
+    )
 
 
 class _FakeExporter:

@@ -21,7 +21,9 @@ def sigint_interrupts() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_an_interrupt_inside_a_held_block_is_raised_as_it_ends(signum: signal.Signals, sigint_interrupts: None) -> None:
+def test_an_interrupt_inside_a_held_block_is_raised_as_it_ends(
+    signum: signal.Signals, sigint_interrupts: None
+) -> None:
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     recorded = []
     with sigterm_as_interrupt():

@@ -17,7 +17,8 @@ KEYS = {"time", "level", "logger", "node", "job", "rank", "step", "event", "mess
 
 def _record(msg: str, *args: object, extra: dict | None = None, exc: bool = False) -> logging.LogRecord:
     record = logging.getLogger("snapshotd.test").makeRecord(
-        "snapshotd.test", logging.WARNING, __file__, 1, msg, args, None, extra=extra)  # fmt: skip
+        "snapshotd.test", logging.WARNING, __file__, 1, msg, args, None, extra=extra
+    )
     if exc:
         try:
             raise OSError("disk full")
@@ -32,7 +33,11 @@ def test_a_json_line_has_every_field_and_nulls_for_the_unknown() -> None:
     line = json.loads(JsonFormatter("node-a").format(_record("rank %d restores", 3)))
     assert set(line) == KEYS
     assert (line["node"], line["message"], line["level"], line["logger"]) == (
-        "node-a", "rank 3 restores", "WARNING", "snapshotd.test")  # fmt: skip
+        "node-a",
+        "rank 3 restores",
+        "WARNING",
+        "snapshotd.test",
+    )
     assert line["job"] is line["rank"] is line["step"] is line["event"] is None
     assert line["time"].endswith("+00:00")
 
@@ -59,7 +64,9 @@ def test_daemons_log_json_lines(tmp_path) -> None:
         cluster.stop(coord)
         logs = {p.name: Path(p.log_path).read_text().splitlines() for p in (coord, side)}
     for name, lines in logs.items():
-        parsed = [json.loads(line) for line in lines if not line.startswith("snapshotd ")]  # not the ready line
+        parsed = [
+            json.loads(line) for line in lines if not line.startswith("snapshotd ")
+        ]  # not the ready line
         assert parsed, f"{name} logged nothing"
         assert all(set(p) >= KEYS for p in parsed), parsed
     sidecar_lines = [json.loads(x) for x in logs[side.name] if not x.startswith("snapshotd ")]

@@ -34,7 +34,9 @@ def test_nothing_generic_is_importable_from_outside_the_checkout(tmp_path) -> No
         "import importlib.util, snapshotd.proto, snapshotd.client, snapshotd.bench;"
         "print([n for n in ('client', 'proto', 'bench') if importlib.util.find_spec(n) is not None])"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -48,9 +50,21 @@ def test_console_entry_points_answer_help(argv) -> None:
 
 def test_bad_flag_values_are_one_clear_line(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "snapshotd.cli", "serve", "--coordinator", "tcp://127.0.0.1:1", "--memory-limit", "lots",
-         "--ipc", str(tmp_path / "x.ipc")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "snapshotd.cli",
+            "serve",
+            "--coordinator",
+            "tcp://127.0.0.1:1",
+            "--memory-limit",
+            "lots",
+            "--ipc",
+            str(tmp_path / "x.ipc"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "cannot read 'lots' as a size" in out.stderr

@@ -75,7 +75,9 @@ class CoordinatorConfig:
                 f"({self.heartbeat_interval} s)"
             )
         if not _finite(self.target_heartbeats_per_s) or self.target_heartbeats_per_s <= 0:
-            raise ValueError(f"target_heartbeats_per_s: {self.target_heartbeats_per_s!r} is not a positive number")
+            raise ValueError(
+                f"target_heartbeats_per_s: {self.target_heartbeats_per_s!r} is not a positive number"
+            )
         if not _finite(self.plan_hold) or not 0.0 <= self.plan_hold <= 60.0:
             raise ValueError(f"plan_hold: {self.plan_hold!r} s is not in [0, 60]")
         if not _finite(self.forget_jobs_after) or self.forget_jobs_after <= 0:

@@ -42,7 +42,11 @@ class GcPolicy:
             gc.unfreeze()
             t0 = time.perf_counter()
             found = gc.collect()
-            log.debug("full garbage collection: %d objects freed in %.0f ms", found, (time.perf_counter() - t0) * 1e3)
+            log.debug(
+                "full garbage collection: %d objects freed in %.0f ms",
+                found,
+                (time.perf_counter() - t0) * 1e3,
+            )
         gc.freeze()
 
     def close(self) -> None:

@@ -23,19 +23,32 @@ def holders(jobs: Jobs, membership: Membership, msg: HoldersQuery) -> HoldersRep
     """
     job = jobs.get(msg.job)
     if job is None:
-        return Error(job=msg.job, code=ErrorCode.NOT_FOUND, message=f"the coordinator knows no job {msg.job!r}")
+        return Error(
+            job=msg.job, code=ErrorCode.NOT_FOUND, message=f"the coordinator knows no job {msg.job!r}"
+        )
     wm = job.publish()
     step = (wm.durable if wm.durable >= 0 else wm.recoverable) if msg.step < 0 else msg.step
     lo, hi = job.stale
     if lo < step <= hi:
-        return Error(job=msg.job, code=ErrorCode.NOT_FOUND, step=step,
-                     message=f"step {step} of job {msg.job!r} is stale: it was held when a restore resumed from "
-                             f"step {lo}, so a copy of it may come from the run that failed")  # fmt: skip
+        return Error(
+            job=msg.job,
+            code=ErrorCode.NOT_FOUND,
+            step=step,
+            message=f"step {step} of job {msg.job!r} is stale: it was held when a restore resumed from "
+            f"step {lo}, so a copy of it may come from the run that failed",
+        )
     nodes = membership.nodes
     sources: list[tuple[str, ...]] = []
     for rank in range(msg.first, min(msg.first + msg.count, job.world_size)) if step >= 0 else ():
         held = job.holders.get(rank, {}).get(step, {})
         ordered = sorted((local, nodes[n].data_addr) for n, local in held.items())
         sources.append(tuple(addr for _, addr in ordered[:64]))
-    return HoldersReply(job=msg.job, step=step, world_size=job.world_size, recoverable=wm.recoverable,
-                        durable=wm.durable, first=msg.first, sources=tuple(sources))  # fmt: skip
+    return HoldersReply(
+        job=msg.job,
+        step=step,
+        world_size=job.world_size,
+        recoverable=wm.recoverable,
+        durable=wm.durable,
+        first=msg.first,
+        sources=tuple(sources),
+    )

@@ -50,7 +50,9 @@ class Job:
     replicas: int
     world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
     seen_inventory: bool = False
-    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)  # r -> s -> {node: local}
+    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(
+        default_factory=dict
+    )  # r -> s -> {node: local}
     homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
     last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
     covered: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -62,7 +64,8 @@ class Job:
     round: Round | None = None  # the latest plan round (see plans.py)
     rounds_answered: int = 0  # plan rounds whose every rank was answered
     g_seen: collections.deque[tuple[float, int]] = dataclasses.field(
-        default_factory=lambda: collections.deque(maxlen=8))  # (when, G) each time G was seen to grow
+        default_factory=lambda: collections.deque(maxlen=8)
+    )  # (when, G) each time G was seen to grow
     round_seconds: float = 0.0  # their total time from the freeze to the last answer
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0

@@ -106,8 +106,12 @@ class Membership:
         self.nodes: dict[str, Node] = {}
         self.epoch = 0  # bumped on every change of the live set
         self.ring: list[str] = []  # live node names, sorted, but those leaving
-        self.domains: collections.Counter[tuple[str, str]] = collections.Counter()  # ring nodes per failure domain
-        self._live: collections.OrderedDict[str, None] = collections.OrderedDict()  # least recently seen first
+        self.domains: collections.Counter[tuple[str, str]] = (
+            collections.Counter()
+        )  # ring nodes per failure domain
+        self._live: collections.OrderedDict[str, None] = (
+            collections.OrderedDict()
+        )  # least recently seen first
         self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
         self.suspects: dict[str, str] = {}  # live nodes to probe, oldest first -> why each is suspected
@@ -188,7 +192,11 @@ class Membership:
         its heartbeats stop. True if it was not leaving before."""
         if not node.alive or node.leaving:
             return False
-        log.info("node %s is leaving: placing what it holds elsewhere", node.name, extra=fields(event="node_leaving"))
+        log.info(
+            "node %s is leaving: placing what it holds elsewhere",
+            node.name,
+            extra=fields(event="node_leaving"),
+        )
         self._unplace(node)
         node.leaving = True
         self.epoch += 1
@@ -199,7 +207,12 @@ class Membership:
         timeout (``why`` says what): queue it for a probe (see :mod:`.probes`), unless it was queued within the
         last heartbeat interval. True if it was queued now."""
         node = self.nodes.get(name)
-        if node is None or not node.alive or name in self.suspects or now < node.probed + self.heartbeat_interval():
+        if (
+            node is None
+            or not node.alive
+            or name in self.suspects
+            or now < node.probed + self.heartbeat_interval()
+        ):
             return False
         node.probed = now
         self.suspects[name] = why

@@ -48,8 +48,13 @@ class Placement:
         want = min(self._replicas, len(ring) - members.domains[domain])
         if want < self._replicas and not self._warned_short:
             self._warned_short = True
-            log.warning("only %d live node(s) outside %s's rack for %d replica(s): placing fewer buddies "
-                        "(warned once)", want, name, self._replicas)  # fmt: skip
+            log.warning(
+                "only %d live node(s) outside %s's rack for %d replica(s): placing fewer buddies "
+                "(warned once)",
+                want,
+                name,
+                self._replicas,
+            )
         out: list[str] = []
         start = bisect.bisect_right(ring, name)
         for i in range(len(ring)):
@@ -87,7 +92,9 @@ class Placement:
         anchor = home or job.last_home.get(rank)
         anchor_domain = nodes[anchor].domain if anchor is not None else None
         picked = [b for b in self.buddies(home) if b not in exclude][:count] if home is not None else []
-        placed = [n for n in (*exclude, *picked) if nodes[n].alive and not nodes[n].leaving]  # those in the ring
+        placed = [
+            n for n in (*exclude, *picked) if nodes[n].alive and not nodes[n].leaving
+        ]  # those in the ring
         taken = {nodes[n].domain for n in placed} - {anchor_domain}
         outside = len(ring) - (domains[anchor_domain] if anchor_domain is not None else 0)
         fresh = outside - sum(domains[d] for d in taken)  # ring nodes in domains without a copy
@@ -102,7 +109,12 @@ class Placement:
                     return picked
                 name = ring[(start + i) % len(ring)]
                 domain = nodes[name].domain
-                if name in exclude or name in picked or domain == anchor_domain or (spread and domain in taken):
+                if (
+                    name in exclude
+                    or name in picked
+                    or domain == anchor_domain
+                    or (spread and domain in taken)
+                ):
                     continue
                 picked.append(name)
                 taken.add(domain)

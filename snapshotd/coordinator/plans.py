@@ -23,6 +23,7 @@ __all__ = ["PlanAnswer", "Plans", "check_ranks", "listed"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class PlanAnswer:
     """The answer to one plan request: ``wait`` while its round is undecided, else every rank's plan.
@@ -92,23 +93,33 @@ class Plans:
         if job.world_size != msg.world_size:
             self._jobs.resize(job, msg.world_size)
         if self.rebuilding(now):
-            return _wait(msg, f"the coordinator started {now - self._started:.1f} s ago; waiting "
-                              f"{self._membership.death_timeout(now):g} s for sidecars to report their snapshots")  # fmt: skip
+            return _wait(
+                msg,
+                f"the coordinator started {now - self._started:.1f} s ago; waiting "
+                f"{self._membership.death_timeout(now):g} s for sidecars to report their snapshots",
+            )
         rnd = job.round
         if rnd is None or (not held and not rnd.continues(ranks, msg.attempt)):
             if rnd is not None:
-                log.info("job %s: rank(s) %s asked again after their answer: new plan round", job.name,
-                         listed(sorted(rnd.answered.intersection(ranks))))  # fmt: skip
+                log.info(
+                    "job %s: rank(s) %s asked again after their answer: new plan round",
+                    job.name,
+                    listed(sorted(rnd.answered.intersection(ranks))),
+                )
             rnd = job.round = Round(opened=now)
             job.watermark = None
         if not rnd.frozen and now - rnd.opened < self._membership.death_timeout(now):
             moved = self._moved_from_live_node(job, ranks, msg.node)
             if moved is not None:
-                self._membership.suspect(moved[1], f"(rank {moved[0]} of job {job.name} asks from node {msg.node})",
-                                         now)  # fmt: skip
-                return _wait(msg, f"rank {moved[0]} asks from node {msg.node} while node {moved[1]}, which holds the "
-                                  "rank's own copies, has not been declared dead; waiting for it to be declared dead (it is "
-                                  "probed now), at most the death timeout")  # fmt: skip
+                self._membership.suspect(
+                    moved[1], f"(rank {moved[0]} of job {job.name} asks from node {msg.node})", now
+                )
+                return _wait(
+                    msg,
+                    f"rank {moved[0]} asks from node {msg.node} while node {moved[1]}, which holds the "
+                    "rank's own copies, has not been declared dead; waiting for it to be declared dead (it is "
+                    "probed now), at most the death timeout",
+                )
         rnd.asked.update(ranks)
         if not rnd.frozen:
             if len(rnd.asked) < job.world_size:
@@ -116,7 +127,11 @@ class Plans:
             g = job.publish().recoverable
             rnd.frozen, rnd.frozen_at = True, now
             if not job.seen_inventory:
-                rnd.outcome, rnd.step, rnd.reason = "fresh", 0, f"job {job.name} has no snapshot yet: start at 0"
+                rnd.outcome, rnd.step, rnd.reason = (
+                    "fresh",
+                    0,
+                    f"job {job.name} has no snapshot yet: start at 0",
+                )
             elif g < 0:
                 rnd.outcome, rnd.reason = "none", _why_none(job)
             else:
@@ -144,7 +159,9 @@ class Plans:
                     if not local or holder == node or (n := nodes.get(holder)) is None or not n.alive:
                         continue
                     info = n.ranks.get((job.name, rank))
-                    if info is not None and info.alive:  # its last report still has the rank's process running
+                    if (
+                        info is not None and info.alive
+                    ):  # its last report still has the rank's process running
                         return rank, holder
         return None
 
@@ -200,7 +217,9 @@ class Plans:
     def _answer(self, job: Job, outcome: str, step: int, reason: str, msg: PlanRequest) -> PlanAnswer:
         """The plan of ``outcome`` at ``step`` for every rank of ``msg``, in its order (see :meth:`plan`)."""
         if outcome != "ready":
-            return PlanAnswer(msg.job, msg.rank, plans=tuple((r, outcome, step, False, (), reason) for r in msg.all_ranks))
+            return PlanAnswer(
+                msg.job, msg.rank, plans=tuple((r, outcome, step, False, (), reason) for r in msg.all_ranks)
+            )
         holders_of, nodes, asking = job.holders, self._membership.nodes, msg.node
         plans: list[RankPlanFields] = []
         sources_of: dict[tuple[str, ...], tuple[str, ...]] = {}  # a node's ranks mostly share their holders
@@ -212,12 +231,23 @@ class Plans:
                 key = tuple(holders)
                 sources = sources_of.get(key)
                 if sources is None:
-                    sources = sources_of[key] = tuple(sorted([nodes[n].data_addr for n in key if n != asking]))
+                    sources = sources_of[key] = tuple(
+                        sorted([nodes[n].data_addr for n in key if n != asking])
+                    )
                 if local or sources:
                     plans.append((r, "ready", step, local, sources, ""))
                     continue
-            plans.append((r, "none", -1, False, (), f"rank {r}: every node holding step {step} died after the plan "
-                                                   "was made; restore from your last disk checkpoint"))  # fmt: skip
+            plans.append(
+                (
+                    r,
+                    "none",
+                    -1,
+                    False,
+                    (),
+                    f"rank {r}: every node holding step {step} died after the plan "
+                    "was made; restore from your last disk checkpoint",
+                )
+            )
         return PlanAnswer(msg.job, msg.rank, plans=tuple(plans))
 
 
@@ -236,7 +266,8 @@ def _why_none(job: Job) -> str:
         ranks = sorted(r for r in job.holders if r < job.world_size)
         what = "no step is complete for every rank on live nodes: " + "; ".join(
             f"rank {r} holds step{'s' if len(job.holders[r]) > 1 else ''} {_steps(job.holders[r])}"
-            for r in ranks[:MAX_LISTED])
+            for r in ranks[:MAX_LISTED]
+        )
         if len(ranks) > MAX_LISTED:
             what += f"; {len(ranks) - MAX_LISTED} more ranks"
     return f"job {job.name}: {what}; restore from your last disk checkpoint"

@@ -101,8 +101,13 @@ class Prober:
             on it).
     """
 
-    def __init__(self, state: CoordinatorState, on_death: Callable[[], None], *,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: CoordinatorState,
+        on_death: Callable[[], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.state = state
         self.on_death = on_death
         self.clock = clock
@@ -167,8 +172,12 @@ class Prober:
                 now = self.clock()
                 if now < node.last_seen + SILENCE_INTERVALS * node.told - 0.01:
                     return False  # it heartbeated while its data address refused
-                if not self.state.lose(node, incarnation, f"refused a connection to its data address "
-                                       f"{node.data_addr} and was silent for {now - node.last_seen:.1f} s {why}"):  # fmt: skip
+                if not self.state.lose(
+                    node,
+                    incarnation,
+                    f"refused a connection to its data address "
+                    f"{node.data_addr} and was silent for {now - node.last_seen:.1f} s {why}",
+                ):
                     return False
                 self.on_death()
                 return True
@@ -176,4 +185,3 @@ class Prober:
         except Exception:  # a bug must not end the coordinator's loop: the death timeout still decides
             log.exception("probe of node %s failed", node.name)
             return False
-

@@ -39,15 +39,18 @@ class Sweep:
         now: the start time (the first sweep is due at once).
     """
 
-    def __init__(self, cfg: CoordinatorConfig, jobs: Jobs, membership: Membership, placement: Placement,
-                 now: float) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: CoordinatorConfig, jobs: Jobs, membership: Membership, placement: Placement, now: float
+    ) -> None:
         self.cfg = cfg
         self._jobs = jobs
         self._membership = membership
         self._placement = placement
         self._issued: dict[tuple[str, int, int], dict[str, float]] = {}  # snapshot -> target -> when issued
         self._next = now
-        self._sweeping: collections.deque[str] = collections.deque()  # jobs the sweep in progress has yet to finish
+        self._sweeping: collections.deque[str] = (
+            collections.deque()
+        )  # jobs the sweep in progress has yet to finish
         self._at = 0  # the next rank of the first of them
 
     def run(self, now: float) -> None:
@@ -62,8 +65,11 @@ class Sweep:
             if now < self._next:
                 return
             self._next = now + SWEEP_PERIOD_S
-            self._issued = {key: kept for key, targets in self._issued.items()
-                            if (kept := {t: at for t, at in targets.items() if now - at < TASK_MEMORY_S})}  # fmt: skip
+            self._issued = {
+                key: kept
+                for key, targets in self._issued.items()
+                if (kept := {t: at for t, at in targets.items() if now - at < TASK_MEMORY_S})
+            }
             self._sweeping.extend(self._jobs)
             self._at = 0
         budget = SWEEP_SLICE_RANKS
@@ -94,8 +100,11 @@ class Sweep:
             if staying >= want or (settling and home in holders and not nodes[home].leaving):
                 continue
             key = (job.name, r, g)
-            pending = {t for t in self._issued.get(key, ())
-                       if t not in holders and nodes[t].alive and not nodes[t].leaving}  # fmt: skip
+            pending = {
+                t
+                for t in self._issued.get(key, ())
+                if t not in holders and nodes[t].alive and not nodes[t].leaving
+            }
             count = want - staying - len(pending)
             if count <= 0:
                 continue
@@ -103,5 +112,12 @@ class Sweep:
             for target in self._placement.targets(job, r, holders.keys() | pending, count):
                 nodes[target].tasks.append(ReplicateTask(job=job.name, rank=r, step=g, sources=sources))
                 self._issued.setdefault(key, {})[target] = now
-                log.info("job %s rank %d step %d has %d of %d copies: replicating to %s",
-                         job.name, r, g, staying, want, target)  # fmt: skip
+                log.info(
+                    "job %s rank %d step %d has %d of %d copies: replicating to %s",
+                    job.name,
+                    r,
+                    g,
+                    staying,
+                    want,
+                    target,
+                )

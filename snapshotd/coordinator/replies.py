@@ -59,12 +59,16 @@ class HeartbeatReplies:
         if last is not None and _same(last[0], reply):  # nothing moved since this node's last reply
             return last[1]
         packer = self._packer
-        frame = packer.frame({  # ``known`` and ``tasks`` hold their defaults: true, none
-            "job": self._scalar("job", reply.job),
-            "assignments": self._packed_assignments(node, reply.assignments),
-            "watermarks": packer.items("watermarks", [self._packed_watermark(w) for w in reply.watermarks]),
-            "heartbeat_interval": self._scalar("heartbeat_interval", reply.heartbeat_interval),
-        })  # fmt: skip
+        frame = packer.frame(
+            {  # ``known`` and ``tasks`` hold their defaults: true, none
+                "job": self._scalar("job", reply.job),
+                "assignments": self._packed_assignments(node, reply.assignments),
+                "watermarks": packer.items(
+                    "watermarks", [self._packed_watermark(w) for w in reply.watermarks]
+                ),
+                "heartbeat_interval": self._scalar("heartbeat_interval", reply.heartbeat_interval),
+            }
+        )
         self._frames[node] = (reply, frame)
         return frame
 
@@ -99,9 +103,13 @@ def _same(last: HeartbeatReply, reply: HeartbeatReply) -> bool:
     """Whether two cacheable replies hold the very same pieces: the state hands out the same assignment tuple
     and watermark objects while nothing moved, so identity (not equality, which costs as much as packing) says
     the frame is unchanged."""
-    return (last.assignments is reply.assignments and last.heartbeat_interval == reply.heartbeat_interval
-            and last.job == reply.job and len(last.watermarks) == len(reply.watermarks)
-            and all(map(operator.is_, last.watermarks, reply.watermarks)))  # fmt: skip
+    return (
+        last.assignments is reply.assignments
+        and last.heartbeat_interval == reply.heartbeat_interval
+        and last.job == reply.job
+        and len(last.watermarks) == len(reply.watermarks)
+        and all(map(operator.is_, last.watermarks, reply.watermarks))
+    )
 
 
 class PlanReplies:

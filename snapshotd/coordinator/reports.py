@@ -73,7 +73,9 @@ class Reports:
                 self._jobs.resize(job, info.world_size)
             prev = old.get(key)
             if not info.alive and (prev is None or prev.alive or prev.pid != info.pid):
-                log.warning("rank %d of job %s on node %s died (pid %d)", info.rank, info.job, node.name, info.pid)
+                log.warning(
+                    "rank %d of job %s on node %s died (pid %d)", info.rank, info.job, node.name, info.pid
+                )
             home = job.homes.get(info.rank)
             if home != node.name and (info.alive or home is None or not self._reports_alive(home, key)):
                 self._set_home(job, info.rank, node)

@@ -61,10 +61,13 @@ class Round:
         """The round for the status document: outcome and step (once frozen), ranks asked and answered,
         ``age_s`` since it froze and ``answer_s``, from the freeze to the last rank's answer (None until then)."""
         return {
-            "outcome": self.outcome or "asking", "step": self.step, "asked": len(self.asked),
-            "answered": len(self.answered), "age_s": round(now - self.frozen_at, 3) if self.frozen else None,
+            "outcome": self.outcome or "asking",
+            "step": self.step,
+            "asked": len(self.asked),
+            "answered": len(self.answered),
+            "age_s": round(now - self.frozen_at, 3) if self.frozen else None,
             "answer_s": None if self.answered_at is None else round(self.answered_at - self.frozen_at, 6),
-        }  # fmt: skip
+        }
 
     def wait_reason(self, world_size: int) -> str:
         """Why a request of this round waits: how many ranks asked, and which are missing when few are."""

@@ -94,15 +94,19 @@ class Seats:
                 reports, or earlier seat requests); ``per_node`` disagrees with earlier seat requests.
         """
         if msg.world_size % msg.per_node:
-            raise ValueError(f"job {msg.job}: world size {msg.world_size} is not a multiple of the {msg.per_node} "
-                             "ranks per node")  # fmt: skip
+            raise ValueError(
+                f"job {msg.job}: world size {msg.world_size} is not a multiple of the {msg.per_node} "
+                "ranks per node"
+            )
         job = self._jobs.get(msg.job)
         if job is not None and job.world_size and job.world_size != msg.world_size:
             raise ValueError(f"job {msg.job} has {job.world_size} ranks, not {msg.world_size}")
         seats = self._seats.get(msg.job)
         if seats is not None and (seats.per_node, seats.world_size) != (msg.per_node, msg.world_size):
-            raise ValueError(f"job {msg.job}'s nodes asked for seats of {seats.per_node} of {seats.world_size} ranks, "
-                             f"this one for {msg.per_node} of {msg.world_size}")  # fmt: skip
+            raise ValueError(
+                f"job {msg.job}'s nodes asked for seats of {seats.per_node} of {seats.world_size} ranks, "
+                f"this one for {msg.per_node} of {msg.world_size}"
+            )
         if self._plans.rebuilding(now):
             return self._wait(msg, "the coordinator restarted and is hearing from the nodes again")
         if not self._alive(msg.node):
@@ -114,24 +118,44 @@ class Seats:
         if mine is None:
             held = [msg.held // msg.per_node] if msg.held >= 0 and msg.held % msg.per_node == 0 else []
             claims = held + self._reported_seats(msg.job, msg.node, msg.per_node)
-            mine = next((c for c in claims if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c,
-                                                                                                 msg.node)), None)  # fmt: skip
+            mine = next(
+                (
+                    c
+                    for c in claims
+                    if c < msg.world_size // msg.per_node and self._free(msg.job, seats, c, msg.node)
+                ),
+                None,
+            )
             if held and mine == held[0] and msg.held_granted >= seats.granted.get(mine, 0):
-                granted = msg.held_granted  # its grant, which this coordinator knows of no later one to outrank
+                granted = (
+                    msg.held_granted
+                )  # its grant, which this coordinator knows of no later one to outrank
             holder = seats.node_of.get(held[0]) if held else None
             if mine is None and holder is not None and holder != msg.node and self._alive(holder):
-                return SeatReply(job=msg.job, status="taken",
-                                 reason=f"seat {held[0]} (ranks {msg.held}-{msg.held + msg.per_node - 1}) of job "
-                                        f"{msg.job}, which node {msg.node} had, was given to node {holder} after "
-                                        f"{msg.node} was declared dead; its processes must not rejoin")  # fmt: skip
+                return SeatReply(
+                    job=msg.job,
+                    status="taken",
+                    reason=f"seat {held[0]} (ranks {msg.held}-{msg.held + msg.per_node - 1}) of job "
+                    f"{msg.job}, which node {msg.node} had, was given to node {holder} after "
+                    f"{msg.node} was declared dead; its processes must not rejoin",
+                )
         if mine is None:
-            mine = next((c for c in range(msg.world_size // msg.per_node) if self._free(msg.job, seats, c, msg.node)),
-                        None)  # fmt: skip
+            mine = next(
+                (c for c in range(msg.world_size // msg.per_node) if self._free(msg.job, seats, c, msg.node)),
+                None,
+            )
             if mine is None:
-                return self._wait(msg, f"all {msg.world_size // msg.per_node} seats of job {msg.job} are held by live "
-                                       "nodes")  # fmt: skip
-            log.info("job %s: node %s takes seat %d (ranks %d-%d)", msg.job, msg.node, mine, mine * seats.per_node,
-                     (mine + 1) * seats.per_node - 1)  # fmt: skip
+                return self._wait(
+                    msg, f"all {msg.world_size // msg.per_node} seats of job {msg.job} are held by live nodes"
+                )
+            log.info(
+                "job %s: node %s takes seat %d (ranks %d-%d)",
+                msg.job,
+                msg.node,
+                mine,
+                mine * seats.per_node,
+                (mine + 1) * seats.per_node - 1,
+            )
         granted = granted or max(time.time_ns() // 1000, seats.granted.get(mine, 0) + 1)
         seats.give(mine, msg.node, granted)
         return SeatReply(job=msg.job, status="given", first=mine * seats.per_node, granted=granted)
@@ -164,7 +188,13 @@ class Seats:
                 seats.give(seat, name, max(h.granted, recorded))
             elif holder is None or h.granted > recorded:
                 if holder is not None:
-                    log.info("job %s: node %s holds seat %d by a later grant than node %s", h.job, name, seat, holder)
+                    log.info(
+                        "job %s: node %s holds seat %d by a later grant than node %s",
+                        h.job,
+                        name,
+                        seat,
+                        holder,
+                    )
                 seats.give(seat, name, h.granted)
 
     @staticmethod

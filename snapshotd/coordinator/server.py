@@ -150,8 +150,13 @@ async def run_coordinator(
 
             metrics = MetricsEndpoint(cfg.metrics_bind, coordinator_sampler(server.state))
             log.info("coordinator metrics on %s", metrics.url, extra=fields(event="metrics"))
-        log.info("coordinator on %s: replicas %d, heartbeat timeout %g s, %s", endpoint, cfg.replicas,
-                 cfg.heartbeat_timeout, "CURVE" if cfg.secret else "no secret")  # fmt: skip
+        log.info(
+            "coordinator on %s: replicas %d, heartbeat timeout %g s, %s",
+            endpoint,
+            cfg.replicas,
+            cfg.heartbeat_timeout,
+            "CURVE" if cfg.secret else "no secret",
+        )
         if ready is not None:
             ready(endpoint)
         await server.serve(stop, min(0.1, cfg.heartbeat_timeout / 4))
@@ -195,7 +200,9 @@ class _Server:
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
-        self.reanswer(self.held.take_all(), now, final=True)  # their sidecars ask the next coordinator at once
+        self.reanswer(
+            self.held.take_all(), now, final=True
+        )  # their sidecars ask the next coordinator at once
         self.answer_asks(now, final=True)
 
     def answer_asks(self, now: float, *, final: bool = False) -> None:
@@ -215,8 +222,11 @@ class _Server:
             now = time.monotonic()
             lost = now - turn - waited  # the last pass's time beyond the wait it chose: it could not listen
             if lost > self.state.membership.death_timeout(now) / 4:
-                self.complain("stall", f"the coordinator did not run for {lost:.1f} s (stopped or starved);"
-                              " no node's silence counts for that time")  # fmt: skip
+                self.complain(
+                    "stall",
+                    f"the coordinator did not run for {lost:.1f} s (stopped or starved);"
+                    " no node's silence counts for that time",
+                )
                 self.state.membership.pardon(lost, now)
             turn = now
             caught_up = True
@@ -301,7 +311,9 @@ class _Server:
         plans = self.state.plans
         decided: list[tuple[Held, PlanAnswer]] = []
         for held in batch:
-            if held.token is not None and plans.confirm(held.msg, held.token, now):  # its draft holds: send it
+            if held.token is not None and plans.confirm(
+                held.msg, held.token, now
+            ):  # its draft holds: send it
                 self.held.wake(held.msg.job)
                 self.send_frames(held.envelope, [held.frame])
                 continue
@@ -309,8 +321,15 @@ class _Server:
                 answer = plans.plan(held.msg, now, held=True)
             except Exception as exc:  # it was answerable when it came: a bug
                 self.complain("held", "failed to answer a held plan request", exc_info=True)
-                self.send(held.envelope, Error(job=held.msg.job, code=ErrorCode.INTERNAL, rank=held.msg.rank,
-                                               message=_clip(f"{type(exc).__name__}: {exc}")))  # fmt: skip
+                self.send(
+                    held.envelope,
+                    Error(
+                        job=held.msg.job,
+                        code=ErrorCode.INTERNAL,
+                        rank=held.msg.rank,
+                        message=_clip(f"{type(exc).__name__}: {exc}"),
+                    ),
+                )
                 continue
             if not answer.waiting:
                 self.held.wake(held.msg.job)
@@ -346,7 +365,9 @@ class _Server:
             reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, rank=rank, message=_clip(str(exc)))
         except Exception as exc:
             self.complain(peer, "failed to handle %s from peer %s", msg.TYPE, peer.hex(), exc_info=True)
-            reply = Error(job=msg.job, code=ErrorCode.INTERNAL, rank=rank, message=_clip(f"{type(exc).__name__}: {exc}"))
+            reply = Error(
+                job=msg.job, code=ErrorCode.INTERNAL, rank=rank, message=_clip(f"{type(exc).__name__}: {exc}")
+            )
         if reply is not None:
             self.send(envelope, reply, msg.node if isinstance(msg, Heartbeat) else None)
 
@@ -377,14 +398,18 @@ class _Server:
             return self.state.peer_lost(msg, now)
         if isinstance(msg, StatusRequest):
             if len(self.statuses) >= _STATUS_BUILDS:
-                return Error(code=ErrorCode.BUSY, message=f"{len(self.statuses)} status documents are being built; "
-                                                          "ask again in a second")  # fmt: skip
+                return Error(
+                    code=ErrorCode.BUSY,
+                    message=f"{len(self.statuses)} status documents are being built; ask again in a second",
+                )
             self.statuses.append(_StatusBuild(envelope, self.state.status_parts(now)))
             return None
         self.state.bad_messages += 1
         if isinstance(msg, Error):  # never answer an error with an error
             return None
-        return Error(job=msg.job, code=ErrorCode.UNEXPECTED, message=f"the coordinator does not serve {msg.TYPE!r}")
+        return Error(
+            job=msg.job, code=ErrorCode.UNEXPECTED, message=f"the coordinator does not serve {msg.TYPE!r}"
+        )
 
     def draft_some(self) -> None:
         """Draft and encode (up to ``_BATCH``) answers that held requests get when their round freezes, if the
@@ -398,7 +423,9 @@ class _Server:
                 drafted.append((held, *draft))
         frames = self.plan_replies.frames([answer for _, _, answer in drafted])
         for (held, token, _), frame in zip(drafted, frames, strict=True):
-            if isinstance(frame, ProtocolError):  # too big for one reply: answered the slow way, which says so
+            if isinstance(
+                frame, ProtocolError
+            ):  # too big for one reply: answered the slow way, which says so
                 self.complain("draft", "cannot encode a plan reply: %s", frame)
             else:
                 held.frame, held.token = frame, token
@@ -413,7 +440,10 @@ class _Server:
             except Exception as exc:  # a bug must not stop the loop
                 self.statuses.popleft()
                 self.complain("status", "failed to build a status document", exc_info=True)
-                self.send(build.envelope, Error(code=ErrorCode.INTERNAL, message=_clip(f"{type(exc).__name__}: {exc}")))
+                self.send(
+                    build.envelope,
+                    Error(code=ErrorCode.INTERNAL, message=_clip(f"{type(exc).__name__}: {exc}")),
+                )
                 continue
             if part is None:
                 self.statuses.popleft()
@@ -430,7 +460,9 @@ class _Server:
             frames = encode(reply) if head is None else [head]
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
-            frames = encode(Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}")))
+            frames = encode(
+                Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}"))
+            )
         self.send_frames(envelope, frames)
 
     def send_plan(self, envelope: list[bytes], msg: PlanRequest, answer: PlanAnswer) -> None:
@@ -445,8 +477,15 @@ class _Server:
         """Send the encoded reply to ``msg``, or the error saying why it could not be encoded."""
         if isinstance(frame, ProtocolError):
             self.complain("encode", "cannot encode a plan reply: %s", frame)
-            self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank,
-                                      message=_clip(f"the plan reply broke a limit: {frame}")))  # fmt: skip
+            self.send(
+                envelope,
+                Error(
+                    job=msg.job,
+                    code=ErrorCode.INTERNAL,
+                    rank=msg.rank,
+                    message=_clip(f"the plan reply broke a limit: {frame}"),
+                ),
+            )
             return
         self.send_frames(envelope, [frame])
 

@@ -95,8 +95,12 @@ class CoordinatorState:
         check_registration(msg)
         known = self.membership.nodes.get(msg.node)
         if known is not None and known.incarnation != msg.incarnation:
-            log.info("node %s restarted (incarnation %s -> %s): its old ranks and snapshots are gone",
-                     msg.node, known.incarnation, msg.incarnation)  # fmt: skip
+            log.info(
+                "node %s restarted (incarnation %s -> %s): its old ranks and snapshots are gone",
+                msg.node,
+                known.incarnation,
+                msg.incarnation,
+            )
             self._reports.drop(known)
         node = self.membership.register(msg, now)
         return SidecarRegistered(heartbeat_interval=node.told)
@@ -147,8 +151,11 @@ class CoordinatorState:
         """
         node = self.membership.nodes.get(msg.node)
         if node is None or not node.alive or node.incarnation != msg.incarnation:
-            return Error(code=ErrorCode.NOT_REGISTERED, message=f"node {msg.node} (incarnation {msg.incarnation}) "
-                         "is not a live node here: register first")  # fmt: skip
+            return Error(
+                code=ErrorCode.NOT_REGISTERED,
+                message=f"node {msg.node} (incarnation {msg.incarnation}) "
+                "is not a live node here: register first",
+            )
         self.membership.leave(node)
         nodes, want = self.membership.nodes, 1 + self.cfg.replicas
         remaining = unplaceable = 0
@@ -188,11 +195,18 @@ class CoordinatorState:
         Cost: O(the job's ranks), once per job and interval; O(1) for the other reports.
         """
         job = self.jobs.get(msg.job)
-        if job is None or now < self._peer_lost_at.get(msg.job, -math.inf) + self.membership.heartbeat_interval():
-            return PeerLostReply(job=msg.job, probed=0)  # unknown, or its nodes were queued within the interval
+        if (
+            job is None
+            or now < self._peer_lost_at.get(msg.job, -math.inf) + self.membership.heartbeat_interval()
+        ):
+            return PeerLostReply(
+                job=msg.job, probed=0
+            )  # unknown, or its nodes were queued within the interval
         self._peer_lost_at[msg.job] = now
         why = f"(rank {msg.rank} of job {msg.job} on node {msg.node} lost a peer)"
-        queued = sum(self.membership.suspect(name, why, now) for name in sorted(set(job.homes.values()) - {msg.node}))
+        queued = sum(
+            self.membership.suspect(name, why, now) for name in sorted(set(job.homes.values()) - {msg.node})
+        )
         return PeerLostReply(job=msg.job, probed=queued)
 
     def lose(self, node: Node, incarnation: str, why: str) -> bool:
@@ -222,7 +236,11 @@ class CoordinatorState:
                 self.jobs.forget(name)
                 self.seats.forget(name)
                 self._peer_lost_at.pop(name, None)
-                log.info("job %s: no live node has reported it for %.0f s; forgotten", name, self.cfg.forget_jobs_after)
+                log.info(
+                    "job %s: no live node has reported it for %.0f s; forgotten",
+                    name,
+                    self.cfg.forget_jobs_after,
+                )
 
     def status(self, now: float) -> dict[str, Any]:
         """The document behind ``snapshotd status`` (see :func:`~.status.status_parts`), as plain maps, lists,
@@ -251,4 +269,6 @@ def check_registration(msg: RegisterSidecar) -> None:
         raise ValueError("a sidecar registers with a node name and an incarnation")
     m = _ENDPOINT.match(msg.data_addr)
     if m is None or (m.group("port") is not None and not 0 < int(m.group("port")) < 65536):
-        raise ValueError(f"node {msg.node}: data address {msg.data_addr!r} is not tcp://HOST:PORT, ipc:// or mem://")
+        raise ValueError(
+            f"node {msg.node}: data address {msg.data_addr!r} is not tcp://HOST:PORT, ipc:// or mem://"
+        )

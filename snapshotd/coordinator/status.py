@@ -22,8 +22,14 @@ STATUS_PART_ENTRIES = 256
 """Node or rank entries per part of a status document: a part is short next to a heartbeat's round trip."""
 
 
-def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, counters: dict[str, Any],
-                 started: float, now: float) -> Iterator[bytes]:  # fmt: skip
+def status_parts(
+    cfg: CoordinatorConfig,
+    membership: Membership,
+    jobs: Jobs,
+    counters: dict[str, Any],
+    started: float,
+    now: float,
+) -> Iterator[bytes]:
     """The status document packed with msgpack, in parts; the parts joined are the document.
 
     ``coordinator``: uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
@@ -46,33 +52,71 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
     packer = msgpack.Packer(use_bin_type=True)
     pack = packer.pack
     coordinator = {
-        "uptime_s": round(now - started, 3), "replicas": cfg.replicas, **counters,
-        "live_nodes": membership.live, "heartbeat_interval": membership.heartbeat_interval(),
+        "uptime_s": round(now - started, 3),
+        "replicas": cfg.replicas,
+        **counters,
+        "live_nodes": membership.live,
+        "heartbeat_interval": membership.heartbeat_interval(),
         "heartbeat_timeout": membership.death_timeout(now),
-    }  # fmt: skip
+    }
     nodes = [membership.nodes[name] for name in sorted(membership.nodes)]
     listed = [jobs[name] for name in sorted(jobs)]
-    yield (packer.pack_map_header(3) + pack("coordinator") + pack(coordinator) + pack("nodes")
-           + packer.pack_array_header(len(nodes)))  # fmt: skip
+    yield (
+        packer.pack_map_header(3)
+        + pack("coordinator")
+        + pack(coordinator)
+        + pack("nodes")
+        + packer.pack_array_header(len(nodes))
+    )
     for i in range(0, len(nodes), STATUS_PART_ENTRIES):
-        yield b"".join([pack({
-            "node": n.name, "rack": n.rack, "data_addr": n.data_addr, "incarnation": n.incarnation,
-            "alive": n.alive, "leaving": n.leaving, "last_seen_s": round(now - n.last_seen, 3),
-            "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
-            "stored_bytes": n.stored_bytes, "out_Bps": n.out_bps, "in_Bps": n.in_bps,
-            "pace_Bps": n.pacer[0], "step_budget": n.pacer[1], "step_slowdown": n.pacer[2],
-        }) for n in nodes[i : i + STATUS_PART_ENTRIES]])  # fmt: skip
+        yield b"".join(
+            [
+                pack(
+                    {
+                        "node": n.name,
+                        "rack": n.rack,
+                        "data_addr": n.data_addr,
+                        "incarnation": n.incarnation,
+                        "alive": n.alive,
+                        "leaving": n.leaving,
+                        "last_seen_s": round(now - n.last_seen, 3),
+                        "ranks": [[j, r, n.alive and info.alive] for (j, r), info in sorted(n.ranks.items())],
+                        "stored_bytes": n.stored_bytes,
+                        "out_Bps": n.out_bps,
+                        "in_Bps": n.in_bps,
+                        "pace_Bps": n.pacer[0],
+                        "step_budget": n.pacer[1],
+                        "step_slowdown": n.pacer[2],
+                    }
+                )
+                for n in nodes[i : i + STATUS_PART_ENTRIES]
+            ]
+        )
     yield pack("jobs") + packer.pack_array_header(len(listed))
     for job in listed:
         wm = job.publish()
         g, ws = wm.recoverable, job.world_size
         known = sorted(r for r in job.homes.keys() | job.holders.keys() if r < ws)
         seconds = job.step_seconds()
-        yield (packer.pack_map_header(9) + pack("job") + pack(job.name) + pack("world_size") + pack(ws)
-               + pack("recoverable") + pack(g) + pack("durable") + pack(wm.durable)
-               + pack("plan_rounds") + pack(job.rounds_answered) + pack("plan_round_s") + pack(job.round_seconds)
-               + pack("missing") + pack(missing_ranges(known, ws)) + pack("ranks")
-               + packer.pack_array_header(len(known)))  # fmt: skip
+        yield (
+            packer.pack_map_header(9)
+            + pack("job")
+            + pack(job.name)
+            + pack("world_size")
+            + pack(ws)
+            + pack("recoverable")
+            + pack(g)
+            + pack("durable")
+            + pack(wm.durable)
+            + pack("plan_rounds")
+            + pack(job.rounds_answered)
+            + pack("plan_round_s")
+            + pack(job.round_seconds)
+            + pack("missing")
+            + pack(missing_ranges(known, ws))
+            + pack("ranks")
+            + packer.pack_array_header(len(known))
+        )
         for lo in range(0, len(known), STATUS_PART_ENTRIES):
             entries = []
             for r in known[lo : lo + STATUS_PART_ENTRIES]:
@@ -81,10 +125,18 @@ def status_parts(cfg: CoordinatorConfig, membership: Membership, jobs: Jobs, cou
                 home = job.homes.get(r)
                 lag = newest - g if g >= 0 else None
                 rpo = round(lag * seconds, 3) if lag is not None and seconds is not None else None
-                entries.append(pack({
-                    "rank": r, "node": home, "newest_step": newest, "lag_steps": lag, "rpo_s": rpo,
-                    "copies": len(steps.get(g, ())),
-                }))  # fmt: skip
+                entries.append(
+                    pack(
+                        {
+                            "rank": r,
+                            "node": home,
+                            "newest_step": newest,
+                            "lag_steps": lag,
+                            "rpo_s": rpo,
+                            "copies": len(steps.get(g, ())),
+                        }
+                    )
+                )
             yield b"".join(entries)
         yield pack("round") + pack(None if job.round is None else job.round.status(now))
 

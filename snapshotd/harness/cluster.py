@@ -135,28 +135,55 @@ class LocalCluster:
 
     def start_coordinator(self, bind: str = "tcp://127.0.0.1:0", *extra: str) -> ManagedProcess:
         argv = [
-            "coordinator", "--bind", bind, "--replicas", str(self.replicas),
-            "--heartbeat-interval", f"{self.heartbeat_interval}s", "--heartbeat-timeout", f"{self.heartbeat_timeout}s",
+            "coordinator",
+            "--bind",
+            bind,
+            "--replicas",
+            str(self.replicas),
+            "--heartbeat-interval",
+            f"{self.heartbeat_interval}s",
+            "--heartbeat-timeout",
+            f"{self.heartbeat_timeout}s",
             *extra,
-        ]  # fmt: skip
-        self.coordinator = self._start("coordinator", argv, re.compile(r"snapshotd coordinator ready (?P<endpoint>\S+)"))
+        ]
+        self.coordinator = self._start(
+            "coordinator", argv, re.compile(r"snapshotd coordinator ready (?P<endpoint>\S+)")
+        )
         return self.coordinator
 
     def ipc_path(self, node: str) -> str:
         return os.path.join(self.workdir, f"{node}.ipc")
 
-    def start_sidecar(self, node: str, *extra: str, prefix: Sequence[str] = (), data_bind: str = "tcp://127.0.0.1:0") -> ManagedProcess:
+    def start_sidecar(
+        self, node: str, *extra: str, prefix: Sequence[str] = (), data_bind: str = "tcp://127.0.0.1:0"
+    ) -> ManagedProcess:
         """Start ``snapshotd serve`` as node ``node`` (``prefix`` e.g. ``ip netns exec NS``)."""
-        argv = ["serve", "--coordinator", self.coordinator_addr, "--node", node, "--ipc", self.ipc_path(node),
-                "--data-bind", data_bind, "--drain-timeout", f"{self.drain_timeout}s", *extra]  # fmt: skip
+        argv = [
+            "serve",
+            "--coordinator",
+            self.coordinator_addr,
+            "--node",
+            node,
+            "--ipc",
+            self.ipc_path(node),
+            "--data-bind",
+            data_bind,
+            "--drain-timeout",
+            f"{self.drain_timeout}s",
+            *extra,
+        ]
         proc = self._start(
-            f"sidecar-{node}", argv, re.compile(r"snapshotd serve ready node=(?P<node>\S+) data=(?P<data>\S+) ipc=(?P<ipc>\S+)"),
+            f"sidecar-{node}",
+            argv,
+            re.compile(r"snapshotd serve ready node=(?P<node>\S+) data=(?P<data>\S+) ipc=(?P<ipc>\S+)"),
             prefix=prefix,
-        )  # fmt: skip
+        )
         self.sidecars[node] = proc
         return proc
 
-    def _start(self, name: str, argv: list[str], ready: re.Pattern[str], prefix: Sequence[str] = ()) -> ManagedProcess:
+    def _start(
+        self, name: str, argv: list[str], ready: re.Pattern[str], prefix: Sequence[str] = ()
+    ) -> ManagedProcess:
         log_path = os.path.join(self.workdir, f"{name}-{len(self._all)}.log")
         cmd = [*prefix, *self.launcher, *argv]
         found: dict[str, str] = {}
@@ -175,8 +202,9 @@ class LocalCluster:
                             got.set()
 
         with held_interrupts():  # close() stops what ``_all`` holds
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
-                                    stdin=subprocess.DEVNULL)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env, stdin=subprocess.DEVNULL
+            )
             pumper = threading.Thread(target=pump, args=(proc,), name=f"log-{name}", daemon=True)
             pumper.start()
             managed = ManagedProcess(name, proc, log_path, found, pumper)
@@ -185,7 +213,9 @@ class LocalCluster:
         while not got.wait(0.05):
             if proc.poll() is not None or time.monotonic() > deadline:
                 self.stop(managed)
-                raise RuntimeError(f"{name} did not start (exit {proc.returncode}); log:\n{self.tail(managed)}")
+                raise RuntimeError(
+                    f"{name} did not start (exit {proc.returncode}); log:\n{self.tail(managed)}"
+                )
         return managed
 
     def tail(self, p: ManagedProcess, lines: int = 40) -> str:

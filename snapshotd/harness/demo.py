@@ -40,9 +40,22 @@ def _free_port() -> int:
 class TrainingJob:
     """The rank processes of one attempt of a training job."""
 
-    def __init__(self, workdir: str, tag: str, *, world: int, steps: int, params: int, job: str | None,
-                 sidecars: dict[int, str], step_delay: float = 0.0, replicated: bool = False,
-                 parallel: str = "ddp", every: int = 1, linger: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workdir: str,
+        tag: str,
+        *,
+        world: int,
+        steps: int,
+        params: int,
+        job: str | None,
+        sidecars: dict[int, str],
+        step_delay: float = 0.0,
+        replicated: bool = False,
+        parallel: str = "ddp",
+        every: int = 1,
+        linger: bool = False,
+    ) -> None:
         """``linger``: each rank keeps its process and snapshots after its last step until :meth:`wait` or
         :meth:`kill` (the trainer's ``--linger``)."""
         self.workdir, self.tag, self.world = workdir, tag, world
@@ -50,17 +63,43 @@ class TrainingJob:
         self.procs: dict[int, RankProcess] = {}
         for rank in range(world):
             argv = [
-                "--rank", str(rank), "--world", str(world),
-                "--init", f"tcp://127.0.0.1:{port}", "--steps", str(steps), "--params", str(params),
-                "--out", self.result_path(rank), "--progress", self.progress_path(rank),
-                "--step-delay", str(step_delay), "--parallel", parallel, *(["--linger"] if linger else []),
-            ]  # fmt: skip
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--init",
+                f"tcp://127.0.0.1:{port}",
+                "--steps",
+                str(steps),
+                "--params",
+                str(params),
+                "--out",
+                self.result_path(rank),
+                "--progress",
+                self.progress_path(rank),
+                "--step-delay",
+                str(step_delay),
+                "--parallel",
+                parallel,
+                *(["--linger"] if linger else []),
+            ]
             if job is not None:
-                argv += ["--job", job, "--sidecar", sidecars[rank], "--every", str(every),
-                         *(["--replicated"] if replicated else [])]  # fmt: skip
+                argv += [
+                    "--job",
+                    job,
+                    "--sidecar",
+                    sidecars[rank],
+                    "--every",
+                    str(every),
+                    *(["--replicated"] if replicated else []),
+                ]
             with held_interrupts():
-                self.procs[rank] = start_module("snapshotd.harness.trainer", argv,
-                                                output=os.path.join(workdir, f"{tag}-rank{rank}.log"), stdin=linger)  # fmt: skip
+                self.procs[rank] = start_module(
+                    "snapshotd.harness.trainer",
+                    argv,
+                    output=os.path.join(workdir, f"{tag}-rank{rank}.log"),
+                    stdin=linger,
+                )
 
     def result_path(self, rank: int) -> str:
         return os.path.join(self.workdir, f"{self.tag}-rank{rank}.json")
@@ -86,11 +125,15 @@ class TrainingJob:
                 code = proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise RuntimeError(f"{self.tag}: rank {rank} did not finish within {timeout:.0f} s; see {self.workdir}") from None
+                raise RuntimeError(
+                    f"{self.tag}: rank {rank} did not finish within {timeout:.0f} s; see {self.workdir}"
+                ) from None
             if code != 0:
                 self.kill()
                 log_path = os.path.join(self.workdir, f"{self.tag}-rank{rank}.log")
-                raise RuntimeError(f"{self.tag}: rank {rank} exited with {code} ({_last_line(log_path)}); see {log_path}")
+                raise RuntimeError(
+                    f"{self.tag}: rank {rank} exited with {code} ({_last_line(log_path)}); see {log_path}"
+                )
         results = []
         for rank in range(self.world):
             with open(self.result_path(rank)) as f:
@@ -135,9 +178,17 @@ def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> float:
 
 
 def run_scenario(
-    workdir: str, *, steps: int = 24, kill_at: int = 12, params: int = 2_000_000, step_delay: float = 0.0,
-    data_security: str | None = None, replicated: bool = False, parallel: str = "ddp",
-    reference: list[dict[str, Any]] | None = None, say: Callable[[str], None] = print,
+    workdir: str,
+    *,
+    steps: int = 24,
+    kill_at: int = 12,
+    params: int = 2_000_000,
+    step_delay: float = 0.0,
+    data_security: str | None = None,
+    replicated: bool = False,
+    parallel: str = "ddp",
+    reference: list[dict[str, Any]] | None = None,
+    say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the demo's story under ``workdir`` and return its measurements (see :func:`run_demo`).
 
@@ -156,8 +207,15 @@ def run_scenario(
     secret = uuid.uuid4().hex if data_security else None
     side_flags = ["--data-security", data_security] if data_security else []
     with contextlib.ExitStack() as cleanup:
-        cluster = cleanup.enter_context(LocalCluster(workdir, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5,
-                                                     env={"SNAPSHOTD_SECRET": secret or ""}))  # fmt: skip
+        cluster = cleanup.enter_context(
+            LocalCluster(
+                workdir,
+                replicas=1,
+                heartbeat_interval=0.2,
+                heartbeat_timeout=1.5,
+                env={"SNAPSHOTD_SECRET": secret or ""},
+            )
+        )
 
         def stop_ranks() -> None:  # registered last, so it runs first: ranks stop before their sidecars
             for j in jobs:
@@ -167,26 +225,61 @@ def run_scenario(
         cluster.start_coordinator()
         node_a = cluster.start_sidecar("A", *side_flags)
         node_b = cluster.start_sidecar("B", *side_flags)
-        say(f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}")
+        say(
+            f"coordinator {cluster.coordinator_addr}; sidecars A {node_a.fields['data']}, B {node_b.fields['data']}"
+        )
 
         if reference is None:
-            say(f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters")
-            jobs.append(TrainingJob(workdir, "reference", world=world, steps=steps, params=params, job=None,
-                                    sidecars={}, parallel=parallel))  # fmt: skip
+            say(
+                f"[1/4] failure-free reference run: {world} ranks, {steps} steps, {params / 1e6:.1f}M parameters"
+            )
+            jobs.append(
+                TrainingJob(
+                    workdir,
+                    "reference",
+                    world=world,
+                    steps=steps,
+                    params=params,
+                    job=None,
+                    sidecars={},
+                    parallel=parallel,
+                )
+            )
             reference = jobs[-1].wait(600)
 
-        say(f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}")
-        on_a_b = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("B"), 3: cluster.ipc_path("B")}
-        first = TrainingJob(workdir, "attempt1", world=world, steps=steps, params=params, job=job, sidecars=on_a_b,
-                            step_delay=step_delay, replicated=replicated, parallel=parallel)  # fmt: skip
+        say(
+            f"[2/4] snapshotted run (job {job}): ranks 0-1 on node A, ranks 2-3 on node B; node B dies after step {kill_at}"
+        )
+        on_a_b = {
+            0: cluster.ipc_path("A"),
+            1: cluster.ipc_path("A"),
+            2: cluster.ipc_path("B"),
+            3: cluster.ipc_path("B"),
+        }
+        first = TrainingJob(
+            workdir,
+            "attempt1",
+            world=world,
+            steps=steps,
+            params=params,
+            job=job,
+            sidecars=on_a_b,
+            step_delay=step_delay,
+            replicated=replicated,
+            parallel=parallel,
+        )
         jobs.append(first)
-        wait_for(lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}")
+        wait_for(
+            lambda: first.progress(0) >= kill_at or first.procs[0].poll() is not None, 600, f"step {kill_at}"
+        )
         cluster.lose_node(node_b, [first.procs[2], first.procs[3]])
         t_dead = time.monotonic()
         reached = max(first.progress(r) for r in range(world))
         stride = first.stride(list(range(world)))
         first.kill([0, 1])  # the launcher stops the job's surviving workers (they would block in all-reduce)
-        say(f"      node B killed at step {reached} (its sidecar and ranks 2-3); ranks 0-1 stopped by the launcher")
+        say(
+            f"      node B killed at step {reached} (its sidecar and ranks 2-3); ranks 0-1 stopped by the launcher"
+        )
 
         def b_dead() -> bool:
             nodes = fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]
@@ -194,12 +287,30 @@ def run_scenario(
 
         wait_for(b_dead, 30, "the coordinator to declare node B dead")
         detection = time.monotonic() - t_dead
-        say(f"[3/4] coordinator declared node B dead after {detection:.2f} s; replacement sidecar starts as node C")
-        cluster.start_sidecar("C", *side_flags, data_bind="tcp://127.0.0.3:0" if data_security else "tcp://127.0.0.1:0")
-        on_a_c = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A"), 2: cluster.ipc_path("C"), 3: cluster.ipc_path("C")}
+        say(
+            f"[3/4] coordinator declared node B dead after {detection:.2f} s; replacement sidecar starts as node C"
+        )
+        cluster.start_sidecar(
+            "C", *side_flags, data_bind="tcp://127.0.0.3:0" if data_security else "tcp://127.0.0.1:0"
+        )
+        on_a_c = {
+            0: cluster.ipc_path("A"),
+            1: cluster.ipc_path("A"),
+            2: cluster.ipc_path("C"),
+            3: cluster.ipc_path("C"),
+        }
         t_restart = time.monotonic()
-        second = TrainingJob(workdir, "attempt2", world=world, steps=steps, params=params, job=job, sidecars=on_a_c,
-                             replicated=replicated, parallel=parallel)  # fmt: skip
+        second = TrainingJob(
+            workdir,
+            "attempt2",
+            world=world,
+            steps=steps,
+            params=params,
+            job=job,
+            sidecars=on_a_c,
+            replicated=replicated,
+            parallel=parallel,
+        )
         jobs.append(second)
         results = second.wait(600)
         say(f"[4/4] restarted ranks finished in {time.monotonic() - t_restart:.1f} s")
@@ -222,7 +333,8 @@ def run_scenario(
         "pull_GBps": pull_bytes / pull_seconds / 1e9 if pull_seconds else 0.0,
         "bit_identical": all(r["digest"] == ref["digest"] for r, ref in zip(results, reference, strict=True)),
         "losses_identical": all(
-            all(r["losses"][k] == ref["losses"][k] for k in r["losses"]) for r, ref in zip(results, reference, strict=True)
+            all(r["losses"][k] == ref["losses"][k] for k in r["losses"])
+            for r, ref in zip(results, reference, strict=True)
         ),
         "state_bytes_per_rank": results[0]["state_bytes"],
         "snapshot_bytes_per_rank": max(r["stats"]["bytes"] / max(1, r["stats"]["started"]) for r in results),
@@ -249,19 +361,31 @@ def run_demo(*, steps: int = 24, kill_at: int = 12, params: int = 2_000_000) -> 
     print("snapshotd demo summary")
     print(f"  state per rank        {format_bytes(s['state_bytes_per_rank'])} (model + AdamW moments)")
     print(f"  step reached          {s['step_reached']}")
-    print(f"  step restored         {s['step_restored']} (all 4 ranks agree: {'yes' if s['ranks_agree'] else 'NO'})")
+    print(
+        f"  step restored         {s['step_restored']} (all 4 ranks agree: {'yes' if s['ranks_agree'] else 'NO'})"
+    )
     print(f"  steps lost            {s['steps_lost']}")
     if s["stride_at_loss"] > 1:
-        print(f"                        (the sidecars had fallen behind: the ranks were snapshotting one step in "
-              f"{s['stride_at_loss']}, so up to {max_steps_lost(s['stride_at_loss'])} steps could be lost)")
+        print(
+            f"                        (the sidecars had fallen behind: the ranks were snapshotting one step in "
+            f"{s['stride_at_loss']}, so up to {max_steps_lost(s['stride_at_loss'])} steps could be lost)"
+        )
     print(f"  detection time        {s['detection_seconds']:.2f} s (heartbeat timeout 1.5 s)")
-    print(f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)")
-    print(f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}")
+    print(
+        f"  restore time          {s['restore_seconds']:.2f} s (slowest rank, including waiting for all ranks)"
+    )
+    print(
+        f"  restored from         {', '.join(f'rank {r}: {src}' for r, src in sorted(s['restore_sources'].items()))}"
+    )
     if s["bytes_pulled"]:
         print(f"  pulled from buddies   {format_bytes(s['bytes_pulled'])} at {s['pull_GBps']:.2f} GB/s")
     else:
-        print("                        (local: the rank's own shared memory; replica: the copy the coordinator had"
-              " re-replicated to C)")
+        print(
+            "                        (local: the rank's own shared memory; replica: the copy the coordinator had"
+            " re-replicated to C)"
+        )
     ok = s["bit_identical"] and s["losses_identical"] and s["ranks_agree"]
-    print(f"  bit-identical         {'yes' if ok else 'NO'}: final weights, optimizer, scheduler and RNG equal a failure-free run")
+    print(
+        f"  bit-identical         {'yes' if ok else 'NO'}: final weights, optimizer, scheduler and RNG equal a failure-free run"
+    )
     return 0 if ok else 1

@@ -42,8 +42,15 @@ __all__ = ["PRELOAD", "WARM_ENV", "ForkServer", "ForkedProcess", "RankProcess", 
 WARM_ENV = "SNAPSHOTD_WARM_STARTS"
 """``1``: start rank processes from the fork server; unset or ``0``: every process starts cold."""
 
-PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "snapshotd.client",
-           "snapshotd.client.live", "snapshotd.harness.workloads")  # fmt: skip
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch._dynamo",
+    "snapshotd.client",
+    "snapshotd.client.live",
+    "snapshotd.harness.workloads",
+)
 """What the server imports before it forks: what every rank program of this package needs."""
 
 _IMPORTING_NICE = 19
@@ -99,7 +106,9 @@ class ForkedProcess:
 
     def _status(self) -> int | None:
         if self._lost:
-            raise RuntimeError(f"the fork server ended before process {self.pid} did: its exit status is lost")
+            raise RuntimeError(
+                f"the fork server ended before process {self.pid} did: its exit status is lost"
+            )
         return self.returncode
 
     def poll(self) -> int | None:
@@ -148,9 +157,13 @@ class ForkServer:
         self._env = dict(os.environ)  # what the server started with
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self._server = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno()), *self.preload],
-                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                            stdout=subprocess.DEVNULL, env=self._env)  # fmt: skip
+            self._server = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(theirs.fileno()), *self.preload],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=self._env,
+            )
         self._sock = ours
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -165,8 +178,15 @@ class ForkServer:
         """The server's pid (the parent of every process it started)."""
         return self._server.pid
 
-    def popen(self, module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None = None,
-              stdin: bool = False) -> RankProcess:  # fmt: skip
+    def popen(
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        output: str,
+        env: Mapping[str, str] | None = None,
+        stdin: bool = False,
+    ) -> RankProcess:
         """``python -m module args`` with stdout and stderr appended to ``output``, in ``env`` (default this
         process's) and this process's working directory; its stdin is the returned process's ``stdin`` when
         ``stdin``, else at its end at once. Started cold (a ``Popen``) where ``env`` differs from the server's in a
@@ -176,10 +196,14 @@ class ForkServer:
         server's imports) leaves nothing behind: a process the server starts for it later is killed."""
         env = dict(os.environ if env is None else env)
         if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if not _read_late(k)):
-            return _cold(module, args, output=output, env=env, stdin=stdin)  # may be read as the interpreter starts
+            return _cold(
+                module, args, output=output, env=env, stdin=stdin
+            )  # may be read as the interpreter starts
         rid = next(self._ids)
         request = _Request([sys.executable, "-m", module, *args])
-        body = json.dumps({"id": rid, "module": module, "args": list(args), "cwd": os.getcwd(), "env": env}).encode()
+        body = json.dumps(
+            {"id": rid, "module": module, "args": list(args), "cwd": os.getcwd(), "env": env}
+        ).encode()
         fds: list[int] = []
         try:
             fds.append(os.open(output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644))
@@ -197,8 +221,9 @@ class ForkServer:
                 raise
             self._give_up(rid, request)
             if not request.answered.is_set():
-                raise RuntimeError(f"the fork server (pid {self.pid}) did not start {module} within "
-                                   f"{_REPLY_TIMEOUT:.0f} s")  # fmt: skip
+                raise RuntimeError(
+                    f"the fork server (pid {self.pid}) did not start {module} within {_REPLY_TIMEOUT:.0f} s"
+                )
             if isinstance(request.reply, str):
                 raise RuntimeError(f"the fork server could not start {module}: {request.reply}")
             assert request.reply is not None
@@ -300,8 +325,14 @@ def _shared_server() -> ForkServer | None:
         return _server
 
 
-def start_module(module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None = None,
-                 stdin: bool = False) -> RankProcess:  # fmt: skip
+def start_module(
+    module: str,
+    args: Sequence[str],
+    *,
+    output: str,
+    env: Mapping[str, str] | None = None,
+    stdin: bool = False,
+) -> RankProcess:
     """Start ``python -m module args`` (output appended to ``output``; ``env``, ``stdin`` as in
     :meth:`ForkServer.popen`): forked where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold. Call it inside
     :func:`~snapshotd.harness.cluster.held_interrupts` where an interrupt must not come between the start and the
@@ -312,11 +343,17 @@ def start_module(module: str, args: Sequence[str], *, output: str, env: Mapping[
     return _cold(module, args, output=output, env=env, stdin=stdin)
 
 
-def _cold(module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None,
-          stdin: bool) -> subprocess.Popen[bytes]:  # fmt: skip
+def _cold(
+    module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None, stdin: bool
+) -> subprocess.Popen[bytes]:
     with open(output, "ab") as log:
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            env=env,
+        )
 
 
 def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], str] | None:
@@ -340,7 +377,9 @@ def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], 
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears of each child's end
+    signal.signal(
+        signal.SIGCHLD, lambda *_: None
+    )  # a handler, so that the wakeup fd hears of each child's end
     signal.set_wakeup_fd(wake_w)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)

@@ -59,7 +59,18 @@ from .workloads import GPT, config_for_params, make_batch, make_optimizer
 LINGER_SECONDS = 600.0
 """The longest ``--linger`` keeps a finished rank waiting for its stdin to close."""
 
-__all__ = ["VARIANTS", "batch_for", "build_state", "every_arg", "main", "PARALLEL", "plan_interval", "read_progress", "run_ranks", "state_digest"]
+__all__ = [
+    "VARIANTS",
+    "batch_for",
+    "build_state",
+    "every_arg",
+    "main",
+    "PARALLEL",
+    "plan_interval",
+    "read_progress",
+    "run_ranks",
+    "state_digest",
+]
 
 VARIANTS = ("none", "snapshotd", *CHECKPOINT_KINDS)
 """What a ``--plan`` block does after each step: nothing, a snapshot, or a disk checkpoint."""
@@ -75,8 +86,15 @@ PARALLEL = ("ddp", "fsdp2")
 """How the model is wrapped: ``DistributedDataParallel``, or FSDP2's ``fully_shard`` per block and on the whole."""
 
 
-def build_state(params: int, steps: int, seed: int, device: str = "cpu", *, parallel: str | None = None,
-                bucket_mb: float = 1.0) -> tuple[Any, dict[str, Any], torch.nn.Module]:  # fmt: skip
+def build_state(
+    params: int,
+    steps: int,
+    seed: int,
+    device: str = "cpu",
+    *,
+    parallel: str | None = None,
+    bucket_mb: float = 1.0,
+) -> tuple[Any, dict[str, Any], torch.nn.Module]:
     """The model, optimizer, scheduler and RNG of one rank, as the Snapshotter's state mapping, and the module
     that trains (the model itself, or its DDP wrapper).
 
@@ -142,8 +160,14 @@ def read_progress(path: str) -> dict[str, int]:
     return {"step": 0, "stride": 0, "skipped": 0}
 
 
-def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
-              on_progress: Callable[[int], None] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def run_ranks(
+    workdir: str,
+    world: int,
+    flags: list[str],
+    *,
+    timeout: float,
+    on_progress: Callable[[int], None] | None = None,
+) -> list[dict[str, Any]]:
     """Run ``world`` ranks of this program (``flags`` besides rank, world, init and out) and return their results.
 
     Each rank's output goes to ``workdir/train-rank{R}.log``, its result to ``train-rank{R}.json``. While they run,
@@ -162,18 +186,37 @@ def run_ranks(workdir: str, world: int, flags: list[str], *, timeout: float,
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for r in range(world):
-            argv = [sys.executable, "-m", "snapshotd.harness.trainer", "--rank", str(r), "--world", str(world),
-                    "--init", f"tcp://127.0.0.1:{port}", "--out", outs[r], *flags]  # fmt: skip
+            argv = [
+                sys.executable,
+                "-m",
+                "snapshotd.harness.trainer",
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--init",
+                f"tcp://127.0.0.1:{port}",
+                "--out",
+                outs[r],
+                *flags,
+            ]
             if r == 0:
                 argv += ["--progress", progress]
-            with open(logs[r], "wb") as log, held_interrupts():  # the finally below stops what ``procs`` holds
-                procs[r] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            with (
+                open(logs[r], "wb") as log,
+                held_interrupts(),
+            ):  # the finally below stops what ``procs`` holds
+                procs[r] = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
         deadline = time.monotonic() + timeout
         while True:
             codes = {r: proc.poll() for r, proc in procs.items()}
             failed = [r for r, code in codes.items() if code not in (None, 0)]
             if failed:
-                raise RuntimeError(f"rank {failed[0]} exited with {codes[failed[0]]}:\n{_tail(logs[failed[0]])}")
+                raise RuntimeError(
+                    f"rank {failed[0]} exited with {codes[failed[0]]}:\n{_tail(logs[failed[0]])}"
+                )
             if on_progress is not None:
                 on_progress(read_progress(progress)["step"])
             if all(code == 0 for code in codes.values()):
@@ -216,10 +259,14 @@ def _parse_plan(text: str) -> list[tuple[str, int, int]]:
     try:
         blocks = [(str(v), int(n), int(k)) for v, n, k in json.loads(text)]
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"--plan must be a JSON list of [variant, interval, steps]: {exc}") from exc
+        raise argparse.ArgumentTypeError(
+            f"--plan must be a JSON list of [variant, interval, steps]: {exc}"
+        ) from exc
     for variant, interval, steps in blocks:
         if variant not in VARIANTS or interval < 1 or steps < 1:
-            raise argparse.ArgumentTypeError(f"bad --plan block {[variant, interval, steps]}: variants are {VARIANTS}")
+            raise argparse.ArgumentTypeError(
+                f"bad --plan block {[variant, interval, steps]}: variants are {VARIANTS}"
+            )
     return blocks
 
 
@@ -256,34 +303,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=int, default=2_000_000)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--job", default=None, help="snapshot every step under this job name (default: no snapshots)")
+    p.add_argument(
+        "--job", default=None, help="snapshot every step under this job name (default: no snapshots)"
+    )
     p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
-    p.add_argument("--every", type=every_arg, default=1, help="snapshot every K-th step, or auto (see Snapshotter)")
-    p.add_argument("--replicated", action="store_true",
-                   help="snapshot the model, optimizer and scheduler once across the ranks (Snapshotter replicated=)")  # fmt: skip
+    p.add_argument(
+        "--every", type=every_arg, default=1, help="snapshot every K-th step, or auto (see Snapshotter)"
+    )
+    p.add_argument(
+        "--replicated",
+        action="store_true",
+        help="snapshot the model, optimizer and scheduler once across the ranks (Snapshotter replicated=)",
+    )
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--progress", default=None, help="file holding the last completed step")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--parallel", choices=PARALLEL, default="ddp", help="DDP, or FSDP2 (fully_shard)")
-    p.add_argument("--bucket-mb", type=float, default=1.0,
-                   help="DDP's bucket_cap_mb (small: several gradient buckets even for the small models here)")  # fmt: skip
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=1.0,
+        help="DDP's bucket_cap_mb (small: several gradient buckets even for the small models here)",
+    )
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step (pace the demo)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--plan", type=_parse_plan, default=None,
-                   help='blocks of variants, e.g. \'[["none",1,8],["torch_save",1,8]]\' (see the module docstring)')  # fmt: skip
+    p.add_argument(
+        "--plan",
+        type=_parse_plan,
+        default=None,
+        help='blocks of variants, e.g. \'[["none",1,8],["torch_save",1,8]]\' (see the module docstring)',
+    )
     p.add_argument("--ckpt-dir", default=None, help="folder for the plan's disk checkpoints")
-    p.add_argument("--linger", action="store_true",
-                   help="after the last step, keep the process (and its snapshots) until stdin closes, at most "
-                        f"{LINGER_SECONDS:.0f} s: a harness injecting a fault near the end never races the job's end")  # fmt: skip
-    p.add_argument("--digest", action=argparse.BooleanOptionalAction, default=True,
-                   help="hash the final state into the result (--no-digest: digests are null)")  # fmt: skip
+    p.add_argument(
+        "--linger",
+        action="store_true",
+        help="after the last step, keep the process (and its snapshots) until stdin closes, at most "
+        f"{LINGER_SECONDS:.0f} s: a harness injecting a fault near the end never races the job's end",
+    )
+    p.add_argument(
+        "--digest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hash the final state into the result (--no-digest: digests are null)",
+    )
     args = p.parse_args(argv)
     if args.plan is not None:
         variants = {v for v, _, _ in args.plan}
         if sum(k for _, _, k in args.plan) != args.steps:
             p.error("--plan's blocks must add up to --steps")
-        if "snapshotd" in variants and (not args.job or any(n != plan_interval(args.every) for v, n, _ in args.plan
-                                                            if v == "snapshotd")):  # fmt: skip
+        if "snapshotd" in variants and (
+            not args.job or any(n != plan_interval(args.every) for v, n, _ in args.plan if v == "snapshotd")
+        ):
             p.error("--plan's snapshotd blocks need --job and their interval equal to --every (1 for auto)")
         if variants & set(CHECKPOINT_KINDS) and not args.ckpt_dir:
             p.error("--plan's disk checkpoints need --ckpt-dir")
@@ -291,10 +361,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     if args.device == "cuda":
         torch.cuda.set_device(args.rank % torch.cuda.device_count())
-    dist.init_process_group("gloo", init_method=args.init, rank=args.rank, world_size=args.world,
-                            timeout=__import__("datetime").timedelta(seconds=60))  # fmt: skip
-    cfg, state, trained = build_state(args.params, args.steps, args.seed, args.device, parallel=args.parallel,
-                                      bucket_mb=args.bucket_mb)  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=args.init,
+        rank=args.rank,
+        world_size=args.world,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
+    cfg, state, trained = build_state(
+        args.params, args.steps, args.seed, args.device, parallel=args.parallel, bucket_mb=args.bucket_mb
+    )
     model, opt, sched = state["model"], state["optim"], state["sched"]
     snap = None
     start = 0
@@ -302,14 +378,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.job:
         from snapshotd.client import Snapshotter
 
-        snap = Snapshotter(state, job=args.job, rank=args.rank, world_size=args.world, sidecar=args.sidecar,
-                           every=args.every, replicated=REPLICATED if args.replicated else ())  # fmt: skip
+        snap = Snapshotter(
+            state,
+            job=args.job,
+            rank=args.rank,
+            world_size=args.world,
+            sidecar=args.sidecar,
+            every=args.every,
+            replicated=REPLICATED if args.replicated else (),
+        )
         t0 = time.perf_counter()
         start = snap.restore()
         restore_seconds = time.perf_counter() - t0
     if args.plan is not None and start:
         raise RuntimeError(f"--plan needs a fresh job, but job {args.job!r} restored step {start}")
-    plan = args.plan or [("snapshotd" if snap is not None else "none", plan_interval(args.every), args.steps - start)]
+    plan = args.plan or [
+        ("snapshotd" if snap is not None else "none", plan_interval(args.every), args.steps - start)
+    ]
     dcp_group = dist.new_group(backend="gloo") if any(v == "dcp_async" for v, _, _ in plan) else None
     checkpointers: dict[tuple[str, int], DiskCheckpointer] = {}
     losses: dict[int, float] = {}
@@ -338,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(nsteps):
             t0 = time.perf_counter()
             cpu0 = time.process_time()
-            before = (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
+            before = (
+                (snap.stats.capture_seconds, snap.stats.fence_seconds) if snap is not None else (0.0, 0.0)
+            )
             x, y = (t.to(args.device) for t in batch_for(cfg, args.batch, args.seed, args.rank, step))
             loss = _train_step(trained, opt, sched, x, y)
             blocked = 0.0
@@ -369,13 +456,22 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.finish()
                 os.sync()  # the page cache's writeback of the saves would otherwise slow the next block
             dist.barrier()
-        block: dict[str, Any] = {"variant": variant, "interval": interval, "first": first, "steps": nsteps,
-                                 "began": began, "ended": time.time()}  # fmt: skip
+        block: dict[str, Any] = {
+            "variant": variant,
+            "interval": interval,
+            "first": first,
+            "steps": nsteps,
+            "began": began,
+            "ended": time.time(),
+        }
         if capturing is not None:
             block.update({k: getattr(capturing.stats, k) - v for k, v in snap0.items()})
         if ckpt is not None:
-            block.update(saves_started=ckpt.started - saves0[0], saves_completed=ckpt.completed - saves0[1],
-                         bytes_written=ckpt.bytes_written)  # fmt: skip
+            block.update(
+                saves_started=ckpt.started - saves0[0],
+                saves_completed=ckpt.completed - saves0[1],
+                bytes_written=ckpt.bytes_written,
+            )
         blocks.append(block)
     stats: dict[str, Any] = {}
     if snap is not None:
@@ -384,16 +480,26 @@ def main(argv: list[str] | None = None) -> int:
     for ckpt in checkpointers.values():
         ckpt.finish()
     result = {
-        "rank": args.rank, "start_step": start, "losses": losses, "step_times": step_times,
+        "rank": args.rank,
+        "start_step": start,
+        "losses": losses,
+        "step_times": step_times,
         "digest": state_digest(state) if args.digest else None,
         "digests": {k: state_digest({k: v}) for k, v in state.items()} if args.digest else {},
-        "stats": stats, "restore_seconds": restore_seconds,
+        "stats": stats,
+        "restore_seconds": restore_seconds,
         "restored": snap.restored if snap is not None else {},
-        "capture_times": capture_times, "fence_times": fence_times, "blocked_times": blocked_times,
-        "cpu_times": cpu_times, "blocks": blocks, "device": args.device,
+        "capture_times": capture_times,
+        "fence_times": fence_times,
+        "blocked_times": blocked_times,
+        "cpu_times": cpu_times,
+        "blocks": blocks,
+        "device": args.device,
         "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
-    }  # fmt: skip
+        + sum(
+            t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+        ),
+    }
     _write_atomic(args.out, json.dumps(result))
     if args.linger:
         _wait_for_eof(sys.stdin.fileno(), LINGER_SECONDS)

@@ -111,8 +111,15 @@ class BulkServer:
         timeout: seconds a connection may stay silent (or blocked) before it is closed.
     """
 
-    def __init__(self, host: str, port: int, *, served: Callable[[int], None], ticket_ttl: float = 30.0,
-                 timeout: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        served: Callable[[int], None],
+        ticket_ttl: float = 30.0,
+        timeout: float = 10.0,
+    ) -> None:
         self.ticket_ttl = ticket_ttl
         self.timeout = timeout
         self._served = served
@@ -211,11 +218,16 @@ class BulkServer:
                 return
             host = str(peer[0])
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS or sum(h == host for h in self._conns.values()) >= MAX_PER_HOST:
+                if (
+                    len(self._conns) >= MAX_CONNECTIONS
+                    or sum(h == host for h in self._conns.values()) >= MAX_PER_HOST
+                ):
                     conn.close()
                     continue
                 self._conns[conn] = host
-                thread = threading.Thread(target=self._serve, args=(conn,), name="snapshotd-bulk", daemon=True)
+                thread = threading.Thread(
+                    target=self._serve, args=(conn,), name="snapshotd-bulk", daemon=True
+                )
                 self._threads.add(thread)
             thread.start()
 
@@ -269,7 +281,6 @@ class BulkServer:
                 conn.sendall(part)
                 self._on_loop(self._served, part.nbytes)
 
-
     def _push(self, conn: socket.socket, token: bytes) -> None:
         """Receive one connection's chunks of the push ``token`` admits (see the module docstring)."""
         with self._lock:
@@ -292,8 +303,11 @@ class BulkServer:
             buf = push.buffers[index]
             actual = _recv_checked(conn, buf)
             if actual != checksum:
-                self._fail(push, f"chunk {index} of {push.what} failed its end-to-end check: "
-                                 f"{mismatch(buf.nbytes, actual, checksum)}")  # fmt: skip
+                self._fail(
+                    push,
+                    f"chunk {index} of {push.what} failed its end-to-end check: "
+                    f"{mismatch(buf.nbytes, actual, checksum)}",
+                )
                 return
             self._on_loop(push.landed, index, checksum)
 

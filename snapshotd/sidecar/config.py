@@ -124,11 +124,14 @@ class SidecarConfig:
         if not 0 <= self.nice <= 19:
             raise ValueError(f"--nice must be 0-19, got {self.nice}")
         if self.data_security not in DATA_SECURITY_MODES:
-            raise ValueError(f"--data-security must be one of {', '.join(DATA_SECURITY_MODES)}, "
-                             f"got {self.data_security!r}")  # fmt: skip
+            raise ValueError(
+                f"--data-security must be one of {', '.join(DATA_SECURITY_MODES)}, got {self.data_security!r}"
+            )
         if self.data_security == "members" and self.secret is None:
-            raise ValueError("--data-security members needs SNAPSHOTD_SECRET: the coordinator, which says who is "
-                             "a member, is reached over CURVE")  # fmt: skip
+            raise ValueError(
+                "--data-security members needs SNAPSHOTD_SECRET: the coordinator, which says who is "
+                "a member, is reached over CURVE"
+            )
         if self.metrics_bind is not None:
             parse_host_port(self.metrics_bind, "--metrics-bind")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:

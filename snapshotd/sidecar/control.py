@@ -73,7 +73,9 @@ class _Group:
     node: str
     waiters: dict[int, list[asyncio.Future[PlanReply]]] = dataclasses.field(default_factory=dict)
     dirty: bool = False  # ranks joined since the last request: send one for all of them now
-    attempt: int = 0  # names the waiting calls in the requests (PlanRequest.attempt); 0: draw one at the next send
+    attempt: int = (
+        0  # names the waiting calls in the requests (PlanRequest.attempt); 0: draw one at the next send
+    )
     first: int = -1  # the first rank of the last request (a ``wait`` reply names only that one)
     resend_at: float = math.inf  # when to ask again (the last request timed out, or was answered ``wait``)
     answered: bool = False  # the last request was answered (``wait``)
@@ -85,9 +87,17 @@ class _Group:
         ranks = sorted(self.waiters)
         if not self.attempt:
             self.attempt = secrets.randbits(62) or 1
-        return [PlanRequest(job=self.job, rank=part[0], world_size=self.world_size, node=self.node,
-                            ranks=tuple(part[1:]), attempt=self.attempt)
-                for part in (ranks[i:i + MAX_PLAN_RANKS] for i in range(0, len(ranks), MAX_PLAN_RANKS))]  # fmt: skip
+        return [
+            PlanRequest(
+                job=self.job,
+                rank=part[0],
+                world_size=self.world_size,
+                node=self.node,
+                ranks=tuple(part[1:]),
+                attempt=self.attempt,
+            )
+            for part in (ranks[i : i + MAX_PLAN_RANKS] for i in range(0, len(ranks), MAX_PLAN_RANKS))
+        ]
 
 
 class CoordinatorClient:
@@ -119,8 +129,12 @@ class CoordinatorClient:
         self.endpoint = endpoint
         self.tasks = tasks
         self._hb = self._socket()
-        self._plan = self._socket()  # replaced when the last plan call ends, or one ends after a timeout (_forget)
-        self._tainted = False  # a request on the plan socket was asked again after a timeout: two answers may come
+        self._plan = (
+            self._socket()
+        )  # replaced when the last plan call ends, or one ends after a timeout (_forget)
+        self._tainted = (
+            False  # a request on the plan socket was asked again after a timeout: two answers may come
+        )
         self._closed = False
         self._pump: asyncio.Task[None] | None = None  # reads plan replies while plan calls run
         self._groups: dict[_GroupKey, _Group] = {}
@@ -140,7 +154,9 @@ class CoordinatorClient:
         if not self._warned:
             log.warning("coordinator %s did not answer within %.1f s%s", self.endpoint, timeout, why)
             self._warned = True
-        return CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s{why}")
+        return CoordinatorUnavailable(
+            f"coordinator {self.endpoint} did not answer within {timeout:.1f} s{why}"
+        )
 
     async def _request(self, sock: Pipe, msg: Message, timeout: float) -> Message:
         while sock.recv_nowait() is not None:  # drop replies to earlier requests that timed out
@@ -197,7 +213,9 @@ class CoordinatorClient:
         try:
             reply = await self._ask(MemberQuery(host=host), MemberReply, timeout)
         except TimeoutError:
-            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
+            raise CoordinatorUnavailable(
+                f"coordinator {self.endpoint} did not answer within {timeout:.1f} s"
+            ) from None
         return reply.member
 
     async def seat(self, req: SeatRequest, deadline: float) -> SeatReply:
@@ -222,8 +240,10 @@ class CoordinatorClient:
                     continue
                 if last is not None:  # answered before: the last answer stands
                     return last
-                raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer the seat request of job "
-                                             f"{req.job} within {req.timeout_s:.0f} s") from None  # fmt: skip
+                raise CoordinatorUnavailable(
+                    f"coordinator {self.endpoint} did not answer the seat request of job "
+                    f"{req.job} within {req.timeout_s:.0f} s"
+                ) from None
             if reply.status != "wait" or time.monotonic() + PLAN_POLL_SECONDS >= deadline:
                 return reply
             last = reply  # held while it waits (coordinator/asks.py): ask again at once, but not faster than this
@@ -239,7 +259,9 @@ class CoordinatorClient:
         try:
             return await self._ask(msg, PeerLostReply, timeout)
         except TimeoutError:
-            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
+            raise CoordinatorUnavailable(
+                f"coordinator {self.endpoint} did not answer within {timeout:.1f} s"
+            ) from None
 
     async def drain(self, msg: Drain, timeout: float) -> DrainReply | None:
         """The coordinator's count of the snapshots this node holds that no node that stays holds (see
@@ -253,7 +275,9 @@ class CoordinatorClient:
         try:
             return await self._ask(msg, DrainReply, timeout)
         except TimeoutError:
-            raise CoordinatorUnavailable(f"coordinator {self.endpoint} did not answer within {timeout:.1f} s") from None
+            raise CoordinatorUnavailable(
+                f"coordinator {self.endpoint} did not answer within {timeout:.1f} s"
+            ) from None
         except Refused as exc:
             if exc.code == ErrorCode.NOT_REGISTERED:
                 return None
@@ -302,12 +326,15 @@ class CoordinatorClient:
             self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await asyncio.sleep(0)  # the other ranks asking in this turn of the loop ride the same request
+                await asyncio.sleep(
+                    0
+                )  # the other ranks asking in this turn of the loop ride the same request
                 await self._flush(group)
                 reply = await answer
         except TimeoutError:
             raise CoordinatorUnavailable(
-                f"no recovery plan for job {req.job!r} rank {req.rank}: {group.last}") from None
+                f"no recovery plan for job {req.job!r} rank {req.rank}: {group.last}"
+            ) from None
         finally:
             self._forget(group, req.rank, answer)
         self._warned = False
@@ -348,15 +375,25 @@ class CoordinatorClient:
             self._plan, self._tainted = self._socket(), False
             if self._groups:
                 for other in self._groups.values():
-                    other.dirty, other.answered, other.resend_at = True, True, -math.inf  # answered: not a timeout
-                self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
-        except Exception as exc:  # shutting down (the context or the task tree is gone): the calls end with it
+                    other.dirty, other.answered, other.resend_at = (
+                        True,
+                        True,
+                        -math.inf,
+                    )  # answered: not a timeout
+                self._pump = self.tasks.spawn(
+                    self._read_plans(self._plan), f"plan replies from {self.endpoint}"
+                )
+        except (
+            Exception
+        ) as exc:  # shutting down (the context or the task tree is gone): the calls end with it
             log.debug("no fresh plan socket to coordinator %s: %s", self.endpoint, exc)
 
     async def _flush(self, group: _Group, *, timed_out: bool = False) -> None:
         """Send one request for all of ``group``'s waiting ranks if any joined since the last one (or, with
         ``timed_out``, again: the last one went unanswered)."""
-        if not group.waiters:  # every call was answered: nothing to ask again (the group goes with its last call)
+        if (
+            not group.waiters
+        ):  # every call was answered: nothing to ask again (the group goes with its last call)
             group.resend_at = math.inf
             return
         if not group.dirty:

@@ -61,8 +61,11 @@ DRAIN_REQUEST_TIMEOUT = 5.0
 """How long a drain request may go unanswered (the coordinator holds one for ``plan_hold``, 3 s by default) before
 the sidecar stops without draining."""
 
-_DATA_ERRORS = {MemoryLimitReached: ErrorCode.MEMORY_LIMIT, UnknownSnapshot: ErrorCode.NOT_FOUND,
-                ArenaRefused: ErrorCode.MEMORY_LIMIT}  # fmt: skip
+_DATA_ERRORS = {
+    MemoryLimitReached: ErrorCode.MEMORY_LIMIT,
+    UnknownSnapshot: ErrorCode.NOT_FOUND,
+    ArenaRefused: ErrorCode.MEMORY_LIMIT,
+}
 """Wire error codes of the expected refusals; any other ProtocolError is a bad chunk (data plane) or a bad
 message (ipc)."""
 
@@ -79,7 +82,9 @@ class Sidecar:
         self.tasks = TaskTree(self.state.counters)
         self.pacer = Pacer(cfg.max_rate, budget=cfg.step_budget)
 
-    async def run(self, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None) -> None:
+    async def run(
+        self, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None
+    ) -> None:
         """Bind, register, serve until ``stop`` is set or SIGTERM/SIGINT comes (in the main thread), then clean up.
         After a signal the sidecar first drains (see :meth:`_drain`), until a second signal at most."""
         cfg = self.cfg
@@ -101,7 +106,9 @@ class Sidecar:
             assert control is not None
             return await control.is_member(host, min(5.0, cfg.request_timeout))
 
-        network = open_network(cfg.data_bind, Security(cfg.secret, cfg.data_security), is_member if members else None)
+        network = open_network(
+            cfg.data_bind, Security(cfg.secret, cfg.data_security), is_member if members else None
+        )
         control = CoordinatorClient(network, cfg.coordinator, tasks=self.tasks)
         pipes: list[Pipe] = []
         links: PeerLinks | None = None
@@ -114,8 +121,14 @@ class Sidecar:
             data = network.serve(cfg.data_bind, Role.DATA)
             pipes.append(data)
             self.state.data_addr = data.address if is_memory(data.address) else self._advertised(data.address)
-            log.info("sidecar %s: ipc %s, data %s (bound %s), coordinator %s", cfg.node, ipc.address,
-                     self.state.data_addr, data.address, cfg.coordinator)  # fmt: skip
+            log.info(
+                "sidecar %s: ipc %s, data %s (bound %s), coordinator %s",
+                cfg.node,
+                ipc.address,
+                self.state.data_addr,
+                data.address,
+                cfg.coordinator,
+            )
             source = members_source(self.state.data_addr) if members else None
             links = PeerLinks(network, timeout=cfg.request_timeout, source=source, tasks=self.tasks)
             ipc_out = Outbox(self.state.counters, cfg.request_timeout)
@@ -123,16 +136,29 @@ class Sidecar:
             notices = RankNotices(ipc_out)
             streams = StreamService(self.state, cfg, links, self.pacer, self.tasks, notices.slots)
             restores = RestoreService(self.state, cfg, control, links, ipc_out, notices.slots)
-            ingest = IngestService(self.state, notices, streams, restores, self.tasks, self.pacer, cfg.chunk_bytes,
-                                   control)  # fmt: skip
+            ingest = IngestService(
+                self.state, notices, streams, restores, self.tasks, self.pacer, cfg.chunk_bytes, control
+            )
             if cfg.serves_bulk and not is_memory(data.address):
                 assert cfg.bulk_port is not None
-                bulk = BulkServer(_bind_host(data.address), cfg.bulk_port, served=self.state.counters.served,
-                                  timeout=cfg.request_timeout)  # fmt: skip
+                bulk = BulkServer(
+                    _bind_host(data.address),
+                    cfg.bulk_port,
+                    served=self.state.counters.served,
+                    timeout=cfg.request_timeout,
+                )
                 log.info("sidecar %s: bulk port %d", cfg.node, bulk.port)
             serve = ServeService(self.state, data_out, self.tasks, bulk)
-            heartbeat = ControlService(self.state, cfg, control, streams, serve,
-                                       ReplicateService(self.state, links), self.tasks, notices.slots)  # fmt: skip
+            heartbeat = ControlService(
+                self.state,
+                cfg,
+                control,
+                streams,
+                serve,
+                ReplicateService(self.state, links),
+                self.tasks,
+                notices.slots,
+            )
             if cfg.metrics_bind is not None:
                 from snapshotd.metrics import (  # prometheus-client only when asked
                     MetricsEndpoint,
@@ -153,7 +179,9 @@ class Sidecar:
                 self.tasks.service(network.run(), "the network's security handlers")
                 self.tasks.service(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
                 self.tasks.service(ipc_out.run(ipc), "ipc replies")
-                self.tasks.service(self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint")
+                self.tasks.service(
+                    self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint"
+                )
                 self.tasks.service(data_out.run(data), "data-plane replies")
                 self.tasks.service(heartbeat.run(), "the control loop")
                 self.tasks.service(control.watch(), "the coordinator connection's handshakes")
@@ -189,12 +217,18 @@ class Sidecar:
         cfg, loop = self.cfg, asyncio.get_running_loop()
         deadline = loop.time() + cfg.drain_timeout
         msg = Drain(node=cfg.node, incarnation=self.state.incarnation)
-        log.info("sidecar %s: draining for at most %.0f s (a second SIGTERM stops at once)", cfg.node,
-                 cfg.drain_timeout, extra=fields(event="draining"))  # fmt: skip
+        log.info(
+            "sidecar %s: draining for at most %.0f s (a second SIGTERM stops at once)",
+            cfg.node,
+            cfg.drain_timeout,
+            extra=fields(event="draining"),
+        )
         reply: DrainReply | None = None
         while True:
             sent = loop.time()
-            asked = asyncio.ensure_future(control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - sent))))
+            asked = asyncio.ensure_future(
+                control.drain(msg, max(0.1, min(DRAIN_REQUEST_TIMEOUT, deadline - sent)))
+            )
             try:
                 await _first(stop, asked)
             finally:
@@ -211,11 +245,17 @@ class Sidecar:
             except (CoordinatorUnavailable, ProtocolError) as exc:
                 log.warning("sidecar %s: stopping without draining: %s", cfg.node, exc)
                 return
-            reply = answer or reply  # None: the coordinator restarted; the heartbeat loop registers this node again
+            reply = (
+                answer or reply
+            )  # None: the coordinator restarted; the heartbeat loop registers this node again
             if answer is not None and answer.remaining == 0:
                 if answer.unplaceable:
-                    log.warning("sidecar %s: drained, but %d snapshot(s) held only here have no other node to go "
-                                "to: they are lost", cfg.node, answer.unplaceable)  # fmt: skip
+                    log.warning(
+                        "sidecar %s: drained, but %d snapshot(s) held only here have no other node to go "
+                        "to: they are lost",
+                        cfg.node,
+                        answer.unplaceable,
+                    )
                 log.info("sidecar %s: drained", cfg.node, extra=fields(event="drained"))
                 return
             with contextlib.suppress(TimeoutError):
@@ -223,9 +263,14 @@ class Sidecar:
                     await stop.wait()
             short = "an unknown number of" if reply is None else str(reply.remaining + reply.unplaceable)
             if stop.is_set() or loop.time() >= deadline:
-                log.warning("sidecar %s: %s: %s snapshot(s) it holds have fewer copies elsewhere than wanted", cfg.node,
-                            "stopped before it drained" if stop.is_set() else f"not drained after {cfg.drain_timeout:.0f} s",
-                            short)  # fmt: skip
+                log.warning(
+                    "sidecar %s: %s: %s snapshot(s) it holds have fewer copies elsewhere than wanted",
+                    cfg.node,
+                    "stopped before it drained"
+                    if stop.is_set()
+                    else f"not drained after {cfg.drain_timeout:.0f} s",
+                    short,
+                )
                 return
 
     def _advertised(self, bound: str) -> str:
@@ -235,8 +280,9 @@ class Sidecar:
             host = socket.gethostname()
         return f"tcp://[{host}]:{parts.port}" if ":" in host else f"tcp://{host}:{parts.port}"
 
-    async def _serve(self, pipe: Pipe, outbox: Outbox, handle: Callable[[bytes, Message], None],
-                     what: str) -> None:  # fmt: skip
+    async def _serve(
+        self, pipe: Pipe, outbox: Outbox, handle: Callable[[bytes, Message], None], what: str
+    ) -> None:
         """Receive requests on ``pipe`` and hand each to ``handle``: the error boundary of every request.
 
         A request that cannot be decoded, or that ``handle`` refuses (ProtocolError, and the data plane's
@@ -260,8 +306,12 @@ class Sidecar:
             except (ProtocolError, MemoryLimitReached, UnknownSnapshot) as exc:
                 self.state.counters.errors += 1
                 log.warning("%s: %s", what, exc)
-                code = _DATA_ERRORS.get(type(exc), ErrorCode.BAD_CHUNK if msg is not None and what == "data plane"
-                                        else ErrorCode.BAD_MESSAGE)  # fmt: skip
+                code = _DATA_ERRORS.get(
+                    type(exc),
+                    ErrorCode.BAD_CHUNK
+                    if msg is not None and what == "data plane"
+                    else ErrorCode.BAD_MESSAGE,
+                )
                 outbox.reply(ident, _error(msg, code, str(exc)))
             except Exception as exc:
                 self.state.counters.errors += 1
@@ -277,8 +327,14 @@ def _error(about: Message | None, code: ErrorCode, text: str) -> Error:
     """An Error reply about ``about`` (naming its job, rank, step and request id where it has them)."""
     if about is None:
         return Error(code=code, message=text)
-    return Error(job=about.job, code=code, message=text, rank=getattr(about, "rank", -1),
-                 step=getattr(about, "step", -1), request_id=getattr(about, "request_id", 0))  # fmt: skip
+    return Error(
+        job=about.job,
+        code=code,
+        message=text,
+        rank=getattr(about, "rank", -1),
+        step=getattr(about, "step", -1),
+        request_id=getattr(about, "request_id", 0),
+    )
 
 
 def _keep_malloc_arenas() -> None:
@@ -305,8 +361,10 @@ async def _first(*waits: asyncio.Event | asyncio.Future[Any]) -> None:
     """Return once any of ``waits`` is set (an event) or done (a future); the futures are left as they are."""
     events = [asyncio.ensure_future(w.wait()) for w in waits if isinstance(w, asyncio.Event)]
     try:
-        await asyncio.wait([*events, *(w for w in waits if isinstance(w, asyncio.Future))],
-                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        await asyncio.wait(
+            [*events, *(w for w in waits if isinstance(w, asyncio.Future))],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
     finally:
         for e in events:
             e.cancel()

@@ -48,9 +48,17 @@ class ControlService:
         notify: hands a rank the slots it may have back.
     """
 
-    def __init__(self, state: NodeState, cfg: SidecarConfig, control: CoordinatorClient, streams: StreamService,
-                 serve: ServeService, replicate: ReplicateService, tasks: TaskTree,
-                 notify: RankNotify) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: NodeState,
+        cfg: SidecarConfig,
+        control: CoordinatorClient,
+        streams: StreamService,
+        serve: ServeService,
+        replicate: ReplicateService,
+        tasks: TaskTree,
+        notify: RankNotify,
+    ) -> None:
         self.state = state
         self.cfg = cfg
         self.control = control
@@ -70,14 +78,23 @@ class ControlService:
             while True:
                 try:
                     if not registered:
-                        reply = await self.control.register(RegisterSidecar(
-                            node=self.state.node, rack=self.cfg.rack, data_addr=self.state.data_addr,
-                            incarnation=self.state.incarnation,
-                        ), timeout=max(1.0, 4 * interval))  # fmt: skip
+                        reply = await self.control.register(
+                            RegisterSidecar(
+                                node=self.state.node,
+                                rack=self.cfg.rack,
+                                data_addr=self.state.data_addr,
+                                incarnation=self.state.incarnation,
+                            ),
+                            timeout=max(1.0, 4 * interval),
+                        )
                         interval = reply.heartbeat_interval
                         registered, sent = True, None
-                        log.info("registered with coordinator %s as %s", self.cfg.coordinator, self.state.node,
-                                 extra=fields(event="registered"))  # fmt: skip
+                        log.info(
+                            "registered with coordinator %s as %s",
+                            self.cfg.coordinator,
+                            self.state.node,
+                            extra=fields(event="registered"),
+                        )
                     self._check_ranks()
                     self.serve.forget_vanished_streams()
                     changed.clear()  # a change from here on wakes the next heartbeat, even one made while this waits
@@ -87,15 +104,20 @@ class ControlService:
                     pace = self.streams.pacer.state()
                     seq += 1
                     hb = Heartbeat(
-                        node=self.state.node, incarnation=self.state.incarnation, changed=news,
-                        ranks=report[0] if news else (), inventory=report[1] if news else (),
-                        bytes_out=counters.bytes_out, bytes_in=counters.bytes_in,
-                        stored_bytes=self.state.store.used_bytes, seq=seq,
+                        node=self.state.node,
+                        incarnation=self.state.incarnation,
+                        changed=news,
+                        ranks=report[0] if news else (),
+                        inventory=report[1] if news else (),
+                        bytes_out=counters.bytes_out,
+                        bytes_in=counters.bytes_in,
+                        stored_bytes=self.state.store.used_bytes,
+                        seq=seq,
                         pace_Bps=0 if math.isinf(pace.rate) else int(pace.rate),
                         step_budget_ppm=round(pace.budget * 1e6),
                         step_slowdown_ppm=round(min(1e9, max(-1e6, pace.slowdown * 1e6))),
                         seats=tuple(self.state.seats.values()) if news else (),
-                    )  # fmt: skip
+                    )
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))
                     counters.heartbeat_rtt.add(time.monotonic() - sent_at)
@@ -124,8 +146,13 @@ class ControlService:
             if lr.alive and not pid_alive(lr.pid):
                 lr.mark_dead()
                 self.streams.pacer.forget((lr.job, lr.rank))
-                log.warning("rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
-                            lr.rank, lr.job, lr.pid, extra=fields(lr.job, lr.rank, event="rank_died"))  # fmt: skip
+                log.warning(
+                    "rank %d of job %s (pid %d) died; its last snapshot stays in shared memory",
+                    lr.rank,
+                    lr.job,
+                    lr.pid,
+                    extra=fields(lr.job, lr.rank, event="rank_died"),
+                )
 
     def _apply(self, reply: HeartbeatReply) -> None:
         state = self.state
@@ -139,8 +166,12 @@ class ControlService:
                 if lr.job == w.job and (lr.job_durable, lr.job_unusable) != (w.durable, unusable):
                     before = lr.free_slots()
                     lr.job_durable, lr.job_unusable = w.durable, unusable
-                    if lr.free_slots() != before:  # a held copy is no longer needed: the client may have its slot
+                    if (
+                        lr.free_slots() != before
+                    ):  # a held copy is no longer needed: the client may have its slot
                         self.notify(lr, "", -1)
         for task in reply.tasks:
-            self.tasks.spawn(self.replicate.replicate(task),
-                             f"re-replication of {task.job} rank {task.rank} step {task.step}")  # fmt: skip
+            self.tasks.spawn(
+                self.replicate.replicate(task),
+                f"re-replication of {task.job} rank {task.rank} step {task.step}",
+            )

@@ -74,10 +74,18 @@ class RankNotices:
         """Hand ``lr``'s free slots back to its process (they stop being copies from now on), with what became of
         the snapshot that freed them: ``failed_step`` and ``note`` when it did not reach every buddy."""
         free = lr.release_free()
-        self.outbox.reply(lr.identity, SlotUpdate(
-            job=lr.job, rank=lr.rank, free_slots=tuple(free), seen_step=lr.seen_step,
-            durable_step=lr.durable_step, failed_step=failed_step, note=note,
-        ))  # fmt: skip
+        self.outbox.reply(
+            lr.identity,
+            SlotUpdate(
+                job=lr.job,
+                rank=lr.rank,
+                free_slots=tuple(free),
+                seen_step=lr.seen_step,
+                durable_step=lr.durable_step,
+                failed_step=failed_step,
+                note=note,
+            ),
+        )
 
 
 def _unfilled(path: str) -> int:
@@ -111,8 +119,17 @@ class IngestService:
         control: the coordinator client (seat requests).
     """
 
-    def __init__(self, state: NodeState, notices: RankNotices, streams: StreamService, restores: RestoreService,
-                 tasks: TaskTree, pacer: Pacer, block_bytes: int, control: CoordinatorClient) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: NodeState,
+        notices: RankNotices,
+        streams: StreamService,
+        restores: RestoreService,
+        tasks: TaskTree,
+        pacer: Pacer,
+        block_bytes: int,
+        control: CoordinatorClient,
+    ) -> None:
         self.block_bytes = block_bytes
         self.control = control
         self.state = state
@@ -134,7 +151,9 @@ class IngestService:
         elif isinstance(msg, Announce):
             self._announce(ident, msg)
         elif isinstance(msg, RestoreRequest):
-            task = self.tasks.spawn(self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}")
+            task = self.tasks.spawn(
+                self.restores.restore(ident, msg), f"restore of {msg.job} rank {msg.rank}"
+            )
             self.restores.track(msg.job, msg.rank, task)
         elif isinstance(msg, RestoreFetched):
             self.restores.fetched(msg)
@@ -158,12 +177,18 @@ class IngestService:
         answer the rank with the coordinator's last reply, or an error: ``bad_message`` (the coordinator refused the
         request: it says why), ``plan_timeout`` (no answer), ``internal``."""
         held = self.state.seats.get(msg.job)
-        req = dataclasses.replace(msg, node=self.state.node, held=-1 if held is None else held.first,
-                                  held_granted=0 if held is None else held.granted)  # fmt: skip
+        req = dataclasses.replace(
+            msg,
+            node=self.state.node,
+            held=-1 if held is None else held.first,
+            held_granted=0 if held is None else held.granted,
+        )
         try:
             reply: Message = await self.control.seat(req, time.monotonic() + msg.timeout_s)
             if isinstance(reply, SeatReply) and reply.status == "given":
-                self.state.seats[msg.job] = HeldSeat(msg.job, reply.first, msg.per_node, msg.world_size, reply.granted)
+                self.state.seats[msg.job] = HeldSeat(
+                    msg.job, reply.first, msg.per_node, msg.world_size, reply.granted
+                )
         except CoordinatorUnavailable as exc:
             reply = Error(job=msg.job, code=ErrorCode.PLAN_TIMEOUT, message=str(exc))
         except ProtocolError as exc:
@@ -178,18 +203,29 @@ class IngestService:
         answer, so a failure is only logged. One report per job is in flight at a time: the reports of the
         node's other ranks meanwhile are dropped."""
         try:
-            reply = await self.control.peer_lost(dataclasses.replace(msg, node=self.state.node), PEER_LOST_TIMEOUT)
+            reply = await self.control.peer_lost(
+                dataclasses.replace(msg, node=self.state.node), PEER_LOST_TIMEOUT
+            )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            log.warning("rank %d of job %s lost a peer; telling the coordinator failed: %s", msg.rank, msg.job, exc)
+            log.warning(
+                "rank %d of job %s lost a peer; telling the coordinator failed: %s", msg.rank, msg.job, exc
+            )
             return
         finally:
             self._reporting.discard(msg.job)
-        log.info("rank %d of job %s lost a peer: the coordinator probes %d node(s)", msg.rank, msg.job, reply.probed,
-                 extra=fields(msg.job, msg.rank, event="peer_lost"))  # fmt: skip
+        log.info(
+            "rank %d of job %s lost a peer: the coordinator probes %d node(s)",
+            msg.rank,
+            msg.job,
+            reply.probed,
+            extra=fields(msg.job, msg.rank, event="peer_lost"),
+        )
 
     def _register(self, ident: bytes, msg: RegisterRank) -> None:
         if msg.rank >= msg.world_size:
-            raise ProtocolError(f"rank {msg.rank} of job {msg.job!r} is outside its world size {msg.world_size}")
+            raise ProtocolError(
+                f"rank {msg.rank} of job {msg.job!r} is outside its world size {msg.world_size}"
+            )
         lr = self.state.rank(msg.job, msg.rank)
         need = max(4096, -(-msg.data_bytes // 4096) * 4096)
         if lr is not None and lr.arena.slot_bytes >= msg.data_bytes and lr.arena.slots == msg.slots:
@@ -201,16 +237,39 @@ class IngestService:
                 self.restores.abandon(msg.job, msg.rank)
                 self.state.drop_rank(lr)
             arena = create_arena(msg.job, msg.rank, need, msg.slots, node=self.state.node)
-            lr = LocalRank(msg.job, msg.rank, msg.world_size, msg.pid, ident, arena,
-                           [SlotState() for _ in range(msg.slots)])  # fmt: skip
+            lr = LocalRank(
+                msg.job,
+                msg.rank,
+                msg.world_size,
+                msg.pid,
+                ident,
+                arena,
+                [SlotState() for _ in range(msg.slots)],
+            )
             self.state.add_rank(lr)
-            log.info("rank %d of job %s (pid %d) registered: arena %s, %d x %d B", msg.rank, msg.job, msg.pid,
-                     arena.path, msg.slots, need, extra=fields(msg.job, msg.rank, event="rank_registered"))  # fmt: skip
+            log.info(
+                "rank %d of job %s (pid %d) registered: arena %s, %d x %d B",
+                msg.rank,
+                msg.job,
+                msg.pid,
+                arena.path,
+                msg.slots,
+                need,
+                extra=fields(msg.job, msg.rank, event="rank_registered"),
+            )
         lr.table_id = -1  # a new process numbers its tables afresh
-        self.notices.reply(ident, RankRegistered(
-            job=msg.job, rank=msg.rank, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes, slots=lr.arena.slots,
-            pid=os.getpid(), request_id=msg.request_id,
-        ))  # fmt: skip
+        self.notices.reply(
+            ident,
+            RankRegistered(
+                job=msg.job,
+                rank=msg.rank,
+                arena=lr.arena.path,
+                slot_bytes=lr.arena.slot_bytes,
+                slots=lr.arena.slots,
+                pid=os.getpid(),
+                request_id=msg.request_id,
+            ),
+        )
         self.notices.slots(lr)
 
     def _check_room(self, msg: RegisterRank, arena_bytes: int, replacing: LocalRank | None) -> None:
@@ -229,18 +288,29 @@ class IngestService:
         usage = shutil.disk_usage(SHM_DIR)
         what = f"rank {msg.rank} of job {msg.job!r} needs an arena of {arena_bytes} B ({msg.slots} slots)"
         if held + arena_bytes > usage.total:
-            raise ArenaRefused(f"{what}, and the node's arenas already take {held} B of the {usage.total} B of "
-                               f"{SHM_DIR}: enlarge {SHM_DIR} or snapshot less")  # fmt: skip
+            raise ArenaRefused(
+                f"{what}, and the node's arenas already take {held} B of the {usage.total} B of "
+                f"{SHM_DIR}: enlarge {SHM_DIR} or snapshot less"
+            )
         unfilled = sum(_unfilled(lr.arena.path) for lr in others)
-        free = usage.free + (_filled(replacing.arena.path) if replacing is not None else 0)  # that one goes first
+        free = usage.free + (
+            _filled(replacing.arena.path) if replacing is not None else 0
+        )  # that one goes first
         if unfilled + arena_bytes > free:
-            raise ArenaRefused(f"{what}, and {SHM_DIR} has {free} B free ({unfilled} B of it promised to the "
-                               f"node's other arenas): free {SHM_DIR} or snapshot less")  # fmt: skip
+            raise ArenaRefused(
+                f"{what}, and {SHM_DIR} has {free} B free ({unfilled} B of it promised to the "
+                f"node's other arenas): free {SHM_DIR} or snapshot less"
+            )
 
     def _unregister(self, job: str, rank: int) -> None:
         lr = self.state.rank(job, rank)
         if lr is not None:
-            log.info("rank %d of job %s closed its snapshotter", rank, job, extra=fields(job, rank, event="rank_closed"))
+            log.info(
+                "rank %d of job %s closed its snapshotter",
+                rank,
+                job,
+                extra=fields(job, rank, event="rank_closed"),
+            )
             self.state.drop_rank(lr)
             self.pacer.forget((job, rank))
 
@@ -259,7 +329,9 @@ class IngestService:
             raise ProtocolError(f"slot {msg.slot} was not free (it holds step {slot.step})")
         newest = max(lr.valid_steps(), default=-1)
         if msg.step <= newest:
-            raise ProtocolError(f"step {msg.step} is not newer than the newest snapshot {newest}; steps only grow")
+            raise ProtocolError(
+                f"step {msg.step} is not newer than the newest snapshot {newest}; steps only grow"
+            )
         lr.identity = ident
         lr.seen_step = msg.step
         lr.announced += 1
@@ -268,8 +340,20 @@ class IngestService:
             lr.step_seconds = msg.step_seconds
         buddies = [a for a in self.state.assignments.get((lr.job, lr.rank), ()) if a != self.state.data_addr]
         steps = msg.steps or (msg.step_seconds,)  # an older client sends its last step only
-        self.pacer.report_step((lr.job, lr.rank), msg.step, steps, msg.steps_end, lr.data_bytes * max(1, len(buddies)))
+        self.pacer.report_step(
+            (lr.job, lr.rank), msg.step, steps, msg.steps_end, lr.data_bytes * max(1, len(buddies))
+        )
         meta = bytes(msg.meta)
-        lr.set_slot(msg.slot, SlotState(step=msg.step, valid=True, table=lr.table, meta=meta, data_bytes=lr.data_bytes,
-                                        elem=lr.elem, seal=Seal.announced(self.block_bytes, lr.table, meta)))  # fmt: skip
+        lr.set_slot(
+            msg.slot,
+            SlotState(
+                step=msg.step,
+                valid=True,
+                table=lr.table,
+                meta=meta,
+                data_bytes=lr.data_bytes,
+                elem=lr.elem,
+                seal=Seal.announced(self.block_bytes, lr.table, meta),
+            ),
+        )
         self.streams.start(lr, msg.slot)

@@ -159,8 +159,9 @@ class NodeState:
         that report the ranks tell them too."""
         self.changed = Signal()
         self.assigned = Signal()
-        self.store: BuddyStore = SnapshotStore(cfg.memory_limit, on_change=self.changed.fire,
-                                               idle_after=2 * cfg.request_timeout)  # fmt: skip
+        self.store: BuddyStore = SnapshotStore(
+            cfg.memory_limit, on_change=self.changed.fire, idle_after=2 * cfg.request_timeout
+        )
         self.ranks: dict[RankKey, LocalRank] = {}
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.counters = Counters()
@@ -198,7 +199,9 @@ class NodeState:
     def report(self) -> tuple[tuple[RankInfo, ...], tuple[InventoryItem, ...]]:
         """What a heartbeat tells the coordinator: the local ranks, and every complete copy held here (buddy
         copies and the ranks' own valid slots)."""
-        ranks = tuple(RankInfo(lr.job, lr.rank, lr.world_size, lr.pid, lr.alive) for lr in self.ranks.values())
+        ranks = tuple(
+            RankInfo(lr.job, lr.rank, lr.world_size, lr.pid, lr.alive) for lr in self.ranks.values()
+        )
         items = [InventoryItem(job, rank, step, False) for job, rank, step in self.store.complete_keys()]
         for lr in self.ranks.values():
             items.extend(InventoryItem(lr.job, lr.rank, step, True) for step in lr.valid_steps())

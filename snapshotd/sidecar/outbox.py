@@ -44,8 +44,12 @@ class Outbox:
         self._per_peer = per_peer
         self._queues: dict[bytes, collections.deque[Message]] = {}
         self._queued = 0
-        self._started: asyncio.Queue[bytes] = asyncio.Queue()  # peers whose queue was empty: each needs a writer
-        self._dropped: dict[bytes, int] = {}  # peer -> times its queue was dropped (a waiting put then gives up)
+        self._started: asyncio.Queue[bytes] = (
+            asyncio.Queue()
+        )  # peers whose queue was empty: each needs a writer
+        self._dropped: dict[
+            bytes, int
+        ] = {}  # peer -> times its queue was dropped (a waiting put then gives up)
         self._gone: set[bytes] = set()  # peers given up until heard from again
         self._room = asyncio.Condition()
 
@@ -74,8 +78,14 @@ class Outbox:
         dropped = self._dropped.get(ident, 0)
         try:
             async with asyncio.timeout(self._timeout), self._room:
-                await self._room.wait_for(lambda: self._dropped.get(ident, 0) != dropped or (
-                    self._queued < self._maxsize and len(self._queues.get(ident, ())) < self._per_peer))
+                await self._room.wait_for(
+                    lambda: (
+                        self._dropped.get(ident, 0) != dropped
+                        or (
+                            self._queued < self._maxsize and len(self._queues.get(ident, ())) < self._per_peer
+                        )
+                    )
+                )
         except TimeoutError:
             raise TransportError(f"no room for a peer's messages within {self._timeout:.1f} s") from None
         if self._dropped.get(ident, 0) != dropped or ident in self._gone:
@@ -106,7 +116,9 @@ class Outbox:
                 self._queued -= 1
                 try:
                     frames = proto.encode(msg)
-                except Exception:  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
+                except (
+                    Exception
+                ):  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
                     self._counters.errors += 1
                     log.exception("could not encode a %s reply; dropped it", msg.TYPE)
                     continue
@@ -114,11 +126,15 @@ class Outbox:
                     async with asyncio.timeout(self._timeout):
                         await pipe.send([ident, *frames])
                 except (TransportError, TimeoutError) as exc:
-                    log.debug("could not send %s to a peer: %s; dropped its %d queued", msg.TYPE, exc, len(queue))
+                    log.debug(
+                        "could not send %s to a peer: %s; dropped its %d queued", msg.TYPE, exc, len(queue)
+                    )
                     self._counters.errors += len(queue)
                     self._queued -= len(queue)
                     queue.clear()
-                    if len(self._dropped) >= 4096:  # peers' counts only need to outlive the puts waiting on them
+                    if (
+                        len(self._dropped) >= 4096
+                    ):  # peers' counts only need to outlive the puts waiting on them
                         self._dropped.clear()
                     self._dropped[ident] = self._dropped.get(ident, 0) + 1
                     if len(self._gone) >= 4096:  # peers that never came back

@@ -129,8 +129,14 @@ class Pacer:
     IDLE_INTERVALS = 3.0
     FORGET_SECONDS = 600.0
 
-    def __init__(self, rate: float | None, *, budget: float = 0.01, burst_seconds: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rate: float | None,
+        *,
+        budget: float = 0.01,
+        burst_seconds: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if budget <= 0:
             raise ValueError(f"the step budget must be positive, got {budget}")
         self.auto = rate is None
@@ -145,8 +151,12 @@ class Pacer:
         self._ranks: dict[Hashable, _Rank] = {}
         self._factor = 1.0
         self._streams = 0  # in flight now
-        self._streaming: collections.Counter[Hashable] = collections.Counter()  # rank -> its streams in flight
-        self._spans: collections.deque[list[float]] = collections.deque(maxlen=1024)  # [start, end] of streaming
+        self._streaming: collections.Counter[Hashable] = (
+            collections.Counter()
+        )  # rank -> its streams in flight
+        self._spans: collections.deque[list[float]] = collections.deque(
+            maxlen=1024
+        )  # [start, end] of streaming
         self._observed_rate = 0.0
         self.cuts = 0
 
@@ -220,7 +230,9 @@ class Pacer:
 
     # -- the controller --------------------------------------------------------------------------------------
 
-    def report_step(self, key: Hashable, step: int, steps: Sequence[float], steps_end: float, stream_bytes: int) -> None:
+    def report_step(
+        self, key: Hashable, step: int, steps: Sequence[float], steps_end: float, stream_bytes: int
+    ) -> None:
         """Local rank ``key`` announced a snapshot of ``step``: ``steps`` are the durations of its steps since its
         previous announce (oldest first), the last ending at ``steps_end`` (this clock; 0: unknown), and
         ``stream_bytes`` what the snapshot sends to all its buddies."""
@@ -272,21 +284,32 @@ class Pacer:
         rank.fresh = 0
         base, _, slowdown, noise = measured
         if slowdown - noise > self.budget:
-            self._factor = max(self.MIN_RATE / max(self.SPREAD * self.keep_up_rate, self.MIN_RATE),
-                               self._factor * self.CUT)  # fmt: skip
+            self._factor = max(
+                self.MIN_RATE / max(self.SPREAD * self.keep_up_rate, self.MIN_RATE), self._factor * self.CUT
+            )
             self.cuts += 1
             for r in self._ranks.values():  # the next decision sees only steps at the new rate
                 r.loaded.clear()
                 r.fresh = 0
-            log.info("pacer: steps %.1f%% slower than %.1f ms without a stream (budget %.1f%%); rate -> %.0f MB/s",
-                     slowdown * 100, base * 1e3, self.budget * 100, self.rate / 1e6)  # fmt: skip
+            log.info(
+                "pacer: steps %.1f%% slower than %.1f ms without a stream (budget %.1f%%); rate -> %.0f MB/s",
+                slowdown * 100,
+                base * 1e3,
+                self.budget * 100,
+                self.rate / 1e6,
+            )
         elif slowdown <= self.budget:
             self._factor = min(1.0, self._factor * self.GROW)
 
     def _active(self, now: float | None = None) -> list[_Rank]:
         now = self._clock() if now is None else now
-        return [r for k, r in self._ranks.items() if k in self._streaming
-                or r.silent_for(now) <= self.IDLE_INTERVALS or now - r.reported <= self.IDLE_SECONDS]  # fmt: skip
+        return [
+            r
+            for k, r in self._ranks.items()
+            if k in self._streaming
+            or r.silent_for(now) <= self.IDLE_INTERVALS
+            or now - r.reported <= self.IDLE_SECONDS
+        ]
 
     def state(self) -> PacerState:
         rate = self.rate
@@ -300,6 +323,13 @@ class Pacer:
         (_, _, slowdown, _), worst = max(seen, key=lambda m: m[0][2], default=((0.0, 0.0, 0.0, 0.0), None))
         base = statistics.median(worst.clean) if worst is not None and worst.clean else 0.0
         load = statistics.median(worst.loaded) if worst is not None and worst.loaded else 0.0
-        return PacerState(rate=rate, budget=self.budget if self.auto else 0.0, baseline_seconds=base,
-                          loaded_seconds=load, slowdown=slowdown, keep_up_rate=self.keep_up_rate, cuts=self.cuts,
-                          mode=mode)  # fmt: skip
+        return PacerState(
+            rate=rate,
+            budget=self.budget if self.auto else 0.0,
+            baseline_seconds=base,
+            loaded_seconds=load,
+            slowdown=slowdown,
+            keep_up_rate=self.keep_up_rate,
+            cuts=self.cuts,
+            mode=mode,
+        )

@@ -109,8 +109,9 @@ class PeerLink:
                 await self.pipe.send(encode(msg))
         except TimeoutError as exc:
             self.stale = True
-            raise PeerTimeout(f"peer {self.addr} did not take a message within {self.timeout:.1f} s"
-                              + self._why()) from exc  # fmt: skip
+            raise PeerTimeout(
+                f"peer {self.addr} did not take a message within {self.timeout:.1f} s" + self._why()
+            ) from exc
 
     def send_nowait(self, msg: Message) -> bool:
         """Send only if the connection takes it at once (a best-effort notice); False if it did not."""
@@ -129,13 +130,19 @@ class PeerLink:
                 msg = await queue.get()
                 while not isinstance(msg, (*expected, Error)):
                     self.dropped += 1
-                    log.debug("%s: skipped a stale %s (waiting for %s)", self.addr, msg.TYPE,
-                              [t.TYPE for t in expected])  # fmt: skip
+                    log.debug(
+                        "%s: skipped a stale %s (waiting for %s)",
+                        self.addr,
+                        msg.TYPE,
+                        [t.TYPE for t in expected],
+                    )
                     msg = await queue.get()
         except TimeoutError as exc:
             self.stale = True
-            raise PeerTimeout(f"no {'/'.join(t.TYPE for t in expected)} from {self.addr} within "
-                              f"{self.timeout:.1f} s" + self._why()) from exc  # fmt: skip
+            raise PeerTimeout(
+                f"no {'/'.join(t.TYPE for t in expected)} from {self.addr} within "
+                f"{self.timeout:.1f} s" + self._why()
+            ) from exc
         if isinstance(msg, Error):
             error = PeerError(f"{self.addr}: {msg.code}: {msg.message}")
             error.code = msg.code

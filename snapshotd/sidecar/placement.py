@@ -49,8 +49,14 @@ def _libc() -> ctypes.CDLL | None:
         f = getattr(libc, fn, None)
         if f is None:
             return None
-        f.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                      ctypes.c_ulong]  # fmt: skip
+        f.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
         f.restype = ctypes.c_ssize_t
     return libc
 
@@ -92,11 +98,17 @@ class DirectSink:
     """
 
     def __init__(
-        self, pid: int, snapshot: Sequence[TensorEntry], live: Sequence[TensorEntry], targets: memoryview | bytes,
+        self,
+        pid: int,
+        snapshot: Sequence[TensorEntry],
+        live: Sequence[TensorEntry],
+        targets: memoryview | bytes,
         slot: memoryview,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if memoryview(targets).nbytes != 8 * len(live):
-            raise ProtocolError(f"restore targets hold {memoryview(targets).nbytes} bytes for {len(live)} tensors")
+            raise ProtocolError(
+                f"restore targets hold {memoryview(targets).nbytes} bytes for {len(live)} tensors"
+            )
         segments = landing_segments(snapshot, live, np.frombuffer(targets, dtype="<u8").tolist())
         self.pid = pid
         self.slot = slot
@@ -113,8 +125,11 @@ class DirectSink:
         local, remote = _Iovec(ctypes.addressof(buf), 1), _Iovec(first, 1)
         if _LIBC.process_vm_readv(self.pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 1:
             return True
-        log.info("cannot write into process %d (errno %d): restoring through the arena only", self.pid,
-                 ctypes.get_errno())  # fmt: skip
+        log.info(
+            "cannot write into process %d (errno %d): restoring through the arena only",
+            self.pid,
+            ctypes.get_errno(),
+        )
         return False
 
     def land(self, start: int, chunk: memoryview) -> None:
@@ -151,4 +166,6 @@ class DirectSink:
         done = _LIBC.process_vm_writev(self.pid, liov, n, riov, n, 0)
         if done != want:
             err = ctypes.get_errno() if done < 0 else 0
-            raise PlacementError(f"writing {want} bytes into process {self.pid} failed: wrote {done} (errno {err})")
+            raise PlacementError(
+                f"writing {want} bytes into process {self.pid} failed: wrote {done} (errno {err})"
+            )

@@ -34,8 +34,15 @@ class PushFailed(RuntimeError):
 class _Lane:
     """One connection to the buddy's bulk port and the thread that sends its chunks."""
 
-    def __init__(self, addr: tuple[str, int], token: bytes, seal: Seal, data: memoryview, timeout: float,
-                 done: Callable[[BaseException | None], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        token: bytes,
+        seal: Seal,
+        data: memoryview,
+        timeout: float,
+        done: Callable[[BaseException | None], None],
+    ) -> None:
         self.addr = addr
         self.token = token
         self.seal = seal
@@ -104,8 +111,9 @@ class Lanes:
         timeout: seconds a connection may take to open, or stay blocked on one send.
     """
 
-    def __init__(self, host: str, port: int, token: bytes, *, count: int, seal: Seal, data: memoryview,
-                 timeout: float) -> None:  # fmt: skip
+    def __init__(
+        self, host: str, port: int, token: bytes, *, count: int, seal: Seal, data: memoryview, timeout: float
+    ) -> None:
         loop = asyncio.get_running_loop()
         self._futures: list[asyncio.Future[None]] = []
         self._lanes: list[_Lane] = []
@@ -146,7 +154,9 @@ class Lanes:
                 log.warning("a push lane to %s:%d did not stop within %.0f s", *lane.addr, timeout)
 
 
-def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
+def _resolver(
+    loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]
+) -> Callable[[BaseException | None], None]:
     """``done(error)`` from a lane's thread resolves ``fut`` on the loop (a loop already closed is left alone)."""
 
     def resolve(error: BaseException | None) -> None:

@@ -47,22 +47,38 @@ class ReplicateService:
             links = [self.links.get(a) for a in task.sources if a != self.state.data_addr]
 
             def allocate(m: StreamBegin) -> Lander:
-                snap = store.begin(task.job, task.rank, task.step, src_node=m.src_node, data_bytes=m.data_bytes,
-                                   chunk_bytes=m.chunk_bytes, table=m.table, meta=m.meta, digest=m.digest)  # fmt: skip
+                snap = store.begin(
+                    task.job,
+                    task.rank,
+                    task.step,
+                    src_node=m.src_node,
+                    data_bytes=m.data_bytes,
+                    chunk_bytes=m.chunk_bytes,
+                    table=m.table,
+                    meta=m.meta,
+                    digest=m.digest,
+                )
                 snap.pins += 1  # arriving by a pull, not a stream: never aborted as an idle stream
                 pinned.append(snap)
                 return snap.data.land
 
             try:
-                _, seal, pulled = await pull_snapshot(links, job=task.job, rank=task.rank, step=task.step,
-                                                      allocate=allocate)  # fmt: skip
+                _, seal, pulled = await pull_snapshot(
+                    links, job=task.job, rank=task.rank, step=task.step, allocate=allocate
+                )
             except BaseException:
                 store.abort(*key)
                 raise
             store.mark_complete(*key, seal)
             self.state.counters.pulled(pulled)
-            log.info("re-replicated %s rank %d step %d (%d B)", task.job, task.rank, task.step, pulled,
-                     extra=fields(task.job, task.rank, task.step, "replicated"))  # fmt: skip
+            log.info(
+                "re-replicated %s rank %d step %d (%d B)",
+                task.job,
+                task.rank,
+                task.step,
+                pulled,
+                extra=fields(task.job, task.rank, task.step, "replicated"),
+            )
         finally:
             for snap in pinned:
                 snap.pins -= 1

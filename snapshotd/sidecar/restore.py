@@ -98,8 +98,15 @@ class RestoreService:
         notify: hands a rank its slots once its restore is decided.
     """
 
-    def __init__(self, state: NodeState, cfg: SidecarConfig, control: CoordinatorClient, links: PeerLinks,
-                 outbox: Outbox, notify: RankNotify) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: NodeState,
+        cfg: SidecarConfig,
+        control: CoordinatorClient,
+        links: PeerLinks,
+        outbox: Outbox,
+        notify: RankNotify,
+    ) -> None:
         self.state = state
         self.cfg = cfg
         self.control = control
@@ -117,8 +124,13 @@ class RestoreService:
         could act on, and an Error reply would reach whatever request the rank waits on now."""
         fetch, fut = self._fetching.get((msg.job, msg.rank), (-1, None))
         if fut is None or fut.done() or fetch != msg.fetch:
-            log.info("rank %d of job %s answered a fetch of step %d that no restore waits for", msg.rank, msg.job,
-                     msg.step, extra=fields(msg.job, msg.rank, msg.step, "fetch_unexpected"))  # fmt: skip
+            log.info(
+                "rank %d of job %s answered a fetch of step %d that no restore waits for",
+                msg.rank,
+                msg.job,
+                msg.step,
+                extra=fields(msg.job, msg.rank, msg.step, "fetch_unexpected"),
+            )
             return
         fut.set_result(msg)
 
@@ -133,21 +145,49 @@ class RestoreService:
         if lr is None:
             if self._pending.get(key) is task:
                 del self._pending[key]
-            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
-                                           message="register the rank before restoring"))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    request_id=req.request_id,
+                    code=ErrorCode.NOT_REGISTERED,
+                    rank=req.rank,
+                    message="register the rank before restoring",
+                ),
+            )
             return
         lr.awaiting_restore = True
         try:
             await self._restore(ident, req, lr)
         except _RankGone:
-            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_REGISTERED, rank=req.rank,
-                                           message="the rank unregistered while its restore was pending"))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    request_id=req.request_id,
+                    code=ErrorCode.NOT_REGISTERED,
+                    rank=req.rank,
+                    message="the rank unregistered while its restore was pending",
+                ),
+            )
         except Exception as exc:
             self.state.counters.errors += 1
-            log.exception("restore of %s rank %d failed", req.job, req.rank,
-                          extra=fields(req.job, req.rank, event="restore_failed"))  # fmt: skip
-            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.INTERNAL, rank=req.rank,
-                                           message=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+            log.exception(
+                "restore of %s rank %d failed",
+                req.job,
+                req.rank,
+                extra=fields(req.job, req.rank, event="restore_failed"),
+            )
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    request_id=req.request_id,
+                    code=ErrorCode.INTERNAL,
+                    rank=req.rank,
+                    message=f"{type(exc).__name__}: {exc}",
+                ),
+            )
         finally:
             if self.state.rank(lr.job, lr.rank) is not lr:  # dropped meanwhile: its arena belongs to nobody
                 lr.arena.close(unlink=True)
@@ -171,8 +211,12 @@ class RestoreService:
         restore asks again (the coordinator's round still counts the rank's ask, unanswered, while it waits)."""
         task = self._pending.pop((job, rank), None)
         if task is not None:
-            log.info("rank %d of job %s registered again: its pending restore is abandoned", rank, job,
-                     extra=fields(job, rank, event="restore_abandoned"))  # fmt: skip
+            log.info(
+                "rank %d of job %s registered again: its pending restore is abandoned",
+                rank,
+                job,
+                extra=fields(job, rank, event="restore_abandoned"),
+            )
             task.cancel()
 
     def _check_registered(self, lr: LocalRank) -> None:
@@ -188,16 +232,44 @@ class RestoreService:
                 t0 + req.timeout_s,
             )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.PLAN_TIMEOUT, rank=req.rank, message=str(exc)))
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    request_id=req.request_id,
+                    code=ErrorCode.PLAN_TIMEOUT,
+                    rank=req.rank,
+                    message=str(exc),
+                ),
+            )
             return
         self._check_registered(lr)
         if plan.status == "fresh":
             self.state.counters.restored("fresh", time.monotonic() - t0, 0)
-            self.outbox.reply(ident, RestoreReply(job=req.job, request_id=req.request_id, rank=req.rank, step=0, source="fresh",
-                                                  arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                RestoreReply(
+                    job=req.job,
+                    request_id=req.request_id,
+                    rank=req.rank,
+                    step=0,
+                    source="fresh",
+                    arena=lr.arena.path,
+                    slot_bytes=lr.arena.slot_bytes,
+                ),
+            )
             return
         if plan.status != "ready":
-            self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.NOT_RECOVERABLE, rank=req.rank, message=plan.reason))
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    request_id=req.request_id,
+                    code=ErrorCode.NOT_RECOVERABLE,
+                    rank=req.rank,
+                    message=plan.reason,
+                ),
+            )
             return
         step = plan.step
         t_data = time.monotonic()
@@ -210,13 +282,29 @@ class RestoreService:
             index = None
         if index is None:
             try:
-                index, pulled, direct, by_rank = await self._fetch(lr, step, plan.sources, req, ident,
-                                                                   t0 + req.timeout_s)  # fmt: skip
+                index, pulled, direct, by_rank = await self._fetch(
+                    lr, step, plan.sources, req, ident, t0 + req.timeout_s
+                )
             except (PullFailed, PeerError, ProtocolError, PlacementError) as exc:
-                corrupt = isinstance(exc, CorruptEverywhere) or (local_corrupt and isinstance(exc, PullFailed))
-                why = f"the rank's own copy failed its end-to-end checksum, and {exc}" if local_corrupt else str(exc)
-                self.outbox.reply(ident, Error(job=req.job, request_id=req.request_id, code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
-                                               rank=req.rank, step=step, message=why))  # fmt: skip
+                corrupt = isinstance(exc, CorruptEverywhere) or (
+                    local_corrupt and isinstance(exc, PullFailed)
+                )
+                why = (
+                    f"the rank's own copy failed its end-to-end checksum, and {exc}"
+                    if local_corrupt
+                    else str(exc)
+                )
+                self.outbox.reply(
+                    ident,
+                    Error(
+                        job=req.job,
+                        request_id=req.request_id,
+                        code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
+                        rank=req.rank,
+                        step=step,
+                        message=why,
+                    ),
+                )
                 return
             source = "pull" if pulled else "replica"
         self._check_registered(lr)
@@ -230,29 +318,75 @@ class RestoreService:
         self.state.counters.restored(source, seconds, pulled)
         moving = time.monotonic() - t_data
         holders = [a for a in plan.sources if a != self.state.data_addr] if source == "pull" else []
-        log.info("rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s%s",
-                 req.rank, req.job, step, source, " from " if holders else "", ", ".join(holders),
-                 format_bytes(s.data_bytes), moving, format_rate(s.data_bytes / moving if moving > 0 else 0.0),
-                 seconds, f", {format_bytes(pulled)} on the wire" if pulled else "",
-                 ", fetched by the rank" if by_rank else "", ", into its tensors" if direct else "",
-                 extra=fields(req.job, req.rank, step, "restore"))  # fmt: skip
-        self.outbox.reply(ident, RestoreReply(
-            job=req.job, rank=req.rank, step=step, source=source, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
-            slot=index, bytes_pulled=pulled, seconds=seconds, direct=direct, fetched=by_rank, table=s.table,
-            meta=s.meta, request_id=req.request_id,
-        ))  # fmt: skip
+        log.info(
+            "rank %d of job %s restores step %d: %s%s%s, %s in %.2f s (%s; %.2f s since it asked)%s%s%s",
+            req.rank,
+            req.job,
+            step,
+            source,
+            " from " if holders else "",
+            ", ".join(holders),
+            format_bytes(s.data_bytes),
+            moving,
+            format_rate(s.data_bytes / moving if moving > 0 else 0.0),
+            seconds,
+            f", {format_bytes(pulled)} on the wire" if pulled else "",
+            ", fetched by the rank" if by_rank else "",
+            ", into its tensors" if direct else "",
+            extra=fields(req.job, req.rank, step, "restore"),
+        )
+        self.outbox.reply(
+            ident,
+            RestoreReply(
+                job=req.job,
+                rank=req.rank,
+                step=step,
+                source=source,
+                arena=lr.arena.path,
+                slot_bytes=lr.arena.slot_bytes,
+                slot=index,
+                bytes_pulled=pulled,
+                seconds=seconds,
+                direct=direct,
+                fetched=by_rank,
+                table=s.table,
+                meta=s.meta,
+                request_id=req.request_id,
+            ),
+        )
 
-    def _progress(self, ident: bytes, req: RestoreRequest, step: int, source: str, done: int, total: int,
-                  sources: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def _progress(
+        self,
+        ident: bytes,
+        req: RestoreRequest,
+        step: int,
+        source: str,
+        done: int,
+        total: int,
+        sources: tuple[str, ...] = (),
+    ) -> None:
         """Tell the restoring rank how its restore goes, if it asked to be told."""
         if req.progress:
-            self.outbox.reply(ident, RestoreProgress(job=req.job, rank=req.rank, step=step, done_bytes=min(done, total),
-                                                     total_bytes=total, source=source, sources=sources))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                RestoreProgress(
+                    job=req.job,
+                    rank=req.rank,
+                    step=step,
+                    done_bytes=min(done, total),
+                    total_bytes=total,
+                    source=source,
+                    sources=sources,
+                ),
+            )
 
     def _dropped(self, exc: CorruptCopy, job: str, rank: int, step: int) -> None:
         self.state.counters.corrupt += 1
-        log.error("%s; the copy is dropped and the step is taken from another holder", exc,
-                  extra=fields(job, rank, step, "copy_corrupt"))  # fmt: skip
+        log.error(
+            "%s; the copy is dropped and the step is taken from another holder",
+            exc,
+            extra=fields(job, rank, step, "copy_corrupt"),
+        )
 
     async def _intact(self, lr: LocalRank, index: int) -> bool:
         """Check the rank's own slot ``index`` against its seal (off the event loop); a slot that fails is
@@ -281,13 +415,21 @@ class RestoreService:
         self._check_registered(lr)
         if data_bytes > lr.arena.slot_bytes:
             old = lr.arena
-            lr.arena = create_arena(lr.job, lr.rank, -(-data_bytes // 4096) * 4096, old.slots, node=self.state.node)
+            lr.arena = create_arena(
+                lr.job, lr.rank, -(-data_bytes // 4096) * 4096, old.slots, node=self.state.node
+            )
             old.close(unlink=True)
         lr.clear_slots()
         return 0
 
     async def _fetch(
-        self, lr: LocalRank, step: int, sources: tuple[str, ...], req: RestoreRequest, ident: bytes, deadline: float
+        self,
+        lr: LocalRank,
+        step: int,
+        sources: tuple[str, ...],
+        req: RestoreRequest,
+        ident: bytes,
+        deadline: float,
     ) -> _Brought:
         """Bring ``(job, rank, step)`` to the restoring process: from this node's buddy store if held, else pulled
         (fetched by the rank where it can, see the module docstring); into a slot, or, where ``req`` names live
@@ -319,8 +461,17 @@ class RestoreService:
                 store.discard(snap)
             else:
                 seal = Seal(snap.seal.block_bytes, snap.seal.digest, dict(snap.seal.sums))
-                lr.set_slot(index, SlotState(step=step, valid=sink is None, table=snap.table, meta=snap.meta,
-                                             data_bytes=snap.data_bytes, seal=seal))  # fmt: skip
+                lr.set_slot(
+                    index,
+                    SlotState(
+                        step=step,
+                        valid=sink is None,
+                        table=snap.table,
+                        meta=snap.meta,
+                        data_bytes=snap.data_bytes,
+                        seal=seal,
+                    ),
+                )
                 return _Brought(index, 0, sink is not None)
         holders = tuple(a for a in sources if a != self.state.data_addr)
         links = [self.links.get(a) for a in holders]
@@ -354,18 +505,41 @@ class RestoreService:
                 self._progress(ident, req, step, "pull", done, total, holders)
 
         try:
-            manifest, seal, pulled = await pull_snapshot(links, job=lr.job, rank=lr.rank, step=step,
-                                                         allocate=allocate, on_progress=landed, manifest=manifest)  # fmt: skip
+            manifest, seal, pulled = await pull_snapshot(
+                links,
+                job=lr.job,
+                rank=lr.rank,
+                step=step,
+                allocate=allocate,
+                on_progress=landed,
+                manifest=manifest,
+            )
         except BaseException:
             lr.set_slot(index, SlotState())
             raise
-        lr.set_slot(index, SlotState(step=step, valid=not direct, table=bytes(manifest.table),
-                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
+        lr.set_slot(
+            index,
+            SlotState(
+                step=step,
+                valid=not direct,
+                table=bytes(manifest.table),
+                meta=bytes(manifest.meta),
+                data_bytes=manifest.data_bytes,
+                seal=seal,
+            ),
+        )
         self.state.counters.pulled(pulled)
         return _Brought(index, pulled, direct)
 
-    async def _rank_fetch(self, lr: LocalRank, manifest: StreamBegin, links: list[PeerLink], req: RestoreRequest,
-                          ident: bytes, deadline: float) -> _Brought | None:  # fmt: skip
+    async def _rank_fetch(
+        self,
+        lr: LocalRank,
+        manifest: StreamBegin,
+        links: list[PeerLink],
+        req: RestoreRequest,
+        ident: bytes,
+        deadline: float,
+    ) -> _Brought | None:
         """Have the restoring rank fetch ``manifest``'s snapshot from the holders' bulk ports (see the module
         docstring); None when no holder gave a ticket or the rank's fetch failed (the slot is then empty again,
         for a pull).
@@ -375,7 +549,9 @@ class RestoreService:
             _RankGone: the rank unregistered or died meanwhile.
         """
         job, rank, step = lr.job, lr.rank, manifest.step
-        tickets = [t for t in await asyncio.gather(*(self._ticket(link, job, rank, step) for link in links)) if t]
+        tickets = [
+            t for t in await asyncio.gather(*(self._ticket(link, job, rank, step) for link in links)) if t
+        ]
         if not tickets:
             return None
         if time.monotonic() >= deadline:  # the rank stops waiting about now: no fetch may start in its memory
@@ -387,12 +563,24 @@ class RestoreService:
         self._fetching[key] = (number, fut)
         try:
             self._progress(ident, req, step, "pull", 0, manifest.data_bytes, tuple(a for a, _, _ in tickets))
-            self.outbox.reply(ident, RestoreFetch(
-                job=job, rank=rank, step=step, fetch=number, data_bytes=manifest.data_bytes,
-                chunk_bytes=manifest.chunk_bytes, arena=lr.arena.path, slot_bytes=lr.arena.slot_bytes,
-                slots=lr.arena.slots, slot=index, holders=tuple(b for _, b, _ in tickets), table=manifest.table,
-                tokens=b"".join(t for _, _, t in tickets),
-            ))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                RestoreFetch(
+                    job=job,
+                    rank=rank,
+                    step=step,
+                    fetch=number,
+                    data_bytes=manifest.data_bytes,
+                    chunk_bytes=manifest.chunk_bytes,
+                    arena=lr.arena.path,
+                    slot_bytes=lr.arena.slot_bytes,
+                    slots=lr.arena.slots,
+                    slot=index,
+                    holders=tuple(b for _, b, _ in tickets),
+                    table=manifest.table,
+                    tokens=b"".join(t for _, _, t in tickets),
+                ),
+            )
             answer = await self._await_fetch(lr, fut, deadline)
         except BaseException:
             lr.set_slot(index, SlotState())
@@ -402,16 +590,39 @@ class RestoreService:
                 del self._fetching[key]
         sums = memoryview(answer.sums)
         if answer.ok and sums.nbytes != 8 * manifest.nchunks:
-            answer = RestoreFetched(job=job, rank=rank, step=step, fetch=number, ok=False,
-                                    reason=f"{sums.nbytes} bytes of checksums for {manifest.nchunks} chunks")  # fmt: skip
+            answer = RestoreFetched(
+                job=job,
+                rank=rank,
+                step=step,
+                fetch=number,
+                ok=False,
+                reason=f"{sums.nbytes} bytes of checksums for {manifest.nchunks} chunks",
+            )
         if not answer.ok:
             lr.set_slot(index, SlotState())
-            log.warning("rank %d of job %s could not fetch step %d itself (%s): pulling it through the sidecars",
-                        rank, job, step, answer.reason, extra=fields(job, rank, step, "fetch_failed"))  # fmt: skip
+            log.warning(
+                "rank %d of job %s could not fetch step %d itself (%s): pulling it through the sidecars",
+                rank,
+                job,
+                step,
+                answer.reason,
+                extra=fields(job, rank, step, "fetch_failed"),
+            )
             return None
-        seal = Seal(manifest.chunk_bytes, manifest.digest, dict(enumerate(np.frombuffer(sums, "<u8").tolist())))
-        lr.set_slot(index, SlotState(step=step, valid=not answer.direct, table=bytes(manifest.table),
-                                     meta=bytes(manifest.meta), data_bytes=manifest.data_bytes, seal=seal))  # fmt: skip
+        seal = Seal(
+            manifest.chunk_bytes, manifest.digest, dict(enumerate(np.frombuffer(sums, "<u8").tolist()))
+        )
+        lr.set_slot(
+            index,
+            SlotState(
+                step=step,
+                valid=not answer.direct,
+                table=bytes(manifest.table),
+                meta=bytes(manifest.meta),
+                data_bytes=manifest.data_bytes,
+                seal=seal,
+            ),
+        )
         self.state.counters.pulled(answer.fetched)
         return _Brought(index, answer.fetched, answer.direct, by_rank=True)
 
@@ -432,7 +643,9 @@ class RestoreService:
         bulk = f"[{host}]:{reply.port}" if ":" in host else f"{host}:{reply.port}"
         return link.addr, bulk, bytes(reply.token)
 
-    async def _await_fetch(self, lr: LocalRank, fut: asyncio.Future[RestoreFetched], deadline: float) -> RestoreFetched:
+    async def _await_fetch(
+        self, lr: LocalRank, fut: asyncio.Future[RestoreFetched], deadline: float
+    ) -> RestoreFetched:
         """The rank's answer to its RestoreFetch, looking every :data:`FETCH_CHECK_INTERVAL` seconds whether the
         rank is still registered and alive.
 

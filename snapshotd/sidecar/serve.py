@@ -68,13 +68,17 @@ class ServeService:
         bulk: the bulk port that tickets admit to (None: none is served).
     """
 
-    def __init__(self, state: NodeState, outbox: Outbox, tasks: TaskTree, bulk: BulkServer | None = None) -> None:
+    def __init__(
+        self, state: NodeState, outbox: Outbox, tasks: TaskTree, bulk: BulkServer | None = None
+    ) -> None:
         self.state = state
         self.outbox = outbox
         self.tasks = tasks
         self.bulk = bulk
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
-        self._pushes: dict[tuple[str, int, int], bytes] = {}  # incoming streams pushed over the bulk port: tokens
+        self._pushes: dict[
+            tuple[str, int, int], bytes
+        ] = {}  # incoming streams pushed over the bulk port: tokens
 
     def handle(self, ident: bytes, msg: Message) -> None:
         """Act on one request from the peer at ``ident``.
@@ -87,9 +91,17 @@ class ServeService:
         store = self.state.store
         if isinstance(msg, Chunk):
             done = store.put_chunk(
-                msg.job, msg.rank, msg.step, msg.index, codec_name=msg.codec, payload=msg.payload,
-                raw_len=msg.raw_len, checksum=msg.checksum, base_step=msg.base_step, elem=msg.elem,
-            )  # fmt: skip
+                msg.job,
+                msg.rank,
+                msg.step,
+                msg.index,
+                codec_name=msg.codec,
+                payload=msg.payload,
+                raw_len=msg.raw_len,
+                checksum=msg.checksum,
+                base_step=msg.base_step,
+                elem=msg.elem,
+            )
             arriving = store.get(msg.job, msg.rank, msg.step, complete=False)
             self.state.counters.received(arriving.src_node, msg.payload.nbytes)
             key = (msg.job, msg.rank, msg.step)
@@ -103,26 +115,50 @@ class ServeService:
                 if done:
                     del self._acks[key]
             complete = done or arriving.complete  # held already
-            self.outbox.reply(ident, ChunkAck(job=msg.job, rank=msg.rank, step=msg.step, index=msg.index,
-                                              complete=complete, count=count))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                ChunkAck(
+                    job=msg.job, rank=msg.rank, step=msg.step, index=msg.index, complete=complete, count=count
+                ),
+            )
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
             key = (msg.job, msg.rank, msg.step)
-            again = self._arriving(msg)  # told twice of one stream: what arrived stays, and so does its ack count
+            again = self._arriving(
+                msg
+            )  # told twice of one stream: what arrived stays, and so does its ack count
             if not again:
                 self._end_push(key)  # a new stream of the step replaces the one arriving
-            snap = store.begin(msg.job, msg.rank, msg.step, src_node=msg.src_node, data_bytes=msg.data_bytes,
-                               chunk_bytes=msg.chunk_bytes, table=msg.table, meta=msg.meta, digest=msg.digest,
-                               stream=msg.stream)  # fmt: skip
+            snap = store.begin(
+                msg.job,
+                msg.rank,
+                msg.step,
+                src_node=msg.src_node,
+                data_bytes=msg.data_bytes,
+                chunk_bytes=msg.chunk_bytes,
+                table=msg.table,
+                meta=msg.meta,
+                digest=msg.digest,
+                stream=msg.stream,
+            )
             token = self._pushes.get(key, b"")
             if msg.upload and self.bulk is not None and not snap.complete and not token:
                 token = self._expect_push(ident, snap)
-            if msg.window >= 4 and not again and not token:  # acknowledge every quarter window: fewer messages
+            if (
+                msg.window >= 4 and not again and not token
+            ):  # acknowledge every quarter window: fewer messages
                 self._acks[key] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
-            self.outbox.reply(ident, StreamAccept(
-                job=msg.job, rank=msg.rank, step=msg.step, bases=tuple(store.steps(msg.job, msg.rank)[-8:]),
-                upload_port=self.bulk.port if token and self.bulk is not None else 0, upload_token=token,
-            ))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                StreamAccept(
+                    job=msg.job,
+                    rank=msg.rank,
+                    step=msg.step,
+                    bases=tuple(store.steps(msg.job, msg.rank)[-8:]),
+                    upload_port=self.bulk.port if token and self.bulk is not None else 0,
+                    upload_token=token,
+                ),
+            )
         elif isinstance(msg, StreamAbort):
             store.abort(msg.job, msg.rank, msg.step)
             self._acks.pop((msg.job, msg.rank, msg.step), None)
@@ -134,12 +170,24 @@ class ServeService:
             except CorruptCopy as exc:
                 self._corrupt(ident, msg.job, msg.rank, msg.step, held, exc)
                 return
-            self.outbox.reply(ident, StreamBegin(
-                job=msg.job, rank=msg.rank, step=msg.step, src_node=self.state.node, data_bytes=held.nbytes,
-                chunk_bytes=held.seal.block_bytes, digest=held.seal.digest, table=held.table, meta=held.meta,
-            ))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                StreamBegin(
+                    job=msg.job,
+                    rank=msg.rank,
+                    step=msg.step,
+                    src_node=self.state.node,
+                    data_bytes=held.nbytes,
+                    chunk_bytes=held.seal.block_bytes,
+                    digest=held.seal.digest,
+                    table=held.table,
+                    meta=held.meta,
+                ),
+            )
         elif isinstance(msg, PullRequest):
-            self.tasks.spawn(self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}")
+            self.tasks.spawn(
+                self._serve_pull(ident, msg), f"pull of {msg.job} rank {msg.rank} step {msg.step}"
+            )
         elif isinstance(msg, TicketRequest):
             self._ticket(ident, msg)
         else:
@@ -179,17 +227,25 @@ class ServeService:
             if done:
                 self._end_push(key)
                 self.state.counters.pushes_in += 1
-                self.outbox.reply(ident, ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index,
-                                                  complete=True))  # fmt: skip
+                self.outbox.reply(
+                    ident, ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index, complete=True)
+                )
 
         def failed(why: str) -> None:
             if self._pushes.get(key) != token:
                 return
             self._end_push(key)
             self.state.counters.errors += 1
-            log.warning("push of %s failed: %s", what, why, extra=fields(snap.job, snap.rank, snap.step, "push_failed"))
-            self.outbox.reply(ident, Error(job=snap.job, code=ErrorCode.BAD_CHUNK, message=why, rank=snap.rank,
-                                           step=snap.step))  # fmt: skip
+            log.warning(
+                "push of %s failed: %s",
+                what,
+                why,
+                extra=fields(snap.job, snap.rank, snap.step, "push_failed"),
+            )
+            self.outbox.reply(
+                ident,
+                Error(job=snap.job, code=ErrorCode.BAD_CHUNK, message=why, rank=snap.rank, step=snap.step),
+            )
 
         token = self.bulk.expect(Push(what, buffers, landed, failed))
         self._pushes[key] = token
@@ -214,7 +270,9 @@ class ServeService:
                 snap.exported = True
                 return snap.data.view(start, end)
 
-            return HeldCopy(snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap, lambda: store.discard(snap))
+            return HeldCopy(
+                snap.table, snap.meta, snap.data_bytes, snap.seal, read, snap, lambda: store.discard(snap)
+            )
         except UnknownSnapshot:
             lr = self.state.rank(job, rank)
             index = lr.find(step) if lr is not None else None
@@ -228,7 +286,9 @@ class ServeService:
                 if lr.slots[index] is s:
                     lr.invalidate(index)
 
-            return HeldCopy(s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop)
+            return HeldCopy(
+                s.table, s.meta, s.data_bytes, s.seal, lambda start, end: slot[start:end], s, drop
+            )
 
     @staticmethod
     def _what(job: str, rank: int, step: int) -> str:
@@ -236,18 +296,46 @@ class ServeService:
 
     def _ticket(self, ident: bytes, req: TicketRequest) -> None:
         if self.bulk is None:
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.UNEXPECTED, rank=req.rank, step=req.step,
-                                           message="this sidecar serves no bulk port"))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    code=ErrorCode.UNEXPECTED,
+                    rank=req.rank,
+                    step=req.step,
+                    message="this sidecar serves no bulk port",
+                ),
+            )
             return
         held = self._source(req.job, req.rank, req.step)
-        token = self.bulk.grant(held, self._what(req.job, req.rank, req.step),
-                                lambda exc: self._dropped(req.job, req.rank, req.step, held, exc))  # fmt: skip
+        token = self.bulk.grant(
+            held,
+            self._what(req.job, req.rank, req.step),
+            lambda exc: self._dropped(req.job, req.rank, req.step, held, exc),
+        )
         if token is None:
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.BUSY, rank=req.rank, step=req.step,
-                                           message="too many bulk tickets outstanding here"))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                Error(
+                    job=req.job,
+                    code=ErrorCode.BUSY,
+                    rank=req.rank,
+                    step=req.step,
+                    message="too many bulk tickets outstanding here",
+                ),
+            )
             return
-        self.outbox.reply(ident, Ticket(job=req.job, rank=req.rank, step=req.step, port=self.bulk.port,
-                                        expires_s=self.bulk.ticket_ttl, token=token))  # fmt: skip
+        self.outbox.reply(
+            ident,
+            Ticket(
+                job=req.job,
+                rank=req.rank,
+                step=req.step,
+                port=self.bulk.port,
+                expires_s=self.bulk.ticket_ttl,
+                token=token,
+            ),
+        )
 
     def _dropped(self, job: str, rank: int, step: int, held: HeldCopy, exc: CorruptCopy) -> None:
         """``held`` failed its check: drop it and count it."""
@@ -255,19 +343,27 @@ class ServeService:
         self.state.counters.corrupt += 1
         log.error("%s; the copy is dropped", exc, extra=fields(job, rank, step, "copy_corrupt"))
 
-    def _corrupt(self, ident: bytes, job: str, rank: int, step: int, held: HeldCopy, exc: CorruptCopy) -> None:
+    def _corrupt(
+        self, ident: bytes, job: str, rank: int, step: int, held: HeldCopy, exc: CorruptCopy
+    ) -> None:
         """``held`` failed its check: drop it, count it, and answer the request ``corrupt``."""
         self._dropped(job, rank, step, held, exc)
-        self.outbox.reply(ident, Error(job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped",
-                                       rank=rank, step=step))  # fmt: skip
+        self.outbox.reply(
+            ident,
+            Error(
+                job=job, code=ErrorCode.CORRUPT, message=f"{exc}; the copy is dropped", rank=rank, step=step
+            ),
+        )
 
     async def _serve_pull(self, ident: bytes, req: PullRequest) -> None:
         try:
             held = self._source(req.job, req.rank, req.step)
         except UnknownSnapshot as exc:  # never held, or dropped since the request came (D moved)
             self.state.counters.errors += 1
-            self.outbox.reply(ident, Error(job=req.job, code=ErrorCode.NOT_FOUND, message=str(exc), rank=req.rank,
-                                           step=req.step))  # fmt: skip
+            self.outbox.reply(
+                ident,
+                Error(job=req.job, code=ErrorCode.NOT_FOUND, message=str(exc), rank=req.rank, step=req.step),
+            )
             return
         what = self._what(req.job, req.rank, req.step)
         held.holder.pins += 1
@@ -280,10 +376,18 @@ class ServeService:
                 except CorruptCopy as exc:
                     self._corrupt(ident, req.job, req.rank, req.step, held, exc)
                     return
-                await self.outbox.put(ident, Chunk(
-                    job=req.job, rank=req.rank, step=req.step, index=index, raw_len=part.nbytes, checksum=checksum,
-                    payload=part,
-                ))  # fmt: skip
+                await self.outbox.put(
+                    ident,
+                    Chunk(
+                        job=req.job,
+                        rank=req.rank,
+                        step=req.step,
+                        index=index,
+                        raw_len=part.nbytes,
+                        checksum=checksum,
+                        payload=part,
+                    ),
+                )
                 self.state.counters.served(part.nbytes)
         except TransportError as exc:  # the puller stopped taking chunks: it asks another holder
             log.info("stopped serving a pull of %s: %s", what, exc)

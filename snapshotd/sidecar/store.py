@@ -91,13 +91,37 @@ class BuddyStore(Protocol):
     memory_limit: int
     """Bytes the copies may take."""
 
-    def begin(self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int,
-              table: bytes, meta: bytes, digest: int, stream: int = 0) -> StoredSnapshot: ...  # fmt: skip
+    def begin(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        src_node: str,
+        data_bytes: int,
+        chunk_bytes: int,
+        table: bytes,
+        meta: bytes,
+        digest: int,
+        stream: int = 0,
+    ) -> StoredSnapshot: ...
 
     def get(self, job: str, rank: int, step: int, *, complete: bool = True) -> StoredSnapshot: ...
 
-    def put_chunk(self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview,
-                  raw_len: int, checksum: int, base_step: int, elem: int) -> bool: ...  # fmt: skip
+    def put_chunk(
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        index: int,
+        *,
+        codec_name: str,
+        payload: memoryview,
+        raw_len: int,
+        checksum: int,
+        base_step: int,
+        elem: int,
+    ) -> bool: ...
 
     def prepare_push(self, job: str, rank: int, step: int) -> list[memoryview]: ...
 
@@ -106,7 +130,6 @@ class BuddyStore(Protocol):
     def mark_complete(self, job: str, rank: int, step: int, seal: Seal) -> None: ...
 
     def abort(self, job: str, rank: int, step: int) -> None: ...
-
 
     def discard(self, snap: StoredSnapshot) -> None: ...
 
@@ -129,8 +152,9 @@ class SnapshotStore:
             would not fit otherwise (its sender gave up on it by then).
     """
 
-    def __init__(self, memory_limit: int, on_change: Callable[[], None] = lambda: None,
-                 idle_after: float = 20.0) -> None:  # fmt: skip
+    def __init__(
+        self, memory_limit: int, on_change: Callable[[], None] = lambda: None, idle_after: float = 20.0
+    ) -> None:
         self.memory_limit = memory_limit
         self.idle_after = idle_after
         self.on_change = on_change
@@ -149,8 +173,18 @@ class SnapshotStore:
         return iter(list(self._snaps.values()))
 
     def begin(
-        self, job: str, rank: int, step: int, *, src_node: str, data_bytes: int, chunk_bytes: int, table: bytes,
-        meta: bytes, digest: int, stream: int = 0,
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        *,
+        src_node: str,
+        data_bytes: int,
+        chunk_bytes: int,
+        table: bytes,
+        meta: bytes,
+        digest: int,
+        stream: int = 0,
     ) -> StoredSnapshot:
         """Reserve memory for a snapshot about to arrive, whose blobs ``digest`` seals. A previous incomplete copy
         of the same key is replaced, unless it is this very ``stream`` (a nonzero number its sender drew) begun
@@ -163,7 +197,9 @@ class SnapshotStore:
         """
         seal = Seal(chunk_bytes, digest)
         if codec.blob_digest(table, meta) != digest:
-            raise ProtocolError(f"the tensor table and meta of job {job!r} rank {rank} step {step} fail their digest")
+            raise ProtocolError(
+                f"the tensor table and meta of job {job!r} rank {rank} step {step} fail their digest"
+            )
         key = (job, rank, step)
         old = self._snaps.get(key)
         if old is not None:
@@ -180,8 +216,19 @@ class SnapshotStore:
                 f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
             )
         data = SnapshotBuffer(data_bytes, chunk_bytes, self._take_spare)
-        snap = StoredSnapshot(job, rank, step, src_node, bytes(table), bytes(meta), data, seal,
-                              np.zeros(data.nchunks, dtype=bool), data.nchunks, stream=stream)  # fmt: skip
+        snap = StoredSnapshot(
+            job,
+            rank,
+            step,
+            src_node,
+            bytes(table),
+            bytes(meta),
+            data,
+            seal,
+            np.zeros(data.nchunks, dtype=bool),
+            data.nchunks,
+            stream=stream,
+        )
         self._snaps[key] = snap
         self.used_bytes += need
         self._spare_cap = max(self._spare_cap, 2 * data_bytes)
@@ -197,8 +244,18 @@ class SnapshotStore:
         return snap
 
     def put_chunk(
-        self, job: str, rank: int, step: int, index: int, *, codec_name: str, payload: memoryview, raw_len: int,
-        checksum: int, base_step: int, elem: int,
+        self,
+        job: str,
+        rank: int,
+        step: int,
+        index: int,
+        *,
+        codec_name: str,
+        payload: memoryview,
+        raw_len: int,
+        checksum: int,
+        base_step: int,
+        elem: int,
     ) -> bool:
         """Decode, verify and hold one chunk. Returns True when this chunk completed the snapshot.
 
@@ -220,7 +277,9 @@ class SnapshotStore:
         if raw_len != end - start:
             raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
         if codec_name == "raw":
-            chunk = codec.decompress_chunk("raw", payload, raw_len)  # checks the length; a view of the payload
+            chunk = codec.decompress_chunk(
+                "raw", payload, raw_len
+            )  # checks the length; a view of the payload
             codec.verify(chunk, checksum)
             snap.data.land(start, chunk)  # kept as it is when large enough (see SnapshotBuffer.land)
         else:
@@ -296,8 +355,14 @@ class SnapshotStore:
         (:meth:`begin` calls this when a new copy would not fit). Returns their keys."""
         idle = [k for k, s in self._snaps.items() if not s.complete and s.pins == 0 and s.touched < before]
         for key in idle:
-            log.warning("the stream of %s rank %d step %d brought nothing for %.0f s: its reservation goes to a "
-                        "new one", key[0], key[1], key[2], time.monotonic() - self._snaps[key].touched)  # fmt: skip
+            log.warning(
+                "the stream of %s rank %d step %d brought nothing for %.0f s: its reservation goes to a "
+                "new one",
+                key[0],
+                key[1],
+                key[2],
+                time.monotonic() - self._snaps[key].touched,
+            )
             self._remove(key)
         return idle
 
@@ -326,7 +391,11 @@ class SnapshotStore:
             return 0
         freed = 0
         for key, snap in list(self._snaps.items()):
-            if key[0] == job and snap.pins == 0 and (key[2] < durable or (key[2] in unusable and snap.complete)):
+            if (
+                key[0] == job
+                and snap.pins == 0
+                and (key[2] < durable or (key[2] in unusable and snap.complete))
+            ):
                 freed += self._remove(key)
         return freed
 
@@ -340,7 +409,9 @@ class SnapshotStore:
     def _complete(self, snap: StoredSnapshot) -> None:
         snap.complete = True
         self.on_change()
-        log.debug("snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes)
+        log.debug(
+            "snapshot %s rank %d step %d complete (%d B)", snap.job, snap.rank, snap.step, snap.data_bytes
+        )
 
     def _remove(self, key: Key) -> int:
         """Forget a snapshot. Its owned chunk buffers become spares (counted against the limit) up to the cap."""

@@ -46,8 +46,15 @@ class StreamService:
         notify: hands a rank its free slots (``notify(lr, note, failed_step)``).
     """
 
-    def __init__(self, state: NodeState, cfg: SidecarConfig, links: PeerLinks, pacer: Pacer, tasks: TaskTree,
-                 notify: RankNotify) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: NodeState,
+        cfg: SidecarConfig,
+        links: PeerLinks,
+        pacer: Pacer,
+        tasks: TaskTree,
+        notify: RankNotify,
+    ) -> None:
         self.state = state
         self.cfg = cfg
         self.links = links
@@ -66,14 +73,21 @@ class StreamService:
         """Stop the part of ``lr``'s stream in flight that goes to a sidecar no longer among its buddies."""
         for addr, task in lr.buddy_streams.items():
             if addr not in assigned and not task.done():
-                log.info("%s is no longer a buddy of %s rank %d: its stream stops", addr, lr.job, lr.rank,
-                         extra=fields(lr.job, lr.rank, event="buddy_removed"))  # fmt: skip
+                log.info(
+                    "%s is no longer a buddy of %s rank %d: its stream stops",
+                    addr,
+                    lr.job,
+                    lr.rank,
+                    extra=fields(lr.job, lr.rank, event="buddy_removed"),
+                )
                 task.cancel()
 
     def _fill(self, lr: LocalRank, seal: Seal, data: memoryview, step: int) -> None:
         """Take the checksum of every block of a slot that has none yet, in a worker thread: whether or not a buddy
         ever takes the slot, its seal is whole."""
-        self.tasks.spawn(asyncio.to_thread(seal.fill, data), f"checksums of {lr.job} rank {lr.rank} step {step}")
+        self.tasks.spawn(
+            asyncio.to_thread(seal.fill, data), f"checksums of {lr.job} rank {lr.rank} step {step}"
+        )
 
     async def _stream(self, lr: LocalRank, index: int) -> None:
         s = lr.slots[index]
@@ -87,7 +101,9 @@ class StreamService:
         seal = s.seal
         assert seal is not None  # every announced slot has one
         try:
-            if not self.cfg.pushes:  # the slot's checksums, taken now in a worker thread (the sends below take any
+            if (
+                not self.cfg.pushes
+            ):  # the slot's checksums, taken now in a worker thread (the sends below take any
                 self._fill(lr, seal, data, s.step)  # block's that is not in yet themselves, alike)
             # a rank that just registered gets its buddies with the next heartbeat reply
             buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
@@ -99,30 +115,66 @@ class StreamService:
 
             async def one(addr: str) -> None:
                 policy = self.policies.setdefault(addr, CodecPolicy(self.cfg.codec))
-                pushes = self.cfg.pushes and s.data_bytes >= PUSH_MIN_BYTES and policy.raw_stream(self.pacer.cap)
+                pushes = (
+                    self.cfg.pushes and s.data_bytes >= PUSH_MIN_BYTES and policy.raw_stream(self.pacer.cap)
+                )
                 lanes = self.cfg.push_connections if pushes else 0
                 try:
                     res = await send_snapshot(
-                        self.links.get(addr), job=lr.job, rank=lr.rank, step=s.step, src_node=self.state.node,
-                        data=data, table=s.table, meta=s.meta, seal=seal, window=self.cfg.window, pacer=self.pacer,
-                        policy=policy, base=base, elem=s.elem, lanes=lanes,
-                    )  # fmt: skip
+                        self.links.get(addr),
+                        job=lr.job,
+                        rank=lr.rank,
+                        step=s.step,
+                        src_node=self.state.node,
+                        data=data,
+                        table=s.table,
+                        meta=s.meta,
+                        seal=seal,
+                        window=self.cfg.window,
+                        pacer=self.pacer,
+                        policy=policy,
+                        base=base,
+                        elem=s.elem,
+                        lanes=lanes,
+                    )
                 except PeerError as exc:
-                    log.warning("stream of %s rank %d step %d to %s failed: %s", lr.job, lr.rank, s.step, addr, exc,
-                                extra=fields(lr.job, lr.rank, s.step, "stream_failed"))  # fmt: skip
+                    log.warning(
+                        "stream of %s rank %d step %d to %s failed: %s",
+                        lr.job,
+                        lr.rank,
+                        s.step,
+                        addr,
+                        exc,
+                        extra=fields(lr.job, lr.rank, s.step, "stream_failed"),
+                    )
                     errors.append(f"{addr}: {exc}"[:300])
                     return
                 except Exception as exc:  # a bug in this stream: this buddy failed, the others go on
                     self.state.counters.errors += 1
-                    log.exception("stream of %s rank %d step %d to %s failed", lr.job, lr.rank, s.step, addr,
-                                  extra=fields(lr.job, lr.rank, s.step, "stream_failed"))  # fmt: skip
+                    log.exception(
+                        "stream of %s rank %d step %d to %s failed",
+                        lr.job,
+                        lr.rank,
+                        s.step,
+                        addr,
+                        extra=fields(lr.job, lr.rank, s.step, "stream_failed"),
+                    )
                     errors.append(f"{addr}: {type(exc).__name__}: {exc}"[:300])
                     return
                 took.add(addr)
-                self.state.counters.streamed(addr, res.wire_bytes, -(-res.data_bytes // seal.block_bytes),
-                                             res.delta_chunks)  # fmt: skip
-                log.debug("step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s", s.step, lr.job,
-                          lr.rank, addr, res.data_bytes, res.wire_bytes, res.seconds)  # fmt: skip
+                self.state.counters.streamed(
+                    addr, res.wire_bytes, -(-res.data_bytes // seal.block_bytes), res.delta_chunks
+                )
+                log.debug(
+                    "step %d of %s rank %d -> %s: %d B (%d on the wire) in %.3f s",
+                    s.step,
+                    lr.job,
+                    lr.rank,
+                    addr,
+                    res.data_bytes,
+                    res.wire_bytes,
+                    res.seconds,
+                )
 
             async with asyncio.TaskGroup() as group:  # one task per buddy: a reassigned one is cut off alone
                 mine = lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
@@ -130,7 +182,9 @@ class StreamService:
             if len(errors) < len(buddies) - ok:
                 errors.append("a buddy was reassigned by the coordinator (it died)")
         finally:
-            if self.cfg.pushes:  # the lanes took each block's checksum as they sent it; any they did not reach now
+            if (
+                self.cfg.pushes
+            ):  # the lanes took each block's checksum as they sent it; any they did not reach now
                 self._fill(lr, seal, data, s.step)
             if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
                 lr.buddy_streams = {}
@@ -155,4 +209,3 @@ class StreamService:
                     self.notify(lr, note[:4000], s.step)
                 else:
                     self.notify(lr, "", -1)
-

@@ -43,8 +43,14 @@ from .placement import Lander, PlacementError
 from .push import Lanes, PushFailed
 
 __all__ = [
-    "CodecPolicy", "CorruptEverywhere", "PullFailed", "SendResult", "describe_snapshot", "pull_snapshot", "send_snapshot",
-]  # fmt: skip
+    "CodecPolicy",
+    "CorruptEverywhere",
+    "PullFailed",
+    "SendResult",
+    "describe_snapshot",
+    "pull_snapshot",
+    "send_snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -184,19 +190,40 @@ async def send_snapshot(
     delta_chunks = 0
     with link.subscribe(job, rank, step) as replies, pacer.streaming((job, rank)):
         try:
-            await link.send(StreamBegin(
-                job=job, rank=rank, step=step, src_node=src_node, data_bytes=nbytes, chunk_bytes=chunk_bytes,
-                window=window, digest=seal.digest, table=table, meta=meta, stream=random.getrandbits(62) | 1,
-                upload=lanes > 0,
-            ))  # fmt: skip
+            await link.send(
+                StreamBegin(
+                    job=job,
+                    rank=rank,
+                    step=step,
+                    src_node=src_node,
+                    data_bytes=nbytes,
+                    chunk_bytes=chunk_bytes,
+                    window=window,
+                    digest=seal.digest,
+                    table=table,
+                    meta=meta,
+                    stream=random.getrandbits(62) | 1,
+                    upload=lanes > 0,
+                )
+            )
             accept = await link.receive(replies, StreamAccept)
             assert isinstance(accept, StreamAccept)
             base_ok = base is not None and base[0] in accept.bases and base[1].nbytes >= nbytes
             inflight = sent = 0
             complete = nchunks == 0
             if accept.upload_port and not complete:
-                wire = await _push(link, replies, accept, lanes, data=data, seal=seal, pacer=pacer, policy=policy,
-                                   base=base if base_ok else None, elem=elem)  # fmt: skip
+                wire = await _push(
+                    link,
+                    replies,
+                    accept,
+                    lanes,
+                    data=data,
+                    seal=seal,
+                    pacer=pacer,
+                    policy=policy,
+                    base=base if base_ok else None,
+                    elem=elem,
+                )
                 complete = True
             acks_seen: set[int] = set()  # the last chunk of each ack taken (a duplicated ack is skipped)
             while not complete:
@@ -223,10 +250,20 @@ async def send_snapshot(
                         policy.record_delta(hi - lo, len(sample), secs)
                     size = len(payload)  # type: ignore[arg-type]
                     await pacer.take(size)
-                    await link.send(Chunk(
-                        job=job, rank=rank, step=step, index=sent, codec=name, raw_len=view.nbytes,
-                        checksum=seal.block_sum(sent, view), base_step=base_step, elem=elem, payload=payload,  # type: ignore[arg-type]
-                    ))  # fmt: skip
+                    await link.send(
+                        Chunk(
+                            job=job,
+                            rank=rank,
+                            step=step,
+                            index=sent,
+                            codec=name,
+                            raw_len=view.nbytes,
+                            checksum=seal.block_sum(sent, view),
+                            base_step=base_step,
+                            elem=elem,
+                            payload=payload,  # type: ignore[arg-type]
+                        )
+                    )
                     wire += size
                     sent += 1
                     inflight += 1
@@ -239,7 +276,9 @@ async def send_snapshot(
                 complete = ack.complete
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
-            link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))  # best effort: it may be gone
+            link.send_nowait(
+                StreamAbort(job=job, rank=rank, step=step, reason=reason)
+            )  # best effort: it may be gone
             raise
     seconds = time.perf_counter() - t0
     if math.isinf(pacer.rate):  # a paced stream's throughput is the pacer's choice, not the link's
@@ -248,8 +287,19 @@ async def send_snapshot(
     return SendResult(nbytes, wire, seconds, delta_chunks)
 
 
-async def _push(link: PeerLink, replies: asyncio.Queue[Any], accept: StreamAccept, lanes: int, *, data: memoryview,
-                seal: Seal, pacer: Pacer, policy: CodecPolicy, base: tuple[int, memoryview] | None, elem: int) -> int:  # fmt: skip
+async def _push(
+    link: PeerLink,
+    replies: asyncio.Queue[Any],
+    accept: StreamAccept,
+    lanes: int,
+    *,
+    data: memoryview,
+    seal: Seal,
+    pacer: Pacer,
+    policy: CodecPolicy,
+    base: tuple[int, memoryview] | None,
+    elem: int,
+) -> int:
     """Push every chunk of ``data`` over the buddy's bulk port (the accept's port and token) and wait until the
     buddy holds the snapshot complete; the bytes sent. Chunks go raw; in ``auto`` mode some still probe the
     codec (a sample compressed and timed, see :class:`CodecPolicy`).
@@ -261,8 +311,15 @@ async def _push(link: PeerLink, replies: asyncio.Queue[Any], accept: StreamAccep
     if host is None:
         raise PeerError(f"{link.addr} names no host for its bulk port")
     nchunks = -(-data.nbytes // seal.block_bytes)
-    pushing = Lanes(host, accept.upload_port, accept.upload_token, count=max(1, min(lanes, nchunks)), seal=seal,
-                    data=data, timeout=link.timeout)  # fmt: skip
+    pushing = Lanes(
+        host,
+        accept.upload_port,
+        accept.upload_token,
+        count=max(1, min(lanes, nchunks)),
+        seal=seal,
+        data=data,
+        timeout=link.timeout,
+    )
     wire = 0
     try:
         for index in range(nchunks):
@@ -364,7 +421,9 @@ async def pull_snapshot(
                 todo = pending.popleft()
                 missing = set(todo)
                 try:
-                    await link.send(PullRequest(job=job, rank=rank, step=step, first=todo.start, count=len(todo)))
+                    await link.send(
+                        PullRequest(job=job, rank=rank, step=step, first=todo.start, count=len(todo))
+                    )
                     while missing:
                         msg = await link.receive(replies, Chunk)
                         assert isinstance(msg, Chunk)
@@ -389,7 +448,9 @@ async def pull_snapshot(
                 except PlacementError:
                     raise
                 except Exception as exc:
-                    if isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT:  # it dropped its own copy
+                    if (
+                        isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT
+                    ):  # it dropped its own copy
                         for i in missing:
                             corrupt_from.setdefault(i, []).append(link.addr)
                     pending.extend(range(i, i + 1) for i in sorted(missing))

@@ -14,9 +14,19 @@ from .base import Frames, Network, Pipe, Role, Security, ThreadPipe, TransportEr
 from .memory import MemoryNetwork
 
 __all__ = [
-    "MEMORY", "Frames", "Network", "Pipe", "Role", "Security", "ThreadPipe", "TransportError", "connect_blocking",
-    "connect_rank", "is_memory", "open_network",
-]  # fmt: skip
+    "MEMORY",
+    "Frames",
+    "Network",
+    "Pipe",
+    "Role",
+    "Security",
+    "ThreadPipe",
+    "TransportError",
+    "connect_blocking",
+    "connect_rank",
+    "is_memory",
+    "open_network",
+]
 
 MEMORY = MemoryNetwork()
 """This process's in-memory network (``mem://`` addresses)."""
@@ -26,7 +36,9 @@ def is_memory(address: str) -> bool:
     return address.startswith("mem://")
 
 
-def open_network(address: str, security: Security, is_member: Callable[[str], Awaitable[bool]] | None = None) -> Network:
+def open_network(
+    address: str, security: Security, is_member: Callable[[str], Awaitable[bool]] | None = None
+) -> Network:
     """The network for a daemon whose addresses are like ``address`` (call from its running event loop).
 
     Args:

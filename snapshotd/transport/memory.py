@@ -172,7 +172,9 @@ class MemoryPipe(Pipe, ThreadPipe):
         self.address = address
         self.identity = identity
         self._inbox = _Mailbox()
-        self._held: collections.deque[Frames] = collections.deque()  # a client's messages waiting for its server
+        self._held: collections.deque[Frames] = (
+            collections.deque()
+        )  # a client's messages waiting for its server
 
     # -- delivery
 
@@ -182,7 +184,9 @@ class MemoryPipe(Pipe, ThreadPipe):
         if self.identity is None:  # a server: [identity, *frames] to that client
             client = self.network._client(bytes(frames[0])) if frames else None
             if client is None:
-                raise TransportError(f"{self.address}: no peer {bytes(frames[0])!r}" if frames else "empty message")
+                raise TransportError(
+                    f"{self.address}: no peer {bytes(frames[0])!r}" if frames else "empty message"
+                )
             reply = _copy(frames[1:]) if tamper is None else tamper(self.address, False, _copy(frames[1:]))
             return (client._inbox, reply) if reply is not None else (None, [])
         server = self.network._server(self.address)

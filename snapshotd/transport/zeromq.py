@@ -46,10 +46,18 @@ kernel drops connection attempts, which then wait for TCP's retransmission."""
 class ZmqPipe(Pipe):
     """A ZeroMQ socket as a pipe (a ROUTER for a server, a DEALER for a client)."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, address: str, *, server: bool,
-                 handshakes: HandshakeWatch | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: zmq.asyncio.Socket,
+        address: str,
+        *,
+        server: bool,
+        handshakes: HandshakeWatch | None = None,
+    ) -> None:
         self.sock = sock
-        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # the same socket, for non-blocking I/O
+        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(
+            sock.underlying
+        )  # the same socket, for non-blocking I/O
         self.address = address
         self.server = server
         self.handshakes = handshakes
@@ -158,7 +166,9 @@ class ZmqNetwork(Network):
             if role is Role.DATA:
                 if self._members:
                     sock.zap_domain = DATA_DOMAIN
-                    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP handler answering: refuse, never admit
+                    sock.setsockopt(
+                        zmq.ZAP_ENFORCE_DOMAIN, 1
+                    )  # no ZAP handler answering: refuse, never admit
                 else:
                     secure_server(sock, self.security.secret)
             if role is Role.IPC:

@@ -14,8 +14,24 @@ import torch
 from snapshotd.bench import codec, workloads
 from snapshotd.bench.report import Report, emit
 
-TINY = ["--chunk", "1MiB", "--params", "30000", "--steps", "3", "--batch", "2", "--seq-len", "16",
-        "--vocab", "256", "--random-bytes", "256KiB", "--repeat", "1"]  # fmt: skip
+TINY = [
+    "--chunk",
+    "1MiB",
+    "--params",
+    "30000",
+    "--steps",
+    "3",
+    "--batch",
+    "2",
+    "--seq-len",
+    "16",
+    "--vocab",
+    "256",
+    "--random-bytes",
+    "256KiB",
+    "--repeat",
+    "1",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,7 +70,9 @@ def test_summary_keys_and_sanity(report: Report) -> None:
     assert s["best_breakeven_Gbit"] == max(r["breakeven_Gbit"] for r in report.results)
     fp32 = [r for r in report.results if r["codec"] == "delta-lz4" and r["data"].endswith("-fp32")]
     raw = sum(r["raw_bytes"] for r in fp32)
-    assert s["delta_speedup_bound_fp32"] == pytest.approx(raw / sum(r["raw_bytes"] * r["entropy_ratio"] for r in fp32))
+    assert s["delta_speedup_bound_fp32"] == pytest.approx(
+        raw / sum(r["raw_bytes"] * r["entropy_ratio"] for r in fp32)
+    )
     assert s["delta_speedup_fp32"] == pytest.approx(raw / sum(r["raw_bytes"] * r["ratio"] for r in fp32))
 
 

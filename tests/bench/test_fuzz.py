@@ -32,10 +32,25 @@ def test_the_mutator_draws_every_kind_of_message_and_the_same_from_the_same_seed
 
 
 @pytest.mark.timeout(300)
-def test_live_fuzz_of_every_socket_leaves_every_daemon_serving(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_live_fuzz_of_every_socket_leaves_every_daemon_serving(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
     json_path = tmp_path / "fuzz.json"
-    status = main(["fuzz", "--messages", "8000", "--seed", "11", "--answer-timeout", "5", "--json", str(json_path), "--workdir",
-                   str(tmp_path / "work")])  # fmt: skip
+    status = main(
+        [
+            "fuzz",
+            "--messages",
+            "8000",
+            "--seed",
+            "11",
+            "--answer-timeout",
+            "5",
+            "--json",
+            str(json_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     assert "seed 11" in out and "restore_bit_identical: True" in out, out

@@ -23,8 +23,13 @@ def _write(path: Path, doc: dict) -> str:
 
 @pytest.fixture
 def recovery_json(tmp_path: Path) -> str:
-    summary = {"state_bytes": 2 * GB, "detection_seconds": 2.0, "restore_seconds": 4.0, "restore_GBps": 0.5,
-               "torch_load_seconds": 20.0}  # fmt: skip
+    summary = {
+        "state_bytes": 2 * GB,
+        "detection_seconds": 2.0,
+        "restore_seconds": 4.0,
+        "restore_GBps": 0.5,
+        "torch_load_seconds": 20.0,
+    }
     return _write(tmp_path / "recovery.json", {"bench": "recovery", "summary": summary, "results": []})
 
 
@@ -34,7 +39,12 @@ def overhead_json(tmp_path: Path) -> str:
         {"variant": "none", "interval": None, "step_median_ms": 100.0, "step_ms": [100.0, 100.0]},
         {"variant": "snapshotd", "interval": 1, "step_median_ms": 102.0, "step_ms": [102.0, 102.0]},
         {"variant": "torch_save", "interval": 2, "step_median_ms": 100.0, "step_ms": [100.0, 300.0]},
-        {"variant": "torch_save", "interval": 4, "step_median_ms": 100.0, "step_ms": [100.0, 100.0, 100.0, 500.0]},
+        {
+            "variant": "torch_save",
+            "interval": 4,
+            "step_median_ms": 100.0,
+            "step_ms": [100.0, 100.0, 100.0, 500.0],
+        },
     ]
     summary = {"state_bytes_per_rank": 1 * GB, "step_ratio": 1.02, "torch_save_ratio": 1.0}
     return _write(tmp_path / "overhead.json", {"bench": "overhead", "summary": summary, "results": rows})
@@ -44,7 +54,9 @@ def test_inputs_come_from_the_files_and_say_so(recovery_json: str, overhead_json
     values, sources = load_inputs(overhead_json, recovery_json)
     assert values["restore_seconds"] == 4.0 and sources["restore_seconds"] == recovery_json
     assert values["state_bytes"] == 2 * GB
-    assert values["snapshotd_overhead"] == pytest.approx(0.02) and sources["snapshotd_overhead"] == overhead_json
+    assert (
+        values["snapshotd_overhead"] == pytest.approx(0.02) and sources["snapshotd_overhead"] == overhead_json
+    )
     # smallest interval (2): mean 200 ms - 100 ms = 0.1 s per step, x 2 steps = 0.2 s per 1 GB checkpoint
     assert values["torch_save_Bps"] == pytest.approx(GB / 0.2)
     assert "dcp_async_Bps" not in values  # that overhead run had no dcp_async rows: no such strategy here
@@ -54,12 +66,21 @@ def test_inputs_come_from_the_files_and_say_so(recovery_json: str, overhead_json
 def test_a_cost_is_the_larger_of_step_time_increase_and_blocked_time(tmp_path: Path) -> None:
     rows = [
         {"variant": "none", "step_median_ms": 100.0, "step_ms": [100.0, 110.0]},  # mean 105
-        {"variant": "snapshotd", "interval": 1, "step_ms": [100.0, 104.0], "blocked_mean_ms": 10.5},  # faster: noise
+        {
+            "variant": "snapshotd",
+            "interval": 1,
+            "step_ms": [100.0, 104.0],
+            "blocked_mean_ms": 10.5,
+        },  # faster: noise
         {"variant": "dcp_async", "interval": 1, "step_ms": [130.0, 130.0], "blocked_mean_ms": 5.0},
     ]
-    path = _write(tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows})
+    path = _write(
+        tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows}
+    )
     values, _ = load_inputs(path, None)
-    assert values["snapshotd_overhead"] == pytest.approx(10.5 / 105)  # blocked time, as the step got no slower
+    assert values["snapshotd_overhead"] == pytest.approx(
+        10.5 / 105
+    )  # blocked time, as the step got no slower
     assert values["dcp_async_Bps"] == pytest.approx(GB / 0.025)  # 25 ms slower steps > 5 ms blocked
     assert "torch_save_Bps" not in values
 
@@ -72,8 +93,13 @@ def test_inputs_default_without_files_and_reject_other_benchmarks(tmp_path: Path
 
 
 def test_a_report_without_checkpoints_is_a_clear_error(tmp_path: Path, recovery_json: str) -> None:
-    rows = [{"variant": "none", "step_ms": [100.0]}, {"variant": "snapshotd", "interval": 1, "step_ms": [101.0]}]
-    path = _write(tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows})
+    rows = [
+        {"variant": "none", "step_ms": [100.0]},
+        {"variant": "snapshotd", "interval": 1, "step_ms": [101.0]},
+    ]
+    path = _write(
+        tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows}
+    )
     with pytest.raises(ValueError, match="nothing to compare snapshotd with"):
         cli.main(["goodput", "--overhead-json", path, "--recovery-json", recovery_json, "--trials", "2"])
 
@@ -103,19 +129,42 @@ def test_one_failure_costs_recovery_plus_lost_work() -> None:
 def test_simulation_mean_agrees_with_the_closed_form() -> None:
     rng = np.random.default_rng(1)
     mtbf, horizon = 3600.0, 200 * 3600.0
-    strategies = [Strategy("s", recovery=60.0, overhead=0.02, step=1.0),
-                  Strategy("c", recovery=120.0, interval=1800.0, cost=30.0)]  # fmt: skip
-    sims = np.array([[simulate(s, np.cumsum(rng.exponential(mtbf, 600)), horizon) for s in strategies]
-                     for _ in range(20)])  # fmt: skip
+    strategies = [
+        Strategy("s", recovery=60.0, overhead=0.02, step=1.0),
+        Strategy("c", recovery=120.0, interval=1800.0, cost=30.0),
+    ]
+    sims = np.array(
+        [[simulate(s, np.cumsum(rng.exponential(mtbf, 600)), horizon) for s in strategies] for _ in range(20)]
+    )
     for s, mean in zip(strategies, sims.mean(axis=0), strict=True):
         assert mean == pytest.approx(expected_ettr(s, mtbf), abs=0.005)
 
 
 def test_goodput_bench_end_to_end(tmp_path: Path, recovery_json: str, overhead_json: str, capsys) -> None:
     out, png = tmp_path / "goodput.json", tmp_path / "goodput.png"
-    code = cli.main(["goodput", "--mtbf", "3h", "--hours", "72", "--ranks", "1024", "--trials", "50",
-                     "--intervals", "30min,1h", "--overhead-json", overhead_json, "--recovery-json", recovery_json,
-                     "--json", str(out), "--plot", str(png)])  # fmt: skip
+    code = cli.main(
+        [
+            "goodput",
+            "--mtbf",
+            "3h",
+            "--hours",
+            "72",
+            "--ranks",
+            "1024",
+            "--trials",
+            "50",
+            "--intervals",
+            "30min,1h",
+            "--overhead-json",
+            overhead_json,
+            "--recovery-json",
+            recovery_json,
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "128 nodes, job MTBF 3 h (= 384 h per node)" in printed and f"from {recovery_json}" in printed
@@ -123,7 +172,11 @@ def test_goodput_bench_end_to_end(tmp_path: Path, recovery_json: str, overhead_j
     rows = {r["strategy"]: r for r in doc["results"]}
     names = list(rows)
     assert names[0] == "snapshotd"
-    assert names[1:] == ["torch_save every 93 s (Young)", "torch_save every 30 min", "torch_save every 60 min"]
+    assert names[1:] == [
+        "torch_save every 93 s (Young)",
+        "torch_save every 30 min",
+        "torch_save every 60 min",
+    ]
     young = rows["torch_save every 93 s (Young)"]  # checkpoint cost c = 2 GB / 5 GB/s = 0.4 s
     assert young["interval_seconds"] == pytest.approx(math.sqrt(2 * 0.4 * 3 * 3600))
     s = doc["summary"]
@@ -142,10 +195,27 @@ def test_goodput_bench_end_to_end(tmp_path: Path, recovery_json: str, overhead_j
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 
-def test_storage_rate_slows_every_checkpoint_reload(recovery_json: str, overhead_json: str, tmp_path: Path) -> None:
+def test_storage_rate_slows_every_checkpoint_reload(
+    recovery_json: str, overhead_json: str, tmp_path: Path
+) -> None:
     out = tmp_path / "g.json"
-    argv = ["goodput", "--trials", "2", "--intervals", "1h", "--overhead-json", overhead_json, "--recovery-json",
-            recovery_json, "--storage-rate", "100GB/s", "--ranks", "1024", "--json", str(out)]  # fmt: skip
+    argv = [
+        "goodput",
+        "--trials",
+        "2",
+        "--intervals",
+        "1h",
+        "--overhead-json",
+        overhead_json,
+        "--recovery-json",
+        recovery_json,
+        "--storage-rate",
+        "100GB/s",
+        "--ranks",
+        "1024",
+        "--json",
+        str(out),
+    ]
     assert cli.main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     # 1024 ranks x 2 GB / 100 GB/s = 20.48 s > 20 s of local torch.load

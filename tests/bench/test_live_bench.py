@@ -15,9 +15,25 @@ pytestmark = pytest.mark.integration
 @pytest.mark.timeout(400)
 def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, capsys) -> None:
     json_path = tmp_path / "live.json"
-    status = cli.main(["live", "--ranks-per-node", "1", "--modes", "restart,live", "--steps", "10",
-                       "--kill-after", "3", "--step-delay", "0.05", "--json", str(json_path),
-                       "--workdir", str(tmp_path / "work")])  # fmt: skip
+    status = cli.main(
+        [
+            "live",
+            "--ranks-per-node",
+            "1",
+            "--modes",
+            "restart,live",
+            "--steps",
+            "10",
+            "--kill-after",
+            "3",
+            "--step-delay",
+            "0.05",
+            "--json",
+            str(json_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     doc = json.loads(json_path.read_text())
@@ -26,8 +42,12 @@ def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, ca
     assert rows["live"]["survivors_kept"] == 1 and rows["restart"]["survivors_kept"] == 0
     for row in rows.values():
         assert row["epochs"] == 1 and row["step_restored"] >= 3 - 1
-        phases = [row[k] for k in ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds")]
-        assert all(p >= 0 for p in phases) and 0 < row["detection_seconds"] < 5, row  # gloo sees the loss at once
+        phases = [
+            row[k] for k in ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds")
+        ]
+        assert all(p >= 0 for p in phases) and 0 < row["detection_seconds"] < 5, (
+            row
+        )  # gloo sees the loss at once
     assert rows["live"]["survivor_work_seconds"] > 0
     assert 0 < rows["live"]["survivor_cpu_seconds"] < 60  # the survivor's own CPU time in recover()
     s = doc["summary"]

@@ -37,9 +37,17 @@ SUMMARY_KEYS = {
     "checksum_ms",
     "copy_Bps",
 }
-SCENARIO_KEYS = ("step_ratio", "mean_ratio", "skipped", "cpu_ms_per_snapshot", "cpu_vs_minimum",
-                 "rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot",
-                 "staging_Bps")  # fmt: skip
+SCENARIO_KEYS = (
+    "step_ratio",
+    "mean_ratio",
+    "skipped",
+    "cpu_ms_per_snapshot",
+    "cpu_vs_minimum",
+    "rank_cpu_ms_per_snapshot",
+    "sidecar_user_ms_per_snapshot",
+    "sidecar_system_ms_per_snapshot",
+    "staging_Bps",
+)
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -51,8 +59,26 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     workdir = tmp_path_factory.mktemp("overhead")
-    args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--scenario", "headroom", "--workdir", str(workdir), "--timeout", "90")  # fmt: skip
+    args = _args(
+        "--params",
+        str(TINY_PARAMS),
+        "--steps",
+        "5",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--ranks",
+        "2",
+        "--batch",
+        "1",
+        "--scenario",
+        "headroom",
+        "--workdir",
+        str(workdir),
+        "--timeout",
+        "90",
+    )
     return overhead.run(args)
 
 
@@ -67,8 +93,12 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     # where the time goes: its parts add up, and each is measured
     summary = report.summary
     parts = ("rank_cpu_ms_per_snapshot", "sidecar_user_ms_per_snapshot", "sidecar_system_ms_per_snapshot")
-    assert sum(summary[f"headroom_{part}"] for part in parts) == pytest.approx(summary["headroom_cpu_ms_per_snapshot"])
-    assert all(summary[f"headroom_{part}"] >= 0 for part in parts)  # /proc counts in clock ticks: a part may read 0
+    assert sum(summary[f"headroom_{part}"] for part in parts) == pytest.approx(
+        summary["headroom_cpu_ms_per_snapshot"]
+    )
+    assert all(
+        summary[f"headroom_{part}"] >= 0 for part in parts
+    )  # /proc counts in clock ticks: a part may read 0
     assert summary["minimum_copy_ms"] + summary["minimum_wire_ms"] == pytest.approx(summary["minimum_cpu_ms"])
     assert summary["checksum_ms"] > 0 and summary["copy_Bps"] > 0 and summary["headroom_staging_Bps"] > 0
     cfg = config_for_params(TINY_PARAMS)
@@ -86,7 +116,9 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
 
 
 def test_one_row_per_variant_with_consistent_figures(report: Report) -> None:
-    assert [(r["scenario"], r["variant"]) for r in report.results] == [("headroom", v) for v in overhead.VARIANTS]
+    assert [(r["scenario"], r["variant"]) for r in report.results] == [
+        ("headroom", v) for v in overhead.VARIANTS
+    ]
     rows = {r["variant"]: r for r in report.results}
     assert rows["snapshotd"]["mean_ratio"] == report.summary["headroom_mean_ratio"]
     assert rows["none"]["step_ratio"] == 1.0
@@ -147,17 +179,40 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
 
 
 def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
-    args = _args("--params", str(TINY_PARAMS), "--steps", "5", "--warmup", "1", "--rounds", "1", "--ranks", "2",
-                 "--batch", "1", "--variants", "none,snapshotd", "--every", "auto", "--workdir", str(tmp_path),
-                 "--timeout", "90")  # fmt: skip
+    args = _args(
+        "--params",
+        str(TINY_PARAMS),
+        "--steps",
+        "5",
+        "--warmup",
+        "1",
+        "--rounds",
+        "1",
+        "--ranks",
+        "2",
+        "--batch",
+        "1",
+        "--variants",
+        "none,snapshotd",
+        "--every",
+        "auto",
+        "--workdir",
+        str(tmp_path),
+        "--timeout",
+        "90",
+    )
     assert args.every == "auto" and args.scenario == "both"
     report = overhead.run(args)
     # both scenarios in one run, each with its rows and keys; the headline keys are headroom's
     assert [(r["scenario"], r["variant"]) for r in report.results] == [
         (s, v) for s in overhead.SCENARIOS for v in ("none", "snapshotd")
     ]
-    assert set(report.summary) == SUMMARY_KEYS | {f"{s}_{k}" for s in overhead.SCENARIOS for k in SCENARIO_KEYS}
-    saturated = next(r for r in report.results if r["scenario"] == "saturated" and r["variant"] == "snapshotd")
+    assert set(report.summary) == SUMMARY_KEYS | {
+        f"{s}_{k}" for s in overhead.SCENARIOS for k in SCENARIO_KEYS
+    }
+    saturated = next(
+        r for r in report.results if r["scenario"] == "saturated" and r["variant"] == "snapshotd"
+    )
     assert saturated["step_ratio"] == report.summary["saturated_step_ratio"]
     assert report.config["scenarios"]["saturated"]["ranks"] == 2
     (row,) = [r for r in report.results if r["variant"] == "snapshotd" and r["scenario"] == "headroom"]
@@ -210,16 +265,35 @@ def _alive(pid: int) -> bool:
 
 
 def test_sigterm_stops_the_benchmark_and_every_process_it_started(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "snapshotd.bench.cli", "overhead", "--params", "200000", "--steps", "200",
-            "--rounds", "1", "--variants", "none,snapshotd", "--scenario", "saturated",
-            "--workdir", str(tmp_path / "work")]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "snapshotd.bench.cli",
+        "overhead",
+        "--params",
+        "200000",
+        "--steps",
+        "200",
+        "--rounds",
+        "1",
+        "--variants",
+        "none,snapshotd",
+        "--scenario",
+        "saturated",
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
     bench = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
         started: set[int] = set()
         while len(started) < 5:  # a coordinator, two sidecars and two ranks
-            assert bench.poll() is None and time.monotonic() < deadline, "the benchmark's processes never started"
-            time.sleep(0.002)  # SIGTERM then often lands while the last rank starts, which once left it running
+            assert bench.poll() is None and time.monotonic() < deadline, (
+                "the benchmark's processes never started"
+            )
+            time.sleep(
+                0.002
+            )  # SIGTERM then often lands while the last rank starts, which once left it running
             started = {p for p in _descendants(bench.pid) if "python" in _exe(p)}
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=60)
@@ -236,10 +310,24 @@ def test_sigterm_stops_the_benchmark_and_every_process_it_started(tmp_path: Path
 
 
 def test_the_node_scenario_reports_the_rate_the_node_sustains_and_its_cpu_per_gb(tmp_path: Path) -> None:
-    args = _args("--params", "100000", "--steps", "4", "--ranks", "2", "--scenario", "node", "--workdir",
-                 str(tmp_path), "--timeout", "90")  # fmt: skip
+    args = _args(
+        "--params",
+        "100000",
+        "--steps",
+        "4",
+        "--ranks",
+        "2",
+        "--scenario",
+        "node",
+        "--workdir",
+        str(tmp_path),
+        "--timeout",
+        "90",
+    )
     summary = overhead.run(args).summary
     assert summary["node_ranks"] == 2 and summary["node_state_bytes_per_rank"] == 1_200_000
     assert summary["node_durable_Bps"] > 0 and summary["node_raw_socket_Bps"] > 0
-    assert summary["node_ratio"] == pytest.approx(summary["node_durable_Bps"] / summary["node_raw_socket_Bps"])
+    assert summary["node_ratio"] == pytest.approx(
+        summary["node_durable_Bps"] / summary["node_raw_socket_Bps"]
+    )
     assert summary["node_sidecar_user_ms_per_GB"] >= 0 and summary["node_sidecar_system_ms_per_GB"] > 0

@@ -11,9 +11,20 @@ from snapshotd.bench import cli
 from snapshotd.bench.recovery import make_state, state_digest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SUMMARY_KEYS = {"state_bytes", "detection_seconds", "restore_seconds", "restore_GBps", "torch_load_seconds",
-                "raw_socket_GBps", "restore_vs_raw", "pull_vs_raw", "raw_state_GBps", "restore_vs_raw_state",
-                "restore_cpu_seconds", "restore_busy_cores"}
+SUMMARY_KEYS = {
+    "state_bytes",
+    "detection_seconds",
+    "restore_seconds",
+    "restore_GBps",
+    "torch_load_seconds",
+    "raw_socket_GBps",
+    "restore_vs_raw",
+    "pull_vs_raw",
+    "raw_state_GBps",
+    "restore_vs_raw_state",
+    "restore_cpu_seconds",
+    "restore_busy_cores",
+}
 
 
 def test_make_state_is_deterministic_and_sized() -> None:
@@ -35,9 +46,29 @@ def test_make_state_rejects_bad_sizes(size: int, parts: int) -> None:
 @pytest.mark.integration
 def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> None:
     out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
-    code = cli.main(["recovery", "--size", "8MiB", "--tensors", "2", "--interval", "10,100", "--step-seconds", "0.5",
-                     "--restart-seconds", "2", "--repeat", "2", "--timeout", "60", "--json", str(out),
-                     "--plot", str(png)])  # fmt: skip
+    code = cli.main(
+        [
+            "recovery",
+            "--size",
+            "8MiB",
+            "--tensors",
+            "2",
+            "--interval",
+            "10,100",
+            "--step-seconds",
+            "0.5",
+            "--restart-seconds",
+            "2",
+            "--repeat",
+            "2",
+            "--timeout",
+            "60",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr()
     assert "== snapshotd-bench recovery ==" in printed.out
@@ -57,12 +88,16 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
     assert s["pull_vs_raw"] >= s["restore_vs_raw"]  # the pull is the restore's share
     assert s["restore_vs_raw_state"] == pytest.approx(s["restore_GBps"] / s["raw_state_GBps"])
     parts = [s[f"restore_cpu_{p}_seconds"] for p in ("rank", "sidecar", "holders")]
-    assert min(parts) >= 0 and s["restore_cpu_seconds"] > 0  # in clock ticks: a tiny pull may take less than one
+    assert (
+        min(parts) >= 0 and s["restore_cpu_seconds"] > 0
+    )  # in clock ticks: a tiny pull may take less than one
     assert s["restore_cpu_seconds"] == pytest.approx(sum(parts))
     assert s["restore_busy_cores"] == pytest.approx(s["restore_cpu_seconds"] / s["restore_seconds"])
     rows = {r["path"]: r for r in doc["results"]}
     assert rows["raw TCP socket, loopback"]["rate_Bps"] == pytest.approx(s["raw_socket_GBps"] * 1e9)
-    assert rows["raw TCP socket, loopback, state to state"]["rate_Bps"] == pytest.approx(s["raw_state_GBps"] * 1e9)
+    assert rows["raw TCP socket, loopback, state to state"]["rate_Bps"] == pytest.approx(
+        s["raw_state_GBps"] * 1e9
+    )
     restore = rows["snapshotd restore (pull)"]
     assert restore["note"].startswith("8.00 MiB pulled from 2 live holders")
     assert "median of 2 (" in restore["note"] and doc["config"]["repeat"] == 2  # two replacement nodes pulled

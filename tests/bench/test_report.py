@@ -94,8 +94,13 @@ def test_emit_writes_default_png(tmp_path, results) -> None:
 
 def test_emit_calls_plot_fn(tmp_path) -> None:
     seen = []
-    emit(_report(), json_path=None, plot_path=str(tmp_path / "p.png"), plot_fn=lambda r, p: seen.append((r.bench, p)),
-         out=io.StringIO())  # fmt: skip
+    emit(
+        _report(),
+        json_path=None,
+        plot_path=str(tmp_path / "p.png"),
+        plot_fn=lambda r, p: seen.append((r.bench, p)),
+        out=io.StringIO(),
+    )
     assert seen == [("demo", str(tmp_path / "p.png"))]
 
 
@@ -107,7 +112,9 @@ def test_the_table_is_plain_text_with_a_dashed_rule_under_the_header() -> None:
         "   1.00 MiB   1.50 GB/s   250.0 ms   3.0 ms   raw",
         "   4.00 MiB   2.50 GB/s   500.0 ms   1.5 ms   lz4",
     ]
-    assert all(ln == ln.rstrip() and "\x1b" not in ln for ln in lines)  # no colour, no trailing blanks off a tty
+    assert all(
+        ln == ln.rstrip() and "\x1b" not in ln for ln in lines
+    )  # no colour, no trailing blanks off a tty
 
 
 def test_progress_off_a_tty_prints_its_final_state_once() -> None:
@@ -152,8 +159,9 @@ def test_cli_help_lists_every_subcommand(capsys) -> None:
 
 
 def test_cli_module_runs_with_python_m() -> None:
-    proc = subprocess.run([sys.executable, "-m", "snapshotd.bench.cli", "--help"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "snapshotd.bench.cli", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert "transport" in proc.stdout
 

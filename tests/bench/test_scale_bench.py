@@ -20,16 +20,27 @@ _FAST = ["--window", "1", "--settle", "0.2", "--heartbeat-timeout", "1.0", "--ti
 def test_heartbeat_frames_are_what_proto_encodes() -> None:
     ranks = (RankInfo("j", 8, 16, 100_008, True), RankInfo("j", 9, 16, 100_009, False))
     inventory = (InventoryItem("j", 8, 5, True), InventoryItem("j", 1, 4, False))
-    hb = Heartbeat(node="sim-1", incarnation="1", changed=True, ranks=ranks, inventory=inventory,
-                   bytes_out=3, bytes_in=2, stored_bytes=1)  # fmt: skip
+    hb = Heartbeat(
+        node="sim-1",
+        incarnation="1",
+        changed=True,
+        ranks=ranks,
+        inventory=inventory,
+        bytes_out=3,
+        bytes_in=2,
+        stored_bytes=1,
+    )
     frames = HeartbeatFrames()
     fixed = frames.sidecar("sim-1", "1", [list(dataclass_values(r)) for r in ranks])
     head = frames.frame(fixed, True, [list(dataclass_values(i)) for i in inventory], 3, 2, 1)
     assert head == bytes(encode(hb)[0])
     assert decode([head]) == hb
     quiet = frames.frame(fixed, False, [], 4, 3, 2)
-    assert quiet == bytes(encode(Heartbeat(node="sim-1", incarnation="1", changed=False, bytes_out=4, bytes_in=3,
-                                           stored_bytes=2))[0])  # fmt: skip
+    assert quiet == bytes(
+        encode(
+            Heartbeat(node="sim-1", incarnation="1", changed=False, bytes_out=4, bytes_in=3, stored_bytes=2)
+        )[0]
+    )
     with pytest.raises(ProtocolError):  # the checks encode runs
         frames.frame(fixed, True, [["j", -1, 5, True]], 3, 2, 1)
 
@@ -64,7 +75,9 @@ def test_scale_small_end_to_end(tmp_path) -> None:
     assert row["freeze_s"] is not None and row["plan_samples"] == 160
     assert row["plan_answered"] == row["plan_samples"] and row["plan_wrong"] == 0, row
     assert 0 < row["plan_p50_ms"] <= row["plan_p99_ms"] == doc["summary"]["plan_ms_p99"] < 5000
-    assert 0 <= row["plan_answer_ms"] <= row["plan_max_ms"], row  # the coordinator's part of the latest answer
+    assert 0 <= row["plan_answer_ms"] <= row["plan_max_ms"], (
+        row
+    )  # the coordinator's part of the latest answer
 
 
 def test_scale_profile_writes_a_loadable_profile(tmp_path) -> None:
@@ -78,10 +91,25 @@ def test_scale_profile_writes_a_loadable_profile(tmp_path) -> None:
 
 
 def test_plot_leaves_out_values_not_measured(tmp_path) -> None:
-    rows = [{"sidecars": 10, "heartbeats_per_s": 20.0, "hb_interval_s": 0.5, "coordinator_cpu": 0.1,
-             "plan_p50_ms": 3.0, "plan_p99_ms": 9.0},
-            {"sidecars": 100, "heartbeats_per_s": 200.0, "hb_interval_s": 0.5, "coordinator_cpu": 0.2,
-             "plan_p50_ms": math.nan, "plan_p99_ms": None, "hb_rtt_p50_ms": math.inf}]  # fmt: skip
+    rows = [
+        {
+            "sidecars": 10,
+            "heartbeats_per_s": 20.0,
+            "hb_interval_s": 0.5,
+            "coordinator_cpu": 0.1,
+            "plan_p50_ms": 3.0,
+            "plan_p99_ms": 9.0,
+        },
+        {
+            "sidecars": 100,
+            "heartbeats_per_s": 200.0,
+            "hb_interval_s": 0.5,
+            "coordinator_cpu": 0.2,
+            "plan_p50_ms": math.nan,
+            "plan_p99_ms": None,
+            "hb_rtt_p50_ms": math.inf,
+        },
+    ]
     png = tmp_path / "scale.png"
     scale.plot(Report("scale", {"heartbeat_interval": 0.5}, rows, {}, columns=list(rows[0])), str(png))
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")  # no warning (the suite's warnings are errors)

@@ -20,9 +20,28 @@ FAULTS = ("coordinator-in-recovery", "sidecar-stop")
 @pytest.mark.timeout(400)
 def test_two_faults_each_end_in_a_bit_identical_restore(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "soak.json"
-    status = main(["soak", "--trials", "2", "--seed", "47", "--cycle", "--faults", ",".join(FAULTS), "--steps", "12",
-                   "--step-delay", "0.05", "--max-hang", "2.0", "--json", str(json_path),
-                   "--workdir", str(tmp_path / "work")])  # fmt: skip
+    status = main(
+        [
+            "soak",
+            "--trials",
+            "2",
+            "--seed",
+            "47",
+            "--cycle",
+            "--faults",
+            ",".join(FAULTS),
+            "--steps",
+            "12",
+            "--step-delay",
+            "0.05",
+            "--max-hang",
+            "2.0",
+            "--json",
+            str(json_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     report = json.loads(json_path.read_text())
@@ -41,9 +60,28 @@ def test_under_pressure_the_stride_grows_and_a_node_loss_stays_within_its_bound(
     """Sidecars held to 3 MB/s, a fifth of what a snapshot after every step needs here: the ranks skip snapshots
     and their stride grows, and a node killed then costs more steps, but no more than the README's bound."""
     json_path = tmp_path / "soak.json"
-    status = main(["soak", "--trials", "1", "--seed", "2", "--faults", "node-kill", "--steps", "16",
-                   "--step-delay", "0.05", "--max-rate", "3MB/s", "--no-noise", "--json", str(json_path),
-                   "--workdir", str(tmp_path / "work")])  # fmt: skip
+    status = main(
+        [
+            "soak",
+            "--trials",
+            "1",
+            "--seed",
+            "2",
+            "--faults",
+            "node-kill",
+            "--steps",
+            "16",
+            "--step-delay",
+            "0.05",
+            "--max-rate",
+            "3MB/s",
+            "--no-noise",
+            "--json",
+            str(json_path),
+            "--workdir",
+            str(tmp_path / "work"),
+        ]
+    )
     out = capsys.readouterr().out
     assert status == 0, out
     (row,) = json.loads(json_path.read_text())["results"]

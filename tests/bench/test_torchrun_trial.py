@@ -31,13 +31,22 @@ from snapshotd.bench.torchrun_trial import (
 def test_the_subcommand_is_listed_with_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["torchrun", "--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--runs", "--kill-after", "--rdzv-conf", "--share-store", "--store-on-node", "--replacement-first"):
+    for flag in (
+        "--runs",
+        "--kill-after",
+        "--rdzv-conf",
+        "--share-store",
+        "--store-on-node",
+        "--replacement-first",
+    ):
         assert flag in out
 
 
 def test_agent_line_parses_torch_log_lines_in_local_time() -> None:
-    line = ("I1125 04:45:52.370000 8456 torch/distributed/elastic/agent/server/api.py:942] [default] Worker "
-            "group FAILED. 3/3 attempts left; will restart worker group")  # fmt: skip
+    line = (
+        "I1125 04:45:52.370000 8456 torch/distributed/elastic/agent/server/api.py:942] [default] Worker "
+        "group FAILED. 3/3 attempts left; will restart worker group"
+    )
     parsed = AgentLine.parse(line, 2026)
     assert parsed is not None and parsed.level == "I"
     assert parsed.message.endswith("will restart worker group")
@@ -47,8 +56,10 @@ def test_agent_line_parses_torch_log_lines_in_local_time() -> None:
 
 def test_coordinator_dead_at_reads_the_declaring_line(tmp_path: Path) -> None:
     log = tmp_path / "coordinator.log"
-    log.write_text("2026-11-25 04:50:10,187 snapshotd.coordinator.state WARNING node B1-x missed heartbeats "
-                   "for 1.5 s: declared dead\n")  # fmt: skip
+    log.write_text(
+        "2026-11-25 04:50:10,187 snapshotd.coordinator.state WARNING node B1-x missed heartbeats "
+        "for 1.5 s: declared dead\n"
+    )
     expected = datetime.datetime(2026, 11, 25, 4, 50, 10, 187000).timestamp()
     assert _coordinator_dead_at(str(log), "B1-x") == expected
     assert _coordinator_dead_at(str(log), "B1") is None
@@ -64,8 +75,15 @@ def test_trial_config_checks_its_values_and_orders_the_replacement() -> None:
     cfg = TrialConfig()
     assert [cfg.node_addr(i) for i in range(3)] == ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
     assert TrialConfig(replacement_first=True).node_addr(2) == "127.0.0.1"
-    for bad in ({"nodes": 1}, {"kill_after": 0}, {"kill_after": 16}, {"lose": 2}, {"store_on": 5},
-                {"max_restarts": 0}, {"step_delay": -1.0}):  # fmt: skip
+    for bad in (
+        {"nodes": 1},
+        {"kill_after": 0},
+        {"kill_after": 16},
+        {"lose": 2},
+        {"store_on": 5},
+        {"max_restarts": 0},
+        {"step_delay": -1.0},
+    ):
         with pytest.raises(ValueError):
             TrialConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError):
@@ -85,8 +103,12 @@ def _write_run(out: Path, rank: int, runs: list[Run]) -> None:
         for pid, t, steps, source in runs:
             first = steps[0][0] - 1
             e.write(json.dumps({"event": "start", "t": t, "pid": pid}) + "\n")
-            e.write(json.dumps({"event": "restored", "t": t + 1, "pid": pid, "step": first,
-                                 "source": source or "fresh"}) + "\n")  # fmt: skip
+            e.write(
+                json.dumps(
+                    {"event": "restored", "t": t + 1, "pid": pid, "step": first, "source": source or "fresh"}
+                )
+                + "\n"
+            )
             for i, (step, loss, *stride) in enumerate(steps):
                 line = {"step": step, "loss": loss, "t": t + 2 + i, "pid": pid}
                 losses.write(json.dumps({**line, "stride": stride[0]} if stride else line) + "\n")
@@ -100,10 +122,17 @@ def test_read_outcome_and_compare(tmp_path: Path) -> None:
     # rank 0 reached step 3 before the kill at t=105 and re-ran step 3 after restoring step 2; rank 1 reached
     # 2. Rank 0's stride was 2 at its last step before the kill (4 earlier); rank 1 logged none before it, and
     # its restarted process's wider stride comes after the loss
-    _write_run(trial, 0, [(20, 100.0, [(1, 3.0, 4), (2, 2.5, 2), (3, 2.0, 2)], None),
-                          (30, 110.0, [(3, 2.0), (4, 1.5)], "local")])  # fmt: skip
-    _write_run(trial, 1, [(21, 100.0, [(1, 3.0), (2, 2.5)], None),
-                          (31, 110.0, [(3, 2.0, 8), (4, 1.25, 8)], "pull")])  # fmt: skip
+    _write_run(
+        trial,
+        0,
+        [
+            (20, 100.0, [(1, 3.0, 4), (2, 2.5, 2), (3, 2.0, 2)], None),
+            (30, 110.0, [(3, 2.0), (4, 1.5)], "local"),
+        ],
+    )
+    _write_run(
+        trial, 1, [(21, 100.0, [(1, 3.0), (2, 2.5)], None), (31, 110.0, [(3, 2.0, 8), (4, 1.25, 8)], "pull")]
+    )
     reference = _read_outcome(str(ref), 2, "ref", {}, None)
     assert reference.stride_at_loss is None  # no failure: no loss to bound
     result = _read_outcome(str(trial), 2, "trial", {}, killed_at=105.0)

@@ -50,7 +50,9 @@ def test_loopback_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert summary["state_bytes"] == SIZE
     assert summary["sidecar_GBps"] > 1e-3 and summary["raw_socket_GBps"] > 1e-3
     assert summary["loopback_ratio"] == pytest.approx(summary["sidecar_GBps"] / summary["raw_socket_GBps"])
-    (raw,) = [r for r in doc["results"] if r["run"] == "loopback raw socket"]  # run before and after the sidecars
+    (raw,) = [
+        r for r in doc["results"] if r["run"] == "loopback raw socket"
+    ]  # run before and after the sidecars
     assert raw["stream_Bps"] == pytest.approx((raw["raw_before_Bps"] + raw["raw_after_Bps"]) / 2)
     assert raw["stream_Bps"] == pytest.approx(summary["raw_socket_GBps"] * 1e9)
     # the buddy holds a few 8 MiB snapshots; far from 1 GiB unless it leaks

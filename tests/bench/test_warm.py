@@ -30,9 +30,13 @@ the server's preload (``csv``, which nothing here imports) is in it."""
 
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ForkServer]:
-    server = ForkServer(preload=("json", "csv"))  # started elsewhere: its children take the caller's directory
+    server = ForkServer(
+        preload=("json", "csv")
+    )  # started elsewhere: its children take the caller's directory
     (tmp_path / "probe_mod.py").write_text(_PROBE)
-    monkeypatch.chdir(tmp_path)  # the probe is found as a cold ``python -m`` would find it: in the working directory
+    monkeypatch.chdir(
+        tmp_path
+    )  # the probe is found as a cold ``python -m`` would find it: in the working directory
     yield server
     server.close()
 
@@ -49,8 +53,14 @@ def test_a_forked_start_runs_its_module_with_its_arguments_environment_output_in
     assert isinstance(proc, ForkedProcess) and proc.pid != server.pid
     assert proc.wait(60) == 7 and proc.returncode == 7 and proc.poll() == 7
     report = _report(tmp_path / "probe.log")
-    assert report == {"argv": ["7", "x"], "cwd": str(tmp_path), "ppid": server.pid, "var": "seen",
-                      "preloaded": True, "name": "__main__"}  # fmt: skip
+    assert report == {
+        "argv": ["7", "x"],
+        "cwd": str(tmp_path),
+        "ppid": server.pid,
+        "var": "seen",
+        "preloaded": True,
+        "name": "__main__",
+    }
 
     piped = server.popen("json.tool", [], output=str(tmp_path / "piped.log"), stdin=True)
     assert piped.stdin is not None
@@ -62,9 +72,12 @@ def test_a_forked_start_runs_its_module_with_its_arguments_environment_output_in
     assert failed.wait(60) != 0 and "missing.json" in (tmp_path / "failed.log").read_text()
 
 
-def test_signals_reach_the_forked_process_and_its_end_by_signal_is_its_exit_code(tmp_path: Path,
-                                                                                server: ForkServer) -> None:  # fmt: skip
-    proc = server.popen("json.tool", [], output=str(tmp_path / "waiting.log"), stdin=True)  # waits for its input
+def test_signals_reach_the_forked_process_and_its_end_by_signal_is_its_exit_code(
+    tmp_path: Path, server: ForkServer
+) -> None:
+    proc = server.popen(
+        "json.tool", [], output=str(tmp_path / "waiting.log"), stdin=True
+    )  # waits for its input
     assert proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.2)
@@ -88,9 +101,13 @@ def test_starts_from_many_threads_each_get_their_own_process(tmp_path: Path, ser
     assert [_report(tmp_path / f"p{i}.log")["argv"] for i in range(12)] == [[str(i)] for i in range(12)]
 
 
-def test_an_interpreter_setting_that_differs_starts_cold_and_a_closed_server_refuses(tmp_path: Path,
-                                                                                    server: ForkServer) -> None:  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # read as the interpreter starts: the server has its own
+def test_an_interpreter_setting_that_differs_starts_cold_and_a_closed_server_refuses(
+    tmp_path: Path, server: ForkServer
+) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tmp_path),
+    }  # read as the interpreter starts: the server has its own
     proc = server.popen("probe_mod", [], output=str(tmp_path / "cold.log"), env=env)
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert _report(tmp_path / "cold.log")["ppid"] == os.getpid()
@@ -108,8 +125,9 @@ def test_an_interpreter_setting_that_differs_starts_cold_and_a_closed_server_ref
         server.popen("probe_mod", [], output=str(tmp_path / "never.log"))
 
 
-def test_a_failed_preload_is_told_in_the_program_output_and_the_program_runs(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_failed_preload_is_told_in_the_program_output_and_the_program_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "probe_mod.py").write_text(_PROBE)
     monkeypatch.chdir(tmp_path)
     server = ForkServer(preload=("csv", "no_such_module_here"))

@@ -25,7 +25,9 @@ REQUEST = RegisterRank(job="j", rank=0, world_size=1, pid=1, data_bytes=4096)
 
 
 def registered(request_id: int) -> RankRegistered:
-    return RankRegistered(job="j", rank=0, arena="/dev/shm/x", slot_bytes=4096, slots=2, pid=2, request_id=request_id)
+    return RankRegistered(
+        job="j", rank=0, arena="/dev/shm/x", slot_bytes=4096, slots=2, pid=2, request_id=request_id
+    )
 
 
 @pytest.fixture
@@ -55,7 +57,9 @@ def test_an_error_about_an_earlier_announce_does_not_answer_a_waiting_request(si
     address, server = sidecar
     unsolicited: list[Message] = []
     channel = Channel(address, unsolicited.append)
-    late = Error(job="j", code=ErrorCode.BAD_MESSAGE, message="announce of step 3: steps only grow", rank=0, step=3)
+    late = Error(
+        job="j", code=ErrorCode.BAD_MESSAGE, message="announce of step 3: steps only grow", rank=0, step=3
+    )
     try:
         answer_with(server, lambda req: [late, registered(req.request_id)])  # type: ignore[attr-defined]
         reply = channel.request(REQUEST, RankRegistered.TYPE, timeout=10)
@@ -84,8 +88,12 @@ def test_an_error_carrying_the_requests_id_answers_it(sidecar) -> None:  # type:
     channel = Channel(address, lambda msg: None)
     refused = "rank 0 of job 'j' is outside its world size 0"
     try:
-        answer_with(server, lambda req: [Error(job="j", code=ErrorCode.BAD_MESSAGE, message=refused,
-                                               request_id=req.request_id)])  # type: ignore[attr-defined]  # fmt: skip
+        answer_with(
+            server,
+            lambda req: [
+                Error(job="j", code=ErrorCode.BAD_MESSAGE, message=refused, request_id=req.request_id)
+            ],
+        )  # type: ignore[attr-defined]
         with pytest.raises(SidecarRefused, match="outside its world size"):
             channel.request(REQUEST, RankRegistered.TYPE, timeout=10)
     finally:

@@ -29,6 +29,7 @@ def deterministic_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
 
+
 LONG_SLEEP = 2_000_000_000
 """GPU cycles for ``torch.cuda._sleep``: about a second on current GPUs, far longer than a capture."""
 
@@ -47,9 +48,12 @@ def _job_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]
     """A small CNN with batch norm (buffers that every forward changes) and Adam, all on the GPU."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
+        torch.nn.Conv2d(3, 8, 3),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
         torch.nn.Linear(8 * 14 * 14, 10),
-    ).cuda()  # fmt: skip
+    ).cuda()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     return model, opt, {"model": model, "optim": opt}
 
@@ -75,7 +79,9 @@ def _restarted(seed: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, d
     return model, opt, state
 
 
-def _first_snapshot(snap: Snapshotter, model: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.cuda.Stream:
+def _first_snapshot(
+    snap: Snapshotter, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> torch.cuda.Stream:
     """A fresh job's step 1, snapshotted and durable; the Snapshotter's copy stream, which that capture made."""
     assert snap.restore(timeout=30) == 0
     _train_step(model, opt, 1)
@@ -90,9 +96,11 @@ def _cpu_copy(state: dict) -> dict:
     """Every tensor of the model's and optimizer's state dicts, copied to the CPU."""
     return {
         "model": {k: v.detach().cpu().clone() for k, v in state["model"].state_dict().items()},
-        "optim": {i: {k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                  for i, s in state["optim"].state_dict()["state"].items()},
-    }  # fmt: skip
+        "optim": {
+            i: {k: v.cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in state["optim"].state_dict()["state"].items()
+        },
+    }
 
 
 def _assert_same(a: dict, b: dict) -> None:
@@ -102,7 +110,9 @@ def _assert_same(a: dict, b: dict) -> None:
     assert a["optim"].keys() == b["optim"].keys()
     for i in a["optim"]:
         for k, v in a["optim"][i].items():
-            assert torch.equal(v, b["optim"][i][k]) if isinstance(v, torch.Tensor) else v == b["optim"][i][k], (i, k)
+            assert (
+                torch.equal(v, b["optim"][i][k]) if isinstance(v, torch.Tensor) else v == b["optim"][i][k]
+            ), (i, k)
 
 
 def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) -> None:
@@ -115,7 +125,9 @@ def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) 
                 _train_step(model, opt, step)
                 snap.capture(step)
             assert snap.wait(30) and snap.stats.last_durable_step == 3
-            assert snap.stats.copy_seconds > 0  # the side stream's device-to-host copies, timed by CUDA events
+            assert (
+                snap.stats.copy_seconds > 0
+            )  # the side stream's device-to-host copies, timed by CUDA events
             at_3 = _cpu_copy(state)
             snap.close(unregister=False)  # as a crash would
         _train_step(model, opt, 4)
@@ -191,7 +203,9 @@ def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -
             jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["jobs"]
             return max((j["durable"] for j in jobs if j["job"] == job), default=0)
 
-        wait_for(lambda: durable() >= 2, 30, "step 2 durable on the buddy")  # announced once the copy was done
+        wait_for(
+            lambda: durable() >= 2, 30, "step 2 durable on the buddy"
+        )  # announced once the copy was done
         state2 = _restarted()[2]
         with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 2

@@ -30,8 +30,14 @@ STEPS = 6
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                               torch.nn.Linear(64, 32), torch.nn.Linear(32, 1))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 32),
+        torch.nn.Linear(32, 1),
+    )
 
 
 def _job(*, wrap_value: bool, hook: bool) -> tuple[DDP, dict[str, Any]]:
@@ -44,8 +50,9 @@ def _job(*, wrap_value: bool, hook: bool) -> tuple[DDP, dict[str, Any]]:
     return ddp, {"model": ddp if wrap_value else model, "optim": opt}
 
 
-def _train(ddp: DDP, opt: torch.optim.Optimizer, start: int, stop: int, rank: int,
-           on_step: Any = None) -> list[float]:  # fmt: skip
+def _train(
+    ddp: DDP, opt: torch.optim.Optimizer, start: int, stop: int, rank: int, on_step: Any = None
+) -> list[float]:
     losses = []
     for step in range(start, stop):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1000 * step + rank))
@@ -70,8 +77,9 @@ def _take(state: dict[str, Any], *, layouts: bool = True) -> tuple[Any, torch.Te
     return flat, data
 
 
-def _resume(snapshot: tuple[Any, torch.Tensor], step: int, rank: int, *, wrap_value: bool,
-            hook: bool) -> list[float]:  # fmt: skip
+def _resume(
+    snapshot: tuple[Any, torch.Tensor], step: int, rank: int, *, wrap_value: bool, hook: bool
+) -> list[float]:
     """A fresh DDP job restored from ``snapshot``, trained to the end; its losses and a parameter sum."""
     flat, data = snapshot
     ddp, state = _job(wrap_value=wrap_value, hook=hook)

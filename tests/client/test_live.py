@@ -18,8 +18,10 @@ from snapshotd.client import PeerLost, Snapshotter, live
 
 
 def test_a_peer_failure_is_a_gloo_transport_error_or_a_dist_error_and_nothing_else() -> None:
-    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                        "[127.0.0.1]:5305. This is typically caused by a remote worker crashing.")  # fmt: skip
+    gloo = RuntimeError(
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:5305. This is typically caused by a remote worker crashing."
+    )
     assert live.is_peer_failure(gloo)
     assert live.is_peer_failure(RuntimeError("Connection reset by peer"))
     assert live.is_peer_failure(dist.DistNetworkError("timed out"))
@@ -29,17 +31,28 @@ def test_a_peer_failure_is_a_gloo_transport_error_or_a_dist_error_and_nothing_el
 
 @pytest.fixture
 def store() -> Iterator[dist.TCPStore]:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10)
+    )
     yield server
 
 
 def _group(store: dist.TCPStore, rank: int, world_size: int = 2, job: str = "j") -> live.LiveGroup:
-    return live.LiveGroup(store, job=job, rank=rank, world_size=world_size, backend="gloo", timeout=5.0,
-                          join_timeout=5.0, attempts=2)  # fmt: skip
+    return live.LiveGroup(
+        store,
+        job=job,
+        rank=rank,
+        world_size=world_size,
+        backend="gloo",
+        timeout=5.0,
+        join_timeout=5.0,
+        attempts=2,
+    )
 
 
-def test_an_epoch_is_full_when_every_rank_arrived_and_a_second_arrival_abandons_an_undecided_one(store) -> None:
+def test_an_epoch_is_full_when_every_rank_arrived_and_a_second_arrival_abandons_an_undecided_one(
+    store,
+) -> None:
     a, b = _group(store, 0), _group(store, 1)
     assert a._arrive(0) and b._arrive(0)
     assert store.get("snapshotd/j/e0/decided") == b"full"
@@ -63,7 +76,10 @@ def test_the_next_epoch_is_opened_once_however_many_ranks_ask(store) -> None:
 def test_jobs_keep_their_membership_apart(store) -> None:
     assert _group(store, 0, job="one")._arrive(0)
     assert _group(store, 0, job="two")._arrive(0)
-    assert int(store.add("snapshotd/one/e0/arrived", 0)) == 1 and int(store.add("snapshotd/two/e0/arrived", 0)) == 1
+    assert (
+        int(store.add("snapshotd/one/e0/arrived", 0)) == 1
+        and int(store.add("snapshotd/two/e0/arrived", 0)) == 1
+    )
 
 
 def test_the_watchdogs_verdict_holds_until_the_next_group_forms_and_the_watchdog_stops(store) -> None:
@@ -131,16 +147,31 @@ def test_bad_arguments_are_refused_by_name(store, monkeypatch: pytest.MonkeyPatc
         live.init_process_group(store="127.0.0.1:1", job="j", nodes=0)
     group = _group(store, 1)
     with pytest.raises(ValueError, match="not this Snapshotter"):
-        Snapshotter({"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc", live=group)
+        Snapshotter(
+            {"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc", live=group
+        )
     with pytest.raises(ValueError, match="replica_group"):
-        Snapshotter({"w": torch.zeros(2)}, job="j", rank=1, world_size=2, sidecar="/nonexistent.ipc", live=group,
-                    replica_group=object())  # fmt: skip
+        Snapshotter(
+            {"w": torch.zeros(2)},
+            job="j",
+            rank=1,
+            world_size=2,
+            sidecar="/nonexistent.ipc",
+            live=group,
+            replica_group=object(),
+        )
 
 
 def test_guard_and_recover_are_for_live_mode_and_guard_passes_other_errors_through(store) -> None:
     plain = Snapshotter({"w": torch.zeros(2)}, job="j", rank=0, world_size=2, sidecar="/nonexistent.ipc")
-    livesnap = Snapshotter({"w": torch.zeros(2)}, job="j", rank=1, world_size=2, sidecar="/nonexistent.ipc",
-                           live=_group(store, 1))  # fmt: skip
+    livesnap = Snapshotter(
+        {"w": torch.zeros(2)},
+        job="j",
+        rank=1,
+        world_size=2,
+        sidecar="/nonexistent.ipc",
+        live=_group(store, 1),
+    )
     try:
         with pytest.raises(RuntimeError, match="live mode"), plain.guard():
             pass
@@ -159,8 +190,16 @@ def test_guard_and_recover_are_for_live_mode_and_guard_passes_other_errors_throu
 def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
     """Rank 2 dies; rank 1 fails on it and leaves; rank 0, waiting on rank 1 only, must fail when rank 1 leaves."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    group = live.LiveGroup(store, job="blocked", rank=rank, world_size=3, backend="gloo", timeout=30.0,
-                           join_timeout=30.0, attempts=1)  # fmt: skip
+    group = live.LiveGroup(
+        store,
+        job="blocked",
+        rank=rank,
+        world_size=3,
+        backend="gloo",
+        timeout=30.0,
+        join_timeout=30.0,
+        attempts=1,
+    )
     group.join()
     t = torch.ones(8)
     dist.all_reduce(t)
@@ -197,11 +236,15 @@ def _spawn(fn: Callable[..., None], args: tuple, nprocs: int, timeout: float = 1
             p.join(10)
 
 
-def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(tmp_path: Path, store: dist.TCPStore) -> None:
+def test_a_rank_that_leaves_wakes_the_peers_blocked_on_it_at_once(
+    tmp_path: Path, store: dist.TCPStore
+) -> None:
     _spawn(_blocked_on_a_survivor, (store.port, str(tmp_path)), nprocs=3)
     outcome = {r: Path(tmp_path, f"rank{r}").read_text().split(" after ") for r in (0, 1)}
     assert outcome[1][0] == "peer failure" and outcome[0][0] == "peer failure", outcome
-    assert float(outcome[0][1]) < 15.0, f"rank 0 waited {outcome[0][1]} s: for its 30 s timeout, not rank 1's leaving"
+    assert float(outcome[0][1]) < 15.0, (
+        f"rank 0 waited {outcome[0][1]} s: for its 30 s timeout, not rank 1's leaving"
+    )
 
 
 def _group_outlives_ddp(rank: int, port: int, out: str, via_live: bool) -> None:

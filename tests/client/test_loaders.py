@@ -79,9 +79,19 @@ def _stateful_loop(workers: int, distributed: bool, prefetch: bool) -> Callable[
 
     def run(ipc: str, job: str, crash_after: int | None) -> dict[int, Any]:
         data = Augmented()
-        sampler = StatefulDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7) if distributed else None
-        loader = StatefulDataLoader(data, batch_size=3, shuffle=None if distributed else True, sampler=sampler,
-                                    num_workers=workers, generator=torch.Generator().manual_seed(3))  # fmt: skip
+        sampler = (
+            StatefulDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=7)
+            if distributed
+            else None
+        )
+        loader = StatefulDataLoader(
+            data,
+            batch_size=3,
+            shuffle=None if distributed else True,
+            sampler=sampler,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(3),
+        )
         loop: dict[str, Any] = {"epoch": 0, "next": None}
         state = {"loader": loader, "loop": loop, "rng": RNGState()}
         seen: dict[int, Any] = {}
@@ -93,8 +103,12 @@ def _stateful_loop(workers: int, distributed: bool, prefetch: bool) -> Callable[
                 yield from loader
                 loop["epoch"] += 1
 
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block") as snap, \
-                contextlib.closing(batches()) as it:  # closing it stops the loader's workers
+        with (
+            Snapshotter(
+                state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block"
+            ) as snap,
+            contextlib.closing(batches()) as it,
+        ):  # closing it stops the loader's workers
             start = snap.restore(timeout=30)
             if prefetch and loop["next"] is None:
                 loop["next"] = next(it)
@@ -135,7 +149,9 @@ def _plain_loop(ipc: str, job: str, crash_after: int | None) -> dict[int, Any]:
     loop = {"epoch": 0, "batch": 0}  # the next batch to draw
     state = {"loop": loop, "rng": RNGState()}
     seen: dict[int, Any] = {}
-    with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block") as snap:
+    with Snapshotter(
+        state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block"
+    ) as snap:
         step = snap.restore(timeout=30)
         while step < STEPS:
             sampler.set_epoch(loop["epoch"])
@@ -170,7 +186,9 @@ def _finished(run: Callable[..., dict[int, Any]], *args: Any) -> dict[int, Any] 
 CASES = {
     "stateful, 0 workers": _stateful_loop(0, distributed=False, prefetch=False),
     "stateful, 2 workers, prefetched batch": _stateful_loop(2, distributed=False, prefetch=True),
-    "stateful distributed sampler, 2 workers, prefetched batch": _stateful_loop(2, distributed=True, prefetch=True),
+    "stateful distributed sampler, 2 workers, prefetched batch": _stateful_loop(
+        2, distributed=True, prefetch=True
+    ),
     "plain DataLoader + DistributedSampler, 2 workers": _plain_loop,
 }
 

@@ -35,7 +35,9 @@ def test_keepers_balance_bytes_largest_first_and_agree() -> None:
 
 def _build(seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Embedding(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64))
+    model = nn.Sequential(
+        nn.Embedding(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return {"model": model, "optim": opt, "step": 0}
 
@@ -88,7 +90,9 @@ def _rank_body(rank: int) -> dict[str, Any]:
     shards = [ReplicaShard(other["model"], dist.group.WORLD, "model")]
     shards.append(ReplicaShard(other["optim"], dist.group.WORLD, "optim", before=shards))
     try:
-        restore_into({"model": shards[0], "optim": shards[1], "step": 0}, plain.entries, plain.meta, plain_data)
+        restore_into(
+            {"model": shards[0], "optim": shards[1], "step": 0}, plain.entries, plain.meta, plain_data
+        )
         sharded_restore = "restored"
     except ValueError as exc:
         sharded_restore = str(exc)
@@ -108,8 +112,15 @@ def _rank_body(rank: int) -> dict[str, Any]:
         partial = str(exc)
 
     # a rank whose own part did not come tells the others before any of them waits in a broadcast for it
-    snap = Snapshotter(state, job="j", rank=rank, world_size=WORLD, sidecar=os.path.join(tempfile.gettempdir(), "snapshotd-none.ipc"),
-                       timeout=1, replicated=("model", "optim"))  # fmt: skip
+    snap = Snapshotter(
+        state,
+        job="j",
+        rank=rank,
+        world_size=WORLD,
+        sidecar=os.path.join(tempfile.gettempdir(), "snapshotd-none.ipc"),
+        timeout=1,
+        replicated=("model", "optim"),
+    )
     try:
         snap._agree(ok=rank != 1, timeout=30)
         agreed = "ok"
@@ -117,9 +128,17 @@ def _rank_body(rank: int) -> dict[str, Any]:
         agreed = str(exc)
     finally:
         snap.close(unregister=False)
-    result = {"kept": taken.data_bytes, "whole": whole, "markers": taken.meta.count(ELIDED.encode()),
-              "same": again == reference, "agreed": agreed, "own_buffer": own_buffer, "partial": partial,
-              "unsharded_restore": unsharded_restore, "sharded_restore": sharded_restore}  # fmt: skip
+    result = {
+        "kept": taken.data_bytes,
+        "whole": whole,
+        "markers": taken.meta.count(ELIDED.encode()),
+        "same": again == reference,
+        "agreed": agreed,
+        "own_buffer": own_buffer,
+        "partial": partial,
+        "unsharded_restore": unsharded_restore,
+        "sharded_restore": sharded_restore,
+    }
     return result
 
 
@@ -133,7 +152,9 @@ def test_each_rank_keeps_a_third_and_restore_shares_it_out(tmp_path: Path) -> No
     assert results[1]["agreed"] == "ok"  # the failing rank raises its own error
     assert "snapshot does not match the state" in results[1]["partial"]
     for r in (0, 2):
-        assert "rank(s) [1] of the replica group could not load their part of it" in results[r]["partial"], results
+        assert "rank(s) [1] of the replica group could not load their part of it" in results[r]["partial"], (
+            results
+        )
     for res in results:
         assert res["own_buffer"], res  # BatchNorm's running statistics came back as each rank had them
         assert "was snapshotted with replicated=" in res["unsharded_restore"], res

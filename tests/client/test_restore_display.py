@@ -15,14 +15,19 @@ class Tty(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize(("stream", "env", "drawn"), [
-    (Tty(), {}, True),
-    (Tty(), {"LOCAL_RANK": "0"}, True),
-    (Tty(), {"LOCAL_RANK": "1"}, False),
-    (io.StringIO(), {}, False),
-    (io.StringIO(), {"LOCAL_RANK": "0"}, False),
-])  # fmt: skip
-def test_drawn_only_on_a_terminal_by_the_first_local_rank(stream: io.StringIO, env: dict, drawn: bool) -> None:
+@pytest.mark.parametrize(
+    ("stream", "env", "drawn"),
+    [
+        (Tty(), {}, True),
+        (Tty(), {"LOCAL_RANK": "0"}, True),
+        (Tty(), {"LOCAL_RANK": "1"}, False),
+        (io.StringIO(), {}, False),
+        (io.StringIO(), {"LOCAL_RANK": "0"}, False),
+    ],
+)
+def test_drawn_only_on_a_terminal_by_the_first_local_rank(
+    stream: io.StringIO, env: dict, drawn: bool
+) -> None:
     display = restore_display("j", 0, stream=stream, env=env)
     assert (display is not None) == drawn
     if display is not None:
@@ -36,8 +41,17 @@ def test_a_pull_is_drawn_with_its_source_and_bytes() -> None:
     assert isinstance(display, RestoreDisplay)
     display.draw()
     for done in (0, 4 << 20):
-        display.update(RestoreProgress(job="j", rank=3, step=7, done_bytes=done, total_bytes=8 << 20, source="pull",
-                                       sources=("tcp://10.0.0.2:7071",)))  # fmt: skip
+        display.update(
+            RestoreProgress(
+                job="j",
+                rank=3,
+                step=7,
+                done_bytes=done,
+                total_bytes=8 << 20,
+                source="pull",
+                sources=("tcp://10.0.0.2:7071",),
+            )
+        )
         display.draw()
     display.finish(RestoreReply(job="j", rank=3, step=7, source="pull", bytes_pulled=8 << 20))
     text = stream.getvalue()

@@ -42,10 +42,16 @@ class _Opaque:
 
 def test_unsnapshottable_value_is_a_type_error_naming_its_path(tmp_path) -> None:
     with (
-        Snapshotter({"w": torch.zeros(3), "bad": _Opaque()}, job="j", rank=0, world_size=1,
-                    sidecar=_nowhere(tmp_path), timeout=1) as snap,
+        Snapshotter(
+            {"w": torch.zeros(3), "bad": _Opaque()},
+            job="j",
+            rank=0,
+            world_size=1,
+            sidecar=_nowhere(tmp_path),
+            timeout=1,
+        ) as snap,
         pytest.raises(TypeError, match=r"state\['bad'\]\['fn'\].*never pickle"),
-    ):  # fmt: skip
+    ):
         snap.capture(1)
 
 
@@ -70,8 +76,9 @@ def test_defaults_come_from_the_environment(monkeypatch, tmp_path) -> None:
 
 
 def test_restore_without_a_sidecar_fails_clearly_and_promptly(tmp_path) -> None:
-    with Snapshotter({"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
-                     timeout=1) as snap:  # fmt: skip
+    with Snapshotter(
+        {"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path), timeout=1
+    ) as snap:
         t0 = time.monotonic()
         with pytest.raises(SidecarUnavailable, match="snapshotd serve"):
             snap.restore(timeout=1)
@@ -81,8 +88,9 @@ def test_restore_without_a_sidecar_fails_clearly_and_promptly(tmp_path) -> None:
 def test_capture_never_raises_or_stalls_when_the_sidecar_is_down(tmp_path) -> None:
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Snapshotter({"model": model, "optim": opt}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
-                     timeout=1) as snap:  # fmt: skip
+    with Snapshotter(
+        {"model": model, "optim": opt}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path), timeout=1
+    ) as snap:
         t0 = time.monotonic()
         started = [snap.capture(step) for step in range(1, 21)]
         elapsed = time.monotonic() - t0
@@ -92,8 +100,9 @@ def test_capture_never_raises_or_stalls_when_the_sidecar_is_down(tmp_path) -> No
 
 
 def test_steps_must_grow_and_every_skips_off_steps(tmp_path) -> None:
-    with Snapshotter({"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path),
-                     timeout=1, every=2) as snap:  # fmt: skip
+    with Snapshotter(
+        {"w": torch.zeros(3)}, job="j", rank=0, world_size=1, sidecar=_nowhere(tmp_path), timeout=1, every=2
+    ) as snap:
         assert snap.capture(1) is False
         with pytest.raises(ValueError, match="steps only grow"):
             snap.capture(1)
@@ -111,8 +120,16 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
     job = f"auto-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path, "A", "B") as cluster:
         w = torch.zeros(1024)
-        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=20,
-                         every="auto", when_busy="block") as snap:  # fmt: skip
+        with Snapshotter(
+            {"w": w},
+            job=job,
+            rank=0,
+            world_size=1,
+            sidecar=cluster.ipc_path("A"),
+            timeout=20,
+            every="auto",
+            when_busy="block",
+        ) as snap:
             assert snap.restore(timeout=20) == 0
             started = []
             for step in range(1, 17):
@@ -124,10 +141,14 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
             # snapshot is thousands of steps long, a pause of the loop that is charged to nothing
             assert started == [1, 8, 16]
             assert snap.stats.auto_interval == 8 and snap.stats.durable == 3 and snap.stats.skipped == 0
-            assert snap.stats.bytes == 3 * w.nbytes and snap.stats.copy_seconds > 0  # the staging rate's parts
+            assert (
+                snap.stats.bytes == 3 * w.nbytes and snap.stats.copy_seconds > 0
+            )  # the staging rate's parts
 
 
-def _durable_past(snap: Snapshotter, capture: Callable[[], bool], step: int, *, seconds: float, pause: float) -> None:
+def _durable_past(
+    snap: Snapshotter, capture: Callable[[], bool], step: int, *, seconds: float, pause: float
+) -> None:
     """Call ``capture()`` (one step and its snapshot), waiting up to ``pause`` after each, until a step after
     ``step`` is durable; at most ``seconds``."""
     deadline = time.monotonic() + seconds
@@ -146,7 +167,9 @@ def test_snapshots_resume_after_the_sidecar_restarts(tmp_path) -> None:
         model = torch.nn.Linear(64, 64)
         opt = torch.optim.AdamW(model.parameters())
         state = {"model": model, "optim": opt, "rng": RNGState()}
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=2) as snap:
+        with Snapshotter(
+            state, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=2
+        ) as snap:
             assert snap.restore(timeout=20) == 0
             step = 0
 
@@ -203,8 +226,15 @@ def test_block_mode_waits_and_a_new_node_pulls(tmp_path) -> None:
     job = f"block-{uuid.uuid4().hex[:6]}"
     with _cluster(tmp_path, "A", "B", "C") as cluster:
         w = torch.zeros(1 << 16)
-        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10,
-                         when_busy="block") as snap:  # fmt: skip
+        with Snapshotter(
+            {"w": w},
+            job=job,
+            rank=0,
+            world_size=1,
+            sidecar=cluster.ipc_path("A"),
+            timeout=10,
+            when_busy="block",
+        ) as snap:
             assert snap.restore(timeout=20) == 0
             for step in range(1, 6):
                 w.fill_(step)
@@ -214,7 +244,9 @@ def test_block_mode_waits_and_a_new_node_pulls(tmp_path) -> None:
             snap.close(unregister=False)  # as a crash would: A keeps its local copy, B its buddy copy
         # the rank restarts on a third node, which holds nothing: it pulls from A and B
         w2 = torch.zeros(1 << 16)
-        with Snapshotter({"w": w2}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("C"), timeout=10) as snap:
+        with Snapshotter(
+            {"w": w2}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("C"), timeout=10
+        ) as snap:
             assert snap.restore(timeout=20) == 5
             assert torch.equal(w2, torch.full((1 << 16,), 5.0))
             assert snap.restored["source"] == "pull" and snap.restored["bytes_pulled"] == w2.numel() * 4

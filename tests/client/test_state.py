@@ -204,9 +204,18 @@ def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generat
 
 
 DTYPES = [
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-    torch.bool, torch.uint8, torch.complex64, torch.complex128,
-]  # fmt: skip
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.bool,
+    torch.uint8,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -522,7 +531,9 @@ def test_meta_of_an_unknown_format_is_refused() -> None:
     newer = msgpack.packb([3, msgpack.unpackb(flat.meta)[1]])
     with pytest.raises(ValueError, match=r"format 3: this build reads formats \[1, 2\]"):
         restore_into({"a": torch.zeros(3)}, flat.entries, newer, data)
-    older = msgpack.packb([1, msgpack.unpackb(flat.meta, strict_map_key=False)[1]])  # no DTensor: the same bytes
+    older = msgpack.packb(
+        [1, msgpack.unpackb(flat.meta, strict_map_key=False)[1]]
+    )  # no DTensor: the same bytes
     target = {"a": torch.zeros(3)}
     restore_into(target, flat.entries, older, data)
     assert torch.equal(target["a"], torch.arange(3.0))
@@ -572,9 +583,13 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     flat, data = snapshot(state)
     refs = _refs(decode_meta(flat.meta, len(flat.entries))[1])
     shards = [r for r in refs if r.dtensor]
-    assert len(shards) == 12  # 4 parameter shards + 8 moment shards, marked as DTensor with their global layout
+    assert (
+        len(shards) == 12
+    )  # 4 parameter shards + 8 moment shards, marked as DTensor with their global layout
     shapes = [tuple(p.shape) for p in model.parameters()]
-    assert [r.place for r in shards] == [(s, (0,) * len(s)) for s in shapes + [s for s in shapes for _ in (0, 1)]]
+    assert [r.place for r in shards] == [
+        (s, (0,) * len(s)) for s in shapes + [s for s in shapes for _ in (0, 1)]
+    ]
     reference = train(model, opt, 3)
 
     locals_before = [(id(p), p.to_local().data_ptr()) for p in model.parameters()]
@@ -593,8 +608,10 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     assert not fresh_opt.state
     restore_into({"model": fresh, "optim": fresh_opt}, flat.entries, flat.meta, data)
     moments = [t for s in fresh_opt.state.values() for t in s.values() if isinstance(t, DTensor)]
-    assert len(moments) == 8 and all(m.placements == p.placements for m, p in zip(
-        moments, [p for p in fresh.parameters() for _ in range(2)], strict=True))  # fmt: skip
+    assert len(moments) == 8 and all(
+        m.placements == p.placements
+        for m, p in zip(moments, [p for p in fresh.parameters() for _ in range(2)], strict=True)
+    )
     assert train(fresh, fresh_opt, 3) == reference
 
     # A snapshot of format 1 (DTensor placeholders without their global layout) still restores.
@@ -609,7 +626,10 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     restore_into({"model": fresh, "optim": fresh_opt}, flat.entries, v1, data)
     assert train(fresh, fresh_opt, 3) == reference
     with pytest.raises(ValueError, match="a DTensor placeholder of another format than 2"):
-        decode_meta(msgpack.packb([2, msgpack.unpackb(v1, ext_hook=strip, strict_map_key=False)[1]]), len(flat.entries))
+        decode_meta(
+            msgpack.packb([2, msgpack.unpackb(v1, ext_hook=strip, strict_map_key=False)[1]]),
+            len(flat.entries),
+        )
 
     # A DTensor shard anywhere else needs a live DTensor to go into: a clear error, not a plain tensor.
     shard = {"w": next(model.parameters())}

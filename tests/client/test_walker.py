@@ -26,10 +26,18 @@ def training_state(momentum: bool = False) -> tuple[dict[str, Any], nn.Module, t
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
     opt: torch.optim.Optimizer = (
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if momentum else torch.optim.AdamW(model.parameters())
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if momentum
+        else torch.optim.AdamW(model.parameters())
     )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    state = {"model": model, "optim": opt, "sched": sched, "rng": RNGState(), "extra": {"epoch": 1, "w": torch.ones(3)}}
+    state = {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "rng": RNGState(),
+        "extra": {"epoch": 1, "w": torch.ones(3)},
+    }
     return state, model, opt
 
 
@@ -48,7 +56,9 @@ def test_every_capture_of_a_training_loop_is_the_full_walk_byte_for_byte(momentu
     memos: dict[str, Any] = {}
     for n in range(6):
         assert_same(walker.flatten(state), flatten(state))
-        if n >= 2:  # from the second step on every parameter has its optimizer state: both are reused, not walked
+        if (
+            n >= 2
+        ):  # from the second step on every parameter has its optimizer state: both are reused, not walked
             assert {k: id(m) for k, m in walker._memos.items()} == memos
         memos = {k: id(m) for k, m in walker._memos.items()}
         step(model, opt, state["sched"])
@@ -99,7 +109,10 @@ class _Stateful:
 @pytest.mark.parametrize(
     "sd",
     [
-        {"a": torch.zeros(2), "b": torch.zeros(3, requires_grad=True)},  # detached by the walk: never remembered
+        {
+            "a": torch.zeros(2),
+            "b": torch.zeros(3, requires_grad=True),
+        },  # detached by the walk: never remembered
         collections.OrderedDict(a=torch.zeros(2), b=torch.ones(1)),
         {"state": {0: {"m": torch.zeros(2), "step": 3}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
         {"state": {0: [torch.zeros(2)]}, "param_groups": []},

@@ -1,6 +1,5 @@
 """Scenarios for the coordinator's state tests: a state, nodes that register and heartbeat, plan requests."""
 
-
 from __future__ import annotations
 
 from snapshotd.coordinator import CoordinatorConfig, CoordinatorState
@@ -40,7 +39,9 @@ def inv(job: str, rank: int, *steps: int, local: bool = False) -> tuple[Inventor
 
 
 def beat(st: CoordinatorState, node: str, now: float, ranks=(), inventory=(), changed=True, inc="i1", **kw):
-    msg = Heartbeat(node=node, incarnation=inc, changed=changed, ranks=tuple(ranks), inventory=tuple(inventory), **kw)
+    msg = Heartbeat(
+        node=node, incarnation=inc, changed=changed, ranks=tuple(ranks), inventory=tuple(inventory), **kw
+    )
     return st.heartbeat(msg, now)
 
 
@@ -55,7 +56,9 @@ def watermark(reply: HeartbeatReply, job: str = "j") -> tuple[int, int]:
     return wm.recoverable, wm.durable
 
 
-def plan(st: CoordinatorState, rank: int, node: str, now: float = LATER, world: int = 2, job: str = "j") -> PlanReply:
+def plan(
+    st: CoordinatorState, rank: int, node: str, now: float = LATER, world: int = 2, job: str = "j"
+) -> PlanReply:
     return st.plans.plan(PlanRequest(job=job, rank=rank, world_size=world, node=node), now).reply()
 
 

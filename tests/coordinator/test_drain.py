@@ -23,13 +23,17 @@ def _setup():
     return st
 
 
-def test_a_leaving_node_leaves_placement_and_its_copies_are_placed_on_nodes_that_stay_before_it_drains() -> None:
+def test_a_leaving_node_leaves_placement_and_its_copies_are_placed_on_nodes_that_stay_before_it_drains() -> (
+    None
+):
     st = _setup()
     assert st.placement.buddies("a") == ("b",)
     # b holds rank 1's home copy and rank 0's buddy copy: without b each has one copy on a node that stays, and c
     # (rank 0) and a (rank 1) can take another
     assert _drain(st, "b") == DrainReply(remaining=2, unplaceable=0)
-    assert "b" not in st.membership.ring and st.membership.nodes["b"].alive and st.membership.nodes["b"].leaving
+    assert (
+        "b" not in st.membership.ring and st.membership.nodes["b"].alive and st.membership.nodes["b"].leaving
+    )
     assert st.placement.buddies("a") == ("c",)  # a's stream goes to c from now on, not to b
     # b's copies count as sources only: rank 1's copy is placed at once (its home is leaving), rank 0's once its
     # home's stream to its new buddy had time to land
@@ -63,7 +67,9 @@ def test_with_every_node_leaving_nothing_is_placeable_and_the_drain_ends_at_once
     for n in "abc":
         _drain(st, n)
     assert st.membership.ring == []
-    assert _drain(st, "a") == DrainReply(remaining=0, unplaceable=1)  # rank 0: a and b, both leaving; no target
+    assert _drain(st, "a") == DrainReply(
+        remaining=0, unplaceable=1
+    )  # rank 0: a and b, both leaving; no target
     assert not any(r.tasks for r in keep_alive(st, T0 + 1.0, "a", "b", "c").values())
 
 
@@ -77,7 +83,9 @@ def test_a_leaving_node_that_stops_is_dead_and_one_restarted_stays_again() -> No
     assert "b" in st.membership.ring
 
     _drain(st, "c")
-    register(st, "c", T0 + 4.5, inc="i2")  # restarted while draining (a new incarnation before it was declared dead)
+    register(
+        st, "c", T0 + 4.5, inc="i2"
+    )  # restarted while draining (a new incarnation before it was declared dead)
     assert "c" in st.membership.ring and not st.membership.nodes["c"].leaving
 
 
@@ -85,7 +93,11 @@ def test_an_unknown_node_or_incarnation_is_told_to_register_first() -> None:
     st = _setup()
     for node, inc in (("zz", "i1"), ("a", "old")):
         reply = _drain(st, node, inc)
-        assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_REGISTERED and "register first" in reply.message
+        assert (
+            isinstance(reply, Error)
+            and reply.code == ErrorCode.NOT_REGISTERED
+            and "register first" in reply.message
+        )
     assert "a" in st.membership.ring  # nothing changed
 
 
@@ -98,7 +110,10 @@ def test_a_rank_whose_process_ended_still_gets_its_copies_placed_from_a_leaving_
     beat(st, "l", T0, (), inv("j", 0, 5))
     beat(st, "c", T0, ())
     assert _drain(st, "l") == DrainReply(remaining=1, unplaceable=0)
-    for t in (1.0, 2.5):  # h is still the rank's home, so the sweep first waits for its stream (as for any deficit)
+    for t in (
+        1.0,
+        2.5,
+    ):  # h is still the rank's home, so the sweep first waits for its stream (as for any deficit)
         keep_alive(st, T0 + t, "h", "l", "c")
     tasks = keep_alive(st, T0 + 4.5, "h", "l", "c")["c"].tasks
     assert tasks == (ReplicateTask(job="j", rank=0, step=5, sources=(addr("h"), addr("l"))),)

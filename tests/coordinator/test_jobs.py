@@ -1,6 +1,5 @@
 """The job index and its watermarks: G, D, unusable and stale steps, and the index kept equal to a recount."""
 
-
 from __future__ import annotations
 
 import random
@@ -69,7 +68,9 @@ def test_a_step_some_rank_skipped_is_named_unusable() -> None:
     reply = beat(st, "b", T0, ranks("j", 2, 1), inv("j", 1, 7, 9, local=True) + inv("j", 0, 7, 8, 10))
     (wm,) = reply.watermarks
     assert (wm.recoverable, wm.durable, wm.unusable) == (7, 7, (8, 9))
-    reply = beat(st, "b", T0 + 0.1, ranks("j", 2, 1), inv("j", 1, 7, 9, 11, local=True) + inv("j", 0, 7, 8, 10))
+    reply = beat(
+        st, "b", T0 + 0.1, ranks("j", 2, 1), inv("j", 1, 7, 9, 11, local=True) + inv("j", 0, 7, 8, 10)
+    )
     assert reply.watermarks[0].unusable == (8, 9, 10)  # rank 1 passed 10 without it
 
 
@@ -107,7 +108,9 @@ def test_steps_held_when_a_round_froze_stay_out_of_every_watermark_until_durable
     assert plan(st, 1, "b", now=LATER + 1).step == 6
     assert plan(st, 0, "a", now=LATER + 1).step == 6
     beat(st, "a", LATER + 2, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 6, 7, 8))
-    reply = beat(st, "b", LATER + 2, ranks("j", 2, 1), inv("j", 1, 6, 7, 8, local=True) + inv("j", 0, 6, 7, 8))
+    reply = beat(
+        st, "b", LATER + 2, ranks("j", 2, 1), inv("j", 1, 6, 7, 8, local=True) + inv("j", 0, 6, 7, 8)
+    )
     (wm,) = reply.watermarks  # every rank has its answer and G is past 6: the round closes, D moves on
     assert (wm.recoverable, wm.durable, wm.unusable) == (8, 8, ())
     assert st.jobs["j"].stale == (-1, -1)
@@ -167,17 +170,30 @@ def test_incremental_index_equals_a_recount_after_any_sequence_of_reports(seed: 
         node = rnd.choice(nodes)
         w = world if rnd.random() > 0.05 else rnd.randint(1, 5)  # now and then a world size changes
         reported = rnd.sample(range(w), rnd.randint(0, w))
-        items = [InventoryItem(rnd.choice("jk"), rnd.randrange(w), rnd.randint(1, 5), rnd.random() < 0.5)
-                 for _ in range(rnd.randint(0, 10))]  # fmt: skip
-        reply = beat(st, node, now, ranks("j", w, *reported, alive=rnd.random() > 0.1), items,
-                     changed=rnd.random() > 0.2)  # fmt: skip
+        items = [
+            InventoryItem(rnd.choice("jk"), rnd.randrange(w), rnd.randint(1, 5), rnd.random() < 0.5)
+            for _ in range(rnd.randint(0, 10))
+        ]
+        reply = beat(
+            st,
+            node,
+            now,
+            ranks("j", w, *reported, alive=rnd.random() > 0.1),
+            items,
+            changed=rnd.random() > 0.2,
+        )
         if not reply.known:
             register(st, node, now)
         if rnd.random() < 0.1:
             st.expire(now + rnd.choice([0.0, 5.0]))
         for name, (holders, covered, durable, pairs, newest) in _index_from_scratch(st).items():
             job = st.jobs[name]
-            assert (job.holders, job.covered, job.durable, job.durable_pairs) == (holders, covered, durable, pairs)
+            assert (job.holders, job.covered, job.durable, job.durable_pairs) == (
+                holders,
+                covered,
+                durable,
+                pairs,
+            )
             assert job.newest == newest
 
 

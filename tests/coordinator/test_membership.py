@@ -1,6 +1,5 @@
 """Membership: expiry, incarnations, members, and the heartbeat interval and death timeout as the fleet grows."""
 
-
 from __future__ import annotations
 
 import pytest
@@ -66,8 +65,13 @@ def test_members_are_the_hosts_of_live_data_addresses() -> None:
     assert st.membership.member(MemberQuery(host="10.0.0.6")).member
     assert not st.membership.member(MemberQuery(host="10.0.0.7")).member
     st.register(RegisterSidecar(node="d", data_addr="tcp://trainer-7:7071", incarnation="i1"), T0)  # a name
-    assert not st.membership.member(MemberQuery(host="trainer-7")).member and not st.membership.member(MemberQuery(host="")).member
-    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)  # moved
+    assert (
+        not st.membership.member(MemberQuery(host="trainer-7")).member
+        and not st.membership.member(MemberQuery(host="")).member
+    )
+    st.register(
+        RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0
+    )  # moved
     assert not st.membership.member(MemberQuery(host="10.0.0.5")).member
     assert st.membership.member(MemberQuery(host="10.0.0.8")).member
     keep_alive(st, T0 + 2.0, "a", "c")
@@ -85,10 +89,13 @@ def test_unknown_node_gets_known_false() -> None:
 
 
 def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later() -> None:
-    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
-                                            target_heartbeats_per_s=4.0), now=T0)  # fmt: skip
-    told = [st.register(RegisterSidecar(node=n, data_addr=addr(n), incarnation="i1"), T0).heartbeat_interval
-            for n in "abc"]  # fmt: skip
+    st = CoordinatorState(
+        CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0, target_heartbeats_per_s=4.0), now=T0
+    )
+    told = [
+        st.register(RegisterSidecar(node=n, data_addr=addr(n), incarnation="i1"), T0).heartbeat_interval
+        for n in "abc"
+    ]
     assert told == [0.5, 0.5, 0.75]  # two nodes at 0.5 s make 4/s; three at 0.5 s would make 6/s
     assert beat(st, "a", T0).heartbeat_interval == 0.75  # told at once, in every reply while stretched
     register_any(st, "d")
@@ -97,7 +104,9 @@ def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later
     assert st.status(T0 + 5.5)["coordinator"]["live_nodes"] == 4
     keep_alive(st, T0 + 9.0, "a", "b")
     replies = keep_alive(st, T0 + 12.0, "a", "b")  # c and d silent for 6.5 s: dead
-    assert st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5  # told the base once ...
+    assert (
+        st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5
+    )  # told the base once ...
     assert beat(st, "a", T0 + 12.1, changed=False).heartbeat_interval == 0.0  # ... then "keep yours"
     assert st.membership.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
     assert st.membership.death_timeout(T0 + 18.5) == 3.0
@@ -105,31 +114,53 @@ def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later
 
 
 def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
-    st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0,
-                                            target_heartbeats_per_s=2.0), now=T0)  # fmt: skip
+    st = CoordinatorState(
+        CoordinatorConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0, target_heartbeats_per_s=2.0), now=T0
+    )
     for n in "ab":
         register_any(st, n)
-    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(T0 + 5.0)  # window 6 s with 2 nodes
+    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(
+        T0 + 5.0
+    )  # window 6 s with 2 nodes
     assert plan(st, 0, "a", now=T0 + 5.0).status == "wait"
     assert not st.plans.rebuilding(T0 + 6.1)
     for n in "cdefgh":
         register_any(st, n, T0 + 6.2)
-    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(T0 + 6.2)  # 8 nodes: 4 s, 24 s
+    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(
+        T0 + 6.2
+    )  # 8 nodes: 4 s, 24 s
 
 
-@pytest.mark.parametrize("node, data_addr, incarnation", [
-    ("", "tcp://a:1", "i1"), ("a", "tcp://a:1", ""), ("a", "fuzz-1", "i1"), ("a", "tcp://a", "i1"),
-    ("a", "tcp://a:99999", "i1"), ("a", "", "i1"), ("a", "udp://a:1", "i1"), ("a", "tcp://::1:7071", "i1"),
-])  # fmt: skip
-def test_a_registration_the_coordinator_could_not_use_is_refused(node: str, data_addr: str, incarnation: str) -> None:
+@pytest.mark.parametrize(
+    "node, data_addr, incarnation",
+    [
+        ("", "tcp://a:1", "i1"),
+        ("a", "tcp://a:1", ""),
+        ("a", "fuzz-1", "i1"),
+        ("a", "tcp://a", "i1"),
+        ("a", "tcp://a:99999", "i1"),
+        ("a", "", "i1"),
+        ("a", "udp://a:1", "i1"),
+        ("a", "tcp://::1:7071", "i1"),
+    ],
+)
+def test_a_registration_the_coordinator_could_not_use_is_refused(
+    node: str, data_addr: str, incarnation: str
+) -> None:
     """A node registered with an address no sidecar can connect to was placed as a buddy all the same, and
     every snapshot streamed to it failed."""
     st = make()
     with pytest.raises(ValueError):
         st.register(RegisterSidecar(node=node, data_addr=data_addr, incarnation=incarnation), T0)
     assert not st.membership.nodes
-    for good in ("tcp://10.0.0.2:41000", "tcp://node-7.cluster.local:7071", "tcp://[::1]:7071",
-                 "tcp://[fd00::2]:41000", "ipc:///tmp/x.data", "mem://b-data"):
+    for good in (
+        "tcp://10.0.0.2:41000",
+        "tcp://node-7.cluster.local:7071",
+        "tcp://[::1]:7071",
+        "tcp://[fd00::2]:41000",
+        "ipc:///tmp/x.data",
+        "mem://b-data",
+    ):
         st.register(RegisterSidecar(node="b", data_addr=good, incarnation="i1"), T0)
 
 

@@ -1,6 +1,5 @@
 """Buddy placement: never in the node's own failure domain, recomputed when membership changes."""
 
-
 from __future__ import annotations
 
 import logging

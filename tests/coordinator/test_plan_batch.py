@@ -33,10 +33,20 @@ def four_rank_job(st: CoordinatorState) -> None:
     """Job j, world 4: ranks 0, 1 on a and 2, 3 on b, each node backing up the other's; step 5 everywhere."""
     for n in "ab":
         register(st, n)
-    beat(st, "a", T0, ranks("j", 4, 0, 1), inv("j", 0, 5, local=True) + inv("j", 1, 5, local=True)
-         + inv("j", 2, 5) + inv("j", 3, 5))  # fmt: skip
-    beat(st, "b", T0, ranks("j", 4, 2, 3), inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True)
-         + inv("j", 0, 5) + inv("j", 1, 5))  # fmt: skip
+    beat(
+        st,
+        "a",
+        T0,
+        ranks("j", 4, 0, 1),
+        inv("j", 0, 5, local=True) + inv("j", 1, 5, local=True) + inv("j", 2, 5) + inv("j", 3, 5),
+    )
+    beat(
+        st,
+        "b",
+        T0,
+        ranks("j", 4, 2, 3),
+        inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True) + inv("j", 0, 5) + inv("j", 1, 5),
+    )
 
 
 def answer(st: CoordinatorState, req: PlanRequest, now: float, *, held: bool = False) -> PlanReply:
@@ -60,8 +70,13 @@ def test_a_request_for_several_ranks_waits_as_one_and_is_answered_per_rank() -> 
     assert first.status == "wait" and first.plans == () and "2 of 4 ranks" in first.reason
     waits = answer(st, ask("c", 3, 2), LATER)  # b holds their own copies and is not declared dead yet
     assert waits.status == "wait" and "node b" in waits.reason
-    last = answer(st, ask("c", 3, 2), LATER + 3.1)  # in the request's order; b taken at its word after the timeout
-    assert summary(last) == [(3, "ready", 5, False, (addr("a"), addr("b"))), (2, "ready", 5, False, (addr("a"), addr("b")))]
+    last = answer(
+        st, ask("c", 3, 2), LATER + 3.1
+    )  # in the request's order; b taken at its word after the timeout
+    assert summary(last) == [
+        (3, "ready", 5, False, (addr("a"), addr("b"))),
+        (2, "ready", 5, False, (addr("a"), addr("b"))),
+    ]
     again = answer(st, ask("a", 0, 1), LATER + 3.1, held=True)
     assert summary(again) == [(0, "ready", 5, True, (addr("b"),)), (1, "ready", 5, True, (addr("b"),))]
 
@@ -81,7 +96,9 @@ def test_a_rank_of_the_batch_answered_before_opens_a_new_round_for_all() -> None
     four_rank_job(st)
     answer(st, ask("a", 0, 1), LATER)
     assert answer(st, ask("b", 2, 3), LATER).status == "ready"
-    assert answer(st, ask("a", 1, 0), LATER).status == "ready"  # not held: but every one of them not answered yet
+    assert (
+        answer(st, ask("a", 1, 0), LATER).status == "ready"
+    )  # not held: but every one of them not answered yet
     assert answer(st, ask("b", 3), LATER).status == "wait"  # rank 3 restarted: a new round
 
 
@@ -96,9 +113,17 @@ def test_a_draft_is_the_held_requests_answer_while_nothing_changes() -> None:
     assert not st.plans.confirm(req, token, LATER)  # the round is not frozen yet
     answer(st, ask("b", 2, 3), LATER)  # the last ranks: frozen at step 5
     assert st.status(LATER + 1)["jobs"][0]["round"] == {
-        "outcome": "ready", "step": 5, "asked": 4, "answered": 2, "age_s": 1.0, "answer_s": None}
+        "outcome": "ready",
+        "step": 5,
+        "asked": 4,
+        "answered": 2,
+        "age_s": 1.0,
+        "answer_s": None,
+    }
     assert st.plans.confirm(req, token, LATER + 0.25)
-    assert st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25  # every rank answered, 0.25 s after the freeze
+    assert (
+        st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25
+    )  # every rank answered, 0.25 s after the freeze
     reply = answer(st, req, LATER, held=True)  # what the slow path answers, for comparison
     assert rows_of(drafted_answer.reply()) == rows_of(reply)
 
@@ -110,8 +135,13 @@ def test_a_draft_is_refused_once_holders_or_the_round_changed() -> None:
     answer(st, req, LATER)
     drafted = st.plans.draft(req)
     assert drafted is not None
-    beat(st, "b", LATER, ranks("j", 4, 2, 3), inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True)
-         + inv("j", 0, 5))  # fmt: skip  # b dropped its copy of rank 1: rank 1's sources change
+    beat(
+        st,
+        "b",
+        LATER,
+        ranks("j", 4, 2, 3),
+        inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True) + inv("j", 0, 5),
+    )  # b dropped its copy of rank 1: rank 1's sources change
     answer(st, ask("b", 2, 3), LATER)
     assert not st.plans.confirm(req, drafted[0], LATER)
     assert summary(answer(st, req, LATER, held=True))[1] == (1, "ready", 5, True, ())
@@ -159,14 +189,33 @@ def answer_of(reply: PlanReply) -> PlanAnswer:
     return PlanAnswer(reply.job, reply.rank, plans=tuple(rows_of(reply)))
 
 
-@pytest.mark.parametrize("reply", [
-    PlanReply(job="j", rank=3, status="ready", step=16, local=True, sources=()),
-    PlanReply(job="j", rank=0, status="ready", step=16, local=False, sources=(addr("a"), addr("b")),
-              plans=(RankPlan(1, "ready", 16, True, (addr("b"),), ""), RankPlan(2, "none", -1, False, (), "gone"))),
-    PlanReply(job="j", rank=0, status="fresh", step=0, reason="no snapshot yet",
-              plans=(RankPlan(1, "fresh", 0, False, (), "no snapshot yet"),)),
-    PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "reply",
+    [
+        PlanReply(job="j", rank=3, status="ready", step=16, local=True, sources=()),
+        PlanReply(
+            job="j",
+            rank=0,
+            status="ready",
+            step=16,
+            local=False,
+            sources=(addr("a"), addr("b")),
+            plans=(
+                RankPlan(1, "ready", 16, True, (addr("b"),), ""),
+                RankPlan(2, "none", -1, False, (), "gone"),
+            ),
+        ),
+        PlanReply(
+            job="j",
+            rank=0,
+            status="fresh",
+            step=0,
+            reason="no snapshot yet",
+            plans=(RankPlan(1, "fresh", 0, False, (), "no snapshot yet"),),
+        ),
+        PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"),
+    ],
+)
 def test_plan_replies_are_what_encode_produces(reply: PlanReply) -> None:
     answer = answer_of(reply)
     assert answer.reply() == reply
@@ -183,18 +232,30 @@ def test_plan_replies_refuse_what_encode_would() -> None:
     with pytest.raises(LimitExceeded):
         encode(PlanReply(job="j", rank=0, status="ready", step=1, sources=sources))
     with pytest.raises(LimitExceeded, match="plans"):
-        replies.frame(PlanAnswer("j", 0, plans=tuple((r, "ready", 1, True, (), "") for r in range(L.MAX_PLAN_RANKS + 1))))
+        replies.frame(
+            PlanAnswer(
+                "j", 0, plans=tuple((r, "ready", 1, True, (), "") for r in range(L.MAX_PLAN_RANKS + 1))
+            )
+        )
 
 
 def test_the_server_answers_held_batches_from_their_drafts_when_the_last_ranks_ask(start, dealer) -> None:  # noqa: F811
     coord = start()
     nodes = {n: dealer(coord.endpoint) for n in "ab"}
     hb = {
-        "a": Heartbeat(node="a", incarnation="i1", ranks=ranks("j", 4, 0, 1),
-                       inventory=inv("j", 0, 5, local=True) + inv("j", 1, 5, local=True) + inv("j", 2, 5)),
-        "b": Heartbeat(node="b", incarnation="i1", ranks=ranks("j", 4, 2, 3),
-                       inventory=inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True) + inv("j", 0, 5)),
-    }  # fmt: skip
+        "a": Heartbeat(
+            node="a",
+            incarnation="i1",
+            ranks=ranks("j", 4, 0, 1),
+            inventory=inv("j", 0, 5, local=True) + inv("j", 1, 5, local=True) + inv("j", 2, 5),
+        ),
+        "b": Heartbeat(
+            node="b",
+            incarnation="i1",
+            ranks=ranks("j", 4, 2, 3),
+            inventory=inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True) + inv("j", 0, 5),
+        ),
+    }
 
     def beat_all() -> None:
         for n, sock in nodes.items():

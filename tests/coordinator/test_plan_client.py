@@ -40,7 +40,9 @@ WORLD = 4
 @pytest.fixture
 def coordinator(request: pytest.FixtureRequest) -> Iterator[Coordinator]:
     kw = getattr(request, "param", {})
-    coord = Coordinator(CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.1, heartbeat_timeout=0.5, **kw))
+    coord = Coordinator(
+        CoordinatorConfig(bind="tcp://127.0.0.1:0", heartbeat_interval=0.1, heartbeat_timeout=0.5, **kw)
+    )
     yield coord
     coord.close()
 
@@ -49,10 +51,13 @@ async def _keep_beating(client: CoordinatorClient, stop: asyncio.Event) -> None:
     """Node ``a`` hosts every rank of job ``j`` and holds step 5 of each, in shared memory."""
     await client.register(RegisterSidecar(node="a", data_addr="tcp://a:1", incarnation="i1"), TIMEOUT)
     hb = Heartbeat(
-        node="a", incarnation="i1",
-        ranks=tuple(RankInfo(job="j", rank=r, world_size=WORLD, pid=10 + r, alive=True) for r in range(WORLD)),
+        node="a",
+        incarnation="i1",
+        ranks=tuple(
+            RankInfo(job="j", rank=r, world_size=WORLD, pid=10 + r, alive=True) for r in range(WORLD)
+        ),
         inventory=tuple(InventoryItem(job="j", rank=r, step=5, local=True) for r in range(WORLD)),
-    )  # fmt: skip
+    )
     while not stop.is_set():
         assert (await client.heartbeat(hb, TIMEOUT)).known
         await asyncio.sleep(0.05)
@@ -131,7 +136,9 @@ def scripted() -> Iterator[_Scripted]:
         ctx.destroy(linger=0)
 
 
-def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(coordinator: Coordinator) -> None:
+def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(
+    coordinator: Coordinator,
+) -> None:
     times: dict[int, float] = {}
 
     async def restore(client: CoordinatorClient, rank: int, delay: float) -> PlanReply:
@@ -150,7 +157,9 @@ def test_concurrent_ranks_share_one_request_and_get_the_plan_when_the_last_asks(
         with pytest.raises(ProtocolError, match="outside its world size"):
             await bad  # refused, and only that rank: the error names it, the others were asked for again
         replies = await calls
-        assert [(p.rank, p.status, p.step, p.local) for p in replies] == [(r, "ready", 5, True) for r in range(WORLD)]
+        assert [(p.rank, p.status, p.step, p.local) for p in replies] == [
+            (r, "ready", 5, True) for r in range(WORLD)
+        ]
         assert max(times.values()) - t0 < 1.2  # decided when rank 2 asked (0.4 s), not after a hold of 3 s
         assert client._pump is None and not client._groups  # stopped with the last call
 
@@ -181,19 +190,26 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
         assert second.all_ranks == (0, 1, 3, 5)  # replaces the first one, which the coordinator holds
         assert 0 != first.attempt != second.attempt != 0  # another set of calls
         plans = tuple(RankPlan(r, "ready", 7, r == 3, ("tcp://b:1",), "") for r in second.all_ranks)
-        reply = PlanReply(job="j", rank=0, status="ready", step=7, local=False, sources=("tcp://b:1",), plans=plans[1:])
+        reply = PlanReply(
+            job="j", rank=0, status="ready", step=7, local=False, sources=("tcp://b:1",), plans=plans[1:]
+        )
         await router.send_multipart([*envelope, *encode(reply)])
         async with asyncio.timeout(TIMEOUT):
             got = await asyncio.gather(*calls, late)
         assert [(p.rank, p.step, p.local, p.sources) for p in got] == [
-            (5, 7, False, ("tcp://b:1",)), (1, 7, False, ("tcp://b:1",)), (3, 7, True, ("tcp://b:1",)),
-            (0, 7, False, ("tcp://b:1",))]  # fmt: skip
+            (5, 7, False, ("tcp://b:1",)),
+            (1, 7, False, ("tcp://b:1",)),
+            (3, 7, True, ("tcp://b:1",)),
+            (0, 7, False, ("tcp://b:1",)),
+        ]
         assert not await router.poll(100)  # nothing more was sent
         assert not client._groups
         await handshakes(1)  # the fresh plan socket, connected with no plan asked for
 
         stale = PlanReply(job="j", rank=1, status="ready", step=3, local=False, sources=("tcp://old:1",))
-        await router.send_multipart([*envelope, *encode(stale)])  # an answer to the replaced request, sent late
+        await router.send_multipart(
+            [*envelope, *encode(stale)]
+        )  # an answer to the replaced request, sent late
         call = asyncio.ensure_future(client.plan(_ask(1, 8), time.monotonic() + TIMEOUT))
         fresh, third = await scripted.receive()
         assert fresh != envelope and third.all_ranks == (1,)  # a new peer to the coordinator
@@ -215,7 +231,9 @@ def test_a_request_asked_again_keeps_its_attempt_until_a_call_joins(scripted: _S
         deadline = time.monotonic() + TIMEOUT
         call = asyncio.ensure_future(client.plan(_ask(2), deadline))
         envelope, first = await scripted.receive()
-        await router.send_multipart([*envelope, *encode(PlanReply(job="j", rank=2, status="wait", reason="1 of 4"))])
+        await router.send_multipart(
+            [*envelope, *encode(PlanReply(job="j", rank=2, status="wait", reason="1 of 4"))]
+        )
         envelope, again = await scripted.receive()
         assert again.all_ranks == (2,) and again.attempt == first.attempt != 0
         late = asyncio.ensure_future(client.plan(_ask(0), deadline))
@@ -274,7 +292,9 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
         await router.send_multipart([*fresh, *encode(PlanReply(job="j", rank=1, status="ready", step=9))])
         async with asyncio.timeout(TIMEOUT):
             assert (await restarted).step == 9
-        newest, k_last = await next_of("k", not_on=(old, fresh))  # a call ended after a timeout: another socket
+        newest, k_last = await next_of(
+            "k", not_on=(old, fresh)
+        )  # a call ended after a timeout: another socket
         assert k_last.attempt == attempts["k"]
         await router.send_multipart([*newest, *encode(PlanReply(job="k", rank=0, status="ready", step=4))])
         async with asyncio.timeout(TIMEOUT):
@@ -283,14 +303,18 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
     scripted.run(answered_twice)
 
 
-def test_an_answer_to_a_call_that_gave_up_never_reaches_the_next_call_of_its_rank(scripted: _Scripted) -> None:
+def test_an_answer_to_a_call_that_gave_up_never_reaches_the_next_call_of_its_rank(
+    scripted: _Scripted,
+) -> None:
     """A call that gives up (its deadline passed) leaves its request with the coordinator, which may still
     answer it. The plan socket is then replaced although another job's call waits (it asks again on the fresh
     one, under its attempt), so that the late answer cannot settle the rank's next call."""
     router, client = scripted.router, scripted.client
 
     async def gives_up() -> None:
-        waiting_k = asyncio.ensure_future(client.plan(dataclasses.replace(_ask(0), job="k"), time.monotonic() + TIMEOUT))
+        waiting_k = asyncio.ensure_future(
+            client.plan(dataclasses.replace(_ask(0), job="k"), time.monotonic() + TIMEOUT)
+        )
         old, first_k = await scripted.receive()
         gave_up = asyncio.ensure_future(client.plan(_ask(1), time.monotonic() + 0.3))
         _, first_j = await scripted.receive()
@@ -306,7 +330,9 @@ def test_an_answer_to_a_call_that_gave_up_never_reaches_the_next_call_of_its_ran
         await asyncio.sleep(0.2)
         assert not again.done()  # the late answer went to the closed socket
         for job, rank, step in (("j", 1, 9), ("k", 0, 4)):
-            await router.send_multipart([*fresh, *encode(PlanReply(job=job, rank=rank, status="ready", step=step))])
+            await router.send_multipart(
+                [*fresh, *encode(PlanReply(job=job, rank=rank, status="ready", step=step))]
+            )
         async with asyncio.timeout(TIMEOUT):
             assert [(await again).step, (await waiting_k).step] == [9, 4]
 
@@ -314,10 +340,14 @@ def test_an_answer_to_a_call_that_gave_up_never_reaches_the_next_call_of_its_ran
 
 
 @pytest.mark.parametrize("coordinator", [{"plan_hold": 0.0}], indirect=True)
-def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(coordinator: Coordinator) -> None:
+def test_against_a_coordinator_that_holds_nothing_plan_polls_until_its_deadline(
+    coordinator: Coordinator,
+) -> None:
     async def body(client: CoordinatorClient) -> None:
         t0 = time.monotonic()
-        with pytest.raises(CoordinatorUnavailable, match=r"rank 0: 1 of 4 ranks accounted for; waiting for rank"):
+        with pytest.raises(
+            CoordinatorUnavailable, match=r"rank 0: 1 of 4 ranks accounted for; waiting for rank"
+        ):
             await client.plan(_ask(0), t0 + 0.6)
         assert 0.55 <= time.monotonic() - t0 < 3.0
 
@@ -335,7 +365,9 @@ def test_a_refusal_naming_no_job_fails_the_call_and_the_plan_reader_goes_quiet(s
         call = asyncio.ensure_future(client.plan(_ask(2), time.monotonic() + TIMEOUT))
         async with asyncio.timeout(TIMEOUT):
             frames = await router.recv_multipart()
-        await router.send_multipart([frames[0], *encode(Error(code=ErrorCode.BAD_MESSAGE, message="unreadable"))])
+        await router.send_multipart(
+            [frames[0], *encode(Error(code=ErrorCode.BAD_MESSAGE, message="unreadable"))]
+        )
         with pytest.raises(ProtocolError, match="unreadable"):
             async with asyncio.timeout(TIMEOUT):
                 await call

@@ -1,6 +1,5 @@
 """Plan rounds: every rank waits for the others, then all get the same step; fresh, none and new rounds."""
 
-
 from __future__ import annotations
 
 from snapshotd.proto import (
@@ -80,7 +79,12 @@ def test_plan_sources_are_every_other_live_holder() -> None:
     for t in range(2, 11, 2):
         keep_alive(st, T0 + t, "b", "c")  # a (the rank's node) dies
     reply = plan(st, 0, "d", now=LATER, world=1)
-    assert (reply.status, reply.step, reply.local, reply.sources) == ("ready", 4, False, (addr("b"), addr("c")))
+    assert (reply.status, reply.step, reply.local, reply.sources) == (
+        "ready",
+        4,
+        False,
+        (addr("b"), addr("c")),
+    )
 
 
 def test_plan_fresh_when_no_snapshot_was_ever_seen() -> None:
@@ -96,8 +100,13 @@ def test_plan_none_names_the_rank_without_snapshots() -> None:
     st = make()
     for n in "ab":
         register(st, n)
-    beat(st, "a", T0, ranks("j", 4, 0, 1, 2), inv("j", 0, 3, local=True) + inv("j", 1, 3, local=True)
-         + inv("j", 2, 3, local=True))  # fmt: skip
+    beat(
+        st,
+        "a",
+        T0,
+        ranks("j", 4, 0, 1, 2),
+        inv("j", 0, 3, local=True) + inv("j", 1, 3, local=True) + inv("j", 2, 3, local=True),
+    )
     for r in range(3):
         assert plan(st, r, "a", world=4).status == "wait"
     reply = plan(st, 3, "b", world=4)
@@ -146,15 +155,22 @@ def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answer
     step = plan(st, 1, "b").step
     assert plan(st, 0, "a").status == "ready"  # rank 0 answered (say, a duplicate of its request) ...
     again = st.plans.plan(PlanRequest(job="j", rank=0, world_size=2, node="a"), LATER, held=True).reply()
-    assert (again.status, again.step) == ("ready", step)  # ... its held request: the same answer, no new round
+    assert (again.status, again.step) == (
+        "ready",
+        step,
+    )  # ... its held request: the same answer, no new round
 
 
-def test_a_request_repeated_under_its_attempt_gets_its_answer_again_and_another_attempt_opens_a_round() -> None:
+def test_a_request_repeated_under_its_attempt_gets_its_answer_again_and_another_attempt_opens_a_round() -> (
+    None
+):
     st = make()
     two_node_job(st)
 
     def ask(rank: int, node: str, attempt: int) -> tuple[str, int]:
-        reply = st.plans.plan(PlanRequest(job="j", rank=rank, world_size=2, node=node, attempt=attempt), LATER).reply()
+        reply = st.plans.plan(
+            PlanRequest(job="j", rank=rank, world_size=2, node=node, attempt=attempt), LATER
+        ).reply()
         return reply.status, reply.step
 
     assert ask(0, "a", 11)[0] == "wait"

@@ -62,7 +62,9 @@ def test_the_state_queues_the_other_nodes_of_the_job_once_per_heartbeat_interval
     assert st.lose(b, "i1", "refused a connection") and not b.alive and st.membership.live == 3
     assert not st.lose(b, "i1", "refused again")
     assert 1 not in st.jobs["j"].homes
-    assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.2).probed == 0  # c: within the interval
+    assert (
+        st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.2).probed == 0
+    )  # c: within the interval
     assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.6).probed == 1  # c again, not b
 
 
@@ -96,7 +98,9 @@ def test_a_refusing_node_is_declared_dead_only_once_it_also_missed_a_heartbeat()
     stays live; a silent one is declared dead as soon as that silence is reached."""
 
     async def main() -> None:
-        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic())
+        st = CoordinatorState(
+            CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic()
+        )
         deaths: list[str] = []
         prober = Prober(st, lambda: deaths.append("b"))
         b = _refusing_node(st)
@@ -126,7 +130,9 @@ def test_a_node_whose_listener_closes_just_after_the_first_probe_is_declared_dea
     first probe: one heartbeat interval later the second probe is refused."""
 
     async def main() -> None:
-        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic())
+        st = CoordinatorState(
+            CoordinatorConfig(heartbeat_interval=0.1, heartbeat_timeout=30.0), now=time.monotonic()
+        )
         probed = asyncio.Event()
 
         def first_probe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -136,8 +142,9 @@ def test_a_node_whose_listener_closes_just_after_the_first_probe_is_declared_dea
 
         server = await asyncio.start_server(first_probe, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        st.register(RegisterSidecar(node="b", data_addr=f"tcp://127.0.0.1:{port}", incarnation="i1"),
-                    time.monotonic())  # fmt: skip
+        st.register(
+            RegisterSidecar(node="b", data_addr=f"tcp://127.0.0.1:{port}", incarnation="i1"), time.monotonic()
+        )
         b = st.membership.nodes["b"]
         assert await Prober(st, lambda: None).check(b, "i1", "(test)", 1.0)
         assert probed.is_set() and not b.alive
@@ -147,11 +154,17 @@ def test_a_node_whose_listener_closes_just_after_the_first_probe_is_declared_dea
 
 def test_another_hosts_loopback_address_is_not_probed() -> None:
     assert host_local("tcp://127.0.0.1:1") and host_local("tcp://localhost:1") and host_local("ipc:///tmp/x")
-    assert host_local("tcp://[::1]:1") and not host_local("tcp://10.0.0.5:1") and not host_local("tcp://node-a:1")
+    assert (
+        host_local("tcp://[::1]:1")
+        and not host_local("tcp://10.0.0.5:1")
+        and not host_local("tcp://node-a:1")
+    )
 
     async def main() -> None:
-        st = CoordinatorState(CoordinatorConfig(bind="tcp://0.0.0.0:7070", heartbeat_interval=0.1,
-                                                heartbeat_timeout=30.0), now=time.monotonic())  # fmt: skip
+        st = CoordinatorState(
+            CoordinatorConfig(bind="tcp://0.0.0.0:7070", heartbeat_interval=0.1, heartbeat_timeout=30.0),
+            now=time.monotonic(),
+        )
         b = _refusing_node(st)
         b.last_seen = time.monotonic() - 1.0
         assert st.membership.suspect("b", "(test)", time.monotonic())
@@ -163,7 +176,9 @@ def test_another_hosts_loopback_address_is_not_probed() -> None:
 
 
 def _join(sock, node: str, data_addr: str, rank: int) -> None:
-    assert isinstance(ask(sock, RegisterSidecar(node=node, data_addr=data_addr, incarnation="i1")), SidecarRegistered)
+    assert isinstance(
+        ask(sock, RegisterSidecar(node=node, data_addr=data_addr, incarnation="i1")), SidecarRegistered
+    )
     info = RankInfo(job="j", rank=rank, world_size=3, pid=100 + rank, alive=True)
     assert ask(sock, Heartbeat(node=node, incarnation="i1", ranks=(info,))).known
 
@@ -182,7 +197,10 @@ def test_a_lost_peer_gets_a_node_whose_sidecar_is_gone_declared_dead_at_once(sta
         alive: dict[str, bool] = {}
         while alive.get("b", True):
             assert time.monotonic() - t0 < TIMEOUT, alive
-            alive = {n["node"]: n["alive"] for n in fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["nodes"]}
+            alive = {
+                n["node"]: n["alive"]
+                for n in fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["nodes"]
+            }
         assert alive == {"a": True, "b": False, "c": True}
         assert time.monotonic() - t0 < 15.0  # a probe's time, not the death timeout's (30 s)
         assert not ask(socks["b"], Heartbeat(node="b", incarnation="i1")).known  # b must register again
@@ -217,7 +235,9 @@ def test_probes_are_tasks_of_the_probers_group_and_end_with_it() -> None:
     cancelled and waited for, so none outlives the coordinator's loop."""
 
     async def main() -> None:
-        st = CoordinatorState(CoordinatorConfig(heartbeat_interval=5.0, heartbeat_timeout=30.0), now=time.monotonic())
+        st = CoordinatorState(
+            CoordinatorConfig(heartbeat_interval=5.0, heartbeat_timeout=30.0), now=time.monotonic()
+        )
         b = _refusing_node(st)  # silent for 1.5 intervals = 7.5 s only later: its check waits that long
         prober = Prober(st, lambda: None)
         assert st.membership.suspect("b", "(test)", time.monotonic())

@@ -18,8 +18,10 @@ from snapshotd.proto import limits as L
 
 
 def assignments(node: int, ranks: int = 8) -> tuple[Assignment, ...]:
-    return tuple(Assignment(job="j", rank=node * ranks + r, buddies=(f"tcp://10.0.0.{node + 1}:7071",))
-                 for r in range(ranks))  # fmt: skip
+    return tuple(
+        Assignment(job="j", rank=node * ranks + r, buddies=(f"tcp://10.0.0.{node + 1}:7071",))
+        for r in range(ranks)
+    )
 
 
 def check(replies: HeartbeatReplies, node: str, reply: HeartbeatReply) -> bytes:
@@ -33,9 +35,14 @@ def test_pieces_join_to_the_encoded_reply_as_watermarks_and_assignments_move() -
     replies = HeartbeatReplies()
     for step in range(3):
         for node in range(4):  # every node of the job gets the job's new watermark, packed once
-            marks = (Watermark(job="j", recoverable=step, durable=step - 1), Watermark(job="k", recoverable=-1, durable=-1))
+            marks = (
+                Watermark(job="j", recoverable=step, durable=step - 1),
+                Watermark(job="k", recoverable=-1, durable=-1),
+            )
             check(replies, f"n{node}", HeartbeatReply(assignments=assignments(node), watermarks=marks))
-    moved = HeartbeatReply(assignments=assignments(2, ranks=3), watermarks=(Watermark(job="j", recoverable=5, durable=4),))
+    moved = HeartbeatReply(
+        assignments=assignments(2, ranks=3), watermarks=(Watermark(job="j", recoverable=5, durable=4),)
+    )
     check(replies, "n0", moved)  # new assignments for n0
     check(replies, "n0", HeartbeatReply())  # nothing assigned, no job
     many = tuple(Watermark(job=f"job-{i}", recoverable=i, durable=i) for i in range(40))  # array16 header
@@ -45,7 +52,9 @@ def test_pieces_join_to_the_encoded_reply_as_watermarks_and_assignments_move() -
 
 def test_equal_but_new_objects_reuse_the_pieces() -> None:
     replies = HeartbeatReplies()
-    first = check(replies, "n", HeartbeatReply(assignments=assignments(0), watermarks=(Watermark("j", 3, 2),)))
+    first = check(
+        replies, "n", HeartbeatReply(assignments=assignments(0), watermarks=(Watermark("j", 3, 2),))
+    )
     again = replies.frame("n", HeartbeatReply(assignments=assignments(0), watermarks=(Watermark("j", 3, 2),)))
     assert again == first
 
@@ -75,7 +84,9 @@ def test_a_reply_of_the_same_pieces_is_the_nodes_last_frame_and_any_new_piece_ma
     placed, mark = assignments(0), Watermark("j", 3, 2)
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1))
     joined = replies._frames["n"]
-    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1 << 40))  # only seq differs
+    check(
+        replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1 << 40)
+    )  # only seq differs
     assert replies._frames["n"] is joined  # its pieces were not joined again
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), heartbeat_interval=2.5))
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(Watermark("j", 4, 2),)))

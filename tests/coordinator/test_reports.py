@@ -1,6 +1,5 @@
 """Heartbeat ingest: a node's ranks and inventory, and the homes they move."""
 
-
 from __future__ import annotations
 
 import logging
@@ -37,7 +36,9 @@ def test_dead_rank_is_logged_at_once(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         beat(st, "b", T0 + 1.0, ranks("j", 2, 1, alive=False), inv("j", 1, 5, 6, local=True) + inv("j", 0, 5))
         beat(st, "b", T0 + 1.5, ranks("j", 2, 1, alive=False), inv("j", 1, 5, 6, local=True) + inv("j", 0, 5))
-    assert [r.message for r in caplog.records if "died" in r.message] == ["rank 1 of job j on node b died (pid 101)"]
+    assert [r.message for r in caplog.records if "died" in r.message] == [
+        "rank 1 of job j on node b died (pid 101)"
+    ]
 
 
 def test_live_report_keeps_the_home_against_a_dead_process_report() -> None:

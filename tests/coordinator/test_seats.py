@@ -10,10 +10,22 @@ from snapshotd.proto import HeldSeat, SeatReply, SeatRequest
 from .scenario import LATER, T0, beat, keep_alive, make, ranks, register
 
 
-def seat(st: CoordinatorState, node: str, now: float = LATER, world: int = 4, per_node: int = 2, job: str = "j",
-         held: int = -1, held_granted: int = 0) -> SeatReply:  # fmt: skip
-    return st.seats.ask(SeatRequest(job=job, world_size=world, per_node=per_node, node=node, held=held,
-                                    held_granted=held_granted), now)  # fmt: skip
+def seat(
+    st: CoordinatorState,
+    node: str,
+    now: float = LATER,
+    world: int = 4,
+    per_node: int = 2,
+    job: str = "j",
+    held: int = -1,
+    held_granted: int = 0,
+) -> SeatReply:
+    return st.seats.ask(
+        SeatRequest(
+            job=job, world_size=world, per_node=per_node, node=node, held=held, held_granted=held_granted
+        ),
+        now,
+    )
 
 
 def test_nodes_take_seats_in_order_of_asking_and_keep_them() -> None:
@@ -66,9 +78,13 @@ def test_seats_held_by_reported_ranks_count_after_a_coordinator_restart() -> Non
     st = make()
     for n in "abc":
         register(st, n)
-    beat(st, "a", T0, ranks("j", 4, 2, 3))  # a node placed by its own index, or seated by the last coordinator
+    beat(
+        st, "a", T0, ranks("j", 4, 2, 3)
+    )  # a node placed by its own index, or seated by the last coordinator
     during = seat(st, "c", now=T0 + 1)
-    assert during.status == "wait" and "restarted" in during.reason  # the rebuild window: reports still coming
+    assert (
+        during.status == "wait" and "restarted" in during.reason
+    )  # the rebuild window: reports still coming
     keep_alive(st, T0 + 2, "a", "b", "c")
     assert seat(st, "a").first == 2  # the seat of the ranks it reports
     assert seat(st, "c").first == 0
@@ -91,11 +107,16 @@ def test_a_restarted_coordinator_learns_seats_from_heartbeats_and_the_later_gran
     c = seat(first, "c")
     assert c.first == 2 and c.granted > b.granted
 
-    st = make()  # the coordinator restarts: every sidecar registers again and reports its seats with its ranks
+    st = (
+        make()
+    )  # the coordinator restarts: every sidecar registers again and reports its seats with its ranks
     for n in "abc":
         register(st, n)
-    held = {"a": HeldSeat("j", 0, 2, 4, a.granted), "b": HeldSeat("j", 2, 2, 4, b.granted),
-            "c": HeldSeat("j", 2, 2, 4, c.granted)}  # fmt: skip
+    held = {
+        "a": HeldSeat("j", 0, 2, 4, a.granted),
+        "b": HeldSeat("j", 2, 2, 4, b.granted),
+        "c": HeldSeat("j", 2, 2, 4, c.granted),
+    }
     rank_of = {"a": (0, 1), "b": (2, 3), "c": (2, 3)}  # b's woken processes still report ranks 2 and 3
     for n in ("a", "c", "b") if order == "replacement first" else ("a", "b", "c"):
         beat(st, n, T0 + 1, ranks("j", 4, *rank_of[n]), seats=(held[n],))
@@ -112,10 +133,22 @@ def test_a_seat_report_that_disagrees_with_the_job_or_reports_no_rank_of_it_is_i
     for n in "ab":
         register(st, n)
     assert seat(st, "a").first == 0
-    beat(st, "b", T0 + 1, ranks("j", 4, 2), seats=(HeldSeat("j", 2, 4, 8, 5), HeldSeat("j", 1, 2, 4, 5),
-                                                   HeldSeat("j", 0, 2, 4, 9), HeldSeat("other", 0, 2, 4, 5)))  # fmt: skip
+    beat(
+        st,
+        "b",
+        T0 + 1,
+        ranks("j", 4, 2),
+        seats=(
+            HeldSeat("j", 2, 4, 8, 5),
+            HeldSeat("j", 1, 2, 4, 5),
+            HeldSeat("j", 0, 2, 4, 9),
+            HeldSeat("other", 0, 2, 4, 5),
+        ),
+    )
     assert st.seats._seats["j"].node_of == {0: "a"} and "other" not in st.seats._seats
-    assert seat(st, "a").first == 0 and seat(st, "b").first == 2  # nothing the reports said broke the job's seats
+    assert (
+        seat(st, "a").first == 0 and seat(st, "b").first == 2
+    )  # nothing the reports said broke the job's seats
 
 
 def test_a_node_given_back_a_seat_a_later_node_had_gets_a_fresh_grant_that_outranks_the_later_node() -> None:
@@ -142,7 +175,9 @@ def test_a_node_given_back_a_seat_a_later_node_had_gets_a_fresh_grant_that_outra
     assert back.first == 0 and back.granted > taken_over.granted, "a fresh grant, not a's old one"
     register(st, "c", now=LATER + 5, inc="i2")
     beat(st, "a", LATER + 5, ranks("j", 4, 0, 1), inc="i2", seats=(HeldSeat("j", 0, 2, 4, back.granted),))
-    beat(st, "c", LATER + 5, ranks("j", 4, 0, 1), inc="i2", seats=(HeldSeat("j", 0, 2, 4, taken_over.granted),))
+    beat(
+        st, "c", LATER + 5, ranks("j", 4, 0, 1), inc="i2", seats=(HeldSeat("j", 0, 2, 4, taken_over.granted),)
+    )
     assert st.seats._seats["j"].node_of[0] == "a"
     told = seat(st, "c", now=LATER + 5, held=0, held_granted=taken_over.granted)
     assert told.status == "taken" and "was given to node a" in told.reason, told

@@ -133,18 +133,23 @@ def register(sock: zmq.Socket, node: str, inc: str = "i1") -> None:
     assert isinstance(reply, SidecarRegistered) and reply.heartbeat_interval == 0.1
 
 
-def heartbeat(sock: zmq.Socket, node: str, rank: int, steps: tuple[int, ...], inc: str = "i1") -> HeartbeatReply:
+def heartbeat(
+    sock: zmq.Socket, node: str, rank: int, steps: tuple[int, ...], inc: str = "i1"
+) -> HeartbeatReply:
     msg = Heartbeat(
-        node=node, incarnation=inc,
+        node=node,
+        incarnation=inc,
         ranks=(RankInfo(job="j", rank=rank, world_size=2, pid=1, alive=True),),
         inventory=tuple(InventoryItem(job="j", rank=rank, step=s, local=True) for s in steps),
-    )  # fmt: skip
+    )
     reply = ask(sock, msg)
     assert isinstance(reply, HeartbeatReply)
     return reply
 
 
-def beat_until(sidecars: dict[str, tuple[zmq.Socket, int, tuple[int, ...]]], done, limit: float = TIMEOUT) -> float:
+def beat_until(
+    sidecars: dict[str, tuple[zmq.Socket, int, tuple[int, ...]]], done, limit: float = TIMEOUT
+) -> float:
     """Heartbeat every sidecar every 0.05 s (as they would) until ``done()``; the seconds it took."""
     t0 = time.monotonic()
     while not done():
@@ -167,7 +172,9 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     assert reply.heartbeat_interval == 0.0  # two nodes are far below the target rate: keep the interval
     sidecars = {"a": (a, 0, (3, 4)), "b": (b, 1, (4,))}
     plan_a, plan_b = dealer(coord.endpoint), dealer(coord.endpoint)
-    plan_a.send_multipart(encode(PlanRequest(job="j", rank=0, world_size=2, node="a")))  # in the rebuild window
+    plan_a.send_multipart(
+        encode(PlanRequest(job="j", rank=0, world_size=2, node="a"))
+    )  # in the rebuild window
     beat_until(sidecars, lambda: time.monotonic() - coord.started > 0.7)  # window over: rank 0 recorded, held
     assert not plan_a.poll(0), "a waiting request is held, not answered"
     asked = time.monotonic()
@@ -201,8 +208,14 @@ def test_a_status_document_is_built_between_other_requests(start, dealer, monkey
     sock = dealer(coord.endpoint)
     register(sock, "a")
     world = 20_000  # a part per rank (all on node a): thousands of passes of the loop, far longer than this thread's turn takes
-    reported = ask(sock, Heartbeat(node="a", incarnation="i1", ranks=tuple(
-        RankInfo(job="j", rank=r, world_size=world, pid=1, alive=True) for r in range(world))))  # fmt: skip
+    reported = ask(
+        sock,
+        Heartbeat(
+            node="a",
+            incarnation="i1",
+            ranks=tuple(RankInfo(job="j", rank=r, world_size=world, pid=1, alive=True) for r in range(world)),
+        ),
+    )
     assert isinstance(reported, HeartbeatReply) and reported.known, reported
     sock.send_multipart(encode(StatusRequest()))
     first = ask(sock, Heartbeat(node="a", incarnation="i1", changed=False))
@@ -219,7 +232,9 @@ def test_a_status_document_is_built_between_other_requests(start, dealer, monkey
         replies.append(decode(sock.recv_multipart()))
     busy = [r for r in replies if isinstance(r, Error)]
     assert len(busy) == 1 and busy[0].code == "busy" and "status documents are being built" in busy[0].message
-    assert all(msgpack.unpackb(r.body)["nodes"][0]["node"] == "a" for r in replies if isinstance(r, StatusReply))
+    assert all(
+        msgpack.unpackb(r.body)["nodes"][0]["node"] == "a" for r in replies if isinstance(r, StatusReply)
+    )
 
 
 def test_a_held_plan_request_is_answered_wait_after_the_hold(start, dealer) -> None:
@@ -263,8 +278,9 @@ def test_a_seat_request_is_held_until_a_seat_comes_free(start, dealer) -> None:
     ranks = {"a": 0, "b": 1}
     _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6)  # past the rebuild window
     seat = {"job": "j", "world_size": 2, "per_node": 1, "timeout_s": 30.0}
-    assert ask(socks["a"], SeatRequest(node="a", **seat)) == SeatReply(job="j", status="given", first=0,
-                                                                      granted=mock.ANY)  # fmt: skip
+    assert ask(socks["a"], SeatRequest(node="a", **seat)) == SeatReply(
+        job="j", status="given", first=0, granted=mock.ANY
+    )
     assert ask(socks["b"], SeatRequest(node="b", **seat)).first == 1  # type: ignore[attr-defined]
     _send(socks["c"], SeatRequest(node="c", **seat))
     t0 = time.monotonic()
@@ -277,14 +293,18 @@ def test_a_seat_request_is_held_until_a_seat_comes_free(start, dealer) -> None:
     assert time.monotonic() - t0 < 5.0  # well before the hold's 10 s
 
 
-def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_the_hold_ends(start, dealer) -> None:
+def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_the_hold_ends(
+    start, dealer
+) -> None:
     coord = start(plan_hold=0.4)
     socks = {n: dealer(coord.endpoint) for n in "abc"}
     for n, sock in socks.items():
         register(sock, n)
     ranks, steps = {"a": 0, "b": 1}, (3,)
     _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6, steps)
-    assert ask(socks["c"], Drain(node="c", incarnation="i1")) == DrainReply(remaining=0, unplaceable=0)  # at once
+    assert ask(socks["c"], Drain(node="c", incarnation="i1")) == DrainReply(
+        remaining=0, unplaceable=0
+    )  # at once
     drainer = dealer(coord.endpoint)
     t0 = time.monotonic()
     _send(drainer, Drain(node="b", incarnation="i1"))  # b holds rank 1's only copy of G: held
@@ -293,7 +313,9 @@ def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_th
     assert reply == DrainReply(remaining=1, unplaceable=0) and time.monotonic() - t0 >= 0.35
 
 
-def _beat_while(socks: dict[str, zmq.Socket], ranks: dict[str, int], done, steps: tuple[int, ...] = ()) -> None:
+def _beat_while(
+    socks: dict[str, zmq.Socket], ranks: dict[str, int], done, steps: tuple[int, ...] = ()
+) -> None:
     """Heartbeat each of ``socks`` every 0.05 s (the nodes in ``ranks`` reporting that rank of job j, of 2, and
     ``steps`` of it) until ``done()``."""
     t0 = time.monotonic()
@@ -405,7 +427,9 @@ print("stopped", flush=True)
 
 
 def test_process_serves_until_sigterm() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _MAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MAIN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         endpoint = proc.stdout.readline().strip()

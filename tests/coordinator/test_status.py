@@ -1,6 +1,5 @@
 """The status document, and its parts while the state changes between them."""
 
-
 from __future__ import annotations
 
 import msgpack
@@ -48,8 +47,14 @@ def test_status_document() -> None:
     assert (a["out_Bps"], a["in_Bps"]) == (2000.0, 5.0)
     (job,) = doc["jobs"]
     assert (job["job"], job["world_size"], job["recoverable"], job["durable"]) == ("j", 2, 6, 5)
-    assert job["ranks"][0] == {"rank": 0, "node": "a", "newest_step": 6, "lag_steps": 0, "copies": 1,
-                               "rpo_s": job["ranks"][0]["rpo_s"]}  # fmt: skip  # (checked below)
+    assert job["ranks"][0] == {
+        "rank": 0,
+        "node": "a",
+        "newest_step": 6,
+        "lag_steps": 0,
+        "copies": 1,
+        "rpo_s": job["ranks"][0]["rpo_s"],
+    }  # (checked below)
     assert job["round"] is None and job["plan_rounds"] == 0  # no rank asked for a plan yet
     # G grew from 4 to 6 in 0.5 s (0.25 s a step); rank 0 trains on to step 8: a failure now costs it 2 steps, 0.5 s
     st.jobs["j"].g_seen.clear()
@@ -61,7 +66,13 @@ def test_status_document() -> None:
     assert (job["ranks"][1]["lag_steps"], job["ranks"][1]["rpo_s"]) == (0, 0.0)
     plan(st, 0, "a")
     assert st.status(T0 + 3.0)["jobs"][0]["round"] == {
-        "outcome": "asking", "step": -1, "asked": 1, "answered": 0, "age_s": None, "answer_s": None}
+        "outcome": "asking",
+        "step": -1,
+        "asked": 1,
+        "answered": 0,
+        "age_s": None,
+        "answer_s": None,
+    }
 
 
 def test_a_world_size_alone_never_lengthens_the_document() -> None:
@@ -92,19 +103,49 @@ def test_status_renders_as_plain_text_tables() -> None:
     text = render_status(st.status(T0 + 1.0))
     lines = text.splitlines()
     assert lines[0].startswith("coordinator: up ") and "replicas 1" in lines[0]
-    assert lines[2].split() == ["NODE", "RACK", "STATE", "SEEN", "RANKS", "STORED", "OUT", "IN", "PACE", "DATA"]
+    assert lines[2].split() == [
+        "NODE",
+        "RACK",
+        "STATE",
+        "SEEN",
+        "RANKS",
+        "STORED",
+        "OUT",
+        "IN",
+        "PACE",
+        "DATA",
+    ]
     assert lines[3].split()[:3] == ["a", "-", "live"] and "unpaced" in lines[3]
     assert "job j: world size 2, recoverable step G = 6" in text
-    header = next(i for i, ln in enumerate(lines) if ln.split() == ["RANK", "NODE", "NEWEST", "RPO", "COPIES"])
+    header = next(
+        i for i, ln in enumerate(lines) if ln.split() == ["RANK", "NODE", "NEWEST", "RPO", "COPIES"]
+    )
     assert lines[header + 1].split()[:5] == ["0", "a", "6", "0", "steps"]
     assert "\x1b" not in text and all(ln == ln.rstrip() for ln in lines)  # no colour, no trailing blanks
     assert render_status(st.status(T0 + 1.0)) == text  # deterministic
     # a node's pacer, as its heartbeats tell it: the limit, and the step slowdown against the budget
-    beat(st, "b", T0 + 1.0, changed=False, pace_Bps=300_000_000, step_budget_ppm=10_000, step_slowdown_ppm=4_000)
+    beat(
+        st,
+        "b",
+        T0 + 1.0,
+        changed=False,
+        pace_Bps=300_000_000,
+        step_budget_ppm=10_000,
+        step_slowdown_ppm=4_000,
+    )
     (row,) = [ln for ln in render_status(st.status(T0 + 1.0)).splitlines() if ln.startswith("b ")]
     assert "300.0 MB/s, steps +0.4% of 1.0%" in row
     st.jobs["j"].g_seen.clear()
     st.jobs["j"].g_seen.extend([(100.0, 4), (100.5, 6)])
     beat(st, "a", T0 + 1.0, ranks("j", 2, 0), inv("j", 0, 6, 7, 8, local=True) + inv("j", 1, 5))
     lines = render_status(st.status(T0 + 1.0)).splitlines()
-    assert lines[header + 1].split() == ["0", "a", "8", "2", "steps", "(500.0", "ms)", "1"]  # RPO in steps and time
+    assert lines[header + 1].split() == [
+        "0",
+        "a",
+        "8",
+        "2",
+        "steps",
+        "(500.0",
+        "ms)",
+        "1",
+    ]  # RPO in steps and time

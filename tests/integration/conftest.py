@@ -111,8 +111,9 @@ def started_cluster(workdir: str, tag: str, heartbeat_timeout: float = 1.5) -> I
 
 
 @pytest.fixture
-def cluster(request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str,
-            no_shm_leak: None) -> Iterator[Cluster]:  # fmt: skip
+def cluster(
+    request: pytest.FixtureRequest, tmp_path: os.PathLike[str], tag: str, no_shm_leak: None
+) -> Iterator[Cluster]:
     """:func:`started_cluster` under ``tmp_path``.
 
     A test that must tell a death declared otherwise from the heartbeat timeout sets another timeout with

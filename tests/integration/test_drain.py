@@ -82,8 +82,9 @@ def _refusing_coordinator() -> Iterator[str]:
                 kind = decode(body).TYPE
             except ProtocolError as exc:
                 kind = str(exc)
-            sock.send_multipart([peer, *encode(Error(code=ErrorCode.BAD_MESSAGE,
-                                                     message=f"unknown message type {kind!r}"))])  # fmt: skip
+            sock.send_multipart(
+                [peer, *encode(Error(code=ErrorCode.BAD_MESSAGE, message=f"unknown message type {kind!r}"))]
+            )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -98,8 +99,20 @@ def _refusing_coordinator() -> Iterator[str]:
 
 def test_a_coordinator_that_predates_draining_is_not_waited_for(tmp_path: Path, tag: str) -> None:
     with _refusing_coordinator() as endpoint:
-        cmd = [sys.executable, "-m", "snapshotd.cli", "serve", "--coordinator", endpoint, "--node", f"old-{tag}",
-               "--ipc", str(tmp_path / "old.ipc"), "--drain-timeout", "20s"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "snapshotd.cli",
+            "serve",
+            "--coordinator",
+            endpoint,
+            "--node",
+            f"old-{tag}",
+            "--ipc",
+            str(tmp_path / "old.ipc"),
+            "--drain-timeout",
+            "20s",
+        ]
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
             assert proc.stdout is not None
             lines = []

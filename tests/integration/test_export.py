@@ -47,8 +47,13 @@ WAIT = 30.0
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tag = uuid.uuid4().hex[:8]
-    c = Cluster(str(tmp_path_factory.mktemp("cluster")), tag, replicas=1, heartbeat_interval=0.2,
-                heartbeat_timeout=1.5)  # fmt: skip
+    c = Cluster(
+        str(tmp_path_factory.mktemp("cluster")),
+        tag,
+        replicas=1,
+        heartbeat_interval=0.2,
+        heartbeat_timeout=1.5,
+    )
     try:
         c.start_coordinator()
         c.start("A")
@@ -87,8 +92,13 @@ def _build(kind: str, seed: int) -> dict[str, Any]:
         model = wrapped = _fsdp_model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return {"model": model, "optim": opt, "sched": sched, "loop": {"step": 0, "note": f"{kind} run"},
-            "wrapped": wrapped}  # fmt: skip
+    return {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "loop": {"step": 0, "note": f"{kind} run"},
+        "wrapped": wrapped,
+    }
 
 
 def _full(state: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +116,12 @@ def _full(state: dict[str, Any]) -> dict[str, Any]:
             return [full(v) for v in x]
         return x
 
-    return {"model": full(state["model"].state_dict()), "optim": full(state["optim"].state_dict()),
-            "sched": state["sched"].state_dict(), "loop": dict(state["loop"])}  # fmt: skip
+    return {
+        "model": full(state["model"].state_dict()),
+        "optim": full(state["optim"].state_dict()),
+        "sched": state["sched"].state_dict(),
+        "loop": dict(state["loop"]),
+    }
 
 
 def _train_rank(rank: int, *, ipcs: list[str], jobs: dict[str, str], out: str) -> dict[str, int]:
@@ -120,11 +134,14 @@ def _train_rank(rank: int, *, ipcs: list[str], jobs: dict[str, str], out: str) -
         state = _build(kind, seed=0)
         wrapped = state.pop("wrapped")
         replicated = ("model", "optim", "sched") if kind == "ddp" else ()
-        snap = Snapshotter(state, job=job, sidecar=ipcs[rank // 2], when_busy="block", timeout=WAIT,
-                           replicated=replicated)  # fmt: skip
+        snap = Snapshotter(
+            state, job=job, sidecar=ipcs[rank // 2], when_busy="block", timeout=WAIT, replicated=replicated
+        )
         assert snap.restore(timeout=WAIT) == 0
         for step in range(STEPS):
-            x = torch.randn(4, 8 if kind == "ddp" else 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            x = torch.randn(
+                4, 8 if kind == "ddp" else 6, generator=torch.Generator().manual_seed(100 * step + rank)
+            )
             wrapped(x).pow(2).mean().backward()
             state["optim"].step()
             state["optim"].zero_grad()
@@ -151,7 +168,9 @@ def _load_rank(rank: int, *, checkpoints: dict[str, str], out: str) -> dict[str,
     for kind, checkpoint in checkpoints.items():
         state = _build(kind, seed=1)
         wrapped = state.pop("wrapped")
-        get_optimizer_state_dict(wrapped, state["optim"])  # an optimizer that has not stepped gets its moments
+        get_optimizer_state_dict(
+            wrapped, state["optim"]
+        )  # an optimizer that has not stepped gets its moments
         dcp.load(state, checkpoint_id=checkpoint)
         got = _full(state)
         want = torch.load(os.path.join(out, f"{kind}.pt"), weights_only=False)
@@ -170,7 +189,11 @@ def _differences(got: Any, want: Any, where: str) -> list[str]:
     if isinstance(want, list):
         if not isinstance(got, list) or len(got) != len(want):
             return [f"{where}: {got!r} != {want!r}"]
-        return [d for i, (g, w) in enumerate(zip(got, want, strict=True)) for d in _differences(g, w, f"{where}.{i}")]
+        return [
+            d
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+            for d in _differences(g, w, f"{where}.{i}")
+        ]
     return [] if got == want else [f"{where}: {got!r} != {want!r}"]
 
 
@@ -185,7 +208,10 @@ def trained(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[
     out = tmp_path_factory.mktemp("reference")
     jobs = {"ddp": cluster.job("ddp"), "fsdp": cluster.job("fsdp")}
     body = functools.partial(_train_rank, ipcs=[cluster.ipc("A"), cluster.ipc("B")], jobs=jobs, out=str(out))
-    assert run_gloo_ranks(body, 4, tmp_path_factory.mktemp("train"), timeout=120) == [{"ddp": STEPS, "fsdp": STEPS}] * 4
+    assert (
+        run_gloo_ranks(body, 4, tmp_path_factory.mktemp("train"), timeout=120)
+        == [{"ddp": STEPS, "fsdp": STEPS}] * 4
+    )
     deadline = time.monotonic() + WAIT
     while not all(_durable(cluster, job) == STEPS for job in jobs.values()):  # the last heartbeats are in
         assert time.monotonic() < deadline, {job: _durable(cluster, job) for job in jobs.values()}
@@ -194,13 +220,29 @@ def trained(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 @pytest.fixture(scope="module")
-def exported(cluster: Cluster, trained: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def exported(
+    cluster: Cluster, trained: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     """Both jobs exported: DDP by the CLI (a subprocess), FSDP2 through the Python API; then loaded by two fresh
     gloo ranks (one session for both, to spare a second start of the ranks)."""
     root = tmp_path_factory.mktemp("export")
-    cli = subprocess.run([sys.executable, "-m", "snapshotd.cli", "export", "--coordinator", cluster.coordinator_addr,
-                          "--job", trained["ddp"], "--out", str(root / "ddp")], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snapshotd.cli",
+            "export",
+            "--coordinator",
+            cluster.coordinator_addr,
+            "--job",
+            trained["ddp"],
+            "--out",
+            str(root / "ddp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode == 0, cli.stderr
     fsdp = export_checkpoint(cluster.coordinator_addr, trained["fsdp"], str(root / "fsdp"), step=STEPS)
     checkpoints = {kind: str(root / kind) for kind in ("ddp", "fsdp")}
@@ -209,8 +251,9 @@ def exported(cluster: Cluster, trained: dict[str, str], tmp_path_factory: pytest
     return {"cli": cli, "fsdp": fsdp, "root": root, "loaded": loaded}
 
 
-def test_ddp_with_replicated_state_exports_and_loads_at_two_ranks(trained: dict[str, str],
-                                                                    exported: dict[str, Any]) -> None:  # fmt: skip
+def test_ddp_with_replicated_state_exports_and_loads_at_two_ranks(
+    trained: dict[str, str], exported: dict[str, Any]
+) -> None:
     # every rank kept a part of the replicated model, optimizer and scheduler, so every rank's snapshot was pulled
     assert f"job {trained['ddp']} step {STEPS} (4 ranks; pulled ranks [0, 1, 2, 3]" in exported["cli"].stdout
     assert (exported["root"] / "ddp" / ".metadata").is_file()
@@ -223,26 +266,50 @@ def test_fsdp2_exports_global_tensors_and_reshards_to_two_ranks(exported: dict[s
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(done.out).read_metadata().state_dict_metadata
-    assert list(meta["model.0.weight"].size) == [10, 6] and list(meta["optim.state.2.exp_avg"].size) == [1, 10]
+    assert list(meta["model.0.weight"].size) == [10, 6] and list(meta["optim.state.2.exp_avg"].size) == [
+        1,
+        10,
+    ]
     assert {k.split(".")[0] for k in meta} == {"model", "optim", "sched", "loop"}  # not snapshotd's own keys
-    assert [r["fsdp"] for r in exported["loaded"]] == [[], []]  # full tensors equal after resharding to 2 ranks
+    assert [r["fsdp"] for r in exported["loaded"]] == [
+        [],
+        [],
+    ]  # full tensors equal after resharding to 2 ranks
 
 
-def test_errors_name_the_problem(cluster: Cluster, trained: dict[str, str], tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_errors_name_the_problem(
+    cluster: Cluster, trained: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "ckpt"
     root, ours = logging.getLogger(), logging.getLogger("snapshotd")
     saved = root.handlers[:], root.level, ours.level
     try:
-        assert cli_main(["export", "--coordinator", cluster.coordinator_addr, "--job", cluster.job("nope"),
-                         "--out", str(out)]) == 1  # fmt: skip
+        assert (
+            cli_main(
+                [
+                    "export",
+                    "--coordinator",
+                    cluster.coordinator_addr,
+                    "--job",
+                    cluster.job("nope"),
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 1
+        )
     finally:  # the CLI set up logging to this test's captured stderr: later tests must not log there
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
         ours.setLevel(saved[2])
-    assert capsys.readouterr().err == f"snapshotd export: the coordinator knows no job {cluster.job('nope')!r}\n"
-    with pytest.raises(ExportError, match=rf"step 0 of job '{trained['ddp']}' is not held for rank\(s\) 0, 1, 2, 3 "
-                                          rf"\(newest durable step: {STEPS}, recoverable: {STEPS}\)"):  # fmt: skip
+    assert (
+        capsys.readouterr().err == f"snapshotd export: the coordinator knows no job {cluster.job('nope')!r}\n"
+    )
+    with pytest.raises(
+        ExportError,
+        match=rf"step 0 of job '{trained['ddp']}' is not held for rank\(s\) 0, 1, 2, 3 "
+        rf"\(newest durable step: {STEPS}, recoverable: {STEPS}\)",
+    ):
         export_checkpoint(cluster.coordinator_addr, trained["ddp"], str(out), step=0)
     out.mkdir()
     (out / "x").write_text("")
@@ -251,7 +318,9 @@ def test_errors_name_the_problem(cluster: Cluster, trained: dict[str, str], tmp_
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing half-written beside it
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # dcp.load in one process says so
+@pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning"
+)  # dcp.load in one process says so
 def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
     """No spare node: after a node's loss (no step durable for its buddies' ranks until re-replication), the
     export takes the recoverable step G, each rank from a live holder: what the README's fallback relies on."""
@@ -262,8 +331,10 @@ def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
         sidecars = {n: c.start(n) for n in ("A", "B", "C")}
         job = c.job("lost")
         states = [{"w": torch.zeros(4096), "loop": {"step": 0}} for _ in range(2)]
-        snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=c.ipc(n), timeout=WAIT)
-                 for r, n in enumerate(("B", "A"))]  # fmt: skip  # rank 0, whose values the export writes, on B
+        snaps = [
+            Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=c.ipc(n), timeout=WAIT)
+            for r, n in enumerate(("B", "A"))
+        ]  # rank 0, whose values the export writes, on B
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:  # restore() answers once every rank asked
                 assert list(pool.map(lambda s: s.restore(timeout=WAIT), snaps, timeout=WAIT + 10)) == [0, 0]
@@ -276,7 +347,9 @@ def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
                     assert s.wait(WAIT)
         finally:
             for s in snaps:
-                s.close(unregister=False)  # as crashed processes would: their snapshots stay with the sidecars
+                s.close(
+                    unregister=False
+                )  # as crashed processes would: their snapshots stay with the sidecars
         c.lose_node(sidecars["B"])
 
         def b_dead() -> bool:

@@ -34,8 +34,10 @@ def _state(rank: int, step: int) -> dict:
 
 def _train_and_crash(ipcs: dict[int, str], job: str) -> list[Snapshotter]:
     states = [_state(r, 0) for r in (0, 1)]
-    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=5, when_busy="block")
-             for r in (0, 1)]  # fmt: skip
+    snaps = [
+        Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=5, when_busy="block")
+        for r in (0, 1)
+    ]
     fresh = restore_all(snaps, timeout=30)
     assert fresh == [0, 0], fresh
     for step in range(1, STEPS + 1):
@@ -51,7 +53,9 @@ def _train_and_crash(ipcs: dict[int, str], job: str) -> list[Snapshotter]:
     return snaps
 
 
-@pytest.mark.parametrize(("fault", "rate"), [("duplicate", 0.1), ("delay", 0.1), ("reorder", 0.1), ("drop", 0.02)])
+@pytest.mark.parametrize(
+    ("fault", "rate"), [("duplicate", 0.1), ("delay", 0.1), ("reorder", 0.1), ("drop", 0.02)]
+)
 def test_a_restore_after_faults_on_both_planes_is_bit_identical_or_named(fault: str, rate: float) -> None:
     plan = FaultPlan(**{fault: rate}, max_delay=0.05, seed=7)
     networks: list[FaultyNetwork] = []
@@ -63,8 +67,10 @@ def test_a_restore_after_faults_on_both_planes_is_bit_identical_or_named(fault: 
         dep.lose_node("B")
         dep.wait_dead("B")
         restored = [{"w": torch.zeros(FLOATS), "loop": {}} for _ in (0, 1)]
-        snaps = [Snapshotter(restored[0], job=job, rank=0, world_size=2, sidecar=ipcs[0], timeout=10),
-                 Snapshotter(restored[1], job=job, rank=1, world_size=2, sidecar=ipc_c, timeout=10)]  # fmt: skip
+        snaps = [
+            Snapshotter(restored[0], job=job, rank=0, world_size=2, sidecar=ipcs[0], timeout=10),
+            Snapshotter(restored[1], job=job, rank=1, world_size=2, sidecar=ipc_c, timeout=10),
+        ]
         try:
             outcome = restore_all(snaps, timeout=60)
         finally:

@@ -34,7 +34,11 @@ FLOATS = 300_000  # 1.2 MB: 293 chunks of 4 KiB
 
 def _state(rank: int, step: int) -> dict:
     gen = torch.Generator().manual_seed(rank * 1000 + step)
-    return {"w": torch.randn(FLOATS, generator=gen), "t": torch.randn(64, 32, generator=gen), "loop": {"step": step}}
+    return {
+        "w": torch.randn(FLOATS, generator=gen),
+        "t": torch.randn(64, 32, generator=gen),
+        "loop": {"step": step},
+    }
 
 
 def _fresh() -> dict:
@@ -51,7 +55,9 @@ def _replace_node_a(dep: InProcess, job: str) -> tuple[list[dict], list[int | Ba
     snapshot_then_crash(ipcs, job, STEPS, _state)
     ipcs[0] = dep.replace_node("A", "D")
     restored = [_fresh() for _ in (0, 1)]
-    snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
+    snaps = [
+        Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)
+    ]
     try:
         outcome = restore_all(snaps, timeout=30)
         return restored, outcome, [dict(s.restored) for s in snaps]
@@ -70,7 +76,9 @@ def _restore_lines(caplog: pytest.LogCaptureFixture, job: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if f"rank 0 of job {job} restores step" in r.getMessage()]
 
 
-def test_a_replacement_rank_fetches_its_step_itself_where_bulk_ports_serve(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_replacement_rank_fetches_its_step_itself_where_bulk_ports_serve(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="snapshotd.sidecar.restore")
     job = f"fetch-{uuid.uuid4().hex[:6]}"
     with InProcess(chunk_bytes=4096, replicas=2, tcp=True) as dep:
@@ -93,16 +101,28 @@ def test_in_members_mode_the_replacement_fetches_from_a_holder_behind_the_member
     with LocalCluster(str(tmp_path), env={"SNAPSHOTD_SECRET": secret}) as cluster:
         cluster.start_coordinator()
         for node, rack, host in (("A", "r1", "127.0.0.1"), ("B", "r2", "127.0.0.2")):
-            cluster.start_sidecar(node, *members, "--rack", rack, "--advertise", host, data_bind=f"tcp://{host}:0")
+            cluster.start_sidecar(
+                node, *members, "--rack", rack, "--advertise", host, data_bind=f"tcp://{host}:0"
+            )
         snapshot_then_crash({0: cluster.ipc_path("A"), 1: cluster.ipc_path("B")}, job, STEPS, _state)
         cluster.kill(cluster.sidecars["A"])
-        wait_for(lambda: any(n["node"] == "A" and not n["alive"]
-                             for n in fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]),
-                 15, "node A declared dead")  # fmt: skip
-        cluster.start_sidecar("C", *members, "--rack", "r1", "--advertise", "127.0.0.3", data_bind="tcp://127.0.0.3:0")
+        wait_for(
+            lambda: any(
+                n["node"] == "A" and not n["alive"]
+                for n in fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]
+            ),
+            15,
+            "node A declared dead",
+        )
+        cluster.start_sidecar(
+            "C", *members, "--rack", "r1", "--advertise", "127.0.0.3", data_bind="tcp://127.0.0.3:0"
+        )
         restored = [_fresh() for _ in (0, 1)]
         ipcs = {0: cluster.ipc_path("C"), 1: cluster.ipc_path("B")}
-        snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
+        snaps = [
+            Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10)
+            for r in (0, 1)
+        ]
         try:
             assert restore_all(snaps, timeout=30) == [STEPS, STEPS]
             how = [dict(s.restored) for s in snaps]
@@ -146,12 +166,27 @@ def test_a_fetch_asked_after_the_restore_ended_is_ignored(caplog: pytest.LogCapt
     caplog.set_level(logging.INFO, logger="snapshotd.client.snapshotter")
     job = f"late-{uuid.uuid4().hex[:6]}"
     state = {"w": torch.zeros(8)}
-    with InProcess() as dep, Snapshotter(state, job=job, rank=0, world_size=1, sidecar=dep.start_sidecar("A"),
-                                         timeout=10) as snap:  # fmt: skip
+    with (
+        InProcess() as dep,
+        Snapshotter(state, job=job, rank=0, world_size=1, sidecar=dep.start_sidecar("A"), timeout=10) as snap,
+    ):
         assert snap.restore(timeout=30) == 0
-        snap._on_message(RestoreFetch(job=job, rank=0, step=1, fetch=9, data_bytes=32, chunk_bytes=4096,
-                                      arena="/dev/shm/none", slot_bytes=4096, slots=1, slot=0,
-                                      holders=("127.0.0.1:1",), tokens=bytes(16)))  # fmt: skip
+        snap._on_message(
+            RestoreFetch(
+                job=job,
+                rank=0,
+                step=1,
+                fetch=9,
+                data_bytes=32,
+                chunk_bytes=4096,
+                arena="/dev/shm/none",
+                slot_bytes=4096,
+                slots=1,
+                slot=0,
+                holders=("127.0.0.1:1",),
+                tokens=bytes(16),
+            )
+        )
         assert snap._fetching is None
     assert any("after the restore ended: ignored" in r.getMessage() for r in caplog.records)
     assert torch.equal(state["w"], torch.zeros(8))

@@ -84,8 +84,10 @@ def test_hostile_registrations_leave_the_sidecar_and_its_node_alive(cluster: Clu
         assert isinstance(beyond, Error) and beyond.code == "bad_message", beyond
         assert "rank 5" in beyond.message and "world size 4" in beyond.message, beyond.message
     # the pid was checked (the rank is reported gone: no such process) and the node is alive
-    node = _wait(lambda: (n := _node(cluster, "A")) is not None and n["ranks"] == [[job, 0, False]] and n,
-                 "the coordinator to hear that rank 0's process is gone")  # fmt: skip
+    node = _wait(
+        lambda: (n := _node(cluster, "A")) is not None and n["ranks"] == [[job, 0, False]] and n,
+        "the coordinator to hear that rank 0's process is gone",
+    )
     assert node["alive"]
     assert sidecar.alive(), cluster.tail(sidecar)
 
@@ -97,15 +99,19 @@ def test_a_fetch_answer_no_restore_waits_for_is_dropped_without_a_reply(cluster:
     sidecar = cluster.start("A")
     job = cluster.job("stale-fetch")
     with DataPeer(f"ipc://{cluster.ipc('A')}") as ipc:
-        assert isinstance(ipc.request(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=100)),
-                          RankRegistered)  # fmt: skip
+        assert isinstance(
+            ipc.request(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=100)),
+            RankRegistered,
+        )
         assert isinstance(ipc.recv(), SlotUpdate)
         ipc.send(RestoreFetched(job=job, rank=0, step=3, fetch=12345, ok=True, sums=bytes(8)))
         # replies come in order: an Error about the answer would come before this registration's reply
         again = ipc.request(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=100))
         assert isinstance(again, RankRegistered), again
-    _wait(lambda: "answered a fetch of step 3 that no restore waits for" in cluster.tail(sidecar, 100),
-          "the sidecar to log the dropped answer")  # fmt: skip
+    _wait(
+        lambda: "answered a fetch of step 3 that no restore waits for" in cluster.tail(sidecar, 100),
+        "the sidecar to log the dropped answer",
+    )
     assert sidecar.alive()
 
 
@@ -119,20 +125,33 @@ def test_an_abandoned_stream_gives_its_memory_back(cluster: Cluster) -> None:
     table = encode_table([TensorEntry("x", "uint8", (1 << 20,), 0, 1 << 20)])
 
     def offer(step: int) -> Message:
-        return StreamBegin(job=job, rank=0, step=step, src_node="X", data_bytes=1 << 20, chunk_bytes=1 << 16,
-                           digest=blob_digest(table, b""), table=table, meta=b"")  # fmt: skip
+        return StreamBegin(
+            job=job,
+            rank=0,
+            step=step,
+            src_node="X",
+            data_bytes=1 << 20,
+            chunk_bytes=1 << 16,
+            digest=blob_digest(table, b""),
+            table=table,
+            meta=b"",
+        )
 
     with DataPeer(cluster.sidecars[cluster.node("B")].fields["data"]) as peer:
         assert isinstance(peer.request(offer(1)), StreamAccept)  # and then silence
         refused = peer.request(offer(2))
         assert isinstance(refused, Error) and refused.code == "memory_limit", refused
-        accepted = _wait(lambda: isinstance(reply := peer.request(offer(2)), StreamAccept) and reply,
-                         "the abandoned stream's reservation to be given back")  # fmt: skip
+        accepted = _wait(
+            lambda: isinstance(reply := peer.request(offer(2)), StreamAccept) and reply,
+            "the abandoned stream's reservation to be given back",
+        )
         assert accepted.step == 2
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leaves_nothing(tamper: None) -> None:
+def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leaves_nothing(
+    tamper: None,
+) -> None:
     """Node A died; rank 0 restarts on node C with a smaller state than its snapshot, and unregisters just as its
     restore begins to pull from B. The restore went on into the removed arena's place: a new, larger arena that
     nothing owned, left in /dev/shm."""
@@ -140,7 +159,9 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
     with InProcess() as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         states = [{"w": torch.full((10_000,), float(r))} for r in (0, 1)]
-        snaps = [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
+        snaps = [
+            Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)
+        ]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             assert list(pool.map(lambda s: s.restore(timeout=30), snaps)) == [0, 0]
         for s in snaps:
@@ -157,7 +178,9 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
             return frames
 
         try:
-            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=16)))
+            pipe.send_nowait(
+                encode(RegisterRank(job=job, rank=0, world_size=2, pid=os.getpid(), data_bytes=16))
+            )
             assert isinstance(_next(pipe), RankRegistered)
             MEMORY.tamper = unregister_at_the_manifest
             pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
@@ -192,7 +215,9 @@ def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_resto
             assert _restore_rank1(job, ipcs[1], 4) == 0  # the plan comes once every rank asked
             reply = _next(restarted, skip=SlotUpdate)
             assert isinstance(reply, RestoreReply) and reply.source == "fresh", reply
-            with pytest.raises(AssertionError, match="no reply in time"):  # a second answer would come at once
+            with pytest.raises(
+                AssertionError, match="no reply in time"
+            ):  # a second answer would come at once
                 _next(gone, skip=SlotUpdate, timeout=1.0)
         finally:
             gone.close()
@@ -236,12 +261,16 @@ def test_an_arena_larger_than_shared_memory_is_refused_by_name() -> None:
     with InProcess() as dep:
         pipe = connect_rank(dep.start_sidecar("A"))
         try:
-            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=1 << 40)))
+            pipe.send_nowait(
+                encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=1 << 40))
+            )
             refused = _next(pipe)
             assert isinstance(refused, Error) and refused.code == "memory_limit", refused
             assert SHM_DIR in refused.message and "needs an arena of" in refused.message, refused.message
             assert not [n for n in os.listdir(SHM_DIR) if job in n]
-            pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096)))
+            pipe.send_nowait(
+                encode(RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096))
+            )
             assert isinstance(_next(pipe), RankRegistered)  # and a real one fits
             pipe.send_nowait(encode(UnregisterRank(job=job, rank=0)))
         finally:
@@ -265,7 +294,9 @@ def small_shm(tmp_path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 
 
 @pytest.mark.timeout(60)
-def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_is_held_stays(small_shm: str) -> None:
+def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_is_held_stays(
+    small_shm: str,
+) -> None:
     """/dev/shm filling up (another job's files) left a registration a sparse arena that the rank would die of
     SIGBUS writing into; it is refused by name, and the arena already there keeps its snapshots."""
     job = f"full-{uuid.uuid4().hex[:6]}"
@@ -276,18 +307,28 @@ def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_i
         pipe = connect_rank(ipc)
         try:
             assert snap.capture(1)  # rank 0's arena: 3 slots of 1 MB, one filled
-            _wait(lambda: (held := dep.sidecars["A"].state.rank(job, 0)) is not None and held.find(1) is not None,
-                  "the sidecar holding step 1")  # its copy and announce run in the background
+            _wait(
+                lambda: (
+                    (held := dep.sidecars["A"].state.rank(job, 0)) is not None and held.find(1) is not None
+                ),
+                "the sidecar holding step 1",
+            )  # its copy and announce run in the background
             with open(os.path.join(small_shm, "someone-elses"), "wb") as f:
-                f.write(b"\1" * (4 << 20))  # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
-            pipe.send_nowait(encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20)))
+                f.write(
+                    b"\1" * (4 << 20)
+                )  # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
+            pipe.send_nowait(
+                encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20))
+            )
             refused = _next(pipe)
             assert isinstance(refused, Error) and refused.code == "memory_limit", refused
             assert "free" in refused.message and small_shm in refused.message, refused.message
             lr = dep.sidecars["A"].state.rank(job, 0)
             assert lr is not None and lr.find(1) is not None  # what was held stays
             os.unlink(os.path.join(small_shm, "someone-elses"))
-            pipe.send_nowait(encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20)))
+            pipe.send_nowait(
+                encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20))
+            )
             assert isinstance(_next(pipe, skip=SlotUpdate), RankRegistered)  # with room again, it fits
         finally:
             pipe.close()

@@ -39,7 +39,9 @@ def _state(rank: int, step: int) -> dict:
 
 def _restart(ipcs: dict[int, str], job: str) -> tuple[list[dict], list[Snapshotter]]:
     restored = [{"w": torch.zeros(FLOATS), "loop": {}} for _ in (0, 1)]
-    snaps = [Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)]
+    snaps = [
+        Snapshotter(restored[r], job=job, rank=r, world_size=2, sidecar=ipcs[r], timeout=10) for r in (0, 1)
+    ]
     return restored, snaps
 
 
@@ -132,7 +134,9 @@ def test_a_bit_flipped_in_a_buddys_stored_copy_is_caught_and_its_chunks_come_fro
                 again = b.store.get(job, 0, STEPS)
                 assert again is not bad
                 good = dep.sidecars["C"].state.store.get(job, 0, STEPS)
-                assert bytes(again.data.view(0, again.data_bytes)) == bytes(good.data.view(0, good.data_bytes))
+                assert bytes(again.data.view(0, again.data_bytes)) == bytes(
+                    good.data.view(0, good.data_bytes)
+                )
             assert dep.sidecars["C"].state.counters.corrupt == 0
         finally:
             for s in snaps:
@@ -154,7 +158,9 @@ def test_when_no_copy_is_good_the_restore_names_rank_step_and_chunk() -> None:
             error = outcome[0]
             assert isinstance(error, IntegrityError), error
             text = str(error)
-            assert f"rank 0 step {STEPS}" in text and "chunk 0 " in text and "end-to-end checksum" in text, text
+            assert f"rank 0 step {STEPS}" in text and "chunk 0 " in text and "end-to-end checksum" in text, (
+                text
+            )
             assert torch.equal(restored[0]["w"], torch.zeros(FLOATS))  # nothing was loaded
             assert dep.sidecars["B"].state.counters.corrupt == 1
         finally:
@@ -180,7 +186,9 @@ def test_a_bit_flipped_in_a_streamed_chunk_never_makes_a_copy(tamper: None) -> N
     with InProcess(chunk_bytes=4096) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
         state = _state(0, 1)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipcs[0], timeout=10, when_busy="block") as snap:
+        with Snapshotter(
+            state, job=job, rank=0, world_size=1, sidecar=ipcs[0], timeout=10, when_busy="block"
+        ) as snap:
             assert snap.restore(timeout=30) == 0
             MEMORY.tamper = flip_one_stream_chunk
             assert snap.capture(1)
@@ -204,7 +212,9 @@ def test_a_bit_flipped_in_a_streamed_chunk_never_makes_a_copy(tamper: None) -> N
             assert held.seal.digest == sent.digest
 
 
-def test_a_bit_flipped_in_a_pulled_chunk_is_caught_and_the_chunk_taken_from_another_holder(tamper: None) -> None:
+def test_a_bit_flipped_in_a_pulled_chunk_is_caught_and_the_chunk_taken_from_another_holder(
+    tamper: None,
+) -> None:
     job = f"pull-{uuid.uuid4().hex[:6]}"
     flipped: list[str] = []
 
@@ -241,8 +251,17 @@ def test_a_stream_whose_blobs_fail_their_digest_is_refused() -> None:
         dep.start_sidecar("A")
         store = dep.sidecars["A"].state.store
         with pytest.raises(ValueError, match="fail their digest"):
-            store.begin("j", 0, 1, src_node="X", data_bytes=10, chunk_bytes=4096, table=b"t", meta=b"m",
-                        digest=blob_digest(b"t", b"m") ^ 1)  # fmt: skip
+            store.begin(
+                "j",
+                0,
+                1,
+                src_node="X",
+                data_bytes=10,
+                chunk_bytes=4096,
+                table=b"t",
+                meta=b"m",
+                digest=blob_digest(b"t", b"m") ^ 1,
+            )
         assert not store.holds("j", 0, 1)
 
 
@@ -262,7 +281,9 @@ def test_a_ranks_only_copy_found_corrupt_in_its_shared_memory_is_an_integrity_er
         assert lr is not None and (index := lr.find(1)) is not None
         lr.arena.slot(index)[4096 * 3 + 5] ^= 0x02
         restored = {"w": torch.zeros(FLOATS), "loop": {}}
-        with (Snapshotter(restored, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10) as again,
-              pytest.raises(IntegrityError, match="own copy failed its end-to-end checksum")):  # fmt: skip
+        with (
+            Snapshotter(restored, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10) as again,
+            pytest.raises(IntegrityError, match="own copy failed its end-to-end checksum"),
+        ):
             again.restore(timeout=30)
         assert torch.equal(restored["w"], torch.zeros(FLOATS))

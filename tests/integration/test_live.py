@@ -44,8 +44,15 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def reference(tmp_path_factory: pytest.TempPathFactory, store: str) -> list[dict]:
     """The failure-free run of the job, snapshotd left out (``--no-snapshot``): its results by rank."""
     workdir = str(tmp_path_factory.mktemp("reference"))
-    ref = LiveRanks(workdir, tag="ref", job=f"ref-{uuid.uuid4().hex[:8]}", store=store, nodes=2, per_node=2,
-                    flags=[*FLAGS, "--no-snapshot"])  # fmt: skip
+    ref = LiveRanks(
+        workdir,
+        tag="ref",
+        job=f"ref-{uuid.uuid4().hex[:8]}",
+        store=store,
+        nodes=2,
+        per_node=2,
+        flags=[*FLAGS, "--no-snapshot"],
+    )
     try:
         ref.start_node("A", "unused", 0)
         ref.start_node("B", "unused", 1)
@@ -77,17 +84,32 @@ def _arrived(store: str, job: str, epoch: int) -> int:
     return int(client.add(f"snapshotd/{job}/e{epoch}/arrived", 0))
 
 
-def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False, spare: str | None = None,
-                 dying: bool = False, hang: bool = False,
-                 flags: tuple[str, ...] = ()) -> tuple[LiveRanks, dict[int, int], int, list[int]]:  # fmt: skip
+def _run_to_loss(
+    tmp_path,
+    cluster: Cluster,
+    store: str,
+    *,
+    seated: bool = False,
+    spare: str | None = None,
+    dying: bool = False,
+    hang: bool = False,
+    flags: tuple[str, ...] = (),
+) -> tuple[LiveRanks, dict[int, int], int, list[int]]:
     """Start the job on nodes A and B (ranks 0, 1 and 2, 3; or, ``seated``, wherever snapshotd seats them), start
     the ranks of node ``spare`` (seated; its sidecar runs from the start, as a spare node's would, so the buddies
     placed on it do not change while the job runs) once the job runs, then SIGKILL node B (its sidecar and ranks) once step 3
     is durable; ``hang``: SIGSTOP them instead, in a job whose group timeout is 120 s. ``dying``: rank 1 runs as
     label ``A1``, with ``--die-in-rollback``. ``flags``: more of the trainer's flags. The job, every rank's pid before the loss, the newest step any rank
     had completed, and the ranks that survive (node A's)."""
-    job = LiveRanks(str(tmp_path), tag="live", job=cluster.job("live"), store=store, nodes=2, per_node=2,
-                    flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else []), *flags])  # fmt: skip
+    job = LiveRanks(
+        str(tmp_path),
+        tag="live",
+        job=cluster.job("live"),
+        store=store,
+        nodes=2,
+        per_node=2,
+        flags=[*FLAGS, "--step-delay", "0.3", *(["--pg-timeout", "120"] if hang else []), *flags],
+    )
     if spare is not None:
         cluster.start(spare)
     if dying:
@@ -97,18 +119,26 @@ def _run_to_loss(tmp_path, cluster: Cluster, store: str, *, seated: bool = False
     else:
         for i, label in enumerate("AB"):
             job.start_node(label, cluster.ipc(label), None if seated else i)
-    wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1), 120,
-             "the job's first step")  # fmt: skip
+    wait_for(
+        lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1),
+        120,
+        "the job's first step",
+    )
     if spare is not None:
         job.start_node(spare, cluster.ipc(spare))
-    wait_for(lambda: bool(job.failed()) or (job.progress(0)["step"] >= 4 and _durable(cluster, job.job, 3)), 120,
-             "step 4, with step 3 durable")  # fmt: skip
+    wait_for(
+        lambda: bool(job.failed()) or (job.progress(0)["step"] >= 4 and _durable(cluster, job.job, 3)),
+        120,
+        "step 4, with step 3 durable",
+    )
     assert not job.failed(), job.failed()
     pids = {r: job.progress(r)["pid"] for r in range(job.world)}
     survivors = sorted(job.ranks_of("A") + (job.ranks_of("A1") if dying else []))
     assert len(survivors) == 2 and (seated or survivors == [0, 1])
     reached = max(job.progress(r)["step"] for r in range(job.world))
-    assert reached < STEPS, f"the job reached its last step ({reached}) before step 3 was durable: nothing to lose"
+    assert reached < STEPS, (
+        f"the job reached its last step ({reached}) before step 3 was durable: nothing to lose"
+    )
     if hang:
         _signal_node(cluster, job, "B", signal.SIGSTOP)
     else:
@@ -125,8 +155,9 @@ def _signal_node(cluster: Cluster, job: LiveRanks, label: str, sig: signal.Signa
             os.kill(pid, sig)
 
 
-def _restart_when_killed(job: LiveRanks, cluster: Cluster, label: str, restart: str, node: str, index: int,
-                         local_rank: int) -> list[dict]:  # fmt: skip
+def _restart_when_killed(
+    job: LiveRanks, cluster: Cluster, label: str, restart: str, node: str, index: int, local_rank: int
+) -> list[dict]:
     """Once the one process of ``label`` has killed itself (SIGKILL), start it again as ``restart`` on ``node``
     (node index ``index``, local rank ``local_rank``), as its launcher would; the job's results."""
     (dead,) = job.lose(label)
@@ -135,15 +166,25 @@ def _restart_when_killed(job: LiveRanks, cluster: Cluster, label: str, restart: 
     return job.wait(240)
 
 
-def _check(results: list[dict], reference: list[dict], pids: dict[int, int], reached: int,
-           survivors: list[int], restarted: tuple[int, ...] = ()) -> None:  # fmt: skip
+def _check(
+    results: list[dict],
+    reference: list[dict],
+    pids: dict[int, int],
+    reached: int,
+    survivors: list[int],
+    restarted: tuple[int, ...] = (),
+) -> None:
     """Every rank ended bit-identical to the failure-free run in one epoch; the ``survivors`` kept their processes
     and rolled back at most one step from their own memory; the others (the lost node's ranks, and ``restarted``:
     survivors that died later and restarted on their node) are new processes that restored the same step."""
     for r, res in enumerate(results):
         assert res["rank"] == r
-        assert res["digest"] == reference[r]["digest"], f"rank {r}: final state differs from the failure-free run"
-        assert all(reference[r]["losses"][k] == v for k, v in res["losses"].items()), f"rank {r}: losses differ"
+        assert res["digest"] == reference[r]["digest"], (
+            f"rank {r}: final state differs from the failure-free run"
+        )
+        assert all(reference[r]["losses"][k] == v for k, v in res["losses"].items()), (
+            f"rank {r}: losses differ"
+        )
     kept = [res for res in results if res["rank"] in survivors]
     replacements = [res for res in results if res["rank"] not in survivors]
     assert all(res["start_step"] == 0 and len(res["recoveries"]) >= 1 for res in kept)
@@ -153,7 +194,9 @@ def _check(results: list[dict], reference: list[dict], pids: dict[int, int], rea
     for res in kept:
         assert res["pid"] == pids[res["rank"]], "a survivor's process was restarted"
         step = res["recoveries"][-1]["step"]
-        assert reached - 1 <= step <= reached, f"recovered step {step}, reached {reached}: more than one step lost"
+        assert reached - 1 <= step <= reached, (
+            f"recovered step {step}, reached {reached}: more than one step lost"
+        )
         assert res["restored"]["source"] == "local"
     for res in replacements:
         assert res["pid"] != pids[res["rank"]]
@@ -176,11 +219,17 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     cluster.start("B")
     job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C")
     try:
-        wait_for(lambda: bool(job.failed()) or _arrived(store, job.job, 1) >= 3, 60,
-                 "the spare taking the lost seat and arriving in epoch 1")  # fmt: skip
+        wait_for(
+            lambda: bool(job.failed()) or _arrived(store, job.job, 1) >= 3,
+            60,
+            "the spare taking the lost seat and arriving in epoch 1",
+        )
         assert not job.failed(), job.failed()
-        wait_for(lambda: _fewest_copies(cluster, job.job) >= 2, 60,
-                 "every rank's copy of G on two live nodes again (re-replicated after B's loss), so C may die")  # fmt: skip
+        wait_for(
+            lambda: _fewest_copies(cluster, job.job) >= 2,
+            60,
+            "every rank's copy of G on two live nodes again (re-replicated after B's loss), so C may die",
+        )
         cluster.lose_node(cluster.sidecar("C"), job.lose("C"))
         cluster.start("D")
         job.start_node("D", cluster.ipc("D"))
@@ -191,8 +240,11 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     assert sorted(job.ranks_of("D")) == sorted(set(range(4)) - set(survivors))
     assert results[survivors[0]]["recoveries"][-1]["restore_s"] < 5
     # B was declared dead by the probe a survivor's lost-peer report started, not after the death timeout
-    assert re.search(rf"node {cluster.node('B')} refused a connection to its data address .* lost a peer\): declared "
-                     "dead", cluster.tail(cluster.coordinator, 400)), cluster.tail(cluster.coordinator)  # fmt: skip
+    assert re.search(
+        rf"node {cluster.node('B')} refused a connection to its data address .* lost a peer\): declared "
+        "dead",
+        cluster.tail(cluster.coordinator, 400),
+    ), cluster.tail(cluster.coordinator)
 
 
 @pytest.mark.timeout(400)
@@ -207,19 +259,25 @@ def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are
     once across the ranks (``replicated=``): the replica group moves to the new group with DDP."""
     cluster.start("A")
     cluster.start("B")
-    job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C", hang=True,
-                                                 flags=("--replicated", "optim"))  # fmt: skip
+    job, pids, reached, survivors = _run_to_loss(
+        tmp_path, cluster, store, seated=True, spare="C", hang=True, flags=("--replicated", "optim")
+    )
     hung_at = time.time()
     woken: list[subprocess.Popen[bytes]] = []
     try:
-        wait_for(lambda: bool(job.failed()) or all(job.progress(r)["step"] > reached for r in range(4)), 60,
-                 "the survivors and the spare training past the step reached before the hang")  # fmt: skip
+        wait_for(
+            lambda: bool(job.failed()) or all(job.progress(r)["step"] > reached for r in range(4)),
+            60,
+            "the survivors and the spare training past the step reached before the hang",
+        )
         assert not job.failed(), job.failed()
         _signal_node(cluster, job, "B", signal.SIGCONT)
         woken = job.lose("B")  # not waited for with the job's ranks
         for proc in woken:
             assert proc.wait(60) != 0, job.log_tail("B")
-        assert "was given to node" in job.log_tail("B") and "must not rejoin" in job.log_tail("B"), job.log_tail("B")
+        assert "was given to node" in job.log_tail("B") and "must not rejoin" in job.log_tail("B"), (
+            job.log_tail("B")
+        )
         results = job.wait(240)
     finally:
         _signal_node(cluster, job, "B", signal.SIGCONT)  # whatever happened, nothing stays stopped
@@ -231,7 +289,9 @@ def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are
     assert sorted(job.ranks_of("C")) == sorted(set(range(4)) - set(survivors))
     for r in survivors:
         recovery = results[r]["recoveries"][-1]
-        assert recovery["failed_at"] - hung_at < 20, recovery  # the watchdog's doing: the group timeout is 120 s
+        assert recovery["failed_at"] - hung_at < 20, (
+            recovery
+        )  # the watchdog's doing: the group timeout is 120 s
 
 
 @pytest.mark.timeout(400)
@@ -252,6 +312,7 @@ def test_a_survivor_that_dies_during_its_rollback_is_restarted_and_recovery_comp
         job.kill()
     _check(results, reference, pids, reached, [0], restarted=(1,))
     assert len(results[0]["recoveries"]) >= 2, "rank 0 recovered once more, with the restarted rank 1"
+
 
 @pytest.mark.timeout(400)
 def test_a_replacement_that_dies_before_its_restore_is_restarted_and_the_others_follow_it_to_the_next_group(
@@ -295,7 +356,9 @@ def test_seats_through_real_sidecars_are_kept_per_node_a_spare_waits_and_bad_req
     assert live._seat(job, 2, cluster.ipc("A"), 30) == (2, 4)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert live._seat(job, 2, cluster.ipc("B"), 30) == (1, 4)  # the node's other rank: the same seat
-    with pytest.raises(RecoveryFailed, match=r"no seat for this node within 1 s: all 2 seats of job .* are held"):
+    with pytest.raises(
+        RecoveryFailed, match=r"no seat for this node within 1 s: all 2 seats of job .* are held"
+    ):
         live._seat(job, 2, cluster.ipc("C"), 1.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(SidecarRefused, match="asked for seats of 2 of 4 ranks, this one for 4 of 8"):

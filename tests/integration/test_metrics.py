@@ -38,8 +38,11 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         assert reply.status == 200
         text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
@@ -49,7 +52,9 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 
 @pytest.fixture
-def metered(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[tuple[Cluster, dict[str, int]]]:
+def metered(
+    tmp_path: os.PathLike[str], tag: str, no_shm_leak: None
+) -> Iterator[tuple[Cluster, dict[str, int]]]:
     ports = {"coordinator": free_port(), "A": free_port(), "B": free_port()}
     c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     try:
@@ -60,10 +65,14 @@ def metered(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator
     finally:
         c.close()
     for p in [c.coordinator, *c.started]:
-        assert p is not None and p.proc.returncode == 0, f"{p and p.name} exited with {p and p.proc.returncode}"
+        assert p is not None and p.proc.returncode == 0, (
+            f"{p and p.name} exited with {p and p.proc.returncode}"
+        )
 
 
-def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: tuple[Cluster, dict[str, int]]) -> None:
+def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
+    metered: tuple[Cluster, dict[str, int]],
+) -> None:
     cluster, ports = metered
     job = cluster.job("metrics")
     nodes = ("A", "B")
@@ -71,8 +80,18 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
 
     def open_snaps() -> list[Snapshotter]:
         # "block": six steps back to back on three slots; a capture waits for D to free a slot instead of skipping
-        return [Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=cluster.ipc(n), timeout=WAIT,
-                            when_busy="block") for r, n in enumerate(nodes)]  # fmt: skip
+        return [
+            Snapshotter(
+                states[r],
+                job=job,
+                rank=r,
+                world_size=2,
+                sidecar=cluster.ipc(n),
+                timeout=WAIT,
+                when_busy="block",
+            )
+            for r, n in enumerate(nodes)
+        ]
 
     def restore_all(snaps: list[Snapshotter]) -> list[int]:
         with ThreadPoolExecutor(2) as pool:  # restore() answers once every rank of the job asked
@@ -89,14 +108,23 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
 
     def coordinator_g_d() -> tuple[float, float]:
         co = scrape(ports["coordinator"])
-        return value(co, "snapshotd_job_recoverable_step", job=job), value(co, "snapshotd_job_durable_step", job=job)
+        return value(co, "snapshotd_job_recoverable_step", job=job), value(
+            co, "snapshotd_job_durable_step", job=job
+        )
 
     def wait_for_g_d(step: int) -> None:
         try:
-            wait_for(lambda: coordinator_g_d() == (step, step), WAIT, f"the coordinator's G and D to reach step {step}")
+            wait_for(
+                lambda: coordinator_g_d() == (step, step),
+                WAIT,
+                f"the coordinator's G and D to reach step {step}",
+            )
         except TimeoutError as exc:  # say what the coordinator saw of the job and the nodes
-            seen = {k: v for k, v in scrape(ports["coordinator"]).items()
-                    if dict(k[1]).get("job") == job or k[0].startswith("snapshotd_node")}  # fmt: skip
+            seen = {
+                k: v
+                for k, v in scrape(ports["coordinator"]).items()
+                if dict(k[1]).get("job") == job or k[0].startswith("snapshotd_node")
+            }
             raise AssertionError(f"{exc}; the coordinator's view: {seen}") from None
 
     snaps = open_snaps()
@@ -124,12 +152,21 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
     chunks = sum(v for k, v in side2.items() if k[0] == "snapshotd_chunks_sent_total")
     assert chunks > sum(v for k, v in side1.items() if k[0] == "snapshotd_chunks_sent_total") > 0
     assert value(side2, "snapshotd_memory_limit_bytes") > value(side2, "snapshotd_stored_bytes") > 0
-    assert value(side2, "snapshotd_heartbeat_rtt_seconds_count") > value(side1, "snapshotd_heartbeat_rtt_seconds_count")
+    assert value(side2, "snapshotd_heartbeat_rtt_seconds_count") > value(
+        side1, "snapshotd_heartbeat_rtt_seconds_count"
+    )
     assert value(side2, "snapshotd_checksum_failures_total") == 0
     assert value(side2, "snapshotd_restore_seconds_count", path="fresh") == 1
-    assert value(side2, "snapshotd_sidecar_info", node=cluster.node("A"), incarnation=next(
-        dict(k[1])["incarnation"] for k in side2 if k[0] == "snapshotd_sidecar_info"),
-        data_addr=next(dict(k[1])["data_addr"] for k in side2 if k[0] == "snapshotd_sidecar_info")) == 1
+    assert (
+        value(
+            side2,
+            "snapshotd_sidecar_info",
+            node=cluster.node("A"),
+            incarnation=next(dict(k[1])["incarnation"] for k in side2 if k[0] == "snapshotd_sidecar_info"),
+            data_addr=next(dict(k[1])["data_addr"] for k in side2 if k[0] == "snapshotd_sidecar_info"),
+        )
+        == 1
+    )
 
     assert value(co2, "snapshotd_heartbeats_total") > value(co1, "snapshotd_heartbeats_total")
     assert value(co2, "snapshotd_nodes", state="alive") == 2
@@ -147,7 +184,9 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(metered: 
     rounds_before = value(co2, "snapshotd_plan_round_seconds_count", job=job)
 
     # the training side counts the same: and a restart restores from each node's own shared memory
-    assert snaps[0].stats.started == 6 and snaps[0].stats.durable >= 1 and snaps[0].stats.last_durable_step == 6
+    assert (
+        snaps[0].stats.started == 6 and snaps[0].stats.durable >= 1 and snaps[0].stats.last_durable_step == 6
+    )
     assert snaps[0].stats.last_step == 6 and snaps[0].stats.rpo_steps == 0
     for s in snaps:
         s.close(unregister=False)  # as a crashed process would leave them
@@ -168,7 +207,11 @@ def test_a_bad_metrics_bind_is_one_clear_line(tmp_path: os.PathLike[str]) -> Non
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "snapshotd.cli", "coordinator", "--metrics-bind", "9400"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "snapshotd.cli", "coordinator", "--metrics-bind", "9400"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2
     assert "--metrics-bind must be HOST:PORT" in out.stderr

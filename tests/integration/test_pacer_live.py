@@ -44,9 +44,17 @@ def paced(tmp_path: os.PathLike[str], tag: str, no_shm_leak: None) -> Iterator[t
 
 def pacer(port: int) -> dict[str, float]:
     s = scrape(port)
-    return {key: value(s, f"snapshotd_pacer_{key}") for key in
-            ("limit_bytes_per_second", "keep_up_bytes_per_second", "step_slowdown_ratio", "cuts_total",
-             "clean_step_seconds", "step_budget_ratio")}  # fmt: skip
+    return {
+        key: value(s, f"snapshotd_pacer_{key}")
+        for key in (
+            "limit_bytes_per_second",
+            "keep_up_bytes_per_second",
+            "step_slowdown_ratio",
+            "cuts_total",
+            "clean_step_seconds",
+            "step_budget_ratio",
+        )
+    }
 
 
 @pytest.mark.timeout(240)
@@ -55,8 +63,16 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
 ) -> None:
     cluster, port = paced
     assert math.isinf(pacer(port)["limit_bytes_per_second"])  # no rank has reported a step: unpaced
-    job = TrainingJob(str(tmp_path), "paced", world=2, steps=100_000, params=1_500_000, job=cluster.job("paced"),
-                      sidecars={0: cluster.ipc("A"), 1: cluster.ipc("A")}, every=4)  # fmt: skip
+    job = TrainingJob(
+        str(tmp_path),
+        "paced",
+        world=2,
+        steps=100_000,
+        params=1_500_000,
+        job=cluster.job("paced"),
+        sidecars={0: cluster.ipc("A"), 1: cluster.ipc("A")},
+        every=4,
+    )
     try:
         seen: list[dict[str, float]] = []
 
@@ -71,18 +87,29 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
 
         # ... and cuts on until the slowdown it measures at the rate it chose is within the budget
         first_cut = len(seen) - 1
-        wait_for(lambda: seen.append(pacer(port)) or seen[-1]["step_slowdown_ratio"] <= BUDGET, 120,
-                 f"the slowdown within the {BUDGET:.0%} budget; saw {seen[-3:]}")  # fmt: skip
+        wait_for(
+            lambda: seen.append(pacer(port)) or seen[-1]["step_slowdown_ratio"] <= BUDGET,
+            120,
+            f"the slowdown within the {BUDGET:.0%} budget; saw {seen[-3:]}",
+        )
         within = seen[-1]
         assert within["limit_bytes_per_second"] < 1.5 * within["keep_up_bytes_per_second"]  # still held back
         # held below the keep-up rate, the ranks skip the snapshots due while theirs still streams, and announce
         # nothing for seconds at a time: the pacer paced through it (a rank with a stream in flight is active)
         assert all(math.isfinite(p["limit_bytes_per_second"]) for p in seen[first_cut:]), seen[first_cut:]
         # status shows the node's pacer too (from its heartbeats)
-        (node,) = [n for n in fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["nodes"] if n["node"] == cluster.node("A")]
+        (node,) = [
+            n
+            for n in fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["nodes"]
+            if n["node"] == cluster.node("A")
+        ]
         assert node["pace_Bps"] > 0 and node["step_budget"] == pytest.approx(BUDGET)
         assert all(p.poll() is None for p in job.procs.values()), "a rank failed; see its log"
     finally:
         job.kill()
     # the job stopped: nothing left to protect, the limit is lifted
-    wait_for(lambda: math.isinf(pacer(port)["limit_bytes_per_second"]), 30, "the limit lifted after the job stopped")
+    wait_for(
+        lambda: math.isinf(pacer(port)["limit_bytes_per_second"]),
+        30,
+        "the limit lifted after the job stopped",
+    )

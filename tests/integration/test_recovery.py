@@ -50,15 +50,24 @@ def _assert_steps_lost_within_bound(s: dict) -> None:
     snapshotting every ``stride``-th step (a loaded machine): then at most ``4 * stride - 1``, which the
     assertion's message shows."""
     stride = max(1, s["stride_at_loss"])
-    assert s["steps_lost"] <= max_steps_lost(stride), f"lost {s['steps_lost']} steps at snapshot stride {stride}: {s}"
+    assert s["steps_lost"] <= max_steps_lost(stride), (
+        f"lost {s['steps_lost']} steps at snapshot stride {stride}: {s}"
+    )
 
 
 @pytest.mark.timeout(400)
 def test_node_loss_fsdp2_bit_identical(tmp_path) -> None:
     """The demo's story with the model sharded by FSDP2 (``fully_shard``) over the 4 gloo ranks: each rank's
     snapshot holds its own shards; the restarted ranks' optimizers have not stepped when they restore."""
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, parallel="fsdp2",
-                     say=lambda _: None)  # fmt: skip
+    s = run_scenario(
+        str(tmp_path),
+        steps=STEPS,
+        kill_at=5,
+        params=PARAMS,
+        step_delay=0.1,
+        parallel="fsdp2",
+        say=lambda _: None,
+    )
     assert s["ranks_agree"], s
     _assert_steps_lost_within_bound(s)
     assert s["bit_identical"] and s["losses_identical"], s
@@ -85,8 +94,16 @@ def test_node_loss_with_replicated_state_in_members_mode_bit_identical(tmp_path)
     ``test_torchrun`` run it with every rank's whole state its own.)"""
     # step_delay stands for the accelerator's share of a step: the CPU is idle then, as on a GPU node, so the
     # sidecars (at nice 10) keep up with training on this 2-core machine
-    s = run_scenario(str(tmp_path), steps=STEPS, kill_at=5, params=PARAMS, step_delay=0.1, data_security="members",
-                     replicated=True, say=lambda _: None)  # fmt: skip
+    s = run_scenario(
+        str(tmp_path),
+        steps=STEPS,
+        kill_at=5,
+        params=PARAMS,
+        step_delay=0.1,
+        data_security="members",
+        replicated=True,
+        say=lambda _: None,
+    )
     assert s["ranks_agree"], s
     _assert_steps_lost_within_bound(s)
     assert s["step_restored"] >= 5 - 2  # B died after step 5 at the earliest
@@ -94,7 +111,9 @@ def test_node_loss_with_replicated_state_in_members_mode_bit_identical(tmp_path)
     assert {s["restore_sources"][r] for r in (0, 1)} == {"local"}
     assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
     assert s["detection_seconds"] < 5
-    assert 0.24 < s["snapshot_bytes_per_rank"] / _snapshot_bytes(PARAMS, STEPS) < 0.3, s  # a quarter, and the RNG
+    assert 0.24 < s["snapshot_bytes_per_rank"] / _snapshot_bytes(PARAMS, STEPS) < 0.3, (
+        s
+    )  # a quarter, and the RNG
     assert not _shm_leftovers(s["job"])
 
 
@@ -109,15 +128,27 @@ def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
         cluster.start_sidecar("B")
         sidecars = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("B")}
         # the failure-free reference runs beside the snapshotted run (it needs no sidecar)
-        reference_job = TrainingJob(str(tmp_path), "ref", world=2, steps=STEPS, params=PARAMS, job=None, sidecars={})
+        reference_job = TrainingJob(
+            str(tmp_path), "ref", world=2, steps=STEPS, params=PARAMS, job=None, sidecars={}
+        )
         try:
-            first = TrainingJob(str(tmp_path), "a1", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars,
-                                step_delay=0.2)  # fmt: skip
+            first = TrainingJob(
+                str(tmp_path),
+                "a1",
+                world=2,
+                steps=STEPS,
+                params=PARAMS,
+                job=job,
+                sidecars=sidecars,
+                step_delay=0.2,
+            )
             try:
                 _wait(lambda: first.progress(0) >= 4, 60, "step 4")
             finally:
                 first.kill()
-            second = TrainingJob(str(tmp_path), "a2", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars)
+            second = TrainingJob(
+                str(tmp_path), "a2", world=2, steps=STEPS, params=PARAMS, job=job, sidecars=sidecars
+            )
             results = second.wait(120)
             reference = reference_job.wait(120)
         finally:
@@ -143,18 +174,24 @@ def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
         cluster.start_sidecar("A")
         cluster.start_sidecar("B")
         sidecars = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("B")}
-        run = TrainingJob(str(tmp_path), "a1", world=2, steps=40, params=PARAMS, job=job, sidecars=sidecars,
-                          step_delay=0.1)  # fmt: skip
+        run = TrainingJob(
+            str(tmp_path), "a1", world=2, steps=40, params=PARAMS, job=job, sidecars=sidecars, step_delay=0.1
+        )
         _wait(lambda: run.progress(0) >= 5, 60, "step 5")
         cluster.kill(coord)
         restarted = cluster.start_coordinator(endpoint)
         assert restarted.fields["endpoint"] == endpoint
-        _wait(lambda: (j := _job_status(cluster, job)) is not None and j["durable"] >= 8, 30,
-              "durable snapshots again after the coordinator restart")  # fmt: skip
+        _wait(
+            lambda: (j := _job_status(cluster, job)) is not None and j["durable"] >= 8,
+            30,
+            "durable snapshots again after the coordinator restart",
+        )
         results = run.wait(120)
         # snapshots fail while no coordinator assigns buddies; on a loaded machine the outage and the new
         # coordinator's rebuild window (its death timeout, 3 s) span up to 20 of the 40 steps
-        assert all(r["stats"]["errors"] == 0 or r["stats"]["durable"] > 10 for r in results), [r["stats"] for r in results]
+        assert all(r["stats"]["errors"] == 0 or r["stats"]["durable"] > 10 for r in results), [
+            r["stats"] for r in results
+        ]
         # the last step is snapshotted only if due: after the outage the skip stride may be up to 32, and 32 is due
         assert all(r["stats"]["last_durable_step"] >= 32 for r in results)
 
@@ -169,8 +206,9 @@ def test_rereplication_after_losing_a_buddy(tmp_path) -> None:
         node_b = cluster.start_sidecar("B")
         cluster.start_sidecar("C")
         on_a = {0: cluster.ipc_path("A"), 1: cluster.ipc_path("A")}
-        run = TrainingJob(str(tmp_path), "a1", world=2, steps=100, params=PARAMS, job=job, sidecars=on_a,
-                          step_delay=0.2)  # fmt: skip
+        run = TrainingJob(
+            str(tmp_path), "a1", world=2, steps=100, params=PARAMS, job=job, sidecars=on_a, step_delay=0.2
+        )
         _wait(lambda: run.progress(0) >= 4, 60, "step 4")
         run.kill()  # the ranks stop; their last snapshots stay in A's shared memory
 
@@ -182,9 +220,14 @@ def test_rereplication_after_losing_a_buddy(tmp_path) -> None:
         holders_before = {n["node"] for n in _status(cluster)["nodes"] if n["stored_bytes"] > 0}
         assert "B" in holders_before
         cluster.kill(node_b)
-        _wait(lambda: copies_at_g() == [2, 2] and any(
-            n["node"] == "C" and n["stored_bytes"] > 0 for n in _status(cluster)["nodes"]), 30,
-            "re-replication to C")  # fmt: skip
+        _wait(
+            lambda: (
+                copies_at_g() == [2, 2]
+                and any(n["node"] == "C" and n["stored_bytes"] > 0 for n in _status(cluster)["nodes"])
+            ),
+            30,
+            "re-replication to C",
+        )
         assert not any(n["node"] == "B" and n["alive"] for n in _status(cluster)["nodes"])
 
 
@@ -200,8 +243,16 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
         node_a = cluster.start_sidecar("A")
         node_b = cluster.start_sidecar("B", "--drain-timeout", drain)
         cluster.start_sidecar("C")
-        run = TrainingJob(str(tmp_path), "a1", world=2, steps=100, params=PARAMS, job=job,
-                          sidecars={0: cluster.ipc_path("A"), 1: cluster.ipc_path("A")}, step_delay=0.2)  # fmt: skip
+        run = TrainingJob(
+            str(tmp_path),
+            "a1",
+            world=2,
+            steps=100,
+            params=PARAMS,
+            job=job,
+            sidecars={0: cluster.ipc_path("A"), 1: cluster.ipc_path("A")},
+            step_delay=0.2,
+        )
         try:
             _wait(lambda: run.progress(0) >= 4, 60, "step 4")
         finally:
@@ -216,7 +267,11 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
         assert cluster.stop(node_b, timeout=30) == 0  # its drain may take up to its --drain-timeout
         b_log = cluster.tail(node_b, 400)
         cluster.kill(node_a)
-        _wait(lambda: not any(n["alive"] for n in _status(cluster)["nodes"] if n["node"] in "AB"), 20, "A and B gone")
+        _wait(
+            lambda: not any(n["alive"] for n in _status(cluster)["nodes"] if n["node"] in "AB"),
+            20,
+            "A and B gone",
+        )
         if drain == "0s":
             assert "draining" not in b_log
             assert _job_status(cluster, job)["recoverable"] == -1, "without the drain, A's loss loses the job"
@@ -225,8 +280,15 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
         assert copies_at_g() == [1, 1] and _job_status(cluster, job)["recoverable"] == g
         with open(cluster.coordinator.log_path) as f:
             assert re.search(r"node B left \(missed heartbeats", f.read())  # not "declared dead"
-        resumed = TrainingJob(str(tmp_path), "a2", world=2, steps=g + 2, params=PARAMS, job=job,
-                              sidecars={0: cluster.ipc_path("C"), 1: cluster.ipc_path("C")})  # fmt: skip
+        resumed = TrainingJob(
+            str(tmp_path),
+            "a2",
+            world=2,
+            steps=g + 2,
+            params=PARAMS,
+            job=job,
+            sidecars={0: cluster.ipc_path("C"), 1: cluster.ipc_path("C")},
+        )
         try:
             results = resumed.wait(120)
         finally:
@@ -236,8 +298,9 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
 
 
 def _snapshotter(cluster: LocalCluster, node: str, job: str, rank: int, state: dict) -> Snapshotter:
-    return Snapshotter(state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10,
-                       when_busy="block")  # four steps back to back on three slots: wait for D to free one
+    return Snapshotter(
+        state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10, when_busy="block"
+    )  # four steps back to back on three slots: wait for D to free one
 
 
 @pytest.mark.timeout(300)
@@ -250,7 +313,10 @@ def test_restores_seconds_apart_agree_and_unrecoverable_is_clear(tmp_path) -> No
         states = [{"w": torch.zeros(1000)}, {"w": torch.zeros(1000)}]
         snaps = [_snapshotter(cluster, "A", job, 0, states[0]), _snapshotter(cluster, "B", job, 1, states[1])]
         results: dict[int, int] = {}
-        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, snaps[r].restore(timeout=30))) for r in (0, 1)]
+        threads = [
+            threading.Thread(target=lambda r=r: results.__setitem__(r, snaps[r].restore(timeout=30)))
+            for r in (0, 1)
+        ]
         for t in threads:
             t.start()
         for t in threads:

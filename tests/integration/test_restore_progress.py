@@ -57,8 +57,12 @@ def _state(rank: int, step: int) -> dict:
 def _snapshot_then_crash(ipcs: dict[int, str], job: str) -> None:
     """Every rank starts fresh and snapshots steps 1..STEPS, each complete on its buddies, then crashes."""
     states = [_state(r, 0) for r in range(WORLD)]
-    snaps = [Snapshotter(states[r], job=job, rank=r, world_size=WORLD, sidecar=ipcs[r], timeout=10, when_busy="block")
-             for r in range(WORLD)]  # fmt: skip
+    snaps = [
+        Snapshotter(
+            states[r], job=job, rank=r, world_size=WORLD, sidecar=ipcs[r], timeout=10, when_busy="block"
+        )
+        for r in range(WORLD)
+    ]
     assert restore_all(snaps) == [0] * WORLD
     for step in range(1, STEPS + 1):
         for r, snap in enumerate(snaps):
@@ -80,7 +84,11 @@ def _pty(columns: int = 160) -> tuple[int, int]:
 def _run_ranks(job: str, ipcs: dict[int, str]) -> tuple[list[dict], dict[int, str], str]:
     """Start the three ranks (see the module docstring) and read their terminals until they exit: their results,
     what each terminal showed (ANSI codes removed), and rank 2's stderr."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR")
+    }
     env["TERM"] = "xterm-256color"
     masters: dict[int, int] = {}
     procs: list[subprocess.Popen[bytes]] = []
@@ -91,13 +99,19 @@ def _run_ranks(job: str, ipcs: dict[int, str]) -> tuple[list[dict], dict[int, st
                 masters[rank], stderr = _pty()
             else:
                 stderr = subprocess.PIPE
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", _RANK, job, str(rank), ipcs[rank], str(FLOATS), str(WORLD)],
-                stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
-                env={**env, "LOCAL_RANK": "1"} if rank == 1 else env,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _RANK, job, str(rank), ipcs[rank], str(FLOATS), str(WORLD)],
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    stdin=subprocess.DEVNULL,
+                    env={**env, "LOCAL_RANK": "1"} if rank == 1 else env,
+                )
+            )
             if rank < 2:
-                os.close(stderr)  # the child holds the slave: reading the master ends (EIO) when the child exits
+                os.close(
+                    stderr
+                )  # the child holds the slave: reading the master ends (EIO) when the child exits
         shown = {rank: b"" for rank in masters}
         open_ = set(masters)
         deadline = time.monotonic() + TIMEOUT
@@ -117,7 +131,9 @@ def _run_ranks(job: str, ipcs: dict[int, str]) -> tuple[list[dict], dict[int, st
         stderr2 = ""
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=TIMEOUT)
-            assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}: {err!r} {shown.get(rank)!r}"
+            assert proc.returncode == 0, (
+                f"rank {rank} exited with {proc.returncode}: {err!r} {shown.get(rank)!r}"
+            )
             results.append(json.loads(out))
             if rank == 2:
                 stderr2 = err.decode()
@@ -158,7 +174,9 @@ def test_restore_draws_its_progress_on_the_first_local_ranks_terminal_only(tmp_p
     assert f"restore {job} rank 0 step {STEPS}: pull from tcp://127.0.0.1:" in drawn, drawn
     assert f"({size})" in drawn
     assert "waiting for the recovery plan" in drawn  # drawn while every rank had yet to ask
-    final = [ln for ln in drawn.replace("\r", "\n").splitlines() if ln.startswith(f"restore rank 0 step {STEPS}")]
+    final = [
+        ln for ln in drawn.replace("\r", "\n").splitlines() if ln.startswith(f"restore rank 0 step {STEPS}")
+    ]
     assert final and f"100% {size}/{size}" in final[-1] and "/s" in final[-1], drawn
 
     assert shown[1].strip() == "", shown[1]  # LOCAL_RANK=1: a terminal, but not the node's first rank
@@ -166,5 +184,7 @@ def test_restore_draws_its_progress_on_the_first_local_ranks_terminal_only(tmp_p
 
     # the sidecar logs one line per restore, not a bar
     lines = [ln for ln in sidecar_c.splitlines() if f"job {job} restores step" in ln]
-    assert len(lines) == 1 and f"rank 0 of job {job} restores step {STEPS}: pull from tcp://" in lines[0], sidecar_c
+    assert len(lines) == 1 and f"rank 0 of job {job} restores step {STEPS}: pull from tcp://" in lines[0], (
+        sidecar_c
+    )
     assert size in lines[0] and "/s" in lines[0]

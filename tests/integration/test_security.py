@@ -20,8 +20,9 @@ pytestmark = pytest.mark.integration
 SECRET = "correct horse battery staple"
 
 
-def _ask(addr: str, secret: str | None, msg: proto.Message, *, source: str | None = None,
-         timeout_ms: int = 1500) -> proto.Message | None:  # fmt: skip
+def _ask(
+    addr: str, secret: str | None, msg: proto.Message, *, source: str | None = None, timeout_ms: int = 1500
+) -> proto.Message | None:
     """Ask ``addr`` (as a CURVE client with ``secret``; connecting from the address ``source``); None: no answer."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -49,13 +50,19 @@ def test_members_mode_streams_in_plaintext_between_members_only(tmp_path) -> Non
         assert node_b.fields["data"].startswith("tcp://127.0.0.3:")
         w = torch.arange(4096, dtype=torch.float32)
         for job, node in zip(jobs, "AB", strict=True):  # each node's rank streams to the other node
-            with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path(node), timeout=10) as snap:
+            with Snapshotter(
+                {"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path(node), timeout=10
+            ) as snap:
                 assert snap.restore(timeout=20) == 0
                 assert snap.capture(1) and snap.wait(10), snap.stats
                 assert snap.stats.durable == 1 and snap.stats.last_durable_step == 1
-        reply = _ask(node_b.fields["data"], None, proto.PullManifest(job=jobs[0], rank=0, step=1), source="127.0.0.1")
+        reply = _ask(
+            node_b.fields["data"], None, proto.PullManifest(job=jobs[0], rank=0, step=1), source="127.0.0.1"
+        )
         assert isinstance(reply, proto.StreamBegin) and reply.data_bytes == w.numel() * 4
-        reply = _ask(node_a.fields["data"], None, proto.PullManifest(job=jobs[1], rank=0, step=1), source="127.0.0.3")
+        reply = _ask(
+            node_a.fields["data"], None, proto.PullManifest(job=jobs[1], rank=0, step=1), source="127.0.0.3"
+        )
         assert isinstance(reply, proto.StreamBegin)
         pull = proto.PullManifest(job=jobs[1], rank=0, step=1)
         assert _ask(node_a.fields["data"], None, pull, source="127.0.0.2") is None
@@ -85,7 +92,9 @@ def test_secret_job_streams_over_curve_and_refuses_outsiders(tmp_path) -> None:
         cluster.start_sidecar("A")
         node_b = cluster.start_sidecar("B")
         w = torch.arange(4096, dtype=torch.float32)
-        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10) as snap:
+        with Snapshotter(
+            {"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10
+        ) as snap:
             assert snap.restore(timeout=20) == 0
             assert snap.capture(1) and snap.wait(10), snap.stats
         pull = proto.PullManifest(job=job, rank=0, step=1)
@@ -114,7 +123,9 @@ def test_mismatched_security_is_named_not_a_bare_timeout(tmp_path) -> None:
         node_a = cluster.start_sidecar("A", "--peer-timeout", "2s")
         cluster.start_sidecar("B", "--data-security", "members")
         w = torch.arange(1024, dtype=torch.float32)
-        with Snapshotter({"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10) as snap:
+        with Snapshotter(
+            {"w": w}, job=job, rank=0, world_size=1, sidecar=cluster.ipc_path("A"), timeout=10
+        ) as snap:
             assert snap.restore(timeout=20) == 0
             assert snap.capture(1)
             assert not snap.wait(15)

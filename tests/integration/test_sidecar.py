@@ -133,8 +133,9 @@ class Workload:
 
 def zero_bytes() -> Workload:
     """Only tensors without elements: a snapshot of zero data bytes (and a table and meta all the same)."""
-    return Workload({"e0": ((0,), torch.float32), "e1": ((0, 7), torch.bfloat16),
-                     "e2": ((3, 0, 2), torch.int64)})  # fmt: skip
+    return Workload(
+        {"e0": ((0,), torch.float32), "e1": ((0, 7), torch.bfloat16), "e2": ((3, 0, 2), torch.int64)}
+    )
 
 
 def tiny_tensors(count: int = 3000) -> Workload:
@@ -146,8 +147,14 @@ def tiny_tensors(count: int = 3000) -> Workload:
 
 def larger_than_a_chunk() -> Workload:
     """bf16 and int64 tensors of several 1 MiB chunks each, and one that ends inside a chunk."""
-    return Workload({"bf16": ((1_500_000,), torch.bfloat16), "ids": ((300_000,), torch.int64),
-                     "w": ((1000, 257), torch.float32)}, seed=2)  # fmt: skip
+    return Workload(
+        {
+            "bf16": ((1_500_000,), torch.bfloat16),
+            "ids": ((300_000,), torch.int64),
+            "w": ((1000, 257), torch.float32),
+        },
+        seed=2,
+    )
 
 
 def big(nbytes: int) -> Workload:
@@ -198,8 +205,20 @@ def open_ranks(
     """
     world = len(placement)
     ranks = [
-        Rank(Snapshotter(work.state, job=job, rank=i, world_size=world, sidecar=cluster.ipc(node),
-                         timeout=WAIT, **kwargs), work, node, cluster.node(node))  # fmt: skip
+        Rank(
+            Snapshotter(
+                work.state,
+                job=job,
+                rank=i,
+                world_size=world,
+                sidecar=cluster.ipc(node),
+                timeout=WAIT,
+                **kwargs,
+            ),
+            work,
+            node,
+            cluster.node(node),
+        )
         for i, (node, work) in enumerate(placement)
     ]
     try:
@@ -360,7 +379,9 @@ def assert_not_held(cluster: Cluster, node: str, job: str, rank: int, step: int)
 def test_three_sidecars_exchange_snapshots_of_every_shape(cluster: Cluster, watch: StatusWatch) -> None:
     cluster.start("A")
     cluster.start("B")
-    cluster.start("C", "--codec", "delta-lz4")  # rank 2's later steps go out as XOR deltas against the previous
+    cluster.start(
+        "C", "--codec", "delta-lz4"
+    )  # rank 2's later steps go out as XOR deltas against the previous
     job = cluster.job("shapes")
     works = [zero_bytes(), tiny_tensors(), larger_than_a_chunk()]
     assert works[0].data_bytes == 0 and works[2].data_bytes > 5 << 20
@@ -405,12 +426,28 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
 
     def chunk(index: int, digest: int | None = None, step: int = 1) -> Chunk:
         part = chunks[index]
-        return Chunk(job=fake, rank=0, step=step, index=index, raw_len=part.nbytes,
-                     checksum=checksum(part) if digest is None else digest, payload=part)  # fmt: skip
+        return Chunk(
+            job=fake,
+            rank=0,
+            step=step,
+            index=index,
+            raw_len=part.nbytes,
+            checksum=checksum(part) if digest is None else digest,
+            payload=part,
+        )
 
     table, meta = encode_table(entries), msgpack.packb([1, {}])
-    begin = StreamBegin(job=fake, rank=0, step=1, src_node="X", data_bytes=len(data), chunk_bytes=4096,
-                        digest=blob_digest(table, meta), table=table, meta=meta)  # fmt: skip
+    begin = StreamBegin(
+        job=fake,
+        rank=0,
+        step=1,
+        src_node="X",
+        data_bytes=len(data),
+        chunk_bytes=4096,
+        digest=blob_digest(table, meta),
+        table=table,
+        meta=meta,
+    )
     manifest = {"v": 1, "type": "pull_manifest", "job": fake, "rank": 0, "step": 0}
     with DataPeer(b.fields["data"]) as peer:
         garbage: list[tuple[Any, str]] = [
@@ -445,31 +482,56 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
         five = bytes(range(256)) * 80
         parts = [memoryview(five)[i : i + 4096] for i in range(0, len(five), 4096)]
         table = encode_table([TensorEntry("y", "uint8", (len(five),), 0, len(five))])
-        windowed = StreamBegin(job=fake, rank=1, step=1, src_node="X", data_bytes=len(five), chunk_bytes=4096,
-                               window=8, digest=blob_digest(table, meta), table=table, meta=meta)  # fmt: skip
+        windowed = StreamBegin(
+            job=fake,
+            rank=1,
+            step=1,
+            src_node="X",
+            data_bytes=len(five),
+            chunk_bytes=4096,
+            window=8,
+            digest=blob_digest(table, meta),
+            table=table,
+            meta=meta,
+        )
         assert isinstance(peer.request(windowed), StreamAccept)
         for i, part in enumerate(parts):
-            peer.send(Chunk(job=fake, rank=1, step=1, index=i, raw_len=part.nbytes, checksum=checksum(part),
-                            payload=part))  # fmt: skip
+            peer.send(
+                Chunk(
+                    job=fake,
+                    rank=1,
+                    step=1,
+                    index=i,
+                    raw_len=part.nbytes,
+                    checksum=checksum(part),
+                    payload=part,
+                )
+            )
         acks = [peer.recv() for _ in range(3)]
         assert [(a.index, a.count, a.complete) for a in acks if isinstance(a, ChunkAck)] == [
-            (1, 2, False), (3, 2, False), (4, 1, True)
+            (1, 2, False),
+            (3, 2, False),
+            (4, 1, True),
         ]
     with DataPeer(b.fields["data"]) as peer:
         got = peer.pull(fake, 0, 1)
     assert isinstance(got, Pulled) and got.data == data and got.table == encode_table(entries)
 
     with DataPeer(f"ipc://{cluster.ipc('A')}") as ipc:
-        for frames in ([b"garbage"], Announce(job=fake, rank=0, step=1, slot=0, table_id=1),
-                       PullManifest(job=fake, rank=0, step=1)):  # fmt: skip
+        for frames in (
+            [b"garbage"],
+            Announce(job=fake, rank=0, step=1, slot=0, table_id=1),
+            PullManifest(job=fake, rank=0, step=1),
+        ):
             reply = ipc.request(frames)
             assert isinstance(reply, Error) and reply.code == "bad_message", reply
         registered = ipc.request(RegisterRank(job=fake, rank=3, world_size=4, pid=1, data_bytes=100))
         assert isinstance(registered, RankRegistered) and isinstance(ipc.recv(), SlotUpdate)
         assert [n for n in shm_leftovers(cluster.tag) if fake in n] == [os.path.basename(registered.arena)]
-        for bad_announce in (Announce(job=fake, rank=3, step=1, slot=5, table_id=1,
-                                      table=encode_table(entries)),
-                             Announce(job=fake, rank=3, step=1, slot=0, table_id=2)):  # fmt: skip
+        for bad_announce in (
+            Announce(job=fake, rank=3, step=1, slot=5, table_id=1, table=encode_table(entries)),
+            Announce(job=fake, rank=3, step=1, slot=0, table_id=2),
+        ):
             reply = ipc.request(bad_announce)
             assert isinstance(reply, Error) and reply.code == "bad_message", reply
         ipc.send(UnregisterRank(job=fake, rank=3))
@@ -510,8 +572,10 @@ def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how
     work = big(24 << 20)
     # rank 1 first snapshots at step 2, so step 1 never becomes recoverable and re-replication cannot copy it
     # to the new B: whatever B holds of step 1 can only have come from the interrupted stream
-    with open_ranks(cluster, job, [("A", work), ("A", tiny_tensors(10))]) as ranks, \
-            open_ranks(cluster, job_b, [("B", zero_bytes())]):  # fmt: skip
+    with (
+        open_ranks(cluster, job, [("A", work), ("A", tiny_tensors(10))]) as ranks,
+        open_ranks(cluster, job_b, [("B", zero_bytes())]),
+    ):
         watch.track(job, ranks)
         r0 = ranks[0]
         assert arenas_of(cluster, "B")  # B holds the arena of its own local rank
@@ -584,7 +648,9 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
     assert 1 in watch.checked[job] and watch.checked[job][-1] == final
 
 
-def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(cluster: Cluster, watch: StatusWatch) -> None:
+def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
     """Node B is rank 1's home and rank 0's only buddy. Rank 0's step 2 reached B; rank 1's step 2 was still
     streaming from B to C when B died. Rank 0's step 2 is then only on A and rank 1's only step is 1 (on C): A
     must still hold rank 0's step 1, which only D (1 here) moving past it may free, not the newer copy."""
@@ -599,20 +665,28 @@ def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(cluster: Clust
         assert r0.snap.wait(WAIT) and r1.snap.wait(WAIT)
         wait_for(lambda: watch.watermark(job) == (1, 1), "G = D = 1")
         assert r1.capture(2)
-        wait_for(lambda: stored_bytes(cluster, "C") >= 2 * large.data_bytes, "rank 1's step 2 to begin streaming")
+        wait_for(
+            lambda: stored_bytes(cluster, "C") >= 2 * large.data_bytes, "rank 1's step 2 to begin streaming"
+        )
         assert r0.capture(2) and r0.snap.wait(WAIT)  # on B now
         cluster.kill(b)
         assert_not_held(cluster, "C", job, 1, 2)  # B died before rank 1's step 2 was complete anywhere
         wait_for(lambda: not watch.node("B")["alive"], "B to be declared dead")
         r1.snap.close(unregister=False)  # rank 1's process went down with its node
         with (
-            Snapshotter(large.at(0), job=job, rank=1, world_size=2, sidecar=cluster.ipc("C"), timeout=WAIT) as new1,
+            Snapshotter(
+                large.at(0), job=job, rank=1, world_size=2, sidecar=cluster.ipc("C"), timeout=WAIT
+            ) as new1,
             ThreadPoolExecutor(2) as pool,
         ):
-            steps = list(pool.map(lambda snap: snap.restore(timeout=WAIT), [r0.snap, new1], timeout=WAIT + 10))
+            steps = list(
+                pool.map(lambda snap: snap.restore(timeout=WAIT), [r0.snap, new1], timeout=WAIT + 10)
+            )
             assert steps == [1, 1]
             assert (r0.snap.restored["source"], new1.restored["source"]) == ("local", "replica")
-            assert torch.equal(r0.work.state["w"], small.at(1)["w"]) and torch.equal(new1.state["w"], large.at(1)["w"])
+            assert torch.equal(r0.work.state["w"], small.at(1)["w"]) and torch.equal(
+                new1.state["w"], large.at(1)["w"]
+            )
 
 
 def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_runs(
@@ -636,7 +710,9 @@ def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_r
         for i, node in enumerate(homes):
             work = Workload(shape, seed=10 + i)
             work.reshape(6, shape)  # the resumed run: steps from 6 on differ from the failed run's
-            snap = Snapshotter(work.state, job=job, rank=i, world_size=2, sidecar=cluster.ipc(node), timeout=WAIT)
+            snap = Snapshotter(
+                work.state, job=job, rank=i, world_size=2, sidecar=cluster.ipc(node), timeout=WAIT
+            )
             ranks.append(Rank(snap, work, node, cluster.node(node)))
         with ThreadPoolExecutor(2) as pool:
             steps = list(pool.map(lambda r: r.snap.restore(timeout=WAIT), ranks, timeout=WAIT + 10))
@@ -646,8 +722,12 @@ def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_r
         return ranks
 
     # "block": five steps back to back on three slots; a capture waits for D to free a slot instead of skipping
-    with open_ranks(cluster, job, [(node, Workload(shape, seed=10 + i)) for i, node in enumerate(homes)],
-                    when_busy="block") as failed:
+    with open_ranks(
+        cluster,
+        job,
+        [(node, Workload(shape, seed=10 + i)) for i, node in enumerate(homes)],
+        when_busy="block",
+    ) as failed:
         for step in range(1, 6):
             assert all(r.capture(step) for r in failed) and all(r.snap.wait(WAIT) for r in failed)
         wait_for(lambda: watch.watermark(job) == (5, 5), "G = D = 5")
@@ -698,7 +778,9 @@ def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, wat
         stats = r.snap.stats
         assert stats.failed == 0 and stats.started + stats.skipped + _left_out(step) == step
         assert stats.skipped > step / 2 and stats.started >= 4, stats
-        assert stats.stride >= 2, stats  # the skip policy widened the stride: the loss bound a node loss would have
+        assert stats.stride >= 2, (
+            stats
+        )  # the skip policy widened the stride: the loss bound a node loss would have
         assert stats.last_durable_step == max(r.started)
         # a snapshot waits for at most the stream in flight, then streams itself: the lag does not grow
         assert staleness < 3 * stream_s + 1.0, (staleness, stream_s)
@@ -769,4 +851,6 @@ def test_memory_limit_refusal_is_named_to_the_client_and_ends_its_wait(cluster: 
         assert "memory limit" in r.snap.stats.last_error, r.snap.stats.last_error
         t0 = time.monotonic()
         assert not r.snap.wait(10)
-        assert time.monotonic() - t0 < 5  # at once, not after the timeout (a wide margin for a loaded machine)
+        assert (
+            time.monotonic() - t0 < 5
+        )  # at once, not after the timeout (a wide margin for a loaded machine)

@@ -193,7 +193,11 @@ def test_nanogpt_with_the_readme_lines_loses_a_node_and_ends_bit_identical(clust
     reached, restored = max(before) + 1, min(after)
     # the step durable when B died is recoverable; how many steps after it are lost depends on how far the
     # sidecars were behind (the README's bound, tested in tests/bench/test_soak.py, needs the Snapshotter's stride)
-    assert 1 <= trial.durable_at_loss <= restored <= reached < ITERS, (trial.durable_at_loss, restored, reached)
+    assert 1 <= trial.durable_at_loss <= restored <= reached < ITERS, (
+        trial.durable_at_loss,
+        restored,
+        reached,
+    )
     # every printed loss, the ones run again included, is the failure-free run's
     for process in range(len(trial.processes)):
         printed = trial.iters(process)
@@ -206,4 +210,6 @@ def test_nanogpt_with_the_readme_lines_loses_a_node_and_ends_bit_identical(clust
     assert _same(got["optimizer"], ref["optimizer"]), "optimizer differs"
     assert _same(got["best_val_loss"], ref["best_val_loss"])
     assert not marked_processes(tag)  # every agent and worker of both runs has ended
-    print(f"nanoGPT: node lost after {reached} steps ({trial.durable_at_loss} durable), restored step {restored}")
+    print(
+        f"nanoGPT: node lost after {reached} steps ({trial.durable_at_loss} durable), restored step {restored}"
+    )

@@ -32,9 +32,18 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     for name in ("reference", "trial"):
         (tmp_path / name).mkdir()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {name: pool.submit(run_trial, cluster, str(tmp_path / name), cfg, job=cluster.job(name),
-                                  fail=name == "trial", node_names=[cluster.node(f"{x}{i}") for x in "ABC"])
-                for i, name in enumerate(("reference", "trial"))}  # fmt: skip
+        runs = {
+            name: pool.submit(
+                run_trial,
+                cluster,
+                str(tmp_path / name),
+                cfg,
+                job=cluster.job(name),
+                fail=name == "trial",
+                node_names=[cluster.node(f"{x}{i}") for x in "ABC"],
+            )
+            for i, name in enumerate(("reference", "trial"))
+        }
         reference, trial = (runs[name].result() for name in ("reference", "trial"))
     elapsed = time.monotonic() - t0
 
@@ -52,8 +61,11 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     assert len({r["step"] for r in trial.restored.values()}) == 1, trial.restored
     assert trial.reached is not None and trial.reached >= cfg.kill_after
     stride = max(1, trial.stride_at_loss or 0)
-    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= max_steps_lost(stride), \
-        (trial.reached, trial.restored, stride)
+    assert trial.steps_lost is not None and 0 <= trial.steps_lost <= max_steps_lost(stride), (
+        trial.reached,
+        trial.restored,
+        stride,
+    )
     sources = {rank: r["source"] for rank, r in trial.restored.items()}
     assert sources[0] == sources[1] == "local", sources  # node A survived: its own shared memory
     assert {sources[2], sources[3]} <= {"replica", "pull"}, sources  # node C: from A, B's buddy
@@ -69,5 +81,7 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     for name, sidecar in cluster.sidecars.items():
         assert not sidecar.alive(), name
         assert sidecar is lost or sidecar.proc.returncode == 0, (name, cluster.tail(sidecar))
-    print(f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost} at stride {stride}; "
-          f"split {split}")
+    print(
+        f"torchrun trial: {elapsed:.1f} s for both runs; steps lost {trial.steps_lost} at stride {stride}; "
+        f"split {split}"
+    )

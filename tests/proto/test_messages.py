@@ -97,13 +97,40 @@ def sample_messages() -> list[Message]:
         ),
         SlotUpdate(job="run-42", rank=3, free_slots=(0, 1), durable_step=16, note="buddy slow"),
         RestoreRequest(job="run-42", rank=3, world_size=8, timeout_s=30.0, fetch=True),
-        RestoreFetch(job="run-42", rank=3, step=17, fetch=(1 << 62) - 1, data_bytes=384_004, chunk_bytes=1 << 20,
-                     arena="/dev/shm/snapshotd-run-42-3b", slot_bytes=1 << 20, slots=2, slot=1,
-                     holders=("10.0.0.2:40001", "[fd00::3]:40002"), table=table, tokens=bytes(range(32))),  # fmt: skip
-        RestoreFetched(job="run-42", rank=3, step=17, fetch=5, ok=True, direct=True, fetched=384_004,
-                       sums=(7).to_bytes(8, "little")),  # fmt: skip
-        RestoreProgress(job="run-42", rank=3, step=17, done_bytes=1 << 19, total_bytes=1 << 20, source="pull",
-                        sources=("tcp://10.0.0.2:7071",)),  # fmt: skip
+        RestoreFetch(
+            job="run-42",
+            rank=3,
+            step=17,
+            fetch=(1 << 62) - 1,
+            data_bytes=384_004,
+            chunk_bytes=1 << 20,
+            arena="/dev/shm/snapshotd-run-42-3b",
+            slot_bytes=1 << 20,
+            slots=2,
+            slot=1,
+            holders=("10.0.0.2:40001", "[fd00::3]:40002"),
+            table=table,
+            tokens=bytes(range(32)),
+        ),
+        RestoreFetched(
+            job="run-42",
+            rank=3,
+            step=17,
+            fetch=5,
+            ok=True,
+            direct=True,
+            fetched=384_004,
+            sums=(7).to_bytes(8, "little"),
+        ),
+        RestoreProgress(
+            job="run-42",
+            rank=3,
+            step=17,
+            done_bytes=1 << 19,
+            total_bytes=1 << 20,
+            source="pull",
+            sources=("tcp://10.0.0.2:7071",),
+        ),
         RestoreReply(
             job="run-42",
             rank=3,
@@ -166,15 +193,30 @@ def sample_messages() -> list[Message]:
             tasks=(ReplicateTask("run-42", 5, 16, (ADDR,)),),
         ),
         PlanRequest(job="run-42", rank=3, world_size=8, node="node-a", ranks=(2, 7)),
-        PlanReply(job="run-42", rank=3, status="ready", step=16, local=False, sources=(ADDR,), reason="",
-                  plans=(RankPlan(2, "ready", 16, True, (), ""), RankPlan(7, "none", -1, False, (), "gone"))),
+        PlanReply(
+            job="run-42",
+            rank=3,
+            status="ready",
+            step=16,
+            local=False,
+            sources=(ADDR,),
+            reason="",
+            plans=(RankPlan(2, "ready", 16, True, (), ""), RankPlan(7, "none", -1, False, (), "gone")),
+        ),
         StatusRequest(),
         StatusReply(body=msgpack.packb({"nodes": ["node-a"]})),
         MemberQuery(host="10.0.0.2"),
         MemberReply(host="10.0.0.2", member=True, node="node-a"),
         HoldersQuery(job="run-42", step=16, first=0, count=2),
-        HoldersReply(job="run-42", step=16, world_size=2, recoverable=17, durable=16, first=0,
-                     sources=((ADDR, "tcp://10.0.0.3:41000"), ())),
+        HoldersReply(
+            job="run-42",
+            step=16,
+            world_size=2,
+            recoverable=17,
+            durable=16,
+            first=0,
+            sources=((ADDR, "tcp://10.0.0.3:41000"), ()),
+        ),
         SeatRequest(job="run-42", world_size=16, per_node=8, node="node-a", timeout_s=600.0),
         SeatReply(job="run-42", status="given", first=8),
         PeerLostReport(job="run-42", rank=3, node="node-a"),
@@ -448,8 +490,11 @@ def test_folded_fields_are_ordinary_fields(cls: type, name: str, default: Any) -
 
 
 def _records(msg: Message) -> list[Any]:
-    return [r for f in dataclasses.fields(msg) for r in (getattr(msg, f.name) if type(getattr(msg, f.name)) is tuple
-                                                         else ())]  # fmt: skip
+    return [
+        r
+        for f in dataclasses.fields(msg)
+        for r in (getattr(msg, f.name) if type(getattr(msg, f.name)) is tuple else ())
+    ]
 
 
 def test_a_field_with_a_default_is_sent_and_may_be_left_out() -> None:
@@ -507,9 +552,19 @@ def test_an_unknown_error_code_is_a_malformed_message() -> None:
 
 def test_error_codes_are_documented_and_cover_every_code_the_repository_sends() -> None:
     assert {c.value for c in ErrorCode} == {
-        "bad_message", "unexpected", "internal", "busy", "not_registered", "plan_timeout", "not_recoverable",
-        "pull_failed", "not_found", "memory_limit", "bad_chunk", "corrupt",
-    }  # fmt: skip
+        "bad_message",
+        "unexpected",
+        "internal",
+        "busy",
+        "not_registered",
+        "plan_timeout",
+        "not_recoverable",
+        "pull_failed",
+        "not_found",
+        "memory_limit",
+        "bad_chunk",
+        "corrupt",
+    }
     source = (Path(snapshotd.proto.__file__).parent / "errors.py").read_text()
     for code in ErrorCode:
         assert f'{code.name} = "{code.value}"\n    """' in source, f"{code.name} has no docstring"
@@ -519,9 +574,15 @@ def test_plan_batches_are_bounded() -> None:
     too_many = tuple(range(L.MAX_PLAN_RANKS))  # with ``rank``, one more than a request may carry
     with pytest.raises(LimitExceeded):
         encode(PlanRequest(job="j", rank=0, world_size=L.MAX_RANKS, node="a", ranks=too_many))
-    header = msgpack.unpackb(bytes(encode(PlanRequest(job="j", rank=0, world_size=8, node="a", ranks=(1,)))[0]))
+    header = msgpack.unpackb(
+        bytes(encode(PlanRequest(job="j", rank=0, world_size=8, node="a", ranks=(1,)))[0])
+    )
     header["ranks"] = list(too_many)
     with pytest.raises(LimitExceeded):
         decode([msgpack.packb(header)])
     with pytest.raises(MalformedMessage):
-        decode(encode(PlanReply(job="j", rank=0, status="ready", plans=(RankPlan(1, "wait", -1, False, (), ""),))))
+        decode(
+            encode(
+                PlanReply(job="j", rank=0, status="ready", plans=(RankPlan(1, "wait", -1, False, (), ""),))
+            )
+        )

@@ -17,8 +17,15 @@ from snapshotd.proto import (
     encode,
 )
 
-PULL = RestoreProgress(job="run-42", rank=3, step=17, done_bytes=3 << 20, total_bytes=8 << 20, source="pull",
-                       sources=("tcp://10.0.0.2:7071", "tcp://10.0.0.3:7071"))  # fmt: skip
+PULL = RestoreProgress(
+    job="run-42",
+    rank=3,
+    step=17,
+    done_bytes=3 << 20,
+    total_bytes=8 << 20,
+    source="pull",
+    sources=("tcp://10.0.0.2:7071", "tcp://10.0.0.3:7071"),
+)
 
 
 def test_round_trip() -> None:

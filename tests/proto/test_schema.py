@@ -21,8 +21,13 @@ from snapshotd.proto.errors import LimitExceeded, MalformedMessage, ProtocolErro
 from snapshotd.proto.records import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
 from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
 
-PROPS = settings(max_examples=300, deadline=timedelta(milliseconds=500), derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+PROPS = settings(
+    max_examples=300,
+    deadline=timedelta(milliseconds=500),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,22 +92,39 @@ def same(spec: Spec, value: Any) -> None:
 
 
 _SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
+    st.none(),
+    st.booleans(),
+    st.integers(-(1 << 63), (1 << 64) - 1),
     st.sampled_from([0, -1, 1, 100, 101, L.MAX_RANKS - 1, L.MAX_RANKS, (1 << 63) - 1, 1 << 63]),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=10), st.binary(max_size=5),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=10),
+    st.binary(max_size=5),
     st.sampled_from(["j", "raw", "lz4", "a", "b", "x" * (L.MAX_NAME_LEN + 1), "tcp://h:1"]),
-)  # fmt: skip
+)
 _VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=5), max_leaves=16)
 
 _VALID_ROWS = {
-    "inventory": st.lists(st.tuples(st.just("job"), st.integers(0, 99), st.integers(0, 9), st.booleans()).map(list)),
-    "ranks": st.lists(st.tuples(st.just("job"), st.integers(0, 9), st.integers(10, 20), st.integers(0, 1 << 31),
-                                st.booleans()).map(list)),  # fmt: skip
-    "assignments": st.lists(st.tuples(st.just("job"), st.integers(0, 9),
-                                      st.lists(st.just("tcp://h:1"), max_size=3)).map(list)),  # fmt: skip
-    "plain": st.lists(st.tuples(st.text(max_size=8), st.one_of(st.floats(0.0, 1.0), st.integers(0, 1)),
-                                st.binary(max_size=4), st.sampled_from(["a", "b"]),
-                                st.one_of(st.none(), st.integers(0, 9))).map(list), max_size=8),  # fmt: skip
+    "inventory": st.lists(
+        st.tuples(st.just("job"), st.integers(0, 99), st.integers(0, 9), st.booleans()).map(list)
+    ),
+    "ranks": st.lists(
+        st.tuples(
+            st.just("job"), st.integers(0, 9), st.integers(10, 20), st.integers(0, 1 << 31), st.booleans()
+        ).map(list)
+    ),
+    "assignments": st.lists(
+        st.tuples(st.just("job"), st.integers(0, 9), st.lists(st.just("tcp://h:1"), max_size=3)).map(list)
+    ),
+    "plain": st.lists(
+        st.tuples(
+            st.text(max_size=8),
+            st.one_of(st.floats(0.0, 1.0), st.integers(0, 1)),
+            st.binary(max_size=4),
+            st.sampled_from(["a", "b"]),
+            st.one_of(st.none(), st.integers(0, 9)),
+        ).map(list),
+        max_size=8,
+    ),
 }
 
 
@@ -146,11 +168,15 @@ def test_failures_name_the_first_bad_item_and_field() -> None:
     rows = [["job", 1, 2, True], ["job", 1, -3, True], ["job", True, 2, True]]
     with pytest.raises(LimitExceeded, match=r"field 'inventory\[1\]\.step': -3 is outside"):
         SPECS["inventory"].check(rows, "inventory")
-    with pytest.raises(MalformedMessage, match=r"field 'inventory\[1\]\.rank': expected an integer, got bool"):
+    with pytest.raises(
+        MalformedMessage, match=r"field 'inventory\[1\]\.rank': expected an integer, got bool"
+    ):
         SPECS["inventory"].check([rows[0], rows[2]], "inventory")
     with pytest.raises(MalformedMessage, match=r"field 'inventory\[1\]': expected a list of 4 values"):
         SPECS["inventory"].check([rows[0], rows[0][:3]], "inventory")
-    with pytest.raises(MalformedMessage, match=r"assignments\[0\]\.buddies\[1\]': expected a string, got int"):
+    with pytest.raises(
+        MalformedMessage, match=r"assignments\[0\]\.buddies\[1\]': expected a string, got int"
+    ):
         SPECS["assignments"].check([["job", 0, ["tcp://h:1", 5]]], "assignments")
 
 

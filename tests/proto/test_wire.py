@@ -33,8 +33,13 @@ from snapshotd.proto import (
 from snapshotd.proto import limits as L
 from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str
 
-PROPS = settings(max_examples=200, deadline=timedelta(milliseconds=500), derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])  # fmt: skip
+PROPS = settings(
+    max_examples=200,
+    deadline=timedelta(milliseconds=500),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 _PACKERS = {name: FramePacker(cls) for name, cls in MESSAGE_TYPES.items()}
 
@@ -45,7 +50,9 @@ def values(spec: Spec) -> st.SearchStrategy[Any]:
         edges = [spec.lo, spec.hi, spec.lo - 1, spec.hi + 1]
         return st.one_of(st.integers(max(spec.lo, -5), min(spec.hi, 1 << 40)), st.sampled_from(edges))
     if isinstance(spec, Float):
-        return st.one_of(st.floats(spec.lo, min(spec.hi, 1e6)), st.sampled_from([spec.hi * 2, -1.0, float("nan")]))
+        return st.one_of(
+            st.floats(spec.lo, min(spec.hi, 1e6)), st.sampled_from([spec.hi * 2, -1.0, float("nan")])
+        )
     if isinstance(spec, Bool):
         return st.booleans()
     if isinstance(spec, Str):
@@ -59,16 +66,27 @@ def values(spec: Spec) -> st.SearchStrategy[Any]:
     if isinstance(spec, ListOf):
         most = min(spec.max_items, 4)
         small = st.lists(values(spec.item), max_size=most).map(tuple)
-        return small if spec.max_items > 8 else st.one_of(small, st.lists(values(spec.item), min_size=spec.max_items + 1,
-                                                                         max_size=spec.max_items + 1).map(tuple))
+        return (
+            small
+            if spec.max_items > 8
+            else st.one_of(
+                small,
+                st.lists(values(spec.item), min_size=spec.max_items + 1, max_size=spec.max_items + 1).map(
+                    tuple
+                ),
+            )
+        )
     if isinstance(spec, Record):
         return st.builds(spec.cls, *(values(s) for _, s in spec.fields))
     raise AssertionError(f"no strategy for {spec!r}")
 
 
 def messages(cls: type[Message]) -> st.SearchStrategy[Message]:
-    fields = {f.name: values(f.metadata["spec"]) for f in dataclasses.fields(cls)
-              if not isinstance(f.metadata["spec"], Frame)}  # fmt: skip
+    fields = {
+        f.name: values(f.metadata["spec"])
+        for f in dataclasses.fields(cls)
+        if not isinstance(f.metadata["spec"], Frame)
+    }
     return st.builds(cls, **fields)
 
 
@@ -83,7 +101,11 @@ def outcome(fn: Any) -> tuple[Any, ...]:
 
 
 def header_values(msg: Message) -> dict[str, Any]:
-    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg) if not isinstance(f.metadata["spec"], Frame)}
+    return {
+        f.name: getattr(msg, f.name)
+        for f in dataclasses.fields(msg)
+        if not isinstance(f.metadata["spec"], Frame)
+    }
 
 
 def from_pieces(packer: FramePacker, msg: Message, *, items: bool) -> bytes:
@@ -103,7 +125,9 @@ def wire_form(msg: Message) -> dict[str, Any]:
     for f in dataclasses.fields(msg):
         spec = f.metadata["spec"]
         if isinstance(spec, ListOf) and isinstance(spec.item, Record):
-            out[f.name] = [spec.item.dump(v) if dataclasses.is_dataclass(v) else v for v in getattr(msg, f.name)]
+            out[f.name] = [
+                spec.item.dump(v) if dataclasses.is_dataclass(v) else v for v in getattr(msg, f.name)
+            ]
         elif not isinstance(spec, Frame):
             out[f.name] = getattr(msg, f.name)
     return out
@@ -123,9 +147,12 @@ def test_frames_from_pieces_are_the_encoded_header(msg: Message, items: bool) ->
 @given(_MESSAGES)
 def test_fields_left_out_hold_their_defaults(msg: Message) -> None:
     packer = _PACKERS[msg.TYPE]
-    given_values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)
-                    if not isinstance(f.metadata["spec"], Frame)
-                    and (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)}  # fmt: skip
+    given_values = {
+        f.name: getattr(msg, f.name)
+        for f in dataclasses.fields(msg)
+        if not isinstance(f.metadata["spec"], Frame)
+        and (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    }
     defaults = type(msg)(**given_values)  # type: ignore[arg-type]
     expected = outcome(lambda: bytes(encode(defaults)[0]))
     assert outcome(lambda: packer.pack(given_values)) == expected
@@ -157,8 +184,13 @@ def test_pieces_name_the_field_and_items_keep_the_limit() -> None:
         plans.pack({"rank": 0, "status": "ready", "plans": [row] * L.MAX_PLAN_RANKS})
     with pytest.raises(MalformedMessage, match=r"plan_reply.plans\[0\].status"):
         plans.pack({"rank": 0, "status": "ready", "plans": [[1, "wait", 5, True, [], ""]]})
-    assert plans.pack({"job": "j", "rank": 0, "status": "ready", "plans": [row]}) == bytes(encode(PlanReply(
-        job="j", rank=0, status="ready", plans=(RankPlan(1, "ready", 5, True, ("tcp://a:1",), ""),)))[0])
+    assert plans.pack({"job": "j", "rank": 0, "status": "ready", "plans": [row]}) == bytes(
+        encode(
+            PlanReply(
+                job="j", rank=0, status="ready", plans=(RankPlan(1, "ready", 5, True, ("tcp://a:1",), ""),)
+            )
+        )[0]
+    )
 
 
 _RANK_PLAN = Record(RankPlan)
@@ -170,7 +202,9 @@ def _fields(plan: RankPlan) -> tuple[Any, ...]:
 
 @PROPS
 @given(st.lists(st.tuples(values(Str(L.MAX_NAME_LEN)), st.lists(values(_RANK_PLAN), max_size=4)), max_size=5))
-def test_plan_replies_packed_together_are_each_the_encoded_header(replies: list[tuple[str, list[RankPlan]]]) -> None:
+def test_plan_replies_packed_together_are_each_the_encoded_header(
+    replies: list[tuple[str, list[RankPlan]]],
+) -> None:
     packer = PlanReplyPacker()
     frames = packer.pack_many([(job, [_fields(p) for p in plans]) for job, plans in replies])
     assert len(frames) == len(replies)
@@ -192,4 +226,6 @@ def test_a_reply_that_breaks_a_limit_does_not_keep_the_others_from_being_packed(
     assert isinstance(bad, LimitExceeded) and "sources" in str(bad)
     assert last == bytes(encode(PlanReply.of("k", [RankPlan(*good[0])]))[0])
     wait = PlanReplyPacker().wait("j", 4, "3 of 8 ranks accounted for")
-    assert wait == bytes(encode(PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"))[0])
+    assert wait == bytes(
+        encode(PlanReply(job="j", rank=4, status="wait", reason="3 of 8 ranks accounted for"))[0]
+    )

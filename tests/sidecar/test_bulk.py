@@ -37,8 +37,10 @@ B_BYTES = 123_457  # entry "b": into the slot (the rank names no target for it)
 B_OFFSET = 4 * A_FLOATS + 64
 DATA_BYTES = B_OFFSET + B_BYTES
 NCHUNKS = -(-DATA_BYTES // CHUNK_BYTES)
-SNAPSHOT = [TensorEntry("a", "float32", (A_FLOATS,), 0, 4 * A_FLOATS),
-            TensorEntry("b", "uint8", (B_BYTES,), B_OFFSET, B_BYTES)]  # fmt: skip
+SNAPSHOT = [
+    TensorEntry("a", "float32", (A_FLOATS,), 0, 4 * A_FLOATS),
+    TensorEntry("b", "uint8", (B_BYTES,), B_OFFSET, B_BYTES),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +76,15 @@ class Holder:
     """A BulkServer holding one copy; ``dropped`` lists what its corrupt callback was told. With ``after``, it
     sends nothing until that holder has read a chunk of its copy: the first range goes to ``after``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, data: np.ndarray, *, good: np.ndarray | None = None,
-                 ticket_ttl: float = 30.0, after: Holder | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        data: np.ndarray,
+        *,
+        good: np.ndarray | None = None,
+        ticket_ttl: float = 30.0,
+        after: Holder | None = None,
+    ) -> None:
         self.loop = loop
         self.data = data
         self.seal = Seal(CHUNK_BYTES, 0)
@@ -138,20 +147,40 @@ def holders(loop: asyncio.AbstractEventLoop) -> Iterator[Callable[..., Holder]]:
         h.close()
 
 
-def _fetcher(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray | None, *, timeout: float = 5.0,
-             progress: list[int] | None = None) -> RestoreFetcher:  # fmt: skip
+def _fetcher(
+    arena: Arena,
+    holders: list[tuple[str, bytes]],
+    live: np.ndarray | None,
+    *,
+    timeout: float = 5.0,
+    progress: list[int] | None = None,
+) -> RestoreFetcher:
     """A fetch of the test snapshot from ``holders`` into ``live`` (entry "a"; None: no target) and slot 1 of
     ``arena`` (the rest)."""
-    msg = RestoreFetch(job="j", rank=0, step=3, fetch=7, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
-                       arena=arena.path, slot_bytes=arena.slot_bytes, slots=arena.slots, slot=1,
-                       holders=tuple(a for a, _ in holders), table=encode_table(SNAPSHOT),
-                       tokens=b"".join(t for _, t in holders))  # fmt: skip
+    msg = RestoreFetch(
+        job="j",
+        rank=0,
+        step=3,
+        fetch=7,
+        data_bytes=DATA_BYTES,
+        chunk_bytes=CHUNK_BYTES,
+        arena=arena.path,
+        slot_bytes=arena.slot_bytes,
+        slots=arena.slots,
+        slot=1,
+        holders=tuple(a for a, _ in holders),
+        table=encode_table(SNAPSHOT),
+        tokens=b"".join(t for _, t in holders),
+    )
     targets = [live.ctypes.data if live is not None else 0, 0]
-    return RestoreFetcher(msg, SNAPSHOT, targets, timeout=timeout,
-                          on_progress=progress.append if progress is not None else None)  # fmt: skip
+    return RestoreFetcher(
+        msg, SNAPSHOT, targets, timeout=timeout, on_progress=progress.append if progress is not None else None
+    )
 
 
-def _fetch(arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray | None, **kwargs: Any) -> RestoreFetched:
+def _fetch(
+    arena: Arena, holders: list[tuple[str, bytes]], live: np.ndarray | None, **kwargs: Any
+) -> RestoreFetched:
     return _fetcher(arena, holders, live, **kwargs).run()
 
 
@@ -210,14 +239,20 @@ def test_bytes_that_fail_the_rank_s_own_check_are_taken_from_another_holder(hold
     good = _data()
     a = holders(good.copy())
     b = holders(good.copy(), after=a)
-    a.data[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= 0x10  # the first chunk of every range, after the seal was taken
-    a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))  # and sent unchecked, with the carried checksum
+    a.data[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= (
+        0x10  # the first chunk of every range, after the seal was taken
+    )
+    a.copy.seal = _Unchecking(
+        CHUNK_BYTES, 0, dict(a.seal.sums)
+    )  # and sent unchecked, with the carried checksum
     live = np.zeros(A_FLOATS, dtype=np.float32)
     fetcher = _fetcher(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
     answer = fetcher.run()
     assert answer.ok, answer.reason
     assert _landed(arena, live) == good.tobytes()
-    assert [e for e in fetcher.errors if e.startswith(a.addr) and "failed its end-to-end checksum" in e], fetcher.errors
+    assert [e for e in fetcher.errors if e.startswith(a.addr) and "failed its end-to-end checksum" in e], (
+        fetcher.errors
+    )
     assert a.served < DATA_BYTES  # it stopped serving at its first bad chunk
 
 
@@ -278,9 +313,21 @@ def test_no_holder_reachable_answers_why(arena) -> None:
 
 def test_a_fetch_asked_into_a_missing_arena_answers_why(holders) -> None:
     a = holders(_data())
-    msg = RestoreFetch(job="j", rank=0, step=3, fetch=7, data_bytes=DATA_BYTES, chunk_bytes=CHUNK_BYTES,
-                       arena="/dev/shm/snapshotd-no-such-arena", slot_bytes=1 << 20, slots=2, slot=1,
-                       holders=(a.addr,), table=encode_table(SNAPSHOT), tokens=a.ticket())  # fmt: skip
+    msg = RestoreFetch(
+        job="j",
+        rank=0,
+        step=3,
+        fetch=7,
+        data_bytes=DATA_BYTES,
+        chunk_bytes=CHUNK_BYTES,
+        arena="/dev/shm/snapshotd-no-such-arena",
+        slot_bytes=1 << 20,
+        slots=2,
+        slot=1,
+        holders=(a.addr,),
+        table=encode_table(SNAPSHOT),
+        tokens=a.ticket(),
+    )
     answer = RestoreFetcher(msg, [], [], timeout=5.0).run()
     assert not answer.ok and "cannot take the fetch" in answer.reason and answer.fetch == 7, answer.reason
 
@@ -362,9 +409,15 @@ def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
 
 @pytest.mark.parametrize(
     ("secret", "mode", "port", "serves"),
-    [(None, "curve", 0, True), ("s", "members", 0, True), ("s", "curve", 0, False), (None, "curve", None, False)],
+    [
+        (None, "curve", 0, True),
+        ("s", "members", 0, True),
+        ("s", "curve", 0, False),
+        (None, "curve", None, False),
+    ],
 )
-def test_a_bulk_port_serves_only_on_a_plaintext_data_plane(secret: str | None, mode: str, port: int | None,
-                                                          serves: bool) -> None:  # fmt: skip
+def test_a_bulk_port_serves_only_on_a_plaintext_data_plane(
+    secret: str | None, mode: str, port: int | None, serves: bool
+) -> None:
     cfg = SidecarConfig(coordinator="tcp://127.0.0.1:7070", secret=secret, data_security=mode, bulk_port=port)
     assert cfg.serves_bulk == serves

@@ -33,7 +33,10 @@ def test_auto_probes_the_first_chunk_and_every_32nd_that_goes_raw() -> None:
     fast, slow = _measured(), _measured()
     fast_choices = [fast.choose(math.inf) for _ in range(2 * CodecPolicy.PROBE_EVERY)]
     probes = [i for i, how in enumerate(fast_choices) if how == "probe"]
-    assert probes == [CodecPolicy.PROBE_EVERY - 2, 2 * CodecPolicy.PROBE_EVERY - 2]  # counted from the first probe
+    assert probes == [
+        CodecPolicy.PROBE_EVERY - 2,
+        2 * CodecPolicy.PROBE_EVERY - 2,
+    ]  # counted from the first probe
     assert set(fast_choices) == {"raw", "probe"}  # an unlimited link: compressing never finishes sooner
     # 10 MB/s: a tenth of the bytes at 1 GB/s of compression finishes sooner, and every delta chunk measures anew
     assert {slow.choose(10e6) for _ in range(2 * CodecPolicy.PROBE_EVERY)} == {"delta"}
@@ -43,8 +46,14 @@ def test_a_sample_is_probe_bytes_at_a_place_that_moves_through_the_chunk() -> No
     policy = CodecPolicy("auto")
     size = CodecPolicy.PROBE_BYTES
     samples = [policy.sample(4 * size + 100) for _ in range(6)]
-    assert samples == [(0, size), (size, 2 * size), (2 * size, 3 * size), (3 * size, 4 * size), (0, size),
-                       (size, 2 * size)]  # fmt: skip
+    assert samples == [
+        (0, size),
+        (size, 2 * size),
+        (2 * size, 3 * size),
+        (3 * size, 4 * size),
+        (0, size),
+        (size, 2 * size),
+    ]
     assert policy.sample(1000) == (0, 1000)  # a chunk smaller than a sample: all of it
 
 
@@ -79,7 +88,9 @@ def _chunks_sent(max_rate: float) -> dict[str, int]:
     """Stream 3 steps of two ranks between two in-process sidecars at ``max_rate``; the chunks A sent, by codec."""
     with InProcess(chunk_bytes=CHUNK, max_rate=max_rate) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
-        snapshot_then_crash(ipcs, f"codec-{uuid.uuid4().hex[:6]}", 3, _state)  # every step durable on its buddy
+        snapshot_then_crash(
+            ipcs, f"codec-{uuid.uuid4().hex[:6]}", 3, _state
+        )  # every step durable on its buddy
         return dict(dep.sidecars["A"].state.counters.chunks_sent)
 
 
@@ -91,7 +102,9 @@ def test_on_a_fast_link_every_chunk_goes_raw_though_it_would_compress(samples: l
     assert samples == [(0, CodecPolicy.PROBE_BYTES)] * 2
 
 
-def test_on_a_slow_link_chunks_go_as_deltas_and_the_buddy_verifies_them(samples: list[tuple[int, int]]) -> None:
+def test_on_a_slow_link_chunks_go_as_deltas_and_the_buddy_verifies_them(
+    samples: list[tuple[int, int]],
+) -> None:
     sent = _chunks_sent(max_rate=40e6)
     # step 1 has no base; step 2's first chunk is the probe, and every later chunk goes as a delta
     assert sent == {"raw": 5, "delta-lz4": 7} and len(samples) == 2

@@ -88,7 +88,9 @@ def test_a_failing_request_is_answered_and_the_sidecar_keeps_serving(
     monkeypatch.setattr(ingest, "create_arena", create_arena)
     with LocalCluster(str(tmp_path)) as cluster:
         cluster.start_coordinator()
-        cfg = SidecarConfig(coordinator=cluster.coordinator_addr, node=f"a-{tag}", ipc=str(tmp_path / "a.ipc"), nice=0)
+        cfg = SidecarConfig(
+            coordinator=cluster.coordinator_addr, node=f"a-{tag}", ipc=str(tmp_path / "a.ipc"), nice=0
+        )
         with (
             in_process_sidecar(cfg) as (sidecar, data_addr, ipc),
             _Peer(ctx, f"ipc://{ipc}") as rank,
@@ -97,7 +99,9 @@ def test_a_failing_request_is_answered_and_the_sidecar_keeps_serving(
             register = RegisterRank(job=job, rank=0, world_size=1, pid=os.getpid(), data_bytes=4096, slots=2)
             refused = rank.request(register)
             assert isinstance(refused, Error), refused
-            assert refused.code == "internal" and "OSError" in refused.message and "injected" in refused.message
+            assert (
+                refused.code == "internal" and "OSError" in refused.message and "injected" in refused.message
+            )
             assert (refused.job, refused.rank) == (job, 0)
             assert sidecar.state.counters.errors == 1
 
@@ -114,7 +118,9 @@ def test_an_error_reply_longer_than_the_protocol_carries_is_cut_not_dropped() ->
     outbox = Outbox(Counters(), timeout=1.0)
     outbox.reply(b"peer", Error(job="j", code=ErrorCode.PLAN_TIMEOUT, message="no plan: " + "why " * 5000))
     (queued,) = outbox._queues[b"peer"]
-    assert isinstance(queued, Error) and len(queued.message) == MAX_TEXT_LEN and queued.message.endswith("...")
+    assert (
+        isinstance(queued, Error) and len(queued.message) == MAX_TEXT_LEN and queued.message.endswith("...")
+    )
     assert decode(encode(queued)) == queued
 
 
@@ -140,14 +146,21 @@ def test_a_service_that_fails_stops_the_sidecar_and_the_coordinator_declares_its
     monkeypatch.setattr(Sidecar, "_serve", breaking)
     with InProcess() as dep:
         node = f"A-{dep.tag}"
-        cfg = SidecarConfig(coordinator=dep.coordinator, node=node, ipc=f"mem://{node}-ipc",
-                            data_bind=f"mem://{node}-data", nice=0)  # fmt: skip
+        cfg = SidecarConfig(
+            coordinator=dep.coordinator,
+            node=node,
+            ipc=f"mem://{node}-ipc",
+            data_bind=f"mem://{node}-data",
+            nice=0,
+        )
         with pytest.raises(RuntimeError, match=f"sidecar-{node} failed") as failed, in_process_sidecar(cfg):
             wait_until(lambda: _node_alive(dep.coordinator, node), "the sidecar to register")
             die.set()
             dep.wait_dead("A")
         cause = failed.value.__cause__
-        assert isinstance(cause, ServiceDied) and "the ipc endpoint failed: OSError: the ipc socket broke" in str(cause)
+        assert isinstance(
+            cause, ServiceDied
+        ) and "the ipc endpoint failed: OSError: the ipc socket broke" in str(cause)
 
 
 def _node_alive(coordinator: str, node: str) -> bool:

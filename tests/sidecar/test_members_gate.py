@@ -35,8 +35,10 @@ def test_answers_are_remembered_and_a_failure_is_temporary() -> None:
         try:
             gate = MembersGate(ctx, coord.is_member, clock=lambda: clock[0])
             assert await gate.decide("10.0.0.5") == (b"200", "")
-            assert await gate.decide("10.0.0.9") == (b"400", "not the host of any live sidecar registered with the "
-                                                             "coordinator")  # fmt: skip
+            assert await gate.decide("10.0.0.9") == (
+                b"400",
+                "not the host of any live sidecar registered with the coordinator",
+            )
             assert await gate.decide("10.0.0.5") == (b"200", "")
             assert coord.asked == ["10.0.0.5", "10.0.0.9"]  # the second question about .5 was not asked
             clock[0] += security.REFUSED_TTL_S + 0.1
@@ -137,7 +139,9 @@ def test_a_failure_without_detail_never_hides_a_named_one() -> None:
         mismatch = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
         bare = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
         assert watch.note(*bare) is False
-        assert watch.failure is not None and watch.failure.startswith("handshake with peer B failed, with no detail")
+        assert watch.failure is not None and watch.failure.startswith(
+            "handshake with peer B failed, with no detail"
+        )
         watch.note(*mismatch)
         watch.note(*bare)
         assert watch.failure is not None and watch.failure.startswith("security mismatch with peer B")

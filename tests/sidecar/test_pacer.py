@@ -57,7 +57,9 @@ MB = 1_000_000
 RANK = ("job", 0)
 
 
-def step(pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1, nbytes: int = 100 * MB) -> None:
+def step(
+    pacer: Pacer, clock: Clock, seconds: float, *, loaded: bool, n: int = 1, nbytes: int = 100 * MB
+) -> None:
     """``n`` steps of ``seconds`` each, a byte sent during each when ``loaded``, every one announced (a snapshot
     of ``nbytes`` after every step)."""
     for _ in range(n):
@@ -117,12 +119,16 @@ def test_budget_cuts_the_rate_while_steps_are_slower_and_grows_it_back() -> None
     assert pacer.cuts == 0 and pacer.state().mode == "spread"
     step(pacer, clock, 0.120, loaded=True, n=16)  # 20% slower
     assert pacer.cuts >= 1 and pacer.rate < spread and pacer.state().mode == "budget"
-    step(pacer, clock, 0.120, loaded=True, n=3)  # a cut forgets the loaded steps: these are all at the new rate
+    step(
+        pacer, clock, 0.120, loaded=True, n=3
+    )  # a cut forgets the loaded steps: these are all at the new rate
     assert pacer.state().slowdown == pytest.approx(0.2, rel=0.05)
     cut = pacer.rate
     step(pacer, clock, 0.120, loaded=True, n=8)
     assert pacer.rate < cut  # still over: cut again
-    step(pacer, clock, 0.100, loaded=True, n=160)  # back within the budget: the factor grows back to the spread
+    step(
+        pacer, clock, 0.100, loaded=True, n=160
+    )  # back within the budget: the factor grows back to the spread
     assert pacer.rate == pytest.approx(spread, rel=0.01) and pacer.state().mode == "spread"
 
 
@@ -166,7 +172,9 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
     clock, pacer = cut_for_the_budget()
     clock.t += Pacer.IDLE_SECONDS + 1  # the job stopped reporting
     assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
-    step(pacer, clock, 0.1, loaded=False)  # it came back (announcing before it streams again): the spread rate
+    step(
+        pacer, clock, 0.1, loaded=False
+    )  # it came back (announcing before it streams again): the spread rate
     # again, cut only by fresh evidence
     assert pacer.state().mode == "spread"
 
@@ -174,7 +182,9 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
 def test_a_rank_whose_snapshot_still_streams_is_not_idle_though_it_announces_nothing() -> None:
     clock, pacer = cut_for_the_budget()
     paced = pacer.rate
-    with pacer.streaming(RANK):  # a stream at the cut rate outlasts the idle time: the rank skips every due step
+    with pacer.streaming(
+        RANK
+    ):  # a stream at the cut rate outlasts the idle time: the rank skips every due step
         clock.t += 5 * Pacer.IDLE_SECONDS
         assert pacer.rate == paced and pacer.state().mode == "budget"
     clock.t += Pacer.IDLE_SECONDS / 2  # its silence counts from the stream's end

@@ -34,8 +34,9 @@ def _entries(*specs: tuple[str, str, tuple[int, ...], int]) -> list[TensorEntry]
 
 @pytest.fixture
 def target():  # type: ignore[no-untyped-def]
-    with subprocess.Popen([sys.executable, "-c", _TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        [sys.executable, "-c", _TARGET], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as proc:
         try:
             assert proc.stdout is not None
             addresses = [int(x) for x in proc.stdout.readline().split()]
@@ -53,14 +54,20 @@ def _digests(proc: subprocess.Popen[str]) -> list[str]:
 
 
 def test_match_entries_pairs_path_dtype_and_shape() -> None:
-    snapshot = _entries(("m/w", "float32", (3000,), 0), ("m/s", "int64", (10,), 12000), ("o/x", "float32", (4,), 12096))
-    live = _entries(("m/s", "int64", (10,), 0), ("m/w", "float32", (3000,), 128), ("o/x", "float32", (5,), 12288))
+    snapshot = _entries(
+        ("m/w", "float32", (3000,), 0), ("m/s", "int64", (10,), 12000), ("o/x", "float32", (4,), 12096)
+    )
+    live = _entries(
+        ("m/s", "int64", (10,), 0), ("m/w", "float32", (3000,), 128), ("o/x", "float32", (5,), 12288)
+    )
     assert match_entries(snapshot, live) == {0: 1, 1: 0}  # o/x changed shape: no pair
 
 
 def test_chunks_land_in_the_process_and_the_rest_in_the_slot(target) -> None:  # type: ignore[no-untyped-def]
     proc, (addr_a, addr_b) = target
-    snapshot = _entries(("a", "float32", (3000,), 0), ("b", "int64", (10,), 12032), ("c", "float32", (7,), 12160))
+    snapshot = _entries(
+        ("a", "float32", (3000,), 0), ("b", "int64", (10,), 12032), ("c", "float32", (7,), 12160)
+    )
     live = _entries(("a", "float32", (3000,), 0), ("b", "int64", (10,), 12032))
     data = np.random.default_rng(1).integers(0, 256, 12160 + 28, dtype=np.uint8)
     slot = np.zeros_like(data)
@@ -69,8 +76,10 @@ def test_chunks_land_in_the_process_and_the_rest_in_the_slot(target) -> None:  #
     assert sink.direct_bytes == 12000 + 80 and sink.probe()
     for start in range(0, data.nbytes, 1000):  # chunks that cut through every entry
         sink.land(start, memoryview(data[start : start + 1000]))
-    assert _digests(proc) == [hashlib.sha256(data[:12000].tobytes()).hexdigest(),
-                              hashlib.sha256(data[12032:12112].tobytes()).hexdigest()]  # fmt: skip
+    assert _digests(proc) == [
+        hashlib.sha256(data[:12000].tobytes()).hexdigest(),
+        hashlib.sha256(data[12032:12112].tobytes()).hexdigest(),
+    ]
     assert not slot[:12112].any()  # placed bytes never touch the slot
     assert bytes(slot[12160:]) == bytes(data[12160:])  # the entry without a target lands in the slot
 

@@ -94,20 +94,30 @@ def raw_push(buddy: Buddy, *headers_and_payloads: bytes, token: bytes | None = N
             return b""
 
 
-def chunk(index: int, *, length: int | None = None, sum_: int | None = None, status: int = Status.OK) -> bytes:
+def chunk(
+    index: int, *, length: int | None = None, sum_: int | None = None, status: int = Status.OK
+) -> bytes:
     payload = DATA[index * BLOCK : (index + 1) * BLOCK]
     n = len(payload) if length is None else length
     return CHUNK.pack(index, n, checksum(payload) if sum_ is None else sum_, status) + payload[:n]
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
-def test_every_chunk_lands_in_its_buffer_with_its_checksum(loop: asyncio.AbstractEventLoop, buddy: Buddy,
-                                                           lanes: int) -> None:  # fmt: skip
+def test_every_chunk_lands_in_its_buffer_with_its_checksum(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, lanes: int
+) -> None:
     seal = Seal(BLOCK, 0)
 
     async def push() -> None:
-        sending = Lanes("127.0.0.1", buddy.server.port, buddy.token, count=lanes, seal=seal, data=memoryview(DATA),
-                        timeout=5.0)  # fmt: skip
+        sending = Lanes(
+            "127.0.0.1",
+            buddy.server.port,
+            buddy.token,
+            count=lanes,
+            seal=seal,
+            data=memoryview(DATA),
+            timeout=5.0,
+        )
         try:
             for index in range(NCHUNKS):
                 sending.send(index)
@@ -118,7 +128,9 @@ def test_every_chunk_lands_in_its_buffer_with_its_checksum(loop: asyncio.Abstrac
     run(loop, push())
     wait_until(lambda: len(buddy.landed) == NCHUNKS, "every chunk to land")
     assert b"".join(bytes(b) for b in buddy.buffers) == DATA
-    assert buddy.landed == seal.sums == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
+    assert (
+        buddy.landed == seal.sums == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
+    )
     assert buddy.failures == []
 
 
@@ -151,8 +163,9 @@ def test_a_chunk_sent_twice_ends_the_push(buddy: Buddy) -> None:
     assert buddy.failures == ["job 'j' rank 0 step 1: chunk 1 arrived twice"] and list(buddy.landed) == [1]
 
 
-def test_a_wrong_token_or_an_ended_push_is_refused_and_nothing_lands(loop: asyncio.AbstractEventLoop,
-                                                                     buddy: Buddy) -> None:  # fmt: skip
+def test_a_wrong_token_or_an_ended_push_is_refused_and_nothing_lands(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy
+) -> None:
     assert raw_push(buddy, chunk(0), token=bytes(16)) == b""
 
     async def end() -> None:
@@ -163,13 +176,22 @@ def test_a_wrong_token_or_an_ended_push_is_refused_and_nothing_lands(loop: async
     assert buddy.landed == {} and buddy.failures == []  # a refusal is no failure of the push
 
 
-def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(loop: asyncio.AbstractEventLoop, buddy: Buddy) -> None:
+def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy
+) -> None:
     buddy.close()
     seal = Seal(BLOCK, 0)
 
     async def push() -> None:
-        sending = Lanes("127.0.0.1", buddy.server.port, buddy.token, count=2, seal=seal, data=memoryview(DATA),
-                        timeout=2.0)  # fmt: skip
+        sending = Lanes(
+            "127.0.0.1",
+            buddy.server.port,
+            buddy.token,
+            count=2,
+            seal=seal,
+            data=memoryview(DATA),
+            timeout=2.0,
+        )
         try:
             for index in range(NCHUNKS):
                 sending.send(index)
@@ -196,7 +218,9 @@ def test_a_stream_pushed_or_sent_as_messages_makes_the_same_copy(connections: in
         ipc = dep.start_sidecar("A")
         dep.start_sidecar("B")
         state = _state(1)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block") as snap:
+        with Snapshotter(
+            state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block"
+        ) as snap:
             assert snap.restore(timeout=30) == 0
             for step in (1, 2, 3):
                 state["w"].copy_(_state(step)["w"])
@@ -226,14 +250,20 @@ def test_a_chunk_the_buddy_finds_corrupt_fails_that_step_only(monkeypatch: pytes
         ipc = dep.start_sidecar("A")
         dep.start_sidecar("B")
         state = _state(1)
-        with Snapshotter(state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block") as snap:
+        with Snapshotter(
+            state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block"
+        ) as snap:
             assert snap.restore(timeout=30) == 0
             assert snap.capture(1) and snap.wait(30)
             monkeypatch.setattr(Seal, "block_sum", spoil_one)
             state["w"].add_(1.0)
             assert snap.capture(2)
             assert not snap.wait(30)  # step 2 did not reach its buddy
-            assert snap.stats.failed == 1 and "chunk 5" in snap.stats.last_error and "xxh3" in snap.stats.last_error
+            assert (
+                snap.stats.failed == 1
+                and "chunk 5" in snap.stats.last_error
+                and "xxh3" in snap.stats.last_error
+            )
             b = dep.sidecars["B"].state.store
             wait_until(lambda: not b.holds(job, 0, 2), "the sender's abort to reach the buddy")
             monkeypatch.setattr(Seal, "block_sum", block_sum)

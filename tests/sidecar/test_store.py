@@ -21,14 +21,33 @@ def payload(nbytes: int, seed: int) -> np.ndarray:
 
 
 def begin(store: SnapshotStore, step: int, data_bytes: int, *, rank: int = 0, job: str = JOB) -> None:
-    store.begin(job, rank, step, src_node="A", data_bytes=data_bytes, chunk_bytes=CHUNK, table=b"t" * 10,
-                meta=b"m" * 6, digest=blob_digest(b"t" * 10, b"m" * 6))  # fmt: skip
+    store.begin(
+        job,
+        rank,
+        step,
+        src_node="A",
+        data_bytes=data_bytes,
+        chunk_bytes=CHUNK,
+        table=b"t" * 10,
+        meta=b"m" * 6,
+        digest=blob_digest(b"t" * 10, b"m" * 6),
+    )
 
 
 def put(store: SnapshotStore, step: int, data: np.ndarray, index: int, *, rank: int = 0) -> bool:
     part = data.data[index * CHUNK : (index + 1) * CHUNK]
-    return store.put_chunk(JOB, rank, step, index, codec_name="raw", payload=part, raw_len=part.nbytes,
-                           checksum=checksum(part), base_step=-1, elem=1)  # fmt: skip
+    return store.put_chunk(
+        JOB,
+        rank,
+        step,
+        index,
+        codec_name="raw",
+        payload=part,
+        raw_len=part.nbytes,
+        checksum=checksum(part),
+        base_step=-1,
+        elem=1,
+    )
 
 
 def fill(store: SnapshotStore, step: int, data: np.ndarray, *, rank: int = 0) -> None:
@@ -77,8 +96,18 @@ def test_bad_chunks_are_refused_and_never_count() -> None:
 
     def put_raw(index: int, part: memoryview, digest: int, raw_len: int | None = None) -> bool:
         size = part.nbytes if raw_len is None else raw_len
-        return store.put_chunk(JOB, 0, 1, index, codec_name="raw", payload=part, checksum=digest,
-                               raw_len=size, base_step=-1, elem=1)  # fmt: skip
+        return store.put_chunk(
+            JOB,
+            0,
+            1,
+            index,
+            codec_name="raw",
+            payload=part,
+            checksum=digest,
+            raw_len=size,
+            base_step=-1,
+            elem=1,
+        )
 
     with pytest.raises(ChecksumMismatch):
         put_raw(0, good, checksum(good) ^ 1)
@@ -87,8 +116,18 @@ def test_bad_chunks_are_refused_and_never_count() -> None:
     with pytest.raises(ProtocolError, match="expected 4096 B"):
         put_raw(0, good[:100], checksum(good[:100]))
     with pytest.raises(CodecError):
-        store.put_chunk(JOB, 0, 1, 0, codec_name="lz4", payload=memoryview(b"\xff" * 64), raw_len=CHUNK,
-                        checksum=0, base_step=-1, elem=1)  # fmt: skip
+        store.put_chunk(
+            JOB,
+            0,
+            1,
+            0,
+            codec_name="lz4",
+            payload=memoryview(b"\xff" * 64),
+            raw_len=CHUNK,
+            checksum=0,
+            base_step=-1,
+            elem=1,
+        )
     snap = store.get(JOB, 0, 1, complete=False)
     assert snap.missing == 2 and not snap.received.any()
     # a retry with the right bytes still completes it
@@ -173,8 +212,18 @@ def test_delta_chunk_decodes_against_the_held_base() -> None:
     used, packed = compress_chunk("delta-lz4", new, base=base, elem=4)
     assert used == "delta-lz4"
     begin(store, 2, new.nbytes)
-    done = store.put_chunk(JOB, 0, 2, 0, codec_name="delta-lz4", payload=memoryview(packed), raw_len=CHUNK,
-                           checksum=checksum(new), base_step=1, elem=4)  # fmt: skip
+    done = store.put_chunk(
+        JOB,
+        0,
+        2,
+        0,
+        codec_name="delta-lz4",
+        payload=memoryview(packed),
+        raw_len=CHUNK,
+        checksum=checksum(new),
+        base_step=1,
+        elem=4,
+    )
     assert done and store.get(JOB, 0, 2).data.tobytes() == new.tobytes()
 
 
@@ -186,8 +235,18 @@ def test_delta_chunk_without_its_base_is_refused() -> None:
     begin(store, 1, CHUNK)  # the base exists but is not complete: no better than missing
     for base_step in (0, 1):
         with pytest.raises(ProtocolError, match=f"delta base step {base_step} is not held"):
-            store.put_chunk(JOB, 0, 2, 0, codec_name="delta-lz4", payload=memoryview(packed), raw_len=CHUNK,
-                            checksum=checksum(base), base_step=base_step, elem=1)  # fmt: skip
+            store.put_chunk(
+                JOB,
+                0,
+                2,
+                0,
+                codec_name="delta-lz4",
+                payload=memoryview(packed),
+                raw_len=CHUNK,
+                checksum=checksum(base),
+                base_step=base_step,
+                elem=1,
+            )
     assert store.get(JOB, 0, 2, complete=False).missing == 1
 
 
@@ -218,17 +277,46 @@ def test_large_raw_chunks_are_held_uncopied_and_only_once_verified() -> None:
     store = SnapshotStore(1 << 24)
     big = ADOPT_MIN_BYTES
     data = payload(2 * big, 9)
-    store.begin(JOB, 0, 1, src_node="A", data_bytes=data.nbytes, chunk_bytes=big, table=b"", meta=b"",
-                digest=blob_digest(b"", b""))  # fmt: skip
+    store.begin(
+        JOB,
+        0,
+        1,
+        src_node="A",
+        data_bytes=data.nbytes,
+        chunk_bytes=big,
+        table=b"",
+        meta=b"",
+        digest=blob_digest(b"", b""),
+    )
     first, second = data.data[:big], data.data[big:]
     with pytest.raises(ChecksumMismatch):
-        store.put_chunk(JOB, 0, 1, 0, codec_name="raw", payload=first, raw_len=big, checksum=checksum(first) ^ 1,
-                        base_step=-1, elem=1)  # fmt: skip
+        store.put_chunk(
+            JOB,
+            0,
+            1,
+            0,
+            codec_name="raw",
+            payload=first,
+            raw_len=big,
+            checksum=checksum(first) ^ 1,
+            base_step=-1,
+            elem=1,
+        )
     snap = store.get(JOB, 0, 1, complete=False)
     assert snap.missing == 2
     for index, part in enumerate((first, second)):
-        store.put_chunk(JOB, 0, 1, index, codec_name="raw", payload=part, raw_len=big, checksum=checksum(part),
-                        base_step=-1, elem=1)  # fmt: skip
+        store.put_chunk(
+            JOB,
+            0,
+            1,
+            index,
+            codec_name="raw",
+            payload=part,
+            raw_len=big,
+            checksum=checksum(part),
+            base_step=-1,
+            elem=1,
+        )
     assert snap.complete and snap.data.tobytes() == data.tobytes()
     assert np.shares_memory(np.frombuffer(snap.data.view(0, big), dtype=np.uint8), data)
 
@@ -243,8 +331,18 @@ def test_decoded_chunks_of_a_dropped_snapshot_are_reused_and_shed_under_the_limi
             part = data.data[index * CHUNK : (index + 1) * CHUNK]
             used, packed = compress_chunk("lz4", part)
             assert used == "lz4"
-            store.put_chunk(JOB, 0, step, index, codec_name=used, payload=memoryview(packed), raw_len=CHUNK,
-                            checksum=checksum(part), base_step=-1, elem=1)  # fmt: skip
+            store.put_chunk(
+                JOB,
+                0,
+                step,
+                index,
+                codec_name=used,
+                payload=memoryview(packed),
+                raw_len=CHUNK,
+                checksum=checksum(part),
+                base_step=-1,
+                elem=1,
+            )
 
     fill_lz4(1)
     buffers = [np.frombuffer(part, dtype=np.uint8) for _, part in store.get(JOB, 0, 1).data.parts()]
