@@ -256,12 +256,6 @@ class Strategy:
             return self.step * (1 + self.overhead)
         return (self.interval + self.cost) / 2
 
-    def efficiency(self) -> float:
-        """Useful fraction of failure-free wall time."""
-        if self.interval is None:
-            return 1 / (1 + self.overhead)
-        return self.interval / (self.interval + self.cost)
-
 
 def expected_ettr(s: Strategy, mtbf: float) -> float:
     """The exact long-run ETTR of the module docstring, for failures at rate ``1 / mtbf``."""

@@ -74,7 +74,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from snapshotd.harness.cluster import LocalCluster
-from snapshotd.harness.trainer import every_arg, plan_interval, run_ranks
+from snapshotd.harness.ranks import every_arg, plan_interval, run_ranks
 from snapshotd.proto import checksum
 from snapshotd.units import parse_bytes, parse_rate
 

@@ -64,9 +64,10 @@ from .progress import RestoreDisplay, restore_display
 from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval, left_out
 from .staging import Stager
-from .state import FlatState, StateWalker, flatten
+from .state import FlatState, flatten
 from .stats import ProblemLog, SnapshotStats
 from .view import SnapshotView, restore_targets, snapshot_view
+from .walker import StateWalker
 
 __all__ = ["Snapshotter"]
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import math
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +45,7 @@ from snapshotd.snapshot_format import (
 from ..proto import limits as L
 from ..proto.manifest import DTYPE_SIZES, TensorEntry
 
-__all__ = ["FlatState", "StateWalker", "check_tensor", "flatten"]
+__all__ = ["FlatState", "TableCache", "Walk", "check_key", "check_tensor", "finish", "flatten", "top_part"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,7 +90,7 @@ def _ints(v: list[Any] | tuple[Any, ...]) -> bool:
     return not v or (set(map(type, v)) == {int} and min(v) >= INT_MIN and max(v) <= INT_MAX)
 
 
-class _Flattener:
+class Walk:
     """One walk over a state: collects tensors and turns the rest into msgpack-ready values.
 
     It runs in ``capture()`` on the training thread, once per tensor and value of the state, so the common cases
@@ -234,13 +232,50 @@ def flatten(state: Mapping[str, Any]) -> FlatState:
             ``OrderedDict``, or NumPy array / scalar of a plain dtype; the message names its key path.
         ValueError: for a state over the protocol's limits (tensor count, bytes, meta size).
     """
-    return StateWalker().flatten(state)
+    walk = Walk()
+    parts = []
+    for key, value in state.items():
+        check_key(key)
+        if not isinstance(value, torch.Tensor) and is_stateful(value):
+            parts.append(top_part(key, STATEFUL, msgpack.packb(walk.value(value.state_dict(), (key,)))))
+        else:
+            parts.append(top_part(key, PLAIN, msgpack.packb(walk.value(value, (key,)))))
+    return finish(walk, parts, None)[0]
 
 
-_SHAPE, _DTYPE, _GRAD = (operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad"))
-_OPTIMIZER_KEYS = ("state", "param_groups")
-_OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
-_GROUPS_KEY = msgpack.packb("param_groups")
+def check_key(key: Any) -> None:
+    """Raises TypeError: ``key`` is no top-level key of a state (not a str)."""
+    if type(key) is not str:
+        raise TypeError(f"state keys must be str, got {key!r}")
+
+
+def top_part(key: str, kind: int, packed: bytes) -> bytes:
+    """msgpack of one top-level entry of ``meta``: ``key`` and ``[kind, tree]``, the tree packed already."""
+    return msgpack.packb(key) + b"\x92" + msgpack.packb(kind) + packed
+
+
+TableCache = tuple[list[Any], Layout, tuple[TensorEntry, ...], int]
+"""A walk's table rows and the layout, table and data size made of them, to reuse while the rows are equal."""
+
+
+def finish(walk: Walk, parts: list[bytes], last: TableCache | None) -> tuple[FlatState, TableCache]:
+    """The FlatState of a finished walk whose top-level entries are ``parts``, and its table for the next one
+    (``last``: the previous one's, reused while the rows are the same: compared element by element, identical
+    rows first, no hashing).
+
+    Raises:
+        ValueError: the state is over the protocol's limits (tensor count, bytes, meta size).
+    """
+    if len(walk.tensors) > L.MAX_TENSORS:
+        raise ValueError(f"the state holds {len(walk.tensors)} tensors, at most {L.MAX_TENSORS}")
+    table = last if last is not None and walk.specs == last[0] else (walk.specs, *_table(tuple(walk.specs)))
+    _, layout, entries, data_bytes = table
+    if data_bytes > L.MAX_SNAPSHOT_BYTES:
+        raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
+    meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + _header(len(parts), 0x80, 0xDE) + b"".join(parts)
+    if len(meta) > L.MAX_META_BYTES:
+        raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
+    return FlatState(list(entries), walk.tensors, meta, data_bytes, layout), table
 
 
 def _header(n: int, fix: int, short: int) -> bytes:
@@ -250,180 +285,3 @@ def _header(n: int, fix: int, short: int) -> bytes:
     if n < 1 << 16:
         return bytes((short,)) + n.to_bytes(2, "big")
     return bytes((short + 1,)) + n.to_bytes(4, "big")
-
-
-@dataclasses.dataclass(slots=True)
-class _Memo:
-    """What the last walk of one top-level Stateful found, for a state dict of one of two shapes: ``tensors`` (a
-    mapping of tensors, as a module's) or ``optimizer`` (``{"state": {index: {name: tensor}}, "param_groups":
-    [...]}``, as a ``torch.optim.Optimizer``'s once every parameter has its state)."""
-
-    kind: str
-    sd_type: type[Any]
-    keys: tuple[Any, ...]
-    """The state dict's keys (``optimizer``: those of its ``state``)."""
-    inner: list[tuple[Any, ...]]
-    """``optimizer``: the keys of each parameter's state."""
-    start: int
-    """The table index of its first tensor."""
-    dtypes: list[torch.dtype]
-    shapes: list[torch.Size]
-    specs: list[tuple[Path, str, tuple[int, ...]]]
-    packed: bytes
-    """msgpack of its tree (``optimizer``: of its ``state``)."""
-    last: list[torch.Tensor]
-    """The tensors it last matched."""
-
-    def matches(self, tensors: list[Any]) -> bool:
-        """Whether ``tensors`` are plain tensors of the dtypes and shapes seen that need no detach (C-level loops
-        only; where they live is the stager's business). The very tensor objects seen last time match at once
-        (an optimizer's moments are the same objects from step to step; nothing changes a tensor's dtype or shape
-        in place but ``set_`` and ``resize_``)."""
-        if len(tensors) != len(self.dtypes):
-            return False
-        if all(map(operator.is_, tensors, self.last)):
-            return True
-        if tensors and not (
-            set(map(type, tensors)) == {torch.Tensor}
-            and list(map(_DTYPE, tensors)) == self.dtypes
-            and list(map(_SHAPE, tensors)) == self.shapes
-            and not any(map(_GRAD, tensors))
-        ):
-            return False
-        self.last = tensors
-        return True
-
-
-def _plain_tensors(values: list[Any]) -> bool:
-    """Whether every one of ``values`` is a plain tensor (no subclass, no DTensor) that needs no detach."""
-    return all(type(v) is torch.Tensor and not v.requires_grad for v in values)
-
-
-class StateWalker:
-    """Flattens the same state capture after capture, like :func:`flatten`, with the same result byte for byte.
-
-    A full walk costs a few microseconds per tensor in Python, which at a thousand tensors passes a millisecond
-    on the training thread. Between two steps the big values keep their structure: a module's state dict names
-    the same tensors, an optimizer's per-parameter state holds the same moments. For each top-level Stateful
-    whose state dict has one of those shapes, the walker keeps the packed bytes of its tensor part and its table
-    rows, and the next capture checks the new state dict against them with C-level loops over its tensors (type,
-    dtype, shape) instead of walking it. Every other value, and one whose check fails, is walked in full.
-    """
-
-    def __init__(self) -> None:
-        self._memos: dict[str, _Memo] = {}
-        self._table: tuple[list[Any], Layout, tuple[TensorEntry, ...], int] | None = None
-
-    def flatten(self, state: Mapping[str, Any]) -> FlatState:
-        """:func:`flatten` of ``state`` (same arguments, result and errors)."""
-        walk = _Flattener()
-        parts = []
-        for key, value in state.items():
-            if type(key) is not str:
-                raise TypeError(f"state keys must be str, got {key!r}")
-            if not isinstance(value, torch.Tensor) and is_stateful(value):
-                sd = value.state_dict()
-                packed = self._reuse(key, sd, walk)
-                if packed is None:
-                    packed = self._walk(key, sd, walk)
-                parts.append(msgpack.packb(key) + b"\x92" + msgpack.packb(STATEFUL) + packed)
-            else:
-                self._memos.pop(key, None)
-                parts.append(
-                    msgpack.packb(key)
-                    + b"\x92"
-                    + msgpack.packb(PLAIN)
-                    + msgpack.packb(walk.value(value, (key,)))
-                )
-        if len(walk.tensors) > L.MAX_TENSORS:
-            raise ValueError(f"the state holds {len(walk.tensors)} tensors, at most {L.MAX_TENSORS}")
-        last = self._table
-        if last is not None and walk.specs == last[0]:  # element by element, identical rows first: no hashing
-            _, layout, entries, data_bytes = last
-        else:
-            layout, entries, data_bytes = _table(tuple(walk.specs))
-            self._table = (walk.specs, layout, entries, data_bytes)
-        if data_bytes > L.MAX_SNAPSHOT_BYTES:
-            raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
-        meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + _header(len(parts), 0x80, 0xDE) + b"".join(parts)
-        if len(meta) > L.MAX_META_BYTES:
-            raise ValueError(
-                f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}"
-            )
-        return FlatState(list(entries), walk.tensors, meta, data_bytes, layout)
-
-    def _reuse(self, key: str, sd: Any, walk: _Flattener) -> bytes | None:
-        """The packed tree of ``sd`` from the memo of ``key``, its tensors added to ``walk``; None when ``sd`` no
-        longer matches it."""
-        memo = self._memos.get(key)
-        if memo is None or memo.start != len(walk.tensors) or type(sd) is not memo.sd_type:
-            return None
-        if memo.kind == "tensors":
-            if len(sd) != len(memo.keys) or tuple(sd) != memo.keys:
-                return None
-            tensors = list(sd.values())
-        else:
-            if tuple(sd) != _OPTIMIZER_KEYS:
-                return None
-            st = sd["state"]
-            if type(st) is not dict or tuple(st) != memo.keys:
-                return None
-            inner = list(st.values())
-            if inner and set(map(type, inner)) != {dict}:
-                return None
-            if list(map(tuple, inner)) != memo.inner:
-                return None
-            tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
-        if not memo.matches(tensors):
-            return None
-        walk.tensors.extend(tensors)
-        walk.specs.extend(memo.specs)
-        if memo.kind == "tensors":
-            return memo.packed
-        groups = walk.value(sd["param_groups"], (key, "param_groups"))
-        return _OPTIMIZER_HEAD + memo.packed + _GROUPS_KEY + msgpack.packb(groups)
-
-    def _walk(self, key: str, sd: Any, walk: _Flattener) -> bytes:
-        """Walk ``sd`` in full, remembering it when it has one of the memo's shapes; its packed tree."""
-        self._memos.pop(key, None)
-        start = len(walk.tensors)
-        if type(sd) is dict and tuple(sd) == _OPTIMIZER_KEYS and type(sd["state"]) is dict:
-            st = sd["state"]
-            inner = list(st.values())
-            state_tree = walk.value(st, (key, "state"))
-            packed = msgpack.packb(state_tree)
-            if all(type(d) is dict for d in inner) and _plain_tensors(
-                list(itertools.chain.from_iterable(map(dict.values, inner)))
-            ):
-                self._remember("optimizer", key, sd, list(st), [tuple(d) for d in inner], start, walk, packed)
-            groups = walk.value(sd["param_groups"], (key, "param_groups"))
-            return _OPTIMIZER_HEAD + packed + _GROUPS_KEY + msgpack.packb(groups)
-        packed = msgpack.packb(walk.value(sd, (key,)))
-        if type(sd) in (dict, collections.OrderedDict) and _plain_tensors(list(sd.values())):
-            self._remember("tensors", key, sd, list(sd), [], start, walk, packed)
-        return packed
-
-    def _remember(
-        self,
-        kind: str,
-        key: str,
-        sd: Any,
-        keys: list[Any],
-        inner: list[tuple[Any, ...]],
-        start: int,
-        walk: _Flattener,
-        packed: bytes,
-    ) -> None:
-        tensors = walk.tensors[start:]
-        self._memos[key] = _Memo(
-            kind,
-            type(sd),
-            tuple(keys),
-            inner,
-            start,
-            list(map(_DTYPE, tensors)),
-            list(map(_SHAPE, tensors)),
-            walk.specs[start:],
-            packed,
-            tensors,
-        )

@@ -25,7 +25,7 @@ from typing import Any
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.harness.cluster import LocalCluster, held_interrupts
 from snapshotd.harness.processes import RankProcess, start_module
-from snapshotd.harness.trainer import read_progress
+from snapshotd.harness.ranks import read_progress
 from snapshotd.status import fetch_status
 
 __all__ = ["TrainingJob", "run_demo", "run_scenario", "wait_for"]

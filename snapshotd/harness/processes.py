@@ -14,28 +14,25 @@ Without the variable (the benchmarks, the demo, users) every process starts cold
 restart cost that the benchmarks measure. A request whose environment differs from the server's in a variable
 read as the interpreter or torch starts (:func:`_read_late`) starts cold too.
 
-Run as ``python -m snapshotd.harness.processes FD MODULE...``, this module is the server: it imports the modules named and
-serves the ``AF_UNIX`` ``SOCK_SEQPACKET`` socket ``FD`` until its peer closes it (see :func:`_serve`).
+The server is the program :mod:`.forkserver` (``python -m snapshotd.harness.forkserver FD MODULE...``).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import itertools
 import json
 import os
-import runpy
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
+
+from .forkserver import MAX_MESSAGE
 
 __all__ = ["PRELOAD", "WARM_ENV", "ForkServer", "ForkedProcess", "RankProcess", "start_module"]
 
@@ -53,13 +50,6 @@ PRELOAD = (
 )
 """What the server imports before it forks: what every rank program of this package needs."""
 
-_IMPORTING_NICE = 19
-"""The server's nice value while it imports (its imports take idle CPU only), set back to what it started with
-before it forks its first child. Only where the server may set it back (root): elsewhere it runs at the caller's
-priority throughout, as its children must."""
-
-_MAY_RENICE = os.geteuid() == 0
-_MAX_MESSAGE = 1 << 20
 _REPLY_TIMEOUT = 300.0
 """How long a request waits for its pid: the server answers once its imports are done, which on a loaded
 machine takes a minute or more."""
@@ -158,7 +148,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self._server = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), *self.preload],
+                [sys.executable, "-m", "snapshotd.harness.forkserver", str(theirs.fileno()), *self.preload],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -279,7 +269,7 @@ class ForkServer:
 
     def _recv(self) -> bytes:
         try:
-            return self._sock.recv(_MAX_MESSAGE)
+            return self._sock.recv(MAX_MESSAGE)
         except OSError:
             return b""
 
@@ -354,98 +344,3 @@ def _cold(
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=env,
         )
-
-
-def _serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], str] | None:
-    """The server's life: import ``preload``, then fork a child per request on socket ``fd`` (a JSON object
-    with ``id``, ``module``, ``args``, ``cwd`` and ``env``, and two descriptors: output and input) and answer
-    ``{"id": ..., "pid": ...}`` (or ``{"id": ..., "error": ...}``); report each child's end as
-    ``{"exited": pid, "status": ...}``.
-    Returns ``None`` in the server once its peer closed the socket; in a child, returns its request, descriptors
-    and the preload's failure (empty if none), for :func:`_become`."""
-    started_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if _MAY_RENICE:
-        os.setpriority(os.PRIO_PROCESS, 0, _IMPORTING_NICE)
-    failed = ""
-    try:
-        for name in preload:
-            importlib.import_module(name)
-    except Exception:  # told in each program's output; the program imports what it needs itself
-        failed = traceback.format_exc()
-    if _MAY_RENICE:
-        os.setpriority(os.PRIO_PROCESS, 0, started_nice)
-    sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.signal(
-        signal.SIGCHLD, lambda *_: None
-    )  # a handler, so that the wakeup fd hears of each child's end
-    signal.set_wakeup_fd(wake_w)
-    sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ)
-    sel.register(wake_r, selectors.EVENT_READ)
-
-    def send(message: dict[str, Any]) -> None:
-        with contextlib.suppress(OSError):  # the peer is gone: the loop sees it next
-            sock.send(json.dumps(message).encode())
-
-    while True:
-        for key, _ in sel.select():
-            if key.fileobj == wake_r:
-                os.read(wake_r, 4096)
-                continue
-            data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
-            if not data:
-                return None
-            sys.stdout.flush()
-            sys.stderr.flush()
-            rid = json.loads(data)["id"]
-            try:
-                pid = os.fork()
-            except OSError as e:
-                send({"id": rid, "error": str(e)})
-            else:
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    sel.close()
-                    sock.close()
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    return json.loads(data), fds, failed
-                send({"id": rid, "pid": pid})
-            for f in fds:
-                os.close(f)
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            send({"exited": pid, "status": status})
-
-
-def _become(request: dict[str, Any], fds: list[int], failed: str) -> None:
-    """A forked child's life: take its output and input, working directory, environment and arguments, and run
-    its module as ``__main__``."""
-    out, inp = fds
-    os.dup2(inp, 0)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    os.close(inp)
-    if failed:
-        print(f"snapshotd.harness.processes: a preload failed:\n{failed}", file=sys.stderr, flush=True)
-    os.chdir(request["cwd"])
-    sys.path[0] = request["cwd"]  # as ``-m`` puts it there
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = [request["module"], *request["args"]]
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    _child = _serve(int(sys.argv[1]), sys.argv[2:])
-    if _child is not None:
-        _become(*_child)

@@ -1,4 +1,5 @@
-"""A buddy copy's bytes, held chunk by chunk where they arrived: :class:`SnapshotBuffer`."""
+"""A buddy copy's bytes, held chunk by chunk where they arrived (:class:`SnapshotBuffer`), and the pool of chunk
+buffers that dropped copies leave for new ones (:class:`BufferPool`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-__all__ = ["ADOPT_MIN_BYTES", "SnapshotBuffer"]
+__all__ = ["ADOPT_MIN_BYTES", "BufferPool", "SnapshotBuffer"]
 
 ADOPT_MIN_BYTES = 64 << 10
 """Smaller chunks are copied, not adopted: ZeroMQ packs small messages into shared receive batches, and keeping
@@ -140,3 +141,43 @@ class SnapshotBuffer:
         if chunk is None:
             raise ValueError(f"chunk {index} of this snapshot was never written")
         return chunk
+
+
+class BufferPool:
+    """Chunk buffers of dropped snapshots, by size, reused for the chunks of new ones: a fresh buffer costs the
+    kernel zeroing every page on first touch. It keeps at most :attr:`cap` bytes (the store sets it to twice the
+    largest snapshot seen), which the store counts against its memory limit."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.nbytes = 0
+        self.cap = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of ``nbytes``: a pooled one if one has that size, else a new one."""
+        pooled = self._free.get(nbytes)
+        if not pooled:
+            return np.empty(nbytes, dtype=np.uint8)
+        self.nbytes -= nbytes
+        buf = pooled.pop()
+        if not pooled:
+            del self._free[nbytes]
+        return buf
+
+    def give(self, buffers: list[np.ndarray]) -> None:
+        """Keep ``buffers`` for reuse, as far as :attr:`cap` allows (the caller writes them no more)."""
+        for buf in buffers:
+            if self.nbytes + buf.nbytes > self.cap:
+                break
+            self._free.setdefault(buf.nbytes, []).append(buf)
+            self.nbytes += buf.nbytes
+
+    def shed(self, excess: int) -> None:
+        """Free pooled buffers until ``excess`` bytes are gone, or none is left."""
+        while excess > 0 and self._free:
+            size, pooled = next(iter(self._free.items()))
+            pooled.pop()
+            if not pooled:
+                del self._free[size]
+            self.nbytes -= size
+            excess -= size

@@ -24,7 +24,7 @@ import numpy as np
 
 from snapshotd.proto import ProtocolError, codec
 
-from .chunks import SnapshotBuffer
+from .chunks import BufferPool, SnapshotBuffer
 from .integrity import Seal
 
 __all__ = ["BuddyStore", "MemoryLimitReached", "SnapshotStore", "StoredSnapshot", "UnknownSnapshot"]
@@ -159,15 +159,17 @@ class SnapshotStore:
         self.idle_after = idle_after
         self.on_change = on_change
         self._snaps: dict[Key, StoredSnapshot] = {}
-        # Chunk buffers of dropped snapshots, by size, reused for decoded chunks: a fresh buffer costs the kernel
-        # zeroing every page on first touch. At most twice the largest snapshot seen, and counted against the limit.
-        self._spares: dict[int, list[np.ndarray]] = {}
-        self.spare_bytes = 0
-        self._spare_cap = 0
+        self.spares = BufferPool()
+        """Chunk buffers of dropped snapshots, reused; counted against the limit."""
         self.used_bytes = 0  # snapshots held (spares are counted against the limit separately)
 
     def __len__(self) -> int:
         return len(self._snaps)
+
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of pooled chunk buffers."""
+        return self.spares.nbytes
 
     def __iter__(self) -> Iterator[StoredSnapshot]:
         return iter(list(self._snaps.values()))
@@ -207,15 +209,15 @@ class SnapshotStore:
                 return old
             self._remove(key)
         need = data_bytes + len(table) + len(meta)
-        self._shed_spares(self.used_bytes + self.spare_bytes + need - self.memory_limit)
-        if self.used_bytes + self.spare_bytes + need > self.memory_limit:
+        self.spares.shed(self.used_bytes + self.spares.nbytes + need - self.memory_limit)
+        if self.used_bytes + self.spares.nbytes + need > self.memory_limit:
             self.abort_idle(time.monotonic() - self.idle_after)
-        if self.used_bytes + self.spare_bytes + need > self.memory_limit:
+        if self.used_bytes + self.spares.nbytes + need > self.memory_limit:
             raise MemoryLimitReached(
                 f"memory limit {self.memory_limit} B reached: holding {self.used_bytes} B, "
                 f"snapshot of job {job!r} rank {rank} step {step} needs {need} B more"
             )
-        data = SnapshotBuffer(data_bytes, chunk_bytes, self._take_spare)
+        data = SnapshotBuffer(data_bytes, chunk_bytes, self.spares.take)
         snap = StoredSnapshot(
             job,
             rank,
@@ -231,7 +233,7 @@ class SnapshotStore:
         )
         self._snaps[key] = snap
         self.used_bytes += need
-        self._spare_cap = max(self._spare_cap, 2 * data_bytes)
+        self.spares.cap = max(self.spares.cap, 2 * data_bytes)
         if data.nchunks == 0:
             self._complete(snap)
         return snap
@@ -399,10 +401,6 @@ class SnapshotStore:
                 freed += self._remove(key)
         return freed
 
-    def drop_job(self, job: str) -> None:
-        for key in [k for k in self._snaps if k[0] == job]:
-            self._remove(key)
-
     def complete_keys(self) -> list[Key]:
         return [k for k, s in self._snaps.items() if s.complete]
 
@@ -420,32 +418,7 @@ class SnapshotStore:
         self.used_bytes -= freed
         owned = snap.data.release()
         if not (snap.exported or snap.writing):
-            for buf in owned:
-                if self.spare_bytes + buf.nbytes > self._spare_cap:
-                    break
-                self._spares.setdefault(buf.nbytes, []).append(buf)
-                self.spare_bytes += buf.nbytes
+            self.spares.give(owned)
         if snap.complete:
             self.on_change()
         return freed
-
-    def _take_spare(self, nbytes: int) -> np.ndarray:
-        """A chunk buffer of ``nbytes``: a spare if one has that size, else a new one."""
-        spares = self._spares.get(nbytes)
-        if not spares:
-            return np.empty(nbytes, dtype=np.uint8)
-        self.spare_bytes -= nbytes
-        buf = spares.pop()
-        if not spares:
-            del self._spares[nbytes]
-        return buf
-
-    def _shed_spares(self, excess: int) -> None:
-        """Free spares until ``excess`` bytes are gone, or none is left."""
-        while excess > 0 and self._spares:
-            size, spares = next(iter(self._spares.items()))
-            spares.pop()
-            if not spares:
-                del self._spares[size]
-            self.spare_bytes -= size
-            excess -= size

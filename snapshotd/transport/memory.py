@@ -64,10 +64,6 @@ class _Mailbox:
             self._cond.notify_all()  # a sender waiting for room
             return frames
 
-    def has_room(self) -> bool:
-        with self._cond:
-            return len(self._items) < ROOM
-
     def wait(self, timeout: float) -> bool:
         with self._cond:
             self._cond.wait_for(lambda: bool(self._items) or self.closed or self._woken, timeout)

@@ -15,7 +15,7 @@ import pytest
 
 from snapshotd.bench import overhead
 from snapshotd.bench.report import Report, emit
-from snapshotd.harness.trainer import run_ranks
+from snapshotd.harness.ranks import run_ranks
 from snapshotd.harness.workloads import config_for_params
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

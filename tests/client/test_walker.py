@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from snapshotd.client.rng import RNGState
-from snapshotd.client.state import FlatState, StateWalker, flatten
+from snapshotd.client.state import FlatState, flatten
+from snapshotd.client.walker import StateWalker
 
 
 def assert_same(a: FlatState, b: FlatState) -> None:
