@@ -69,8 +69,8 @@ from snapshotd.proto.limits import MAX_PLAN_RANKS
 from snapshotd.sidecar.node import Counters
 from snapshotd.sidecar.peers import PeerLinks
 from snapshotd.sidecar.placement import Lander, arena_sink
+from snapshotd.sidecar.pull import PullFailed, pull_snapshot
 from snapshotd.sidecar.tasks import TaskTree
-from snapshotd.sidecar.transfer import PullFailed, pull_snapshot
 from snapshotd.snapshot_format import (
     DDP_KEY,
     ELIDED,

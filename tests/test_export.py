@@ -17,7 +17,7 @@ from snapshotd.client.copies import copy_into
 from snapshotd.client.state import flatten
 from snapshotd.export import ExportError, _Assembly, _attempts, _Snapshot
 from snapshotd.proto import TensorEntry
-from snapshotd.sidecar.transfer import PullFailed
+from snapshotd.sidecar.pull import PullFailed
 from snapshotd.snapshot_format import ELIDED, PLAIN, STATEFUL
 
 

@@ -15,8 +15,8 @@ from snapshotd.proto import ReplicateTask, StreamBegin
 from .node import NodeState
 from .peers import PeerLinks
 from .placement import Lander
+from .pull import pull_snapshot
 from .store import StoredSnapshot
-from .transfer import pull_snapshot
 
 __all__ = ["ReplicateService"]
 

@@ -58,9 +58,9 @@ from .node import NodeState
 from .outbox import Outbox
 from .peers import PeerError, PeerLink, PeerLinks
 from .placement import DirectSink, Lander, PlacementError, arena_sink
+from .pull import CorruptEverywhere, PullFailed, describe_snapshot, pull_snapshot
 from .store import UnknownSnapshot
 from .stream import RankNotify
-from .transfer import CorruptEverywhere, PullFailed, describe_snapshot, pull_snapshot
 
 __all__ = ["PROGRESS_INTERVAL", "RestoreService"]
 
