@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from snapshotd.bench import codec, workloads
+from snapshotd.bench import codec
 from snapshotd.bench.report import Report, emit
+from snapshotd.harness import workloads
 
 TINY = [
     "--chunk",

@@ -25,7 +25,7 @@ from snapshotd.proto import (
     decode,
     encode,
 )
-from snapshotd.sidecar import control
+from snapshotd.sidecar import plan_asking
 from snapshotd.sidecar.control import CoordinatorClient, CoordinatorUnavailable
 from snapshotd.sidecar.node import Counters
 from snapshotd.sidecar.tasks import TaskTree
@@ -255,7 +255,7 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
     other calls (here another job's) still wait, the plan socket is replaced all the same, and the waiting calls
     ask again on the fresh one under their attempts: the second answer, sent late, cannot settle the call of the
     rank that restarted and asks anew (it would restore the step of a round that is over)."""
-    monkeypatch.setattr(control, "PLAN_REQUEST_TIMEOUT", 0.3)
+    monkeypatch.setattr(plan_asking, "PLAN_REQUEST_TIMEOUT", 0.3)
     router, client = scripted.router, scripted.client
 
     attempts: dict[str, int] = {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotd.bench import warm
+from snapshotd.harness import processes as warm
 from snapshotd.harness.processes import ForkedProcess, ForkServer
 from snapshotd.shm import pid_alive
 
@@ -26,6 +26,8 @@ sys.exit(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 0)
 """
 """A module that tells what it was started with: arguments, working directory, parent, environment, and whether
 the server's preload (``csv``, which nothing here imports) is in it."""
+
+pytestmark = pytest.mark.integration  # rank processes forked and started cold: the serial pass
 
 
 @pytest.fixture
