@@ -143,10 +143,9 @@ async def run_coordinator(
                 handled.append(sig)
         server = _Server(pipe, CoordinatorState(cfg, time.monotonic()), HeldPlans(cfg.plan_hold))
         if cfg.metrics_bind is not None:
-            from snapshotd.metrics import (  # prometheus-client only when asked
-                MetricsEndpoint,
-                coordinator_sampler,
-            )
+            from snapshotd.metrics import MetricsEndpoint  # prometheus-client only when asked
+
+            from .metrics import coordinator_sampler
 
             metrics = MetricsEndpoint(cfg.metrics_bind, coordinator_sampler(server.state))
             log.info("coordinator metrics on %s", metrics.url, extra=fields(event="metrics"))

@@ -160,10 +160,9 @@ class Sidecar:
                 notices.slots,
             )
             if cfg.metrics_bind is not None:
-                from snapshotd.metrics import (  # prometheus-client only when asked
-                    MetricsEndpoint,
-                    sidecar_sampler,
-                )
+                from snapshotd.metrics import MetricsEndpoint  # prometheus-client only when asked
+
+                from .metrics import sidecar_sampler
 
                 metrics = MetricsEndpoint(cfg.metrics_bind, sidecar_sampler(self.state, self.pacer))
                 log.info("sidecar %s: metrics on %s", cfg.node, metrics.url, extra=fields(event="metrics"))

@@ -1,0 +1,157 @@
+"""The coordinator's Prometheus metrics (:mod:`snapshotd.metrics` serves them): :func:`coordinator_sampler`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+from prometheus_client.core import Metric, SummaryMetricFamily
+
+from snapshotd.metrics import Sampler, counter, gauge
+
+from .state import CoordinatorState
+
+__all__ = ["coordinator_sampler"]
+
+
+def coordinator_sampler(state: CoordinatorState) -> Sampler:
+    """The sampler of the coordinator's metrics, read from its status document.
+
+    The document is packed in parts with the event loop yielded between them, as ``snapshotd status`` does, and
+    read into metric families in a worker thread, so a scrape of a large fleet never holds up heartbeats or
+    plans for longer than one part takes.
+    """
+
+    async def sample() -> list[Metric]:
+        parts = []
+        for part in state.status_parts(time.monotonic()):
+            parts.append(part)
+            await asyncio.sleep(0)
+        packed = b"".join(parts)
+        return await asyncio.to_thread(
+            lambda: list(_coordinator_families(msgpack.unpackb(packed, raw=False)))
+        )
+
+    return sample
+
+
+def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
+    co, nodes, jobs = doc["coordinator"], doc["nodes"], doc["jobs"]
+    yield gauge(
+        "snapshotd_coordinator_uptime_seconds", "Seconds since the coordinator started", co["uptime_s"]
+    )
+    yield counter("snapshotd_heartbeats", "Heartbeats received", co["heartbeats"])
+    yield counter(
+        "snapshotd_refused_messages", "Messages refused (malformed, unknown, not allowed)", co["bad_messages"]
+    )
+    alive = sum(1 for n in nodes if n["alive"])
+    yield gauge(
+        "snapshotd_nodes",
+        "Nodes known, by state",
+        labels=("state",),
+        rows=[(("alive",), alive), (("dead",), len(nodes) - alive)],
+    )
+    yield gauge(
+        "snapshotd_node_up",
+        "1 while the node's sidecar heartbeats",
+        labels=("node",),
+        rows=[((n["node"],), float(n["alive"])) for n in nodes],
+    )
+    yield gauge(
+        "snapshotd_node_stored_bytes",
+        "Bytes of buddy copies the node holds",
+        labels=("node",),
+        rows=[((n["node"],), n["stored_bytes"]) for n in nodes],
+    )
+    for key, what in (("out_Bps", "sent"), ("in_Bps", "received")):
+        yield gauge(
+            f"snapshotd_node_{what}_bytes_per_second",
+            f"Snapshot bytes the node {what} per second",
+            labels=("node",),
+            rows=[((n["node"],), n[key]) for n in nodes],
+        )
+    yield gauge(
+        "snapshotd_job_world_size",
+        "The job's world size (0: not known yet)",
+        labels=("job",),
+        rows=[((j["job"],), j["world_size"]) for j in jobs],
+    )
+    yield gauge(
+        "snapshotd_job_recoverable_step",
+        "G: the newest step every rank can restore (-1: none)",
+        labels=("job",),
+        rows=[((j["job"],), j["recoverable"]) for j in jobs],
+    )
+    yield gauge(
+        "snapshotd_job_durable_step",
+        "D: the newest step on its buddies for every rank (-1: none)",
+        labels=("job",),
+        rows=[((j["job"],), j["durable"]) for j in jobs],
+    )
+    rounds = SummaryMetricFamily(
+        "snapshotd_plan_round_seconds",
+        "Plan rounds every rank was answered in, and "
+        "their seconds from the last rank's ask to the last answer",
+        labels=["job"],
+    )
+    for j in jobs:
+        rounds.add_metric([j["job"]], count_value=j["plan_rounds"], sum_value=j["plan_round_s"])
+    yield rounds
+    yield gauge(
+        "snapshotd_job_rpo_steps_max",
+        "The largest rank RPO of the job, in steps",
+        labels=("job",),
+        rows=[
+            ((j["job"],), max(lags))
+            for j in jobs
+            if (lags := [r["lag_steps"] for r in j["ranks"] if r["lag_steps"] is not None])
+        ],
+    )
+    yield gauge(
+        "snapshotd_job_rpo_seconds_max",
+        "The largest rank RPO of the job, in training seconds",
+        labels=("job",),
+        rows=[
+            ((j["job"],), max(rpos))
+            for j in jobs
+            if (rpos := [r["rpo_s"] for r in j["ranks"] if r["rpo_s"] is not None])
+        ],
+    )
+    yield gauge(
+        "snapshotd_job_copies_min",
+        "The fewest live holders of G of any rank of the job",
+        labels=("job",),
+        rows=[
+            ((j["job"],), min(r["copies"] for r in j["ranks"]))
+            for j in jobs
+            if j["ranks"] and j["recoverable"] >= 0
+        ],
+    )
+    ranks = [(j["job"], r) for j in jobs for r in j["ranks"]]
+    yield gauge(
+        "snapshotd_rank_newest_step",
+        "The rank's newest complete snapshot on any node (-1: none)",
+        labels=("job", "rank"),
+        rows=[((job, str(r["rank"])), r["newest_step"]) for job, r in ranks],
+    )
+    yield gauge(
+        "snapshotd_rank_rpo_steps",
+        "Steps a failure now would cost the rank: its newest step minus G",
+        labels=("job", "rank"),
+        rows=[((job, str(r["rank"])), r["lag_steps"]) for job, r in ranks if r["lag_steps"] is not None],
+    )
+    yield gauge(
+        "snapshotd_rank_rpo_seconds",
+        "The same in training seconds (steps times the rank's latest step time)",
+        labels=("job", "rank"),
+        rows=[((job, str(r["rank"])), r["rpo_s"]) for job, r in ranks if r["rpo_s"] is not None],
+    )
+    yield gauge(
+        "snapshotd_rank_copies",
+        "Live holders of the rank's copy of G",
+        labels=("job", "rank"),
+        rows=[((job, str(r["rank"])), r["copies"]) for job, r in ranks],
+    )
