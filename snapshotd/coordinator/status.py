@@ -7,16 +7,22 @@ the server can answer other requests between parts (see :mod:`.server`).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgpack
 
+from snapshotd.proto import Error, ErrorCode, Message, StatusReply
+from snapshotd.proto.limits import MAX_TEXT_LEN
+
 from .config import CoordinatorConfig
 from .jobs import Jobs
 from .membership import Membership
 
-__all__ = ["STATUS_PART_ENTRIES", "missing_ranges", "status_parts"]
+__all__ = ["STATUS_BUILDS", "STATUS_PART_ENTRIES", "StatusBuilds", "missing_ranges", "status_parts"]
 
 STATUS_PART_ENTRIES = 256
 """Node or rank entries per part of a status document: a part is short next to a heartbeat's round trip."""
@@ -150,3 +156,51 @@ def missing_ranges(known: list[int], world_size: int) -> list[list[int]]:
             out.append([start, r - 1])
         start = r + 1
     return out
+
+
+STATUS_BUILDS = 4
+"""Status documents built at once at most (a request beyond is answered ``busy``)."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Build:
+    """A status document being built: where it goes, its parts still to make, and those made."""
+
+    envelope: list[bytes]
+    parts: Iterator[bytes]
+    done: list[bytes] = dataclasses.field(default_factory=list)
+
+
+class StatusBuilds:
+    """The status documents being built, oldest first, a part at a time between the loop's other work."""
+
+    def __init__(self) -> None:
+        self._builds: collections.deque[_Build] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._builds)
+
+    def add(self, envelope: list[bytes], parts: Iterator[bytes]) -> None:
+        self._builds.append(_Build(envelope, parts))
+
+    def build(self, until: float) -> list[tuple[list[bytes], Message]]:
+        """Build part by part until the clock reads ``until`` (at least one part); the documents completed (a
+        :class:`~snapshotd.proto.StatusReply` each, or an ``internal`` error where building one failed)."""
+        out: list[tuple[list[bytes], Message]] = []
+        while self._builds:
+            build = self._builds[0]
+            try:
+                part = next(build.parts, None)
+            except Exception as exc:  # a bug must not stop the loop
+                self._builds.popleft()
+                text = f"{type(exc).__name__}: {exc}"
+                out.append((build.envelope, Error(code=ErrorCode.INTERNAL, message=text[:MAX_TEXT_LEN])))
+                continue
+            if part is None:
+                self._builds.popleft()
+                out.append((build.envelope, StatusReply(body=b"".join(build.done))))
+            else:
+                build.done.append(part)
+            if time.monotonic() >= until:
+                break
+        return out

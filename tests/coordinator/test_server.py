@@ -203,7 +203,7 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
 def test_a_status_document_is_built_between_other_requests(start, dealer, monkeypatch) -> None:
     """Built one part per loop pass, a large document never holds up the heartbeats queued behind it."""
     monkeypatch.setattr("snapshotd.coordinator.status.STATUS_PART_ENTRIES", 1)
-    monkeypatch.setattr("snapshotd.coordinator.server._STATUS_SLICE_S", 0.0)
+    monkeypatch.setattr("snapshotd.coordinator.loop._STATUS_SLICE_S", 0.0)
     coord = start(heartbeat_timeout=30.0)  # node a must not die of the seconds a loaded machine may take here
     sock = dealer(coord.endpoint)
     register(sock, "a")
@@ -332,7 +332,7 @@ def _beat_while(
 def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(
     start, dealer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="snapshotd.coordinator.server")
+    caplog.set_level(logging.WARNING, logger="snapshotd.coordinator.loop")
     coord = start()
     sock = dealer(coord.endpoint)
     for junk in ([b"\xff\x00garbage"], [b"\x80"], [b"\x82\xa1v\x01\xa4type\xa9heartbeat"], [b"x", b"y"]):
@@ -350,7 +350,7 @@ def test_malformed_and_unexpected_messages_get_errors_and_the_loop_goes_on(
     assert not sock.poll(200)
     assert isinstance(ask(sock, Heartbeat(node="ghost", incarnation="x")), HeartbeatReply)
     assert fetch_status(coord.endpoint, secret=None, timeout=TIMEOUT)["coordinator"]["bad_messages"] == 8
-    complaints = [r.getMessage() for r in caplog.records if r.name == "snapshotd.coordinator.server"]
+    complaints = [r.getMessage() for r in caplog.records if r.name == "snapshotd.coordinator.loop"]
     assert len(complaints) == 1 and "bad message from peer" in complaints[0]  # once per peer per minute
 
 
