@@ -96,7 +96,11 @@ _TRANSPORT_MARKERS = (
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because a peer is gone or hung: a ``torch.distributed.DistError``,
-    or the ``RuntimeError`` gloo raises from its transport (a connection closed or reset, a wait timed out)."""
+    or the ``RuntimeError`` gloo raises from its transport (a connection closed or reset, a wait timed out).
+
+    gloo (torch 2.13) raises a plain ``RuntimeError`` for a peer's loss, whose text names its transport's source
+    file (``gloo/transport/tcp/pair.cc: ... Connection reset by peer``, ``.../unbound_buffer.cc: Timed out
+    waiting ...``); no exception type sets it apart from a bug in the step, so the text is what is matched."""
     if isinstance(exc, dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _TRANSPORT_MARKERS)
