@@ -252,7 +252,9 @@ class SeatRequest(Message):
     ``world_size`` ranks placed by snapshotd (live mode with ``nodes=``; see :mod:`snapshotd.coordinator.seats`).
 
     A rank asks its sidecar (ipc, ``node`` left empty: the sidecar names itself), which asks the coordinator
-    until it answers ``given`` or ``timeout_s`` seconds have passed. ``held``: the first rank of the seat the
+    until it answers ``given`` or ``timeout_s`` seconds have passed. In a sidecar's ask, ``timeout_s`` is how long
+    that ask waits for its answer: the coordinator holds it a little less at most (0: as long as it holds any
+    ask). ``held``: the first rank of the seat the
     sidecar was given in this job before (-1: none), so that a restarted coordinator gives it the same one;
     ``held_granted``: when it was given (:attr:`SeatReply.granted`)."""
 

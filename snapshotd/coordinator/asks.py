@@ -5,7 +5,8 @@ A :class:`~snapshotd.proto.SeatRequest` answered ``wait`` (every seat of the job
 are (:mod:`.held`): answered, the sidecar would ask again and again, and learn that a seat came free, or that its
 copies landed, only at its next ask. The server asks the state again for every held one at each expiry pass
 (every tenth of a second at most) and answers it as soon as its answer changes, or with the answer of the moment
-once it was held for ``hold`` seconds, so that its sidecar knows the coordinator is there and asks again. A newer
+once it was held for ``hold`` seconds (a seat request no longer than its asker waits, less
+:data:`ANSWER_MARGIN_S`), so that its sidecar knows the coordinator is there and asks again. A newer
 ask from the same peer for the same job (or node) replaces the one held; beyond :data:`MAX_ASKS` held, an ask is
 answered at once.
 """
@@ -13,17 +14,20 @@ answered at once.
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeAlias
 
 from snapshotd.proto import Drain, DrainReply, Message, SeatReply, SeatRequest
 
 from .state import CoordinatorState
 
-__all__ = ["MAX_ASKS", "HeldAsks"]
+__all__ = ["ANSWER_MARGIN_S", "MAX_ASKS", "HeldAsks"]
 
 MAX_ASKS = 4096
 """Asks held at most (one per node and job at a time); beyond, an ask is answered at once."""
+ANSWER_MARGIN_S = 0.25
+"""A seat request is answered this long before its asker stops waiting (its ``timeout_s``) at the latest."""
 
-Ask = SeatRequest | Drain
+Ask: TypeAlias = SeatRequest | Drain
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -54,8 +58,13 @@ class HeldAsks:
         reply = self._ask(msg, now)
         if not _waits(reply) or self.hold <= 0 or len(self._held) >= MAX_ASKS:
             return reply
+        hold = self.hold
+        if isinstance(msg, SeatRequest) and msg.timeout_s > 0:
+            hold = min(hold, msg.timeout_s - ANSWER_MARGIN_S)
+            if hold <= 0:
+                return reply
         key = (*envelope, msg.TYPE.encode(), msg.job.encode(), msg.node.encode())
-        self._held[key] = _Held(envelope, msg, now + self.hold)
+        self._held[key] = _Held(envelope, msg, now + hold)
         return None
 
     def due(self, now: float, *, final: bool = False) -> list[tuple[list[bytes], Message]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TypeVar
@@ -187,8 +188,9 @@ class CoordinatorClient(PlanAsking):
         last: SeatReply | None = None
         while True:
             asked = time.monotonic()
-            try:
-                reply = await self._ask(req, SeatReply, max(0.0, min(deadline - asked, PLAN_REQUEST_TIMEOUT)))
+            wait = max(0.0, min(deadline - asked, PLAN_REQUEST_TIMEOUT))
+            try:  # timeout_s: how long this ask waits, so the coordinator answers within it
+                reply = await self._ask(dataclasses.replace(req, timeout_s=wait), SeatReply, wait)
             except TimeoutError:
                 if time.monotonic() < deadline:
                     continue

@@ -86,7 +86,11 @@ class Sidecar:
         self, ready: Callable[[str, str], None] | None = None, stop: asyncio.Event | None = None
     ) -> None:
         """Bind, register, serve until ``stop`` is set or SIGTERM/SIGINT comes (in the main thread), then clean up.
-        After a signal the sidecar first drains (see :meth:`_drain`), until a second signal at most."""
+        After a signal the sidecar first drains (see :meth:`_drain`), until a second signal at most.
+
+        Raises:
+            ServiceDied: a service of the sidecar ended or failed (see :mod:`.tasks`); the sidecar stopped.
+        """
         cfg = self.cfg
         stop = stop or asyncio.Event()
         signalled = asyncio.Event()
@@ -173,22 +177,28 @@ class Sidecar:
                     installed.append(sig)
             if ready is not None:
                 ready(self.state.data_addr, cfg.ipc)
-            async with asyncio.TaskGroup() as group:
-                self.tasks.attach(group)
-                self.tasks.service(network.run(), "the network's security handlers")
-                self.tasks.service(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
-                self.tasks.service(ipc_out.run(ipc), "ipc replies")
-                self.tasks.service(
-                    self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint"
-                )
-                self.tasks.service(data_out.run(data), "data-plane replies")
-                self.tasks.service(heartbeat.run(), "the control loop")
-                self.tasks.service(control.watch(), "the coordinator connection's handshakes")
-                await _first(stop, signalled)
-                if signalled.is_set() and not stop.is_set() and cfg.drain_timeout > 0:
-                    await self._drain(control, stop)
-                log.info("sidecar %s: stopping", cfg.node)
-                self.tasks.cancel_all()
+            try:
+                async with asyncio.TaskGroup() as group:
+                    self.tasks.attach(group)
+                    self.tasks.service(network.run(), "the network's security handlers")
+                    self.tasks.service(self._serve(ipc, ipc_out, ingest.handle, "ipc"), "the ipc endpoint")
+                    self.tasks.service(ipc_out.run(ipc), "ipc replies")
+                    self.tasks.service(
+                        self._serve(data, data_out, serve.handle, "data plane"), "the data endpoint"
+                    )
+                    self.tasks.service(data_out.run(data), "data-plane replies")
+                    self.tasks.service(heartbeat.run(), "the control loop")
+                    self.tasks.service(control.watch(), "the coordinator connection's handshakes")
+                    await _first(stop, signalled)
+                    if signalled.is_set() and not stop.is_set() and cfg.drain_timeout > 0:
+                        await self._drain(control, stop)
+                    log.info("sidecar %s: stopping", cfg.node)
+                    self.tasks.cancel_all()
+            except BaseExceptionGroup as group:  # a service's end stops the sidecar with its own error
+                died = ServiceDied.first_in(group)
+                if died is None:
+                    raise
+                raise died from None
         finally:
             if metrics is not None:
                 metrics.close()
@@ -377,13 +387,7 @@ async def run_sidecar(
     Raises:
         ServiceDied: a service of the sidecar ended or failed (see :mod:`.tasks`); the sidecar stopped.
     """
-    try:
-        await Sidecar(cfg).run(ready, stop)
-    except BaseExceptionGroup as group:
-        died = group.subgroup(ServiceDied)
-        if died is None:
-            raise
-        raise died.exceptions[0] from None
+    await Sidecar(cfg).run(ready, stop)
 
 
 def _bind_host(bound: str) -> str:

@@ -25,6 +25,16 @@ log = logging.getLogger(__name__)
 class ServiceDied(RuntimeError):
     """A service of the sidecar ended or failed: the sidecar stops (``snapshotd serve`` exits non-zero)."""
 
+    @staticmethod
+    def first_in(group: BaseExceptionGroup) -> ServiceDied | None:
+        """The first ServiceDied in ``group`` (at any depth of nested groups), if any."""
+        for exc in group.exceptions:
+            if isinstance(exc, ServiceDied):
+                return exc
+            if isinstance(exc, BaseExceptionGroup) and (found := ServiceDied.first_in(exc)) is not None:
+                return found
+        return None
+
 
 class TaskTree:
     """Spawns tasks into the sidecar's TaskGroup once :meth:`attach` gave it one."""

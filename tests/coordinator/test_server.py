@@ -282,15 +282,37 @@ def test_a_seat_request_is_held_until_a_seat_comes_free(start, dealer) -> None:
         job="j", status="given", first=0, granted=mock.ANY
     )
     assert ask(socks["b"], SeatRequest(node="b", **seat)).first == 1  # type: ignore[attr-defined]
-    _send(socks["c"], SeatRequest(node="c", **seat))
+    asker = dealer(coord.endpoint)  # c's heartbeats and its seat request on sockets of their own
+    _send(asker, SeatRequest(node="c", **seat))
     t0 = time.monotonic()
     _beat_while(socks, ranks, lambda: time.monotonic() - t0 > 0.5)
-    assert _answer(socks["c"], 0.0) is None  # held: b still lives
+    assert _answer(asker, 0.0) is None  # held: b still lives
     del socks["b"]  # b goes silent: declared dead after the death timeout (0.5 s)
-    _beat_while(socks, ranks, lambda: socks["c"].poll(0) != 0)
-    reply = _answer(socks["c"], TIMEOUT)
+    _beat_while(socks, ranks, lambda: asker.poll(0) != 0)
+    reply = _answer(asker, TIMEOUT)
     assert isinstance(reply, SeatReply) and reply.status == "given" and reply.first == 1
     assert time.monotonic() - t0 < 5.0  # well before the hold's 10 s
+
+
+def test_a_seat_request_is_held_no_longer_than_its_asker_waits(start, dealer) -> None:
+    """An ask that waits 0.6 s (``timeout_s``) is answered ``wait`` before then, though the hold is 10 s."""
+    coord = start(plan_hold=10.0)
+    socks = {n: dealer(coord.endpoint) for n in "abc"}
+    for n, sock in socks.items():
+        register(sock, n)
+    ranks = {"a": 0, "b": 1}
+    _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6)
+    seat = {"job": "j", "world_size": 2, "per_node": 1}
+    for n in "ab":
+        reply = ask(socks[n], SeatRequest(node=n, timeout_s=30.0, **seat))
+        assert reply.status == "given"  # type: ignore[attr-defined]
+    asker = dealer(coord.endpoint)
+    t0 = time.monotonic()
+    _send(asker, SeatRequest(node="c", timeout_s=0.6, **seat))
+    _beat_while(socks, ranks, lambda: asker.poll(0) != 0)
+    reply = _answer(asker, TIMEOUT)
+    assert isinstance(reply, SeatReply) and reply.status == "wait"
+    assert time.monotonic() - t0 < 0.6
 
 
 def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_the_hold_ends(
