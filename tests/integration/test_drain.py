@@ -21,6 +21,7 @@ import zmq
 from snapshotd.harness.cluster import ManagedProcess
 from snapshotd.proto import Error, ErrorCode, ProtocolError, decode, encode
 from snapshotd.sidecar.daemon import DRAIN_REQUEST_TIMEOUT
+from tests.waits import wait_until
 
 from .conftest import Cluster
 
@@ -28,10 +29,7 @@ pytestmark = pytest.mark.integration
 
 
 def _wait_for_line(cluster: Cluster, p: ManagedProcess, text: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in cluster.tail(p, 200):
-        assert time.monotonic() < deadline, f"{p.name} never logged {text!r}:\n{cluster.tail(p)}"
-        time.sleep(0.02)
+    wait_until(lambda: text in cluster.tail(p, 200), f"{p.name} to log {text!r}", timeout, every=0.02)
 
 
 def _stop_timed(p: ManagedProcess) -> float:

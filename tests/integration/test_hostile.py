@@ -11,8 +11,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import msgpack
 import pytest
@@ -42,19 +41,12 @@ from snapshotd.proto import limits as L
 from snapshotd.shm import SHM_DIR
 from snapshotd.status import fetch_status
 from snapshotd.transport import MEMORY, ThreadPipe, connect_rank
+from tests.waits import wait_until
 
 from ..deployments import InProcess
 from .conftest import Cluster, DataPeer
 
 pytestmark = pytest.mark.integration
-
-
-def _wait(cond: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def _node(cluster: Cluster, name: str) -> dict | None:
@@ -84,9 +76,10 @@ def test_hostile_registrations_leave_the_sidecar_and_its_node_alive(cluster: Clu
         assert isinstance(beyond, Error) and beyond.code == "bad_message", beyond
         assert "rank 5" in beyond.message and "world size 4" in beyond.message, beyond.message
     # the pid was checked (the rank is reported gone: no such process) and the node is alive
-    node = _wait(
+    node = wait_until(
         lambda: (n := _node(cluster, "A")) is not None and n["ranks"] == [[job, 0, False]] and n,
         "the coordinator to hear that rank 0's process is gone",
+        20.0,
     )
     assert node["alive"]
     assert sidecar.alive(), cluster.tail(sidecar)
@@ -108,9 +101,10 @@ def test_a_fetch_answer_no_restore_waits_for_is_dropped_without_a_reply(cluster:
         # replies come in order: an Error about the answer would come before this registration's reply
         again = ipc.request(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=100))
         assert isinstance(again, RankRegistered), again
-    _wait(
+    wait_until(
         lambda: "answered a fetch of step 3 that no restore waits for" in cluster.tail(sidecar, 100),
         "the sidecar to log the dropped answer",
+        20.0,
     )
     assert sidecar.alive()
 
@@ -141,9 +135,10 @@ def test_an_abandoned_stream_gives_its_memory_back(cluster: Cluster) -> None:
         assert isinstance(peer.request(offer(1)), StreamAccept)  # and then silence
         refused = peer.request(offer(2))
         assert isinstance(refused, Error) and refused.code == "memory_limit", refused
-        accepted = _wait(
+        accepted = wait_until(
             lambda: isinstance(reply := peer.request(offer(2)), StreamAccept) and reply,
             "the abandoned stream's reservation to be given back",
+            20.0,
         )
         assert accepted.step == 2
 
@@ -174,7 +169,7 @@ def test_a_rank_that_unregisters_while_its_restore_pulls_gets_an_answer_and_leav
             header = msgpack.unpackb(bytes(frames[0]))
             if not to_server and header.get("type") == "stream_begin" and header.get("job") == job:
                 pipe.send_nowait(encode(UnregisterRank(job=job, rank=0)))
-                _wait(lambda: c.rank(job, 0) is None, "C to drop rank 0")
+                wait_until(lambda: c.rank(job, 0) is None, "C to drop rank 0", 20.0)
             return frames
 
         try:
@@ -211,7 +206,9 @@ def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_resto
                 pipe.send_nowait(encode(RegisterRank(job=job, rank=0, world_size=2, pid=pid, data_bytes=16)))
                 assert isinstance(_next(pipe, skip=SlotUpdate), RankRegistered)
                 pipe.send_nowait(encode(RestoreRequest(job=job, rank=0, world_size=2, timeout_s=30)))
-            _wait(lambda: "its pending restore is abandoned" in caplog.text, "the first restore abandoned")
+            wait_until(
+                lambda: "its pending restore is abandoned" in caplog.text, "the first restore abandoned", 20.0
+            )
             assert _restore_rank1(job, ipcs[1], 4) == 0  # the plan comes once every rank asked
             reply = _next(restarted, skip=SlotUpdate)
             assert isinstance(reply, RestoreReply) and reply.source == "fresh", reply
@@ -307,11 +304,12 @@ def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_i
         pipe = connect_rank(ipc)
         try:
             assert snap.capture(1)  # rank 0's arena: 3 slots of 1 MB, one filled
-            _wait(
+            wait_until(
                 lambda: (
                     (held := dep.sidecars["A"].state.rank(job, 0)) is not None and held.find(1) is not None
                 ),
                 "the sidecar holding step 1",
+                20.0,
             )  # its copy and announce run in the background
             with open(os.path.join(small_shm, "someone-elses"), "wb") as f:
                 f.write(

@@ -11,7 +11,6 @@ blocks and a pull stripes several ranges of them across its holders.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -23,6 +22,7 @@ from snapshotd.client import IntegrityError, Snapshotter
 from snapshotd.proto import blob_digest, checksum
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.transport import MEMORY
+from tests.waits import wait_until
 
 from ..deployments import InProcess, restore_all, snapshot_then_crash
 
@@ -195,10 +195,7 @@ def test_a_bit_flipped_in_a_streamed_chunk_never_makes_a_copy(tamper: None) -> N
             assert not snap.wait(30) and flipped.is_set()  # step 1 did not reach its buddy
             assert snap.stats.failed == 1 and "xxh3" in snap.stats.last_error, snap.stats
             b = dep.sidecars["B"].state.store  # the sender's abort of the stream reaches B on B's own thread
-            deadline = time.monotonic() + 10
-            while b.holds(job, 0, 1) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert not b.holds(job, 0, 1)
+            wait_until(lambda: not b.holds(job, 0, 1), "B to drop the aborted step 1")
             state["w"].add_(1.0)
             assert snap.capture(2) and snap.wait(30)
             held = dep.sidecars["B"].state.store.get(job, 0, 2)

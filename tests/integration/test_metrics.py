@@ -18,7 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapshotd.client import Snapshotter
-from snapshotd.harness.demo import wait_for
+from tests.waits import wait_until
 
 from .conftest import Cluster
 
@@ -114,10 +114,10 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
 
     def wait_for_g_d(step: int) -> None:
         try:
-            wait_for(
+            wait_until(
                 lambda: coordinator_g_d() == (step, step),
-                WAIT,
                 f"the coordinator's G and D to reach step {step}",
+                WAIT,
             )
         except TimeoutError as exc:  # say what the coordinator saw of the job and the nodes
             seen = {

@@ -15,8 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapshotd.harness.demo import TrainingJob, wait_for
+from snapshotd.harness.demo import TrainingJob
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 from .conftest import Cluster
 from .test_metrics import free_port, scrape, value
@@ -82,15 +83,15 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
             return p["cuts_total"] >= 1 and p["limit_bytes_per_second"] < 1.5 * p["keep_up_bytes_per_second"]
 
         # the streams slow the steps past the 5% budget: the pacer cuts the rate below its spread (1.5x keep-up)
-        wait_for(backed_off, 120, f"the pacer cutting the rate for the budget; saw {seen[-3:]}")
+        wait_until(backed_off, f"the pacer cutting the rate for the budget; saw {seen[-3:]}", 120)
         assert seen[-1]["step_budget_ratio"] == pytest.approx(BUDGET) and seen[-1]["clean_step_seconds"] > 0
 
         # ... and cuts on until the slowdown it measures at the rate it chose is within the budget
         first_cut = len(seen) - 1
-        wait_for(
+        wait_until(
             lambda: seen.append(pacer(port)) or seen[-1]["step_slowdown_ratio"] <= BUDGET,
-            120,
             f"the slowdown within the {BUDGET:.0%} budget; saw {seen[-3:]}",
+            120,
         )
         within = seen[-1]
         assert within["limit_bytes_per_second"] < 1.5 * within["keep_up_bytes_per_second"]  # still held back
@@ -108,8 +109,8 @@ def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
     finally:
         job.kill()
     # the job stopped: nothing left to protect, the limit is lifted
-    wait_for(
+    wait_until(
         lambda: math.isinf(pacer(port)["limit_bytes_per_second"]),
-        30,
         "the limit lifted after the job stopped",
+        30,
     )

@@ -18,6 +18,7 @@ from snapshotd.harness.cluster import LocalCluster
 from snapshotd.harness.demo import TrainingJob, run_scenario
 from snapshotd.harness.trainer import build_state
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +32,6 @@ def _shm_leftovers(job: str) -> list[str]:
 
 def _status(cluster: LocalCluster) -> dict:
     return fetch_status(cluster.coordinator_addr, secret=None, timeout=5)
-
-
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _job_status(cluster: LocalCluster, job: str) -> dict | None:
@@ -143,7 +137,7 @@ def test_rank_crash_restores_from_local_shared_memory(tmp_path) -> None:
                 step_delay=0.2,
             )
             try:
-                _wait(lambda: first.progress(0) >= 4, 60, "step 4")
+                wait_until(lambda: first.progress(0) >= 4, "step 4", 60)
             finally:
                 first.kill()
             second = TrainingJob(
@@ -177,14 +171,14 @@ def test_coordinator_restart_mid_training_loses_nothing(tmp_path) -> None:
         run = TrainingJob(
             str(tmp_path), "a1", world=2, steps=40, params=PARAMS, job=job, sidecars=sidecars, step_delay=0.1
         )
-        _wait(lambda: run.progress(0) >= 5, 60, "step 5")
+        wait_until(lambda: run.progress(0) >= 5, "step 5", 60)
         cluster.kill(coord)
         restarted = cluster.start_coordinator(endpoint)
         assert restarted.fields["endpoint"] == endpoint
-        _wait(
+        wait_until(
             lambda: (j := _job_status(cluster, job)) is not None and j["durable"] >= 8,
-            30,
             "durable snapshots again after the coordinator restart",
+            30,
         )
         results = run.wait(120)
         # snapshots fail while no coordinator assigns buddies; on a loaded machine the outage and the new
@@ -209,24 +203,24 @@ def test_rereplication_after_losing_a_buddy(tmp_path) -> None:
         run = TrainingJob(
             str(tmp_path), "a1", world=2, steps=100, params=PARAMS, job=job, sidecars=on_a, step_delay=0.2
         )
-        _wait(lambda: run.progress(0) >= 4, 60, "step 4")
+        wait_until(lambda: run.progress(0) >= 4, "step 4", 60)
         run.kill()  # the ranks stop; their last snapshots stay in A's shared memory
 
         def copies_at_g() -> list[int]:
             j = _job_status(cluster, job)
             return [r["copies"] for r in j["ranks"]] if j and j["recoverable"] >= 0 else []
 
-        _wait(lambda: copies_at_g() == [2, 2], 20, "A's local copy + B's buddy copy")
+        wait_until(lambda: copies_at_g() == [2, 2], "A's local copy + B's buddy copy", 20)
         holders_before = {n["node"] for n in _status(cluster)["nodes"] if n["stored_bytes"] > 0}
         assert "B" in holders_before
         cluster.kill(node_b)
-        _wait(
+        wait_until(
             lambda: (
                 copies_at_g() == [2, 2]
                 and any(n["node"] == "C" and n["stored_bytes"] > 0 for n in _status(cluster)["nodes"])
             ),
-            30,
             "re-replication to C",
+            30,
         )
         assert not any(n["node"] == "B" and n["alive"] for n in _status(cluster)["nodes"])
 
@@ -254,7 +248,7 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
             step_delay=0.2,
         )
         try:
-            _wait(lambda: run.progress(0) >= 4, 60, "step 4")
+            wait_until(lambda: run.progress(0) >= 4, "step 4", 60)
         finally:
             run.kill()  # the ranks stop; their last snapshots stay in A's shared memory
 
@@ -262,15 +256,15 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
             j = _job_status(cluster, job)
             return [r["copies"] for r in j["ranks"]] if j and j["recoverable"] >= 0 else []
 
-        _wait(lambda: copies_at_g() == [2, 2], 20, "A's local copy + B's buddy copy")
+        wait_until(lambda: copies_at_g() == [2, 2], "A's local copy + B's buddy copy", 20)
         g = _job_status(cluster, job)["recoverable"]
         assert cluster.stop(node_b, timeout=30) == 0  # its drain may take up to its --drain-timeout
         b_log = cluster.tail(node_b, 400)
         cluster.kill(node_a)
-        _wait(
+        wait_until(
             lambda: not any(n["alive"] for n in _status(cluster)["nodes"] if n["node"] in "AB"),
-            20,
             "A and B gone",
+            20,
         )
         if drain == "0s":
             assert "draining" not in b_log

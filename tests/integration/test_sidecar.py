@@ -15,7 +15,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,6 +47,7 @@ from snapshotd.proto import (
     encode_table,
 )
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 from .conftest import Cluster, DataPeer, Pulled, shm_leftovers
 
@@ -61,17 +62,6 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def wait_for(cond: Callable[[], Any], what: str, timeout: float = WAIT, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
 
 
 # ------------------------------------------------------------------------------------------ workloads
@@ -226,7 +216,7 @@ def open_ranks(
             starts = list(pool.map(lambda r: r.snap.restore(timeout=WAIT), ranks, timeout=WAIT + 10))
         assert starts == [0] * world
         want = {r.rank: r.home for r in ranks}
-        wait_for(lambda: rank_homes(cluster, job) == want, f"the coordinator to place job {job}")
+        wait_until(lambda: rank_homes(cluster, job) == want, f"the coordinator to place job {job}", WAIT)
         yield ranks  # a stream waits for its rank's buddies to be assigned (the sidecar's own signal)
     finally:
         for r in ranks:
@@ -397,13 +387,13 @@ def test_three_sidecars_exchange_snapshots_of_every_shape(cluster: Cluster, watc
                 assert_holds(cluster, buddy[r.rank], r, job, step)
                 (other,) = set("ABC") - {r.node, buddy[r.rank]}
                 assert_not_held(cluster, other, job, r.rank, step)
-        wait_for(lambda: watch.watermark(job) == (3, 3), "G = D = 3 at the coordinator")
+        wait_until(lambda: watch.watermark(job) == (3, 3), "G = D = 3 at the coordinator", WAIT)
         for r in ranks:
 
             def dropped(r: Rank = r) -> bool:
                 return isinstance(pull(cluster, buddy[r.rank], job, r.rank, 2), Error)
 
-            wait_for(dropped, "the buddies to drop steps older than the durable one")
+            wait_until(dropped, "the buddies to drop steps older than the durable one", WAIT)
             stats = r.snap.stats
             counts = (stats.started, stats.durable, stats.failed, stats.skipped, stats.last_durable_step)
             assert counts == (3, 3, 0, 0, 3), stats
@@ -535,7 +525,9 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
             reply = ipc.request(bad_announce)
             assert isinstance(reply, Error) and reply.code == "bad_message", reply
         ipc.send(UnregisterRank(job=fake, rank=3))
-        wait_for(lambda: not os.path.exists(registered.arena), "the unregistered rank's arena to be removed")
+        wait_until(
+            lambda: not os.path.exists(registered.arena), "the unregistered rank's arena to be removed", WAIT
+        )
     # the sidecars still do their job
     job = cluster.job("after")
     with open_ranks(cluster, job, [("A", larger_than_a_chunk())]) as [r]:
@@ -580,9 +572,11 @@ def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how
         r0 = ranks[0]
         assert arenas_of(cluster, "B")  # B holds the arena of its own local rank
         assert r0.capture(1)
-        wait_for(lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B")
+        wait_until(
+            lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B", WAIT
+        )
         begun = time.monotonic()
-        wait_for(lambda: heard_since(cluster, "B", begun), "a heartbeat of B after the stream began")
+        wait_until(lambda: heard_since(cluster, "B", begun), "a heartbeat of B after the stream began", WAIT)
         assert_not_held(cluster, "B", job, 0, 1)  # partly there: neither served nor reported
         if how == "sigterm":
             assert cluster.stop(b) == 0
@@ -592,7 +586,7 @@ def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how
             assert arenas_of(cluster, "B")  # a killed sidecar leaves its arenas ...
         cluster.start("B", data_bind=f"tcp://127.0.0.1:{port}")  # same node, same address: A reconnects to it
         assert not arenas_of(cluster, "B")  # ... and the next sidecar of the node removes them
-        wait_for(lambda: r0.snap.stats.failed >= 1, "the interrupted stream to fail")
+        wait_until(lambda: r0.snap.stats.failed >= 1, "the interrupted stream to fail", WAIT)
         stats = r0.snap.stats
         assert stats.last_durable_step == -1 and "did not take step 1" in stats.last_error, stats
         assert_not_held(cluster, "B", job, 0, 1)
@@ -601,7 +595,7 @@ def test_receiver_restarted_mid_stream(cluster: Cluster, watch: StatusWatch, how
         for r in ranks:
             assert r.snap.wait(WAIT), r.snap.stats
             assert_holds(cluster, "B", r, job, 2)
-        wait_for(lambda: watch.watermark(job) == (2, 2), "G = D = 2")
+        wait_until(lambda: watch.watermark(job) == (2, 2), "G = D = 2", WAIT)
         assert_not_held(cluster, "B", job, 0, 1)
         assert r0.snap.stats.durable == 1 and r0.snap.stats.errors >= 1
     assert watch.durable_steps(job) <= {-1, 2} and watch.checked[job] == [2]
@@ -623,7 +617,9 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
         assert r.capture(1) and r.snap.wait(WAIT)
         assert_holds(cluster, "B", r, job, 1)
         assert r.capture(2)
-        wait_for(lambda: stored_bytes(cluster, "B") >= 2 * work.data_bytes, "step 2 to begin streaming to B")
+        wait_until(
+            lambda: stored_bytes(cluster, "B") >= 2 * work.data_bytes, "step 2 to begin streaming to B", WAIT
+        )
         cluster.kill(b)
         step = 2
         deadline = time.monotonic() + 45
@@ -643,7 +639,7 @@ def test_peer_killed_mid_stream(cluster: Cluster, watch: StatusWatch) -> None:
         assert "reassigned by the coordinator" in stats.last_error, stats.last_error
         assert stats.skipped > 0 and stats.started + stats.skipped + _left_out(step) == step
         assert_holds(cluster, "C", r, job, final)
-        wait_for(lambda: watch.watermark(job) == (final, final), f"G = D = {final}")
+        wait_until(lambda: watch.watermark(job) == (final, final), f"G = D = {final}", WAIT)
         assert not watch.node("B")["alive"] and watch.node("C")["alive"]
     assert 1 in watch.checked[job] and watch.checked[job][-1] == final
 
@@ -663,15 +659,17 @@ def test_a_nodes_death_mid_stream_leaves_every_rank_a_common_step(
         watch.track(job, [r0, r1])
         assert r0.capture(1) and r1.capture(1)
         assert r0.snap.wait(WAIT) and r1.snap.wait(WAIT)
-        wait_for(lambda: watch.watermark(job) == (1, 1), "G = D = 1")
+        wait_until(lambda: watch.watermark(job) == (1, 1), "G = D = 1", WAIT)
         assert r1.capture(2)
-        wait_for(
-            lambda: stored_bytes(cluster, "C") >= 2 * large.data_bytes, "rank 1's step 2 to begin streaming"
+        wait_until(
+            lambda: stored_bytes(cluster, "C") >= 2 * large.data_bytes,
+            "rank 1's step 2 to begin streaming",
+            WAIT,
         )
         assert r0.capture(2) and r0.snap.wait(WAIT)  # on B now
         cluster.kill(b)
         assert_not_held(cluster, "C", job, 1, 2)  # B died before rank 1's step 2 was complete anywhere
-        wait_for(lambda: not watch.node("B")["alive"], "B to be declared dead")
+        wait_until(lambda: not watch.node("B")["alive"], "B to be declared dead", WAIT)
         r1.snap.close(unregister=False)  # rank 1's process went down with its node
         with (
             Snapshotter(
@@ -730,7 +728,7 @@ def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_r
     ) as failed:
         for step in range(1, 6):
             assert all(r.capture(step) for r in failed) and all(r.snap.wait(WAIT) for r in failed)
-        wait_for(lambda: watch.watermark(job) == (5, 5), "G = D = 5")
+        wait_until(lambda: watch.watermark(job) == (5, 5), "G = D = 5", WAIT)
         assert failed[0].capture(6) and failed[0].snap.wait(WAIT)  # rank 1 died before its step 6
         assert_holds(cluster, "B", failed[0], job, 6)
         resumed = restart(failed, 5)
@@ -747,7 +745,7 @@ def test_a_restore_never_mixes_the_failed_runs_copy_of_a_step_with_the_resumed_r
             for r in again:
                 r.snap.wait(WAIT)
             assert all(r.capture(7) for r in again) and all(r.snap.wait(WAIT) for r in again)
-            wait_for(lambda: watch.watermark(job) == (7, 7), "G = D = 7")
+            wait_until(lambda: watch.watermark(job) == (7, 7), "G = D = 7", WAIT)
             restart(again, 7)[0].snap.close()
         finally:
             for r in again:
@@ -785,7 +783,7 @@ def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, wat
         # a snapshot waits for at most the stream in flight, then streams itself: the lag does not grow
         assert staleness < 3 * stream_s + 1.0, (staleness, stream_s)
         assert_holds(cluster, "B", r, job, max(r.started))
-        wait_for(lambda: watch.watermark(job) == (max(r.started),) * 2, "G = D = the last step")
+        wait_until(lambda: watch.watermark(job) == (max(r.started),) * 2, "G = D = the last step", WAIT)
 
 
 def test_superseded_stream_is_aborted_and_the_newer_step_completes(
@@ -798,7 +796,9 @@ def test_superseded_stream_is_aborted_and_the_newer_step_completes(
     with open_ranks(cluster, job, [("A", work)], slots=3) as [r]:
         watch.track(job, [r])
         assert r.capture(1)
-        wait_for(lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B")
+        wait_until(
+            lambda: stored_bytes(cluster, "B") >= work.data_bytes, "the stream of step 1 to begin on B", WAIT
+        )
         assert r.capture(2)  # a third slot is free: step 2 is announced while step 1 streams
 
         def one_snapshot_while_step_2_streams() -> bool:
@@ -807,13 +807,13 @@ def test_superseded_stream_is_aborted_and_the_newer_step_completes(
             assert streaming, "step 2 completed before B was seen to drop step 1"
             return stored < 2 * work.data_bytes
 
-        wait_for(one_snapshot_while_step_2_streams, "B to drop the incomplete step 1", every=0.1)
+        wait_until(one_snapshot_while_step_2_streams, "B to drop the incomplete step 1", WAIT, every=0.1)
         assert r.snap.wait(WAIT)
         assert_holds(cluster, "B", r, job, 2)
         assert_not_held(cluster, "B", job, 0, 1)
         stats = r.snap.stats
         assert (stats.started, stats.durable, stats.last_durable_step) == (2, 1, 2)
-        wait_for(lambda: watch.watermark(job) == (2, 2), "G = D = 2")
+        wait_until(lambda: watch.watermark(job) == (2, 2), "G = D = 2", WAIT)
     assert 1 not in watch.durable_steps(job)
 
 
@@ -830,14 +830,16 @@ def test_memory_limit_refuses_a_bigger_stream_and_keeps_what_is_held(
         watch.track(job, [r])
         assert r.capture(1) and r.snap.wait(WAIT)
         assert r.capture(2)  # the client registers a bigger arena; the buddy refuses the stream
-        wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
+        wait_until(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client", WAIT)
         stats = r.snap.stats
         assert (stats.failed, stats.last_durable_step) == (1, 1), stats
-        wait_for(lambda: "memory limit 1048576 B reached" in cluster.tail(a, 400), "the sender to log why")
+        wait_until(
+            lambda: "memory limit 1048576 B reached" in cluster.tail(a, 400), "the sender to log why", WAIT
+        )
         assert_holds(cluster, "B", r, job, 1)  # nothing held was dropped to make room
         assert r.capture(3) and r.snap.wait(WAIT)  # a snapshot that fits streams again
         assert_holds(cluster, "B", r, job, 3)
-        wait_for(lambda: watch.watermark(job) == (3, 3), "G = D = 3")
+        wait_until(lambda: watch.watermark(job) == (3, 3), "G = D = 3", WAIT)
     assert watch.durable_steps(job) <= {-1, 1, 3}
 
 
@@ -847,7 +849,7 @@ def test_memory_limit_refusal_is_named_to_the_client_and_ends_its_wait(cluster: 
     job = cluster.job("memory-named")
     with open_ranks(cluster, job, [("A", big(2 << 20))]) as [r]:
         assert r.capture(1)
-        wait_for(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client")
+        wait_until(lambda: r.snap.stats.failed >= 1, "the refusal to reach the client", WAIT)
         assert "memory limit" in r.snap.stats.last_error, r.snap.stats.last_error
         t0 = time.monotonic()
         assert not r.snap.wait(10)

@@ -21,7 +21,6 @@ import pytest
 
 from snapshotd.client import fetch as fetch_module
 from snapshotd.client.fetch import RestoreFetcher
-from snapshotd.harness.demo import wait_for
 from snapshotd.proto import RestoreFetch, RestoreFetched, TensorEntry, encode_table
 from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, VERSION, Status
 from snapshotd.shm import Arena, create_arena
@@ -30,6 +29,7 @@ from snapshotd.sidecar.bulk import BulkServer, HeldCopy
 from snapshotd.sidecar.config import SidecarConfig
 from snapshotd.sidecar.integrity import CorruptCopy, Seal
 from snapshotd.sidecar.local import SlotState
+from tests.waits import wait_until
 
 CHUNK_BYTES = 64 << 10
 A_FLOATS = 200_000  # entry "a": 800,000 bytes, into the live array
@@ -200,7 +200,7 @@ def test_a_rank_fetches_a_copy_from_two_holders_into_its_tensor_and_its_slot(hol
     assert np.frombuffer(answer.sums, "<u8").tolist() == [a.seal.sums[i] for i in range(NCHUNKS)]
     assert bytes(arena.slot(1)[: 4 * A_FLOATS]) == bytes(4 * A_FLOATS)  # entry "a" went to the array only
     assert max(progress) == DATA_BYTES
-    wait_for(lambda: a.pins() == b.pins() == 0, 10, "the tickets' pins released")
+    wait_until(lambda: a.pins() == b.pins() == 0, "the tickets' pins released", 10)
     assert a.served + b.served == DATA_BYTES  # each chunk once (how they share depends on who connects first)
 
 
@@ -214,7 +214,7 @@ def test_a_holder_whose_copy_is_corrupt_drops_it_and_the_other_serves_its_chunks
     answer = _fetch(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
     assert answer.ok, answer.reason
     assert _landed(arena, live) == good.tobytes()
-    wait_for(lambda: len(a.on_loop(lambda: list(a.dropped))) == 1, 10, "the corrupt copy dropped")
+    wait_until(lambda: len(a.on_loop(lambda: list(a.dropped))) == 1, "the corrupt copy dropped", 10)
     assert a.dropped[0].block is not None and a.dropped[0].block % 3 == 0
 
 
@@ -287,7 +287,7 @@ def test_a_range_outside_the_copy_is_refused(holders) -> None:
     with socket.create_connection(("127.0.0.1", a.server.port), timeout=5) as s:
         s.sendall(HELLO.pack(MAGIC, VERSION, a.ticket()) + RANGE.pack(NCHUNKS - 1, 2))
         assert CHUNK.unpack(s.recv(CHUNK.size, socket.MSG_WAITALL))[3] == Status.REFUSED
-    wait_for(lambda: a.pins() == 0, 10, "the pin released")
+    wait_until(lambda: a.pins() == 0, "the pin released", 10)
 
 
 def test_a_silent_holder_gives_its_chunks_to_the_others(holders, arena) -> None:
@@ -374,7 +374,7 @@ def test_a_fetch_cancelled_in_the_middle_of_a_chunk_stops_and_lands_nothing_more
         thread.start()
         assert sent_half.wait(10)
         raw = live.view(np.uint8)
-        wait_for(lambda: raw[half - 1] == 0x11, 10, "the first half of chunk 0 landed")
+        wait_until(lambda: raw[half - 1] == 0x11, "the first half of chunk 0 landed", 10)
         fetcher.cancel()
         assert all(not t.is_alive() for t in fetcher.threads)
         go_on.set()
@@ -398,7 +398,7 @@ def test_an_unused_ticket_expires_and_close_releases_the_rest(holders) -> None:
     a = holders(_data(), ticket_ttl=0.2)
     a.ticket()
     assert a.pins() == 1
-    wait_for(lambda: a.pins() == 0, 10, "the unused ticket expired")
+    wait_until(lambda: a.pins() == 0, "the unused ticket expired", 10)
     b = holders(_data())
     b.ticket()
     b.ticket()
