@@ -43,7 +43,7 @@ import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 
 __all__ = ["Pacer", "PacerState"]
 
@@ -116,6 +116,7 @@ class Pacer:
         budget: with ``auto``, the tolerated relative growth of step time (0.01 = 1%).
         burst_seconds: how much unused rate may accumulate.
         clock: monotonic seconds (tests pass their own).
+        sleep: how :meth:`take` waits, in seconds of ``clock`` (tests pass one that advances their clock).
     """
 
     MIN_RATE = 10e6
@@ -136,6 +137,7 @@ class Pacer:
         budget: float = 0.01,
         burst_seconds: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if budget <= 0:
             raise ValueError(f"the step budget must be positive, got {budget}")
@@ -146,6 +148,7 @@ class Pacer:
         self.budget = budget
         self.burst_seconds = burst_seconds
         self._clock = clock
+        self._sleep = sleep
         self._tokens = 0.0
         self._stamp = clock()
         self._ranks: dict[Hashable, _Rank] = {}
@@ -188,7 +191,7 @@ class Pacer:
         self._stamp = now
         self._tokens -= nbytes
         if self._tokens < 0:
-            await asyncio.sleep(-self._tokens / rate)
+            await self._sleep(-self._tokens / rate)
 
     @contextlib.contextmanager
     def streaming(self, key: Hashable) -> Iterator[None]:

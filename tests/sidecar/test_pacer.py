@@ -5,52 +5,61 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import pytest
 
 from snapshotd.sidecar.pacer import Pacer
 
 
-def timed_takes(pacer: Pacer, nbytes: int, count: int) -> float:
-    async def run() -> float:
-        t0 = time.monotonic()
-        for _ in range(count):
-            await pacer.take(nbytes)
-        return time.monotonic() - t0
-
-    return asyncio.run(run())
-
-
-def test_fixed_rate_holds_the_stream_to_the_rate() -> None:
-    rate = 40e6
-    pacer = Pacer(rate)
-    total = 8_000_000  # 0.2 s at 40 MB/s; at most burst_seconds (0.05 s) of it can be saved up
-    elapsed = timed_takes(pacer, 100_000, total // 100_000)
-    assert total / rate - pacer.burst_seconds - 0.01 <= elapsed <= 3 * total / rate, elapsed
-    assert not pacer.auto and pacer.rate == rate
-
-
-def test_idle_time_accumulates_at_most_one_burst() -> None:
-    pacer = Pacer(10e6, burst_seconds=0.02)
-    time.sleep(0.1)  # 1 MB of idle rate, but only 200 kB may be saved up
-    assert timed_takes(pacer, 200_000, 1) < 0.01
-    elapsed = timed_takes(pacer, 500_000, 1)
-    assert 0.04 <= elapsed <= 0.5, elapsed  # 500 kB at 10 MB/s with an empty bucket
-
-
-def test_unpaced_is_instant() -> None:
-    pacer = Pacer(None)
-    assert pacer.auto and math.isinf(pacer.rate)
-    assert timed_takes(pacer, 1 << 30, 10_000) < 0.5
-
-
 class Clock:
+    """A monotonic clock the test moves; :meth:`sleep` advances it instead of waiting."""
+
     def __init__(self) -> None:
         self.t = 1000.0
 
     def __call__(self) -> float:
         return self.t
+
+    async def sleep(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def timed_takes(pacer: Pacer, clock: Clock, nbytes: int, count: int) -> float:
+    """The seconds of ``clock`` that ``count`` takes of ``nbytes`` waited in all."""
+
+    async def run() -> float:
+        t0 = clock()
+        for _ in range(count):
+            await pacer.take(nbytes)
+        return clock() - t0
+
+    return asyncio.run(run())
+
+
+def paced(rate: float | None, **kwargs) -> tuple[Pacer, Clock]:
+    clock = Clock()
+    return Pacer(rate, clock=clock, sleep=clock.sleep, **kwargs), clock
+
+
+def test_fixed_rate_holds_the_stream_to_the_rate() -> None:
+    rate = 40e6
+    pacer, clock = paced(rate)
+    total = 8_000_000  # 0.2 s at 40 MB/s; the bucket starts empty
+    assert timed_takes(pacer, clock, 100_000, total // 100_000) == pytest.approx(total / rate)
+    assert not pacer.auto and pacer.rate == rate
+
+
+def test_idle_time_accumulates_at_most_one_burst() -> None:
+    pacer, clock = paced(10e6, burst_seconds=0.02)
+    clock.t += 0.1  # 1 MB of idle rate, but only 200 kB may be saved up
+    assert timed_takes(pacer, clock, 200_000, 1) == 0.0
+    assert timed_takes(pacer, clock, 500_000, 1) == pytest.approx(0.05)  # 500 kB at 10 MB/s, the bucket empty
+
+
+def test_unpaced_is_instant() -> None:
+    pacer, clock = paced(None)
+    assert pacer.auto and math.isinf(pacer.rate)
+    assert timed_takes(pacer, clock, 1 << 30, 10_000) == 0.0
 
 
 MB = 1_000_000
