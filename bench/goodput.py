@@ -78,12 +78,11 @@ DEFAULTS: dict[str, float] = {
     "torch_save_Bps": 6.45e8,
     "dcp_async_Bps": 2.71e8,
 }
-"""Inputs used when no JSON file gives them, from ``snapshotd-bench recovery`` and ``snapshotd-bench overhead``
-with their defaults on a 2-core AMD EPYC VM (23 GiB, no GPU, torch 2.13 CPU), 2026-11-20. The overhead run
-(9M parameters, 2 gloo ranks, sidecars on the same 2 cores, load average ~11 from other work) is noisy: pass
+"""Inputs used when no JSON file gives them: figures of ``snapshotd-bench recovery`` and ``snapshotd-bench
+overhead`` at their defaults on the project's 2-core development machine (docs/benchmarks.md, "Goodput"). Pass
 ``--overhead-json`` / ``--recovery-json`` from your own runs, or ``--step-ratio`` from a GPU run."""
 
-_DEFAULT_SOURCE = "default (measured on a 2-core CPU VM, see goodput.DEFAULTS)"
+_DEFAULT_SOURCE = "default (the development machine's figures, see goodput.DEFAULTS)"
 _CHECKPOINTS = ("torch_save", "dcp_async")
 _COLUMNS = [
     "strategy",

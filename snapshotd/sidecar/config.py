@@ -45,8 +45,8 @@ class SidecarConfig:
     streams (0.01 = 1%)."""
 
     chunk_bytes: int = 4 << 20
-    """Bytes per data-plane chunk: the unit of streams, pulls and end-to-end checksums. With 4 MiB a restore's
-    pull took about a tenth less time than with 1 MiB, and streams ran as fast (docs/benchmarks.md)."""
+    """Bytes per data-plane chunk: the unit of streams, pulls and end-to-end checksums (docs/benchmarks.md compares
+    chunk sizes)."""
 
     window: int = 16
     """Unacknowledged chunks in flight per stream (credit-based flow control)."""

@@ -2,8 +2,8 @@
 
 A rank restoring on a new node would otherwise receive its state twice: the sidecar writes it into a fresh
 shared-memory slot, then the training process copies it into its tensors. A fresh slot is also the dearest
-memory there is (every page allocated and mapped on first touch: measured on this project's VM, 0.6 s per GiB,
-against 0.05 s to copy the same GiB into memory already in use). So when the rank says where its live tensors lie
+memory there is: every page is allocated and mapped on first touch, which costs far more than copying into
+memory already in use (docs/benchmarks.md, "Recovery"). So when the rank says where its live tensors lie
 (:class:`~snapshotd.proto.RestoreRequest` ``targets``), :class:`DirectSink` writes the bytes of every entry that
 :func:`~snapshotd.proto.match_entries` pairs with a target into the process itself with ``process_vm_writev(2)``
 (one copy, from the received frame into the tensor) and only the rest into the slot. The kernel allows that for a
