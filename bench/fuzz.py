@@ -428,9 +428,8 @@ def run(args: argparse.Namespace) -> Report:
                     t0 = time.monotonic()
                     status = _status(cluster.coordinator_addr, timeout)
                     row["status_s"] = time.monotonic() - t0
-                    if (
-                        socket_name == "control"
-                    ):  # nodes the fuzz registered fall silent: wait until they are dead
+                    # nodes the fuzz registered fall silent: wait until they are dead
+                    if socket_name == "control":
                         deadline = time.monotonic() + status["coordinator"]["heartbeat_timeout"] + timeout
                         while _fakes_alive(status) and time.monotonic() < deadline:
                             time.sleep(0.2)
@@ -443,9 +442,8 @@ def run(args: argparse.Namespace) -> Report:
                     except (TimeoutError, RuntimeError) as exc:
                         print(f"snapshotd-bench fuzz: after the {socket_name} socket: {exc}", flush=True)
                         row["manifest_s"] = None
-                    t0 = (
-                        time.monotonic()
-                    )  # a snapshot streaming to a buddy the fuzz made up fails: the next goes on
+                    # a snapshot streaming to a buddy the fuzz made up fails: the next goes on
+                    t0 = time.monotonic()
                     row["snapshots_to_durable"] = next(
                         (i for i in range(1, 4) if job.snapshot(timeout)), None
                     )

@@ -376,9 +376,8 @@ def run_trial(
             nodes.append(node)
             return node
 
-        if (
-            spare
-        ):  # once the job runs (its first group formed), the spare's ranks wait for a seat, model built
+        # once the job runs (its first group formed), the spare's ranks wait for a seat, model built
+        if spare:
             wait_for(lambda: progress(0) >= 1, cfg.timeout, "the job's first step")
             replacement()
             wait_for(

@@ -178,9 +178,8 @@ class AgentLine:
         if m is None:
             return None
         month, day, hour, minute, second, micro = (int(v) for v in m.groups()[1:7])
-        t = datetime.datetime(
-            year, month, day, hour, minute, second, micro
-        ).timestamp()  # local time, as torch
+        # local time, as torch
+        t = datetime.datetime(year, month, day, hour, minute, second, micro).timestamp()
         return cls(t, m.group(1), m.group(8))
 
 

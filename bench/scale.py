@@ -403,9 +403,8 @@ def _coordinator(args: argparse.Namespace, n: int, workdir: str, connections: in
 async def _one(n: int, args: argparse.Namespace) -> dict[str, Any]:
     nworkers = max(1, min(args.workers, n))
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    while (
-        hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard
-    ):  # each one's sockets fit
+    # each one's sockets fit
+    while hard != resource.RLIM_INFINITY and fds_needed(-(-n // nworkers) + 1) > hard:
         nworkers += 1
     connections = n + 1 + nworkers * plan_sockets(-(-n // nworkers))
     with (
@@ -507,9 +506,8 @@ async def _heartbeats(
     hb = sum((b["hb_replies"] - a["hb_replies"]) / (b["t"] - a["t"]) for a, b in pairs)
     drivers = sum((b["cpu_s"] - a["cpu_s"]) / (b["t"] - a["t"]) for a, b in pairs)
     rtts = np.concatenate([np.asarray(m["rtts"], dtype=float) for m in marks1])
-    rate = sum(
-        m["rate"] for m in marks1
-    )  # heartbeats/s the sidecars aim at, at the intervals they were given
+    # heartbeats/s the sidecars aim at, at the intervals they were given
+    rate = sum(m["rate"] for m in marks1)
     coord = cpu.get("process", cpu["thread"])
     log.info("%d sidecars: %.0f heartbeats/s, coordinator CPU %.2f", n, hb, coord)
     return {
@@ -536,9 +534,8 @@ async def _plans(n: int, args: argparse.Namespace, workers: list[_Worker], victi
     await _all(workers, {"cmd": "ask", "spread": args.heartbeat_interval})
     await _until(workers, {"cmd": "plans"}, _all_answered(ranks), args.timeout)
     got = await _all(workers, {"cmd": "plans", "replies": True})
-    replies = [
-        r for g in got for r in g["replies"]
-    ]  # [node, rank, answered at, status, step, local, sources]
+    # [node, rank, answered at, status, step, local, sources]
+    replies = [r for g in got for r in g["replies"]]
     firsts = [g[k] for g in got for k in ("first_min", "first_max") if g[k] is not None]
     last_first = max(g["first_max"] for g in got if g["first_max"] is not None) if firsts else math.nan
     ms = np.asarray([(r[2] - last_first) * 1e3 for r in replies], dtype=float)

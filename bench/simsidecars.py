@@ -75,9 +75,8 @@ _CONNECT_BATCH = (
 )
 _FDS_PER_SOCKET = 2  # the TCP connection and the socket's mailbox (an eventfd)
 _PLAN_SHARE = 4  # simulated sidecars of a process that share one plan socket
-_WAIT = msgpack.packb("status") + msgpack.packb(
-    "wait"
-)  # in a plan reply's header exactly when it says ``wait``
+# in a plan reply's header exactly when it says ``wait``
+_WAIT = msgpack.packb("status") + msgpack.packb("wait")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -236,13 +235,11 @@ class Fleet:
         self.rtts: list[float] = []
         self.frames = HeartbeatFrames()
         self.plan_socks: dict[int, zmq.Socket[bytes]] = {}  # sidecar index // _PLAN_SHARE -> its plan socket
-        self.asked: dict[
-            tuple[str, int], tuple[int, tuple[int, ...]]
-        ] = {}  # (job, first rank) -> (node, ranks)
+        # (job, first rank) -> (node, ranks)
+        self.asked: dict[tuple[str, int], tuple[int, tuple[int, ...]]] = {}
         self.first: list[float] = []  # when each rank of the round was first asked for
-        self.answers: list[
-            tuple[int, float, bytes]
-        ] = []  # (node, answered at, reply header) of final answers
+        # (node, answered at, reply header) of final answers
+        self.answers: list[tuple[int, float, bytes]] = []
         self.received = 0  # ranks answered
         self.unread: list[tuple[float, bytes]] = []  # (read at, header) of plan replies not looked at yet
         self._ramp: asyncio.Task[None] | None = None
@@ -490,9 +487,8 @@ class Fleet:
         if name == "freeze":
             self.freeze_at = cmd["at"]
             return {"event": "frozen"}
-        if (
-            name == "lose"
-        ):  # silence the victim; the replacement (index total) hosts its ranks and holds nothing
+        # silence the victim; the replacement (index total) hosts its ranks and holds nothing
+        if name == "lose":
             victim = self.sims[cmd["victim"]]
             victim.silent = True
             if victim.timer is not None:
@@ -504,9 +500,8 @@ class Fleet:
         if name == "ask":  # every live sidecar (the replacement too) asks for all its ranks
             asks = [(i, list(s.own)) for i, s in self.sims.items() if not s.silent]
             return {"event": "asking", "requests": self.ask(asks, cmd["spread"])}
-        if (
-            name == "plans"
-        ):  # matching costs a decode per reply: while replies are still coming, only at the end
+        # matching costs a decode per reply: while replies are still coming, only at the end
+        if name == "plans":
             if cmd.get("replies") or len(self.unread) >= len(self.asked):
                 self._read_plans()
             out: dict[str, Any] = {

@@ -257,9 +257,8 @@ class Soak:
             raise RuntimeError(f"ranks exited {when} with codes {failed}; see {job.tag}-rank*.log")
 
     def _trial(self, trial: Trial, job: str) -> dict[str, Any]:
-        first = self._job(
-            f"t{trial.number}a", job, linger=True
-        )  # its ranks outlive their last step until killed
+        # its ranks outlive their last step until killed
+        first = self._job(f"t{trial.number}a", job, linger=True)
         r = trial.target
 
         def due() -> bool:

@@ -45,9 +45,8 @@ def restore_display(
             return None
     except (AttributeError, ValueError, OSError):  # closed, or no isatty
         return None
-    return RestoreDisplay(
-        job, rank, stream
-    )  # rich is imported only here: a rank that draws nothing never loads it
+    # rich is imported only here: a rank that draws nothing never loads it
+    return RestoreDisplay(job, rank, stream)
 
 
 class RestoreDisplay:

@@ -174,9 +174,8 @@ def _global_place(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(
-        type(p) not in (Shard, Replicate) for p in placements
-    ):  # Partial, _StridedShard (FSDP2 + TP): not one block
+    # Partial, _StridedShard (FSDP2 + TP): not one block
+    if any(type(p) not in (Shard, Replicate) for p in placements):
         return msgpack.packb(None)
     computed, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
     if tuple(computed) != local:

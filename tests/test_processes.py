@@ -32,13 +32,11 @@ pytestmark = pytest.mark.integration  # rank processes forked and started cold: 
 
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ForkServer]:
-    server = ForkServer(
-        preload=("json", "csv")
-    )  # started elsewhere: its children take the caller's directory
+    # started elsewhere: its children take the caller's directory
+    server = ForkServer(preload=("json", "csv"))
     (tmp_path / "probe_mod.py").write_text(_PROBE)
-    monkeypatch.chdir(
-        tmp_path
-    )  # the probe is found as a cold ``python -m`` would find it: in the working directory
+    # the probe is found as a cold ``python -m`` would find it: in the working directory
+    monkeypatch.chdir(tmp_path)
     yield server
     server.close()
 
@@ -77,9 +75,8 @@ def test_a_forked_start_runs_its_module_with_its_arguments_environment_output_in
 def test_signals_reach_the_forked_process_and_its_end_by_signal_is_its_exit_code(
     tmp_path: Path, server: ForkServer
 ) -> None:
-    proc = server.popen(
-        "json.tool", [], output=str(tmp_path / "waiting.log"), stdin=True
-    )  # waits for its input
+    # waits for its input
+    proc = server.popen("json.tool", [], output=str(tmp_path / "waiting.log"), stdin=True)
     assert proc.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.2)
@@ -106,10 +103,11 @@ def test_starts_from_many_threads_each_get_their_own_process(tmp_path: Path, ser
 def test_an_interpreter_setting_that_differs_starts_cold_and_a_closed_server_refuses(
     tmp_path: Path, server: ForkServer
 ) -> None:
+    # read as the interpreter starts: the server has its own
     env = {
         **os.environ,
         "PYTHONPATH": str(tmp_path),
-    }  # read as the interpreter starts: the server has its own
+    }
     proc = server.popen("probe_mod", [], output=str(tmp_path / "cold.log"), env=env)
     assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
     assert _report(tmp_path / "cold.log")["ppid"] == os.getpid()

@@ -15,8 +15,11 @@ timed out) or more of its ranks joined; the earlier one is dropped unanswered. A
 
 Each held request may carry a draft of its answer, encoded once while the requests arrive (see
 :meth:`~.plans.Plans.draft`), so that answering every held request of a round when it freezes costs
-little more than sending them. This module only keeps the requests; asking the state and sending answers is the
-server's part.
+little more than sending them. The server drafts only when its loop has caught up (nothing queued), at most a
+batch at a time, so that drafting never delays a request; when the round freezes it sends each held request whose
+draft still holds, and asks the state again for the others, a batch at a time with their replies encoded
+together. This module only keeps the requests; asking the state and sending answers is the server's part
+(:mod:`.loop`).
 """
 
 from __future__ import annotations

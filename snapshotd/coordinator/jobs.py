@@ -50,9 +50,8 @@ class Job:
     replicas: int
     world_size: int = 0  # 0: not known yet (no rank or plan request reported it)
     seen_inventory: bool = False
-    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(
-        default_factory=dict
-    )  # r -> s -> {node: local}
+    # r -> s -> {node: local}
+    holders: dict[int, dict[int, dict[str, bool]]] = dataclasses.field(default_factory=dict)
     homes: dict[int, str] = dataclasses.field(default_factory=dict)  # rank -> live node reporting it
     last_home: dict[int, str] = dataclasses.field(default_factory=dict)  # survives the home's death
     covered: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -63,9 +62,10 @@ class Job:
     published: Watermark | None = None  # the last one handed out
     round: Round | None = None  # the latest plan round (see plans.py)
     rounds_answered: int = 0  # plan rounds whose every rank was answered
+    # (when, G) each time G was seen to grow
     g_seen: collections.deque[tuple[float, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=8)
-    )  # (when, G) each time G was seen to grow
+    )
     round_seconds: float = 0.0  # their total time from the freeze to the last answer
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0

@@ -1,39 +1,31 @@
 """The coordinator's request loop (:class:`Server`): one ROUTER socket in front of :class:`~.state.CoordinatorState`.
 
-This module does socket I/O and the expiry timer; every decision lives in the state. Requests are
-handled in batches: each wake-up of the loop drains the socket without blocking (up to ``_BATCH`` messages),
-answers each one at once, then yields, so the ZAP handler runs between batches and a plan request waits behind at
-most one small batch of heartbeats. Peers are DEALER sockets; a REQ peer (an empty delimiter frame before the
-message) is answered with the same envelope.
+This module does socket I/O and the expiry timer; every decision lives in the state. Requests are handled in
+batches: each wake-up of the loop drains the socket without blocking (up to ``_BATCH`` messages), answers each
+one at once, then yields, so the ZAP handler runs between batches and a plan request waits behind at most one
+small batch of heartbeats. Peers are DEALER sockets; a REQ peer (an empty delimiter frame before the message)
+is answered with the same envelope.
 
-Plan requests that must wait are held, not answered (long-polling, see :mod:`.held`): a request is answered the
-moment its job's round is decided, else with ``wait`` after ``plan_hold`` seconds. A sidecar asks for all its
-restoring ranks in one request. Whenever the loop has caught up (nothing queued), the answer each held request
-will get if nothing changes before the round freezes is drafted and encoded (see
-:meth:`~.plans.Plans.draft`): at most ``_BATCH`` of them, then the socket is looked at again, so that
-drafting never delays a request. When the round freezes, each held request whose draft still holds is answered
-by sending those bytes; the others are asked again of the state, up to ``_REANSWER_BATCH`` at a time with their
-replies encoded together. Held requests woken by a decision are answered for up to ``_HELD_SLICE_S`` at a time
-between batches of new requests, so that a whole fleet getting its plans at once does not stop heartbeats for the
-time that takes.
+Plan requests that must wait are held (long-polling, see :mod:`.held`, which says how they are drafted and
+answered when their round freezes); woken ones are answered for up to ``_HELD_SLICE_S`` at a time between
+batches of new requests, so that a whole fleet getting its plans at once does not stop heartbeats. Seat
+requests and drains are held too (:mod:`.asks`).
 
-A status document (``snapshotd status``) lists every node and rank; at thousands of nodes it takes long enough to
-build that it would hold up every heartbeat and plan answer queued behind it. So it is built in parts (see
-:mod:`.status`), for up to ``_STATUS_SLICE_S`` per pass of the loop, and sent once complete; at most
-``STATUS_BUILDS`` are built at once, and a request beyond gets an ``Error`` with code ``busy``.
+Status documents are built in parts (:mod:`.status`), for up to ``_STATUS_SLICE_S`` per pass of the loop.
 
-Failure detection runs in the same loop: the probes of nodes suspected dead (:mod:`.probes`) at every pass, and
-expiry only once the loop has caught up: after a batch that emptied the
-socket, never after a full one. A loop that is behind still has heartbeats queued, and a node whose heartbeat
-waits in the queue is not silent: expiring it against the time the loop got to it would declare live nodes dead
-exactly when the coordinator is busiest, and their re-registrations would make it busier still.
+Failure detection runs in the same loop: the probes of nodes suspected dead (:mod:`.probes`) at every pass,
+and expiry only once the loop has caught up: after a batch that emptied the socket, never after a full one. A
+loop that is behind still has heartbeats queued, and a node whose heartbeat waits in the queue is not silent:
+expiring it against the time the loop got to it would declare live nodes dead exactly when the coordinator is
+busiest, and their re-registrations would make it busier still.
 
-Nothing a peer sends can crash or wedge the loop: undecodable frames get an ``Error`` with code ``bad_message``,
-a well-formed request that makes no sense (a rank outside its world size) the same, a message the coordinator does
-not serve ``unexpected``, an ``Error`` sent to us is counted and dropped, and a bug while handling one request
-answers ``internal`` and the loop goes on (see :class:`~snapshotd.proto.ErrorCode`); an error answering a plan
-request names the request's rank outside its world size (else its first rank), so that a sidecar asking for
-several ranks at once knows which one was refused. Each problem is logged at most once per peer per minute.
+Nothing a peer sends can crash or wedge the loop: undecodable frames get an ``Error`` with code
+``bad_message``, a well-formed request that makes no sense (a rank outside its world size) the same, a message
+the coordinator does not serve ``unexpected``, an ``Error`` sent to us is counted and dropped, and a bug while
+handling one request answers ``internal`` and the loop goes on (see :class:`~snapshotd.proto.ErrorCode`); an
+error answering a plan request names the request's rank outside its world size (else its first rank), so that
+a sidecar asking for several ranks at once knows which one was refused. Each problem is logged at most once
+per peer per minute.
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ from .plans import PlanAnswer
 from .probes import Prober
 from .replies import HeartbeatReplies, PlanReplies
 from .state import CoordinatorState
-from .status import STATUS_BUILDS, StatusBuilds
+from .status import StatusBuilds
 
 __all__ = ["Server"]
 
@@ -122,9 +114,8 @@ class Server:
         self.handle_batch()
         self.build_statuses(math.inf)
         now = time.monotonic()
-        self.reanswer(
-            self.held.take_all(), now, final=True
-        )  # their sidecars ask the next coordinator at once
+        # their sidecars ask the next coordinator at once
+        self.reanswer(self.held.take_all(), now, final=True)
         self.answer_asks(now, final=True)
 
     def answer_asks(self, now: float, *, final: bool = False) -> None:
@@ -233,9 +224,8 @@ class Server:
         plans = self.state.plans
         decided: list[tuple[Held, PlanAnswer]] = []
         for held in batch:
-            if held.token is not None and plans.confirm(
-                held.msg, held.token, now
-            ):  # its draft holds: send it
+            # its draft holds: send it
+            if held.token is not None and plans.confirm(held.msg, held.token, now):
                 self.held.wake(held.msg.job)
                 self.send_frames(held.envelope, [held.frame])
                 continue
@@ -319,13 +309,7 @@ class Server:
         if isinstance(msg, PeerLostReport):
             return self.state.peer_lost(msg, now)
         if isinstance(msg, StatusRequest):
-            if len(self.statuses) >= STATUS_BUILDS:
-                return Error(
-                    code=ErrorCode.BUSY,
-                    message=f"{len(self.statuses)} status documents are being built; ask again in a second",
-                )
-            self.statuses.add(envelope, self.state.status_parts(now))
-            return None
+            return self.statuses.add(envelope, self.state.status_parts(now))
         self.state.bad_messages += 1
         if isinstance(msg, Error):  # never answer an error with an error
             return None
@@ -345,9 +329,8 @@ class Server:
                 drafted.append((held, *draft))
         frames = self.plan_replies.frames([answer for _, _, answer in drafted])
         for (held, token, _), frame in zip(drafted, frames, strict=True):
-            if isinstance(
-                frame, ProtocolError
-            ):  # too big for one reply: answered the slow way, which says so
+            # too big for one reply: answered the slow way, which says so
+            if isinstance(frame, ProtocolError):
                 self.complain("draft", "cannot encode a plan reply: %s", frame)
             else:
                 held.frame, held.token = frame, token
@@ -384,15 +367,8 @@ class Server:
         """Send the encoded reply to ``msg``, or the error saying why it could not be encoded."""
         if isinstance(frame, ProtocolError):
             self.complain("encode", "cannot encode a plan reply: %s", frame)
-            self.send(
-                envelope,
-                Error(
-                    job=msg.job,
-                    code=ErrorCode.INTERNAL,
-                    rank=msg.rank,
-                    message=_clip(f"the plan reply broke a limit: {frame}"),
-                ),
-            )
+            text = _clip(f"the plan reply broke a limit: {frame}")
+            self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank, message=text))
             return
         self.send_frames(envelope, [frame])
 

@@ -106,12 +106,10 @@ class Membership:
         self.nodes: dict[str, Node] = {}
         self.epoch = 0  # bumped on every change of the live set
         self.ring: list[str] = []  # live node names, sorted, but those leaving
-        self.domains: collections.Counter[tuple[str, str]] = (
-            collections.Counter()
-        )  # ring nodes per failure domain
-        self._live: collections.OrderedDict[str, None] = (
-            collections.OrderedDict()
-        )  # least recently seen first
+        # ring nodes per failure domain
+        self.domains: collections.Counter[tuple[str, str]] = collections.Counter()
+        # least recently seen first
+        self._live: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
         self.suspects: dict[str, str] = {}  # live nodes to probe, oldest first -> why each is suspected

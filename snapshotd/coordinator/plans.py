@@ -159,9 +159,8 @@ class Plans:
                     if not local or holder == node or (n := nodes.get(holder)) is None or not n.alive:
                         continue
                     info = n.ranks.get((job.name, rank))
-                    if (
-                        info is not None and info.alive
-                    ):  # its last report still has the rank's process running
+                    # its last report still has the rank's process running
+                    if info is not None and info.alive:
                         return rank, holder
         return None
 

@@ -48,9 +48,8 @@ class Sweep:
         self._placement = placement
         self._issued: dict[tuple[str, int, int], dict[str, float]] = {}  # snapshot -> target -> when issued
         self._next = now
-        self._sweeping: collections.deque[str] = (
-            collections.deque()
-        )  # jobs the sweep in progress has yet to finish
+        # jobs the sweep in progress has yet to finish
+        self._sweeping: collections.deque[str] = collections.deque()
         self._at = 0  # the next rank of the first of them
 
     def run(self, now: float) -> None:

@@ -127,9 +127,8 @@ class Seats:
                 None,
             )
             if held and mine == held[0] and msg.held_granted >= seats.granted.get(mine, 0):
-                granted = (
-                    msg.held_granted
-                )  # its grant, which this coordinator knows of no later one to outrank
+                # its grant, which this coordinator knows of no later one to outrank
+                granted = msg.held_granted
             holder = seats.node_of.get(held[0]) if held else None
             if mine is None and holder is not None and holder != msg.node and self._alive(holder):
                 return SeatReply(

@@ -199,9 +199,8 @@ class CoordinatorState:
             job is None
             or now < self._peer_lost_at.get(msg.job, -math.inf) + self.membership.heartbeat_interval()
         ):
-            return PeerLostReply(
-                job=msg.job, probed=0
-            )  # unknown, or its nodes were queued within the interval
+            # unknown, or its nodes were queued within the interval
+            return PeerLostReply(job=msg.job, probed=0)
         self._peer_lost_at[msg.job] = now
         why = f"(rank {msg.rank} of job {msg.job} on node {msg.node} lost a peer)"
         queued = sum(

@@ -2,7 +2,8 @@
 
 The document lists every node and every rank: with thousands of nodes, long enough to pack that it would hold
 up every request queued behind it. It is made in parts of at most :data:`STATUS_PART_ENTRIES` entries, so that
-the server can answer other requests between parts (see :mod:`.server`).
+the server can answer other requests between parts (see :mod:`.loop`), and sends the document once complete. At
+most :data:`STATUS_BUILDS` are built at once; a request beyond gets an ``Error`` with code ``busy``.
 """
 
 from __future__ import annotations
@@ -180,8 +181,16 @@ class StatusBuilds:
     def __len__(self) -> int:
         return len(self._builds)
 
-    def add(self, envelope: list[bytes], parts: Iterator[bytes]) -> None:
+    def add(self, envelope: list[bytes], parts: Iterator[bytes]) -> Error | None:
+        """Start building the document made of ``parts`` for ``envelope``; an ``Error`` with code ``busy`` instead
+        when :data:`STATUS_BUILDS` are being built already."""
+        if len(self._builds) >= STATUS_BUILDS:
+            return Error(
+                code=ErrorCode.BUSY,
+                message=f"{len(self._builds)} status documents are being built; ask again in a second",
+            )
         self._builds.append(_Build(envelope, parts))
+        return None
 
     def build(self, until: float) -> list[tuple[list[bytes], Message]]:
         """Build part by part until the clock reads ``until`` (at least one part); the documents completed (a

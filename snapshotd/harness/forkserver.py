@@ -51,9 +51,8 @@ def serve(fd: int, preload: Sequence[str]) -> tuple[dict[str, Any], list[int], s
     sock = socket.socket(fileno=fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
-    signal.signal(
-        signal.SIGCHLD, lambda *_: None
-    )  # a handler, so that the wakeup fd hears of each child's end
+    # a handler, so that the wakeup fd hears of each child's end
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)

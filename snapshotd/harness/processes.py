@@ -186,9 +186,8 @@ class ForkServer:
         server's imports) leaves nothing behind: a process the server starts for it later is killed."""
         env = dict(os.environ if env is None else env)
         if any(env.get(k) != self._env.get(k) for k in {*env, *self._env} if not _read_late(k)):
-            return _cold(
-                module, args, output=output, env=env, stdin=stdin
-            )  # may be read as the interpreter starts
+            # may be read as the interpreter starts
+            return _cold(module, args, output=output, env=env, stdin=stdin)
         rid = next(self._ids)
         request = _Request([sys.executable, "-m", module, *args])
         body = json.dumps(

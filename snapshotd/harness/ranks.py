@@ -80,10 +80,11 @@ def run_ranks(
             ]
             if r == 0:
                 argv += ["--progress", progress]
+            # the finally below stops what ``procs`` holds
             with (
                 open(logs[r], "wb") as log,
                 held_interrupts(),
-            ):  # the finally below stops what ``procs`` holds
+            ):
                 procs[r] = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
                 )

@@ -84,9 +84,8 @@ class CoordinatorClient(PlanAsking):
         self.endpoint = endpoint
         self.tasks = tasks
         self._hb = self._socket()
-        self._plan = (
-            self._socket()
-        )  # replaced when the last plan call ends, or one ends after a timeout (_forget)
+        # replaced when the last plan call ends, or one ends after a timeout (_forget)
+        self._plan = self._socket()
         self._tainted = (
             False  # a request on the plan socket was asked again after a timeout: two answers may come
         )

@@ -254,9 +254,8 @@ class Sidecar:
             except (CoordinatorUnavailable, ProtocolError) as exc:
                 log.warning("sidecar %s: stopping without draining: %s", cfg.node, exc)
                 return
-            reply = (
-                answer or reply
-            )  # None: the coordinator restarted; the heartbeat loop registers this node again
+            # None: the coordinator restarted; the heartbeat loop registers this node again
+            reply = answer or reply
             if answer is not None and answer.remaining == 0:
                 if answer.unplaceable:
                     log.warning(

@@ -166,9 +166,8 @@ class ControlService:
                 if lr.job == w.job and (lr.job_durable, lr.job_unusable) != (w.durable, unusable):
                     before = lr.free_slots()
                     lr.job_durable, lr.job_unusable = w.durable, unusable
-                    if (
-                        lr.free_slots() != before
-                    ):  # a held copy is no longer needed: the client may have its slot
+                    # a held copy is no longer needed: the client may have its slot
+                    if lr.free_slots() != before:
                         self.notify(lr, "", -1)
         for task in reply.tasks:
             self.tasks.spawn(

@@ -293,9 +293,8 @@ class IngestService:
                 f"{SHM_DIR}: enlarge {SHM_DIR} or snapshot less"
             )
         unfilled = sum(_unfilled(lr.arena.path) for lr in others)
-        free = usage.free + (
-            _filled(replacing.arena.path) if replacing is not None else 0
-        )  # that one goes first
+        # that one goes first
+        free = usage.free + (_filled(replacing.arena.path) if replacing is not None else 0)
         if unfilled + arena_bytes > free:
             raise ArenaRefused(
                 f"{what}, and {SHM_DIR} has {free} B free ({unfilled} B of it promised to the "

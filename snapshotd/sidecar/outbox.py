@@ -44,12 +44,10 @@ class Outbox:
         self._per_peer = per_peer
         self._queues: dict[bytes, collections.deque[Message]] = {}
         self._queued = 0
-        self._started: asyncio.Queue[bytes] = (
-            asyncio.Queue()
-        )  # peers whose queue was empty: each needs a writer
-        self._dropped: dict[
-            bytes, int
-        ] = {}  # peer -> times its queue was dropped (a waiting put then gives up)
+        # peers whose queue was empty: each needs a writer
+        self._started: asyncio.Queue[bytes] = asyncio.Queue()
+        # peer -> times its queue was dropped (a waiting put then gives up)
+        self._dropped: dict[bytes, int] = {}
         self._gone: set[bytes] = set()  # peers given up until heard from again
         self._room = asyncio.Condition()
 
@@ -116,9 +114,8 @@ class Outbox:
                 self._queued -= 1
                 try:
                     frames = proto.encode(msg)
-                except (
-                    Exception
-                ):  # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
+                # a reply the protocol cannot carry is this sidecar's bug: never the writer's end
+                except Exception:
                     self._counters.errors += 1
                     log.exception("could not encode a %s reply; dropped it", msg.TYPE)
                     continue
@@ -132,9 +129,8 @@ class Outbox:
                     self._counters.errors += len(queue)
                     self._queued -= len(queue)
                     queue.clear()
-                    if (
-                        len(self._dropped) >= 4096
-                    ):  # peers' counts only need to outlive the puts waiting on them
+                    # peers' counts only need to outlive the puts waiting on them
+                    if len(self._dropped) >= 4096:
                         self._dropped.clear()
                     self._dropped[ident] = self._dropped.get(ident, 0) + 1
                     if len(self._gone) >= 4096:  # peers that never came back

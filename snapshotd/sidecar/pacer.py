@@ -154,12 +154,10 @@ class Pacer:
         self._ranks: dict[Hashable, _Rank] = {}
         self._factor = 1.0
         self._streams = 0  # in flight now
-        self._streaming: collections.Counter[Hashable] = (
-            collections.Counter()
-        )  # rank -> its streams in flight
-        self._spans: collections.deque[list[float]] = collections.deque(
-            maxlen=1024
-        )  # [start, end] of streaming
+        # rank -> its streams in flight
+        self._streaming: collections.Counter[Hashable] = collections.Counter()
+        # [start, end] of streaming
+        self._spans: collections.deque[list[float]] = collections.deque(maxlen=1024)
         self._observed_rate = 0.0
         self.cuts = 0
 

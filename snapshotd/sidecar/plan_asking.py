@@ -115,9 +115,8 @@ class PlanAsking:
             self._pump = self.tasks.spawn(self._read_plans(self._plan), f"plan replies from {self.endpoint}")
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await asyncio.sleep(
-                    0
-                )  # the other ranks asking in this turn of the loop ride the same request
+                # the other ranks asking in this turn of the loop ride the same request
+                await asyncio.sleep(0)
                 await self._flush(group)
                 reply = await answer
         except TimeoutError:
@@ -164,25 +163,24 @@ class PlanAsking:
             self._plan, self._tainted = self._socket(), False
             if self._groups:
                 for other in self._groups.values():
+                    # answered: not a timeout
                     other.dirty, other.answered, other.resend_at = (
                         True,
                         True,
                         -math.inf,
-                    )  # answered: not a timeout
+                    )
                 self._pump = self.tasks.spawn(
                     self._read_plans(self._plan), f"plan replies from {self.endpoint}"
                 )
-        except (
-            Exception
-        ) as exc:  # shutting down (the context or the task tree is gone): the calls end with it
+        # shutting down (the context or the task tree is gone): the calls end with it
+        except Exception as exc:
             log.debug("no fresh plan socket to coordinator %s: %s", self.endpoint, exc)
 
     async def _flush(self, group: _Group, *, timed_out: bool = False) -> None:
         """Send one request for all of ``group``'s waiting ranks if any joined since the last one (or, with
         ``timed_out``, again: the last one went unanswered)."""
-        if (
-            not group.waiters
-        ):  # every call was answered: nothing to ask again (the group goes with its last call)
+        # every call was answered: nothing to ask again (the group goes with its last call)
+        if not group.waiters:
             group.resend_at = math.inf
             return
         if not group.dirty:

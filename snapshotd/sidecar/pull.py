@@ -130,9 +130,8 @@ async def pull_snapshot(
                 except PlacementError:
                     raise
                 except Exception as exc:
-                    if (
-                        isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT
-                    ):  # it dropped its own copy
+                    # it dropped its own copy
+                    if isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT:
                         for i in missing:
                             corrupt_from.setdefault(i, []).append(link.addr)
                     pending.extend(range(i, i + 1) for i in sorted(missing))

@@ -76,9 +76,8 @@ class ServeService:
         self.tasks = tasks
         self.bulk = bulk
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
-        self._pushes: dict[
-            tuple[str, int, int], bytes
-        ] = {}  # incoming streams pushed over the bulk port: tokens
+        # incoming streams pushed over the bulk port: tokens
+        self._pushes: dict[tuple[str, int, int], bytes] = {}
 
     def handle(self, ident: bytes, msg: Message) -> None:
         """Act on one request from the peer at ``ident``.
@@ -124,9 +123,8 @@ class ServeService:
         elif isinstance(msg, StreamBegin):
             proto.decode_table(msg.table, msg.data_bytes)
             key = (msg.job, msg.rank, msg.step)
-            again = self._arriving(
-                msg
-            )  # told twice of one stream: what arrived stays, and so does its ack count
+            # told twice of one stream: what arrived stays, and so does its ack count
+            again = self._arriving(msg)
             if not again:
                 self._end_push(key)  # a new stream of the step replaces the one arriving
             snap = store.begin(
@@ -144,9 +142,8 @@ class ServeService:
             token = self._pushes.get(key, b"")
             if msg.upload and self.bulk is not None and not snap.complete and not token:
                 token = self._expect_push(ident, snap)
-            if (
-                msg.window >= 4 and not again and not token
-            ):  # acknowledge every quarter window: fewer messages
+            # acknowledge every quarter window: fewer messages
+            if msg.window >= 4 and not again and not token:
                 self._acks[key] = _AckBatch(every=msg.window // 4, last=msg.nchunks - 1)
             self.outbox.reply(
                 ident,

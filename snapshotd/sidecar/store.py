@@ -169,9 +169,8 @@ class SnapshotStore:
         if raw_len != end - start:
             raise ProtocolError(f"chunk {index} is {raw_len} B, expected {end - start} B")
         if codec_name == "raw":
-            chunk = codec.decompress_chunk(
-                "raw", payload, raw_len
-            )  # checks the length; a view of the payload
+            # checks the length; a view of the payload
+            chunk = codec.decompress_chunk("raw", payload, raw_len)
             codec.verify(chunk, checksum)
             snap.data.land(start, chunk)  # kept as it is when large enough (see SnapshotBuffer.land)
         else:

@@ -101,9 +101,8 @@ class StreamService:
         seal = s.seal
         assert seal is not None  # every announced slot has one
         try:
-            if (
-                not self.cfg.pushes
-            ):  # the slot's checksums, taken now in a worker thread (the sends below take any
+            # the slot's checksums, taken now in a worker thread (the sends below take any
+            if not self.cfg.pushes:
                 self._fill(lr, seal, data, s.step)  # block's that is not in yet themselves, alike)
             # a rank that just registered gets its buddies with the next heartbeat reply
             buddies = await self.state.buddies(lr.job, lr.rank, timeout=4 * self.cfg.heartbeat_interval + 1.0)
@@ -182,9 +181,8 @@ class StreamService:
             if len(errors) < len(buddies) - ok:
                 errors.append("a buddy was reassigned by the coordinator (it died)")
         finally:
-            if (
-                self.cfg.pushes
-            ):  # the lanes took each block's checksum as they sent it; any they did not reach now
+            # the lanes took each block's checksum as they sent it; any they did not reach now
+            if self.cfg.pushes:
                 self._fill(lr, seal, data, s.step)
             if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
                 lr.buddy_streams = {}

@@ -55,9 +55,8 @@ class TaskTree:
         task = self._group.create_task(self._guarded(coro, what))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(
-            lambda _: coro.close()
-        )  # cancelled before it started: never awaited, and quiet
+        # cancelled before it started: never awaited, and quiet
+        task.add_done_callback(lambda _: coro.close())
         return task
 
     def service(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:

@@ -249,9 +249,8 @@ async def send_snapshot(
                 complete = ack.complete
         except BaseException as exc:
             reason = f"{type(exc).__name__}: {exc}"[:200]
-            link.send_nowait(
-                StreamAbort(job=job, rank=rank, step=step, reason=reason)
-            )  # best effort: it may be gone
+            # best effort: it may be gone
+            link.send_nowait(StreamAbort(job=job, rank=rank, step=step, reason=reason))
             raise
     seconds = time.perf_counter() - t0
     if math.isinf(pacer.rate):  # a paced stream's throughput is the pacer's choice, not the link's

@@ -168,9 +168,8 @@ class MemoryPipe(Pipe, ThreadPipe):
         self.address = address
         self.identity = identity
         self._inbox = _Mailbox()
-        self._held: collections.deque[Frames] = (
-            collections.deque()
-        )  # a client's messages waiting for its server
+        # a client's messages waiting for its server
+        self._held: collections.deque[Frames] = collections.deque()
 
     # -- delivery
 

@@ -55,9 +55,8 @@ class ZmqPipe(Pipe):
         handshakes: HandshakeWatch | None = None,
     ) -> None:
         self.sock = sock
-        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(
-            sock.underlying
-        )  # the same socket, for non-blocking I/O
+        # the same socket, for non-blocking I/O
+        self.raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self.address = address
         self.server = server
         self.handshakes = handshakes
@@ -166,9 +165,8 @@ class ZmqNetwork(Network):
             if role is Role.DATA:
                 if self._members:
                     sock.zap_domain = DATA_DOMAIN
-                    sock.setsockopt(
-                        zmq.ZAP_ENFORCE_DOMAIN, 1
-                    )  # no ZAP handler answering: refuse, never admit
+                    # no ZAP handler answering: refuse, never admit
+                    sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
                 else:
                     secure_server(sock, self.security.secret)
             if role is Role.IPC:

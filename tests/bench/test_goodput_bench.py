@@ -78,9 +78,8 @@ def test_a_cost_is_the_larger_of_step_time_increase_and_blocked_time(tmp_path: P
         tmp_path / "o.json", {"bench": "overhead", "summary": {"state_bytes_per_rank": GB}, "results": rows}
     )
     values, _ = load_inputs(path, None)
-    assert values["snapshotd_overhead"] == pytest.approx(
-        10.5 / 105
-    )  # blocked time, as the step got no slower
+    # blocked time, as the step got no slower
+    assert values["snapshotd_overhead"] == pytest.approx(10.5 / 105)
     assert values["dcp_async_Bps"] == pytest.approx(GB / 0.025)  # 25 ms slower steps > 5 ms blocked
     assert "torch_save_Bps" not in values
 

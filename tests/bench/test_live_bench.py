@@ -45,9 +45,8 @@ def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, ca
         phases = [
             row[k] for k in ("detection_seconds", "group_seconds", "restore_seconds", "first_step_seconds")
         ]
-        assert all(p >= 0 for p in phases) and 0 < row["detection_seconds"] < 5, (
-            row
-        )  # gloo sees the loss at once
+        # gloo sees the loss at once
+        assert all(p >= 0 for p in phases) and 0 < row["detection_seconds"] < 5, row
     assert rows["live"]["survivor_work_seconds"] > 0
     assert 0 < rows["live"]["survivor_cpu_seconds"] < 60  # the survivor's own CPU time in recover()
     s = doc["summary"]

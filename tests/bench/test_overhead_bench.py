@@ -96,9 +96,8 @@ def test_summary_has_exactly_the_documented_keys(report: Report) -> None:
     assert sum(summary[f"headroom_{part}"] for part in parts) == pytest.approx(
         summary["headroom_cpu_ms_per_snapshot"]
     )
-    assert all(
-        summary[f"headroom_{part}"] >= 0 for part in parts
-    )  # /proc counts in clock ticks: a part may read 0
+    # /proc counts in clock ticks: a part may read 0
+    assert all(summary[f"headroom_{part}"] >= 0 for part in parts)
     assert summary["minimum_copy_ms"] + summary["minimum_wire_ms"] == pytest.approx(summary["minimum_cpu_ms"])
     assert summary["checksum_ms"] > 0 and summary["copy_Bps"] > 0 and summary["headroom_staging_Bps"] > 0
     cfg = config_for_params(TINY_PARAMS)
@@ -291,9 +290,8 @@ def test_sigterm_stops_the_benchmark_and_every_process_it_started(tmp_path: Path
             assert bench.poll() is None and time.monotonic() < deadline, (
                 "the benchmark's processes never started"
             )
-            time.sleep(
-                0.002
-            )  # SIGTERM then often lands while the last rank starts, which once left it running
+            # SIGTERM then often lands while the last rank starts, which once left it running
+            time.sleep(0.002)
             started = {p for p in _descendants(bench.pid) if "python" in _exe(p)}
         bench.send_signal(signal.SIGTERM)
         _, err = bench.communicate(timeout=60)

@@ -88,9 +88,8 @@ def test_recovery_bench_restores_a_tiny_state_from_buddies(tmp_path, capsys) -> 
     assert s["pull_vs_raw"] >= s["restore_vs_raw"]  # the pull is the restore's share
     assert s["restore_vs_raw_state"] == pytest.approx(s["restore_GBps"] / s["raw_state_GBps"])
     parts = [s[f"restore_cpu_{p}_seconds"] for p in ("rank", "sidecar", "holders")]
-    assert (
-        min(parts) >= 0 and s["restore_cpu_seconds"] > 0
-    )  # in clock ticks: a tiny pull may take less than one
+    # in clock ticks: a tiny pull may take less than one
+    assert min(parts) >= 0 and s["restore_cpu_seconds"] > 0
     assert s["restore_cpu_seconds"] == pytest.approx(sum(parts))
     assert s["restore_busy_cores"] == pytest.approx(s["restore_cpu_seconds"] / s["restore_seconds"])
     rows = {r["path"]: r for r in doc["results"]}

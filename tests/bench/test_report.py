@@ -112,9 +112,8 @@ def test_the_table_is_plain_text_with_a_dashed_rule_under_the_header() -> None:
         "   1.00 MiB   1.50 GB/s   250.0 ms   3.0 ms   raw",
         "   4.00 MiB   2.50 GB/s   500.0 ms   1.5 ms   lz4",
     ]
-    assert all(
-        ln == ln.rstrip() and "\x1b" not in ln for ln in lines
-    )  # no colour, no trailing blanks off a tty
+    # no colour, no trailing blanks off a tty
+    assert all(ln == ln.rstrip() and "\x1b" not in ln for ln in lines)
 
 
 def test_progress_off_a_tty_prints_its_final_state_once() -> None:

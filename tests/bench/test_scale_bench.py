@@ -75,9 +75,8 @@ def test_scale_small_end_to_end(tmp_path) -> None:
     assert row["freeze_s"] is not None and row["plan_samples"] == 160
     assert row["plan_answered"] == row["plan_samples"] and row["plan_wrong"] == 0, row
     assert 0 < row["plan_p50_ms"] <= row["plan_p99_ms"] == doc["summary"]["plan_ms_p99"] < 5000
-    assert 0 <= row["plan_answer_ms"] <= row["plan_max_ms"], (
-        row
-    )  # the coordinator's part of the latest answer
+    # the coordinator's part of the latest answer
+    assert 0 <= row["plan_answer_ms"] <= row["plan_max_ms"], row
 
 
 def test_scale_profile_writes_a_loadable_profile(tmp_path) -> None:

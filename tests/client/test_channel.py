@@ -88,12 +88,13 @@ def test_an_error_carrying_the_requests_id_answers_it(sidecar) -> None:  # type:
     channel = Channel(address, lambda msg: None)
     refused = "rank 0 of job 'j' is outside its world size 0"
     try:
+        # type: ignore[attr-defined]
         answer_with(
             server,
             lambda req: [
                 Error(job="j", code=ErrorCode.BAD_MESSAGE, message=refused, request_id=req.request_id)
             ],
-        )  # type: ignore[attr-defined]
+        )
         with pytest.raises(SidecarRefused, match="outside its world size"):
             channel.request(REQUEST, RankRegistered.TYPE, timeout=10)
     finally:

@@ -125,9 +125,8 @@ def test_a_gpu_job_restores_bit_identically_and_trains_on_identically(tmp_path) 
                 _train_step(model, opt, step)
                 snap.capture(step)
             assert snap.wait(30) and snap.stats.last_durable_step == 3
-            assert (
-                snap.stats.copy_seconds > 0
-            )  # the side stream's device-to-host copies, timed by CUDA events
+            # the side stream's device-to-host copies, timed by CUDA events
+            assert snap.stats.copy_seconds > 0
             at_3 = _cpu_copy(state)
             snap.close(unregister=False)  # as a crash would
         _train_step(model, opt, 4)
@@ -203,9 +202,8 @@ def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -
             jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=10)["jobs"]
             return max((j["durable"] for j in jobs if j["job"] == job), default=0)
 
-        wait_for(
-            lambda: durable() >= 2, 30, "step 2 durable on the buddy"
-        )  # announced once the copy was done
+        # announced once the copy was done
+        wait_for(lambda: durable() >= 2, 30, "step 2 durable on the buddy")
         state2 = _restarted()[2]
         with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 2

@@ -103,12 +103,13 @@ def _stateful_loop(workers: int, distributed: bool, prefetch: bool) -> Callable[
                 yield from loader
                 loop["epoch"] += 1
 
+        # closing it stops the loader's workers
         with (
             Snapshotter(
                 state, job=job, rank=0, world_size=1, sidecar=ipc, timeout=10, when_busy="block"
             ) as snap,
             contextlib.closing(batches()) as it,
-        ):  # closing it stops the loader's workers
+        ):
             start = snap.restore(timeout=30)
             if prefetch and loop["next"] is None:
                 loop["next"] = next(it)

@@ -141,9 +141,8 @@ def test_every_auto_snapshots_the_first_step_then_on_its_interval(tmp_path) -> N
             # snapshot is thousands of steps long, a pause of the loop that is charged to nothing
             assert started == [1, 8, 16]
             assert snap.stats.auto_interval == 8 and snap.stats.durable == 3 and snap.stats.skipped == 0
-            assert (
-                snap.stats.bytes == 3 * w.nbytes and snap.stats.copy_seconds > 0
-            )  # the staging rate's parts
+            # the staging rate's parts
+            assert snap.stats.bytes == 3 * w.nbytes and snap.stats.copy_seconds > 0
 
 
 def _durable_past(

@@ -531,9 +531,8 @@ def test_meta_of_an_unknown_format_is_refused() -> None:
     newer = msgpack.packb([3, msgpack.unpackb(flat.meta)[1]])
     with pytest.raises(ValueError, match=r"format 3: this build reads formats \[1, 2\]"):
         restore_into({"a": torch.zeros(3)}, flat.entries, newer, data)
-    older = msgpack.packb(
-        [1, msgpack.unpackb(flat.meta, strict_map_key=False)[1]]
-    )  # no DTensor: the same bytes
+    # no DTensor: the same bytes
+    older = msgpack.packb([1, msgpack.unpackb(flat.meta, strict_map_key=False)[1]])
     target = {"a": torch.zeros(3)}
     restore_into(target, flat.entries, older, data)
     assert torch.equal(target["a"], torch.arange(3.0))
@@ -583,9 +582,8 @@ def test_dtensor_fsdp2_round_trip(gloo_world: Any) -> None:
     flat, data = snapshot(state)
     refs = _refs(decode_meta(flat.meta, len(flat.entries))[1])
     shards = [r for r in refs if r.dtensor]
-    assert (
-        len(shards) == 12
-    )  # 4 parameter shards + 8 moment shards, marked as DTensor with their global layout
+    # 4 parameter shards + 8 moment shards, marked as DTensor with their global layout
+    assert len(shards) == 12
     shapes = [tuple(p.shape) for p in model.parameters()]
     assert [r.place for r in shards] == [
         (s, (0,) * len(s)) for s in shapes + [s for s in shapes for _ in (0, 1)]

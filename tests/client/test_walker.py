@@ -57,9 +57,8 @@ def test_every_capture_of_a_training_loop_is_the_full_walk_byte_for_byte(momentu
     memos: dict[str, Any] = {}
     for n in range(6):
         assert_same(walker.flatten(state), flatten(state))
-        if (
-            n >= 2
-        ):  # from the second step on every parameter has its optimizer state: both are reused, not walked
+        # from the second step on every parameter has its optimizer state: both are reused, not walked
+        if n >= 2:
             assert {k: id(m) for k, m in walker._memos.items()} == memos
         memos = {k: id(m) for k, m in walker._memos.items()}
         step(model, opt, state["sched"])

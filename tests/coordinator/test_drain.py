@@ -67,9 +67,8 @@ def test_with_every_node_leaving_nothing_is_placeable_and_the_drain_ends_at_once
     for n in "abc":
         _drain(st, n)
     assert st.membership.ring == []
-    assert _drain(st, "a") == DrainReply(
-        remaining=0, unplaceable=1
-    )  # rank 0: a and b, both leaving; no target
+    # rank 0: a and b, both leaving; no target
+    assert _drain(st, "a") == DrainReply(remaining=0, unplaceable=1)
     assert not any(r.tasks for r in keep_alive(st, T0 + 1.0, "a", "b", "c").values())
 
 
@@ -83,9 +82,8 @@ def test_a_leaving_node_that_stops_is_dead_and_one_restarted_stays_again() -> No
     assert "b" in st.membership.ring
 
     _drain(st, "c")
-    register(
-        st, "c", T0 + 4.5, inc="i2"
-    )  # restarted while draining (a new incarnation before it was declared dead)
+    # restarted while draining (a new incarnation before it was declared dead)
+    register(st, "c", T0 + 4.5, inc="i2")
     assert "c" in st.membership.ring and not st.membership.nodes["c"].leaving
 
 
@@ -110,10 +108,11 @@ def test_a_rank_whose_process_ended_still_gets_its_copies_placed_from_a_leaving_
     beat(st, "l", T0, (), inv("j", 0, 5))
     beat(st, "c", T0, ())
     assert _drain(st, "l") == DrainReply(remaining=1, unplaceable=0)
+    # h is still the rank's home, so the sweep first waits for its stream (as for any deficit)
     for t in (
         1.0,
         2.5,
-    ):  # h is still the rank's home, so the sweep first waits for its stream (as for any deficit)
+    ):
         keep_alive(st, T0 + t, "h", "l", "c")
     tasks = keep_alive(st, T0 + 4.5, "h", "l", "c")["c"].tasks
     assert tasks == (ReplicateTask(job="j", rank=0, step=5, sources=(addr("h"), addr("l"))),)

@@ -69,9 +69,8 @@ def test_members_are_the_hosts_of_live_data_addresses() -> None:
         not st.membership.member(MemberQuery(host="trainer-7")).member
         and not st.membership.member(MemberQuery(host="")).member
     )
-    st.register(
-        RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0
-    )  # moved
+    # moved
+    st.register(RegisterSidecar(node="a", data_addr="tcp://10.0.0.8:7071", incarnation="i2"), T0 + 1.0)
     assert not st.membership.member(MemberQuery(host="10.0.0.5")).member
     assert st.membership.member(MemberQuery(host="10.0.0.8")).member
     keep_alive(st, T0 + 2.0, "a", "c")
@@ -104,9 +103,8 @@ def test_interval_and_death_timeout_stretch_with_the_fleet_and_shrink_back_later
     assert st.status(T0 + 5.5)["coordinator"]["live_nodes"] == 4
     keep_alive(st, T0 + 9.0, "a", "b")
     replies = keep_alive(st, T0 + 12.0, "a", "b")  # c and d silent for 6.5 s: dead
-    assert (
-        st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5
-    )  # told the base once ...
+    # told the base once ...
+    assert st.membership.heartbeat_interval() == 0.5 and replies["a"].heartbeat_interval == 0.5
     assert beat(st, "a", T0 + 12.1, changed=False).heartbeat_interval == 0.0  # ... then "keep yours"
     assert st.membership.death_timeout(T0 + 12.0) == 6.0  # kept while nodes may still heartbeat every second
     assert st.membership.death_timeout(T0 + 18.5) == 3.0
@@ -119,16 +117,14 @@ def test_rebuild_window_stretches_with_the_fleet_and_never_reopens() -> None:
     )
     for n in "ab":
         register_any(st, n)
-    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(
-        T0 + 5.0
-    )  # window 6 s with 2 nodes
+    # window 6 s with 2 nodes
+    assert st.membership.heartbeat_interval() == 1.0 and st.plans.rebuilding(T0 + 5.0)
     assert plan(st, 0, "a", now=T0 + 5.0).status == "wait"
     assert not st.plans.rebuilding(T0 + 6.1)
     for n in "cdefgh":
         register_any(st, n, T0 + 6.2)
-    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(
-        T0 + 6.2
-    )  # 8 nodes: 4 s, 24 s
+    # 8 nodes: 4 s, 24 s
+    assert st.membership.death_timeout(T0 + 6.2) == 24.0 and not st.plans.rebuilding(T0 + 6.2)
 
 
 @pytest.mark.parametrize(

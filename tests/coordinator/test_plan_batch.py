@@ -70,9 +70,8 @@ def test_a_request_for_several_ranks_waits_as_one_and_is_answered_per_rank() -> 
     assert first.status == "wait" and first.plans == () and "2 of 4 ranks" in first.reason
     waits = answer(st, ask("c", 3, 2), LATER)  # b holds their own copies and is not declared dead yet
     assert waits.status == "wait" and "node b" in waits.reason
-    last = answer(
-        st, ask("c", 3, 2), LATER + 3.1
-    )  # in the request's order; b taken at its word after the timeout
+    # in the request's order; b taken at its word after the timeout
+    last = answer(st, ask("c", 3, 2), LATER + 3.1)
     assert summary(last) == [
         (3, "ready", 5, False, (addr("a"), addr("b"))),
         (2, "ready", 5, False, (addr("a"), addr("b"))),
@@ -96,9 +95,8 @@ def test_a_rank_of_the_batch_answered_before_opens_a_new_round_for_all() -> None
     four_rank_job(st)
     answer(st, ask("a", 0, 1), LATER)
     assert answer(st, ask("b", 2, 3), LATER).status == "ready"
-    assert (
-        answer(st, ask("a", 1, 0), LATER).status == "ready"
-    )  # not held: but every one of them not answered yet
+    # not held: but every one of them not answered yet
+    assert answer(st, ask("a", 1, 0), LATER).status == "ready"
     assert answer(st, ask("b", 3), LATER).status == "wait"  # rank 3 restarted: a new round
 
 
@@ -121,9 +119,8 @@ def test_a_draft_is_the_held_requests_answer_while_nothing_changes() -> None:
         "answer_s": None,
     }
     assert st.plans.confirm(req, token, LATER + 0.25)
-    assert (
-        st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25
-    )  # every rank answered, 0.25 s after the freeze
+    # every rank answered, 0.25 s after the freeze
+    assert st.status(LATER + 1)["jobs"][0]["round"]["answer_s"] == 0.25
     reply = answer(st, req, LATER, held=True)  # what the slow path answers, for comparison
     assert rows_of(drafted_answer.reply()) == rows_of(reply)
 
@@ -135,13 +132,14 @@ def test_a_draft_is_refused_once_holders_or_the_round_changed() -> None:
     answer(st, req, LATER)
     drafted = st.plans.draft(req)
     assert drafted is not None
+    # b dropped its copy of rank 1: rank 1's sources change
     beat(
         st,
         "b",
         LATER,
         ranks("j", 4, 2, 3),
         inv("j", 2, 5, local=True) + inv("j", 3, 5, local=True) + inv("j", 0, 5),
-    )  # b dropped its copy of rank 1: rank 1's sources change
+    )
     answer(st, ask("b", 2, 3), LATER)
     assert not st.plans.confirm(req, drafted[0], LATER)
     assert summary(answer(st, req, LATER, held=True))[1] == (1, "ready", 5, True, ())

@@ -207,9 +207,8 @@ def test_ranks_asking_together_send_one_request_and_share_its_reply(scripted: _S
         await handshakes(1)  # the fresh plan socket, connected with no plan asked for
 
         stale = PlanReply(job="j", rank=1, status="ready", step=3, local=False, sources=("tcp://old:1",))
-        await router.send_multipart(
-            [*envelope, *encode(stale)]
-        )  # an answer to the replaced request, sent late
+        # an answer to the replaced request, sent late
+        await router.send_multipart([*envelope, *encode(stale)])
         call = asyncio.ensure_future(client.plan(_ask(1, 8), time.monotonic() + TIMEOUT))
         fresh, third = await scripted.receive()
         assert fresh != envelope and third.all_ranks == (1,)  # a new peer to the coordinator
@@ -292,9 +291,8 @@ def test_a_second_answer_to_a_request_asked_again_never_reaches_a_later_call(
         await router.send_multipart([*fresh, *encode(PlanReply(job="j", rank=1, status="ready", step=9))])
         async with asyncio.timeout(TIMEOUT):
             assert (await restarted).step == 9
-        newest, k_last = await next_of(
-            "k", not_on=(old, fresh)
-        )  # a call ended after a timeout: another socket
+        # a call ended after a timeout: another socket
+        newest, k_last = await next_of("k", not_on=(old, fresh))
         assert k_last.attempt == attempts["k"]
         await router.send_multipart([*newest, *encode(PlanReply(job="k", rank=0, status="ready", step=4))])
         async with asyncio.timeout(TIMEOUT):

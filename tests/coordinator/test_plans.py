@@ -59,9 +59,10 @@ def test_a_rank_asking_from_a_new_node_waits_for_its_old_nodes_death() -> None:
     register(st, "c")
     assert plan(st, 0, "a").status == "wait"
     assert plan(st, 1, "c").status == "wait"
+    # b is probed meanwhile (see test_probes)
     assert [(n.name, why) for n, why in st.membership.take_suspects(8)] == [
         ("b", "(rank 1 of job j asks from node c)")
-    ]  # b is probed meanwhile (see test_probes)
+    ]
     beat(st, "a", LATER + 0.4, ranks("j", 2, 0), inv("j", 0, 5, 6, local=True) + inv("j", 1, 5))
     beat(st, "c", LATER + 0.4, ranks("j", 2, 1), ())
     st.expire(LATER + 0.5)  # b's heartbeats stopped at T0: declared dead now
@@ -155,10 +156,11 @@ def test_a_held_request_gets_its_rounds_answer_even_after_a_duplicate_was_answer
     step = plan(st, 1, "b").step
     assert plan(st, 0, "a").status == "ready"  # rank 0 answered (say, a duplicate of its request) ...
     again = st.plans.plan(PlanRequest(job="j", rank=0, world_size=2, node="a"), LATER, held=True).reply()
+    # ... its held request: the same answer, no new round
     assert (again.status, again.step) == (
         "ready",
         step,
-    )  # ... its held request: the same answer, no new round
+    )
 
 
 def test_a_request_repeated_under_its_attempt_gets_its_answer_again_and_another_attempt_opens_a_round() -> (

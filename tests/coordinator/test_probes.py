@@ -62,9 +62,8 @@ def test_the_state_queues_the_other_nodes_of_the_job_once_per_heartbeat_interval
     assert st.lose(b, "i1", "refused a connection") and not b.alive and st.membership.live == 3
     assert not st.lose(b, "i1", "refused again")
     assert 1 not in st.jobs["j"].homes
-    assert (
-        st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.2).probed == 0
-    )  # c: within the interval
+    # c: within the interval
+    assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.2).probed == 0
     assert st.peer_lost(PeerLostReport(job="j", rank=0, node="a"), LATER + 0.6).probed == 1  # c again, not b
 
 

@@ -74,9 +74,8 @@ def test_replication_prefers_assigned_buddies_then_racks_without_a_copy() -> Non
     replies = keep_alive(st, T0 + 4.5, "a", "b", "c", "d", "e")  # 2 of 3 copies
     assert [n for n, r in replies.items() if r.tasks] == ["c"]  # the assigned buddy, though b shares its rack
     keep_alive(st, T0 + 6.0, "b", "c", "d", "e")
-    replies = keep_alive(
-        st, T0 + 7.6, "b", "c", "d", "e"
-    )  # a died: the copy on c is pending, one more needed
+    # a died: the copy on c is pending, one more needed
+    replies = keep_alive(st, T0 + 7.6, "b", "c", "d", "e")
     assert [n for n, r in replies.items() if r.tasks] == ["e"]  # r3 holds no copy yet; never d (a's rack)
 
 

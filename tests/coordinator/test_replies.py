@@ -84,9 +84,8 @@ def test_a_reply_of_the_same_pieces_is_the_nodes_last_frame_and_any_new_piece_ma
     placed, mark = assignments(0), Watermark("j", 3, 2)
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1))
     joined = replies._frames["n"]
-    check(
-        replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1 << 40)
-    )  # only seq differs
+    # only seq differs
+    check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), seq=1 << 40))
     assert replies._frames["n"] is joined  # its pieces were not joined again
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(mark,), heartbeat_interval=2.5))
     check(replies, "n", HeartbeatReply(assignments=placed, watermarks=(Watermark("j", 4, 2),)))

@@ -78,13 +78,11 @@ def test_seats_held_by_reported_ranks_count_after_a_coordinator_restart() -> Non
     st = make()
     for n in "abc":
         register(st, n)
-    beat(
-        st, "a", T0, ranks("j", 4, 2, 3)
-    )  # a node placed by its own index, or seated by the last coordinator
+    # a node placed by its own index, or seated by the last coordinator
+    beat(st, "a", T0, ranks("j", 4, 2, 3))
     during = seat(st, "c", now=T0 + 1)
-    assert (
-        during.status == "wait" and "restarted" in during.reason
-    )  # the rebuild window: reports still coming
+    # the rebuild window: reports still coming
+    assert during.status == "wait" and "restarted" in during.reason
     keep_alive(st, T0 + 2, "a", "b", "c")
     assert seat(st, "a").first == 2  # the seat of the ranks it reports
     assert seat(st, "c").first == 0
@@ -107,9 +105,8 @@ def test_a_restarted_coordinator_learns_seats_from_heartbeats_and_the_later_gran
     c = seat(first, "c")
     assert c.first == 2 and c.granted > b.granted
 
-    st = (
-        make()
-    )  # the coordinator restarts: every sidecar registers again and reports its seats with its ranks
+    # the coordinator restarts: every sidecar registers again and reports its seats with its ranks
+    st = make()
     for n in "abc":
         register(st, n)
     held = {
@@ -146,9 +143,8 @@ def test_a_seat_report_that_disagrees_with_the_job_or_reports_no_rank_of_it_is_i
         ),
     )
     assert st.seats._seats["j"].node_of == {0: "a"} and "other" not in st.seats._seats
-    assert (
-        seat(st, "a").first == 0 and seat(st, "b").first == 2
-    )  # nothing the reports said broke the job's seats
+    # nothing the reports said broke the job's seats
+    assert seat(st, "a").first == 0 and seat(st, "b").first == 2
 
 
 def test_a_node_given_back_a_seat_a_later_node_had_gets_a_fresh_grant_that_outranks_the_later_node() -> None:

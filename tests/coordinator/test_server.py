@@ -172,9 +172,8 @@ def test_register_heartbeat_plan_and_status(start, dealer) -> None:
     assert reply.heartbeat_interval == 0.0  # two nodes are far below the target rate: keep the interval
     sidecars = {"a": (a, 0, (3, 4)), "b": (b, 1, (4,))}
     plan_a, plan_b = dealer(coord.endpoint), dealer(coord.endpoint)
-    plan_a.send_multipart(
-        encode(PlanRequest(job="j", rank=0, world_size=2, node="a"))
-    )  # in the rebuild window
+    # in the rebuild window
+    plan_a.send_multipart(encode(PlanRequest(job="j", rank=0, world_size=2, node="a")))
     beat_until(sidecars, lambda: time.monotonic() - coord.started > 0.7)  # window over: rank 0 recorded, held
     assert not plan_a.poll(0), "a waiting request is held, not answered"
     asked = time.monotonic()
@@ -324,9 +323,8 @@ def test_a_drain_is_held_while_copies_remain_and_answered_with_the_count_when_th
         register(sock, n)
     ranks, steps = {"a": 0, "b": 1}, (3,)
     _beat_while(socks, ranks, lambda: time.monotonic() - coord.started > 0.6, steps)
-    assert ask(socks["c"], Drain(node="c", incarnation="i1")) == DrainReply(
-        remaining=0, unplaceable=0
-    )  # at once
+    # at once
+    assert ask(socks["c"], Drain(node="c", incarnation="i1")) == DrainReply(remaining=0, unplaceable=0)
     drainer = dealer(coord.endpoint)
     t0 = time.monotonic()
     _send(drainer, Drain(node="b", incarnation="i1"))  # b holds rank 1's only copy of G: held

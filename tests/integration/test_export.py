@@ -168,9 +168,8 @@ def _load_rank(rank: int, *, checkpoints: dict[str, str], out: str) -> dict[str,
     for kind, checkpoint in checkpoints.items():
         state = _build(kind, seed=1)
         wrapped = state.pop("wrapped")
-        get_optimizer_state_dict(
-            wrapped, state["optim"]
-        )  # an optimizer that has not stepped gets its moments
+        # an optimizer that has not stepped gets its moments
+        get_optimizer_state_dict(wrapped, state["optim"])
         dcp.load(state, checkpoint_id=checkpoint)
         got = _full(state)
         want = torch.load(os.path.join(out, f"{kind}.pt"), weights_only=False)
@@ -271,10 +270,11 @@ def test_fsdp2_exports_global_tensors_and_reshards_to_two_ranks(exported: dict[s
         10,
     ]
     assert {k.split(".")[0] for k in meta} == {"model", "optim", "sched", "loop"}  # not snapshotd's own keys
+    # full tensors equal after resharding to 2 ranks
     assert [r["fsdp"] for r in exported["loaded"]] == [
         [],
         [],
-    ]  # full tensors equal after resharding to 2 ranks
+    ]
 
 
 def test_errors_name_the_problem(
@@ -318,9 +318,8 @@ def test_errors_name_the_problem(
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing half-written beside it
 
 
-@pytest.mark.filterwarnings(
-    "ignore:torch.distributed is disabled:UserWarning"
-)  # dcp.load in one process says so
+# dcp.load in one process says so
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
     """No spare node: after a node's loss (no step durable for its buddies' ranks until re-replication), the
     export takes the recoverable step G, each rank from a live holder: what the README's fallback relies on."""
@@ -331,10 +330,11 @@ def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
         sidecars = {n: c.start(n) for n in ("A", "B", "C")}
         job = c.job("lost")
         states = [{"w": torch.zeros(4096), "loop": {"step": 0}} for _ in range(2)]
+        # rank 0, whose values the export writes, on B
         snaps = [
             Snapshotter(states[r], job=job, rank=r, world_size=2, sidecar=c.ipc(n), timeout=WAIT)
             for r, n in enumerate(("B", "A"))
-        ]  # rank 0, whose values the export writes, on B
+        ]
         try:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:  # restore() answers once every rank asked
                 assert list(pool.map(lambda s: s.restore(timeout=WAIT), snaps, timeout=WAIT + 10)) == [0, 0]
@@ -347,9 +347,8 @@ def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
                     assert s.wait(WAIT)
         finally:
             for s in snaps:
-                s.close(
-                    unregister=False
-                )  # as crashed processes would: their snapshots stay with the sidecars
+                # as crashed processes would: their snapshots stay with the sidecars
+                s.close(unregister=False)
         c.lose_node(sidecars["B"])
 
         def b_dead() -> bool:

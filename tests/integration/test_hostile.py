@@ -212,9 +212,8 @@ def test_a_rank_that_registers_again_while_its_restore_waits_abandons_that_resto
             assert _restore_rank1(job, ipcs[1], 4) == 0  # the plan comes once every rank asked
             reply = _next(restarted, skip=SlotUpdate)
             assert isinstance(reply, RestoreReply) and reply.source == "fresh", reply
-            with pytest.raises(
-                AssertionError, match="no reply in time"
-            ):  # a second answer would come at once
+            # a second answer would come at once
+            with pytest.raises(AssertionError, match="no reply in time"):
                 _next(gone, skip=SlotUpdate, timeout=1.0)
         finally:
             gone.close()
@@ -304,17 +303,17 @@ def test_an_arena_that_a_full_shared_memory_could_not_back_is_refused_and_what_i
         pipe = connect_rank(ipc)
         try:
             assert snap.capture(1)  # rank 0's arena: 3 slots of 1 MB, one filled
+            # its copy and announce run in the background
             wait_until(
                 lambda: (
                     (held := dep.sidecars["A"].state.rank(job, 0)) is not None and held.find(1) is not None
                 ),
                 "the sidecar holding step 1",
                 20.0,
-            )  # its copy and announce run in the background
+            )
             with open(os.path.join(small_shm, "someone-elses"), "wb") as f:
-                f.write(
-                    b"\1" * (4 << 20)
-                )  # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
+                # 4 MiB of the 8 taken: 2 MB of rank 0's arena and 2 MiB left unbacked
+                f.write(b"\1" * (4 << 20))
             pipe.send_nowait(
                 encode(RegisterRank(job=job, rank=1, world_size=2, pid=os.getpid(), data_bytes=1 << 20))
             )

@@ -289,9 +289,8 @@ def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are
     assert sorted(job.ranks_of("C")) == sorted(set(range(4)) - set(survivors))
     for r in survivors:
         recovery = results[r]["recoveries"][-1]
-        assert recovery["failed_at"] - hung_at < 20, (
-            recovery
-        )  # the watchdog's doing: the group timeout is 120 s
+        # the watchdog's doing: the group timeout is 120 s
+        assert recovery["failed_at"] - hung_at < 20, recovery
 
 
 @pytest.mark.timeout(400)

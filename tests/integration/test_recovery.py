@@ -105,9 +105,8 @@ def test_node_loss_with_replicated_state_in_members_mode_bit_identical(tmp_path)
     assert {s["restore_sources"][r] for r in (0, 1)} == {"local"}
     assert {s["restore_sources"][r] for r in (2, 3)} <= {"replica", "pull"}
     assert s["detection_seconds"] < 5
-    assert 0.24 < s["snapshot_bytes_per_rank"] / _snapshot_bytes(PARAMS, STEPS) < 0.3, (
-        s
-    )  # a quarter, and the RNG
+    # a quarter, and the RNG
+    assert 0.24 < s["snapshot_bytes_per_rank"] / _snapshot_bytes(PARAMS, STEPS) < 0.3, s
     assert not _shm_leftovers(s["job"])
 
 
@@ -292,9 +291,10 @@ def test_a_node_stopped_cleanly_first_places_its_copies_on_nodes_that_stay(tmp_p
 
 
 def _snapshotter(cluster: LocalCluster, node: str, job: str, rank: int, state: dict) -> Snapshotter:
+    # four steps back to back on three slots: wait for D to free one
     return Snapshotter(
         state, job=job, rank=rank, world_size=2, sidecar=cluster.ipc_path(node), timeout=10, when_busy="block"
-    )  # four steps back to back on three slots: wait for D to free one
+    )
 
 
 @pytest.mark.timeout(300)

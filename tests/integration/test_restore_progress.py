@@ -109,9 +109,8 @@ def _run_ranks(job: str, ipcs: dict[int, str]) -> tuple[list[dict], dict[int, st
                 )
             )
             if rank < 2:
-                os.close(
-                    stderr
-                )  # the child holds the slave: reading the master ends (EIO) when the child exits
+                # the child holds the slave: reading the master ends (EIO) when the child exits
+                os.close(stderr)
         shown = {rank: b"" for rank in masters}
         open_ = set(masters)
         deadline = time.monotonic() + TIMEOUT

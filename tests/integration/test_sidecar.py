@@ -369,9 +369,8 @@ def assert_not_held(cluster: Cluster, node: str, job: str, rank: int, step: int)
 def test_three_sidecars_exchange_snapshots_of_every_shape(cluster: Cluster, watch: StatusWatch) -> None:
     cluster.start("A")
     cluster.start("B")
-    cluster.start(
-        "C", "--codec", "delta-lz4"
-    )  # rank 2's later steps go out as XOR deltas against the previous
+    # rank 2's later steps go out as XOR deltas against the previous
+    cluster.start("C", "--codec", "delta-lz4")
     job = cluster.job("shapes")
     works = [zero_bytes(), tiny_tensors(), larger_than_a_chunk()]
     assert works[0].data_bytes == 0 and works[2].data_bytes > 5 << 20
@@ -776,9 +775,8 @@ def test_slow_stream_skips_steps_and_the_lag_stays_bounded(cluster: Cluster, wat
         stats = r.snap.stats
         assert stats.failed == 0 and stats.started + stats.skipped + _left_out(step) == step
         assert stats.skipped > step / 2 and stats.started >= 4, stats
-        assert stats.stride >= 2, (
-            stats
-        )  # the skip policy widened the stride: the loss bound a node loss would have
+        # the skip policy widened the stride: the loss bound a node loss would have
+        assert stats.stride >= 2, stats
         assert stats.last_durable_step == max(r.started)
         # a snapshot waits for at most the stream in flight, then streams itself: the lag does not grow
         assert staleness < 3 * stream_s + 1.0, (staleness, stream_s)
@@ -853,6 +851,5 @@ def test_memory_limit_refusal_is_named_to_the_client_and_ends_its_wait(cluster: 
         assert "memory limit" in r.snap.stats.last_error, r.snap.stats.last_error
         t0 = time.monotonic()
         assert not r.snap.wait(10)
-        assert (
-            time.monotonic() - t0 < 5
-        )  # at once, not after the timeout (a wide margin for a loaded machine)
+        # at once, not after the timeout (a wide margin for a loaded machine)
+        assert time.monotonic() - t0 < 5

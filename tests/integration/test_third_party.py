@@ -43,12 +43,27 @@ HOLD_AT = 4
 """Once nanoGPT printed this iteration, node A's worker is held (SIGSTOP) until a step is durable (on every
 rank's buddy); then node B dies and A's worker goes on. Without the hold, a run on a busy machine could end
 before its sidecars made any step durable."""
+# fmt: skip
 CONFIG = (
-    "--device=cpu", "--compile=False", "--dtype=float32", "--backend=gloo", "--dataset=synthetic",
-    f"--max_iters={ITERS}", f"--eval_interval={ITERS}", "--eval_iters=2", "--log_interval=1",
-    "--batch_size=4", "--block_size=32", "--n_layer=2", "--n_head=2", "--n_embd=32", "--dropout=0.1",
-    "--gradient_accumulation_steps=4", "--warmup_iters=4", f"--lr_decay_iters={ITERS}",
-)  # fmt: skip
+    "--device=cpu",
+    "--compile=False",
+    "--dtype=float32",
+    "--backend=gloo",
+    "--dataset=synthetic",
+    f"--max_iters={ITERS}",
+    f"--eval_interval={ITERS}",
+    "--eval_iters=2",
+    "--log_interval=1",
+    "--batch_size=4",
+    "--block_size=32",
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--dropout=0.1",
+    "--gradient_accumulation_steps=4",
+    "--warmup_iters=4",
+    f"--lr_decay_iters={ITERS}",
+)
 """nanoGPT's own flags: CPU and gloo, a 30k-parameter model, two micro-steps per rank and iteration (nanoGPT
 divides the accumulation steps by the world size), an evaluation and a checkpoint at the end."""
 
@@ -117,11 +132,25 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
     out = f"out-{name}"
 
     def start(index: int) -> EmulatedNode:
+        # fmt: skip
         torchrun_args = [
-            "--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", store.endpoint, "--rdzv-id", job,
-            "--rdzv-conf", cfg.rdzv_conf,
-        ]  # fmt: skip
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "3",
+            "--monitor-interval",
+            "0.1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            store.endpoint,
+            "--rdzv-id",
+            job,
+            "--rdzv-conf",
+            cfg.rdzv_conf,
+        ]
         node = EmulatedNode(cluster, cluster.node(f"{'ABC'[index]}-{name}"), cfg.node_addr(index),
                             torchrun_args=torchrun_args, script="train.py",
                             script_args=[*CONFIG, f"--out_dir={out}"], env=ENV, workdir=str(workdir),

@@ -187,9 +187,8 @@ def test_worst_case_headers_are_handled_promptly(header: dict[str, Any]) -> None
     start = time.perf_counter()
     with contextlib.suppress(ProtocolError):
         decode([head])
-    assert (
-        time.perf_counter() - start < 10.0
-    )  # linear in the header's size, never worse (loose: CI shares 2 cores)
+    # linear in the header's size, never worse (loose: CI shares 2 cores)
+    assert time.perf_counter() - start < 10.0
 
 
 def test_deep_nesting_is_refused_promptly() -> None:

@@ -242,9 +242,8 @@ def test_bytes_that_fail_the_rank_s_own_check_are_taken_from_another_holder(hold
     a.data[0 : DATA_BYTES : 3 * CHUNK_BYTES] ^= (
         0x10  # the first chunk of every range, after the seal was taken
     )
-    a.copy.seal = _Unchecking(
-        CHUNK_BYTES, 0, dict(a.seal.sums)
-    )  # and sent unchecked, with the carried checksum
+    # and sent unchecked, with the carried checksum
+    a.copy.seal = _Unchecking(CHUNK_BYTES, 0, dict(a.seal.sums))
     live = np.zeros(A_FLOATS, dtype=np.float32)
     fetcher = _fetcher(arena, [(a.addr, a.ticket()), (b.addr, b.ticket())], live)
     answer = fetcher.run()

@@ -33,10 +33,11 @@ def test_auto_probes_the_first_chunk_and_every_32nd_that_goes_raw() -> None:
     fast, slow = _measured(), _measured()
     fast_choices = [fast.choose(math.inf) for _ in range(2 * CodecPolicy.PROBE_EVERY)]
     probes = [i for i, how in enumerate(fast_choices) if how == "probe"]
+    # counted from the first probe
     assert probes == [
         CodecPolicy.PROBE_EVERY - 2,
         2 * CodecPolicy.PROBE_EVERY - 2,
-    ]  # counted from the first probe
+    ]
     assert set(fast_choices) == {"raw", "probe"}  # an unlimited link: compressing never finishes sooner
     # 10 MB/s: a tenth of the bytes at 1 GB/s of compression finishes sooner, and every delta chunk measures anew
     assert {slow.choose(10e6) for _ in range(2 * CodecPolicy.PROBE_EVERY)} == {"delta"}
@@ -88,9 +89,8 @@ def _chunks_sent(max_rate: float) -> dict[str, int]:
     """Stream 3 steps of two ranks between two in-process sidecars at ``max_rate``; the chunks A sent, by codec."""
     with InProcess(chunk_bytes=CHUNK, max_rate=max_rate) as dep:
         ipcs = {0: dep.start_sidecar("A"), 1: dep.start_sidecar("B")}
-        snapshot_then_crash(
-            ipcs, f"codec-{uuid.uuid4().hex[:6]}", 3, _state
-        )  # every step durable on its buddy
+        # every step durable on its buddy
+        snapshot_then_crash(ipcs, f"codec-{uuid.uuid4().hex[:6]}", 3, _state)
         return dict(dep.sidecars["A"].state.counters.chunks_sent)
 
 

@@ -67,14 +67,12 @@ def test_a_peer_that_stops_reading_holds_up_no_other_and_its_stale_queue_is_drop
                 while len(pipe.sent) < 3:
                     await asyncio.sleep(0.01)
             assert pipe.sent == [(b"B", 0), (b"B", 1), (b"B", 2)]  # in order, and not behind A
-            waiting = [
-                asyncio.create_task(outbox.put(b"A", _ack(i))) for i in range(3, 3 + 64)
-            ]  # A's queue fills
+            # A's queue fills
+            waiting = [asyncio.create_task(outbox.put(b"A", _ack(i))) for i in range(3, 3 + 64)]
             await asyncio.sleep(0.1)
             assert sum(t.done() for t in waiting) < 64  # a pull to A waits for room in A's queue alone
-            async with asyncio.timeout(
-                10
-            ):  # A's send times out: what is queued for A is dropped, the puts waiting fail
+            # A's send times out: what is queued for A is dropped, the puts waiting fail
+            async with asyncio.timeout(10):
                 results = await asyncio.gather(*waiting, return_exceptions=True)
             assert any(isinstance(r, TransportError) and "stopped taking" in str(r) for r in results), results
             outbox.reply(b"A", _ack(100))  # A is given up: its replies are dropped ...

@@ -128,16 +128,14 @@ def test_budget_cuts_the_rate_while_steps_are_slower_and_grows_it_back() -> None
     assert pacer.cuts == 0 and pacer.state().mode == "spread"
     step(pacer, clock, 0.120, loaded=True, n=16)  # 20% slower
     assert pacer.cuts >= 1 and pacer.rate < spread and pacer.state().mode == "budget"
-    step(
-        pacer, clock, 0.120, loaded=True, n=3
-    )  # a cut forgets the loaded steps: these are all at the new rate
+    # a cut forgets the loaded steps: these are all at the new rate
+    step(pacer, clock, 0.120, loaded=True, n=3)
     assert pacer.state().slowdown == pytest.approx(0.2, rel=0.05)
     cut = pacer.rate
     step(pacer, clock, 0.120, loaded=True, n=8)
     assert pacer.rate < cut  # still over: cut again
-    step(
-        pacer, clock, 0.100, loaded=True, n=160
-    )  # back within the budget: the factor grows back to the spread
+    # back within the budget: the factor grows back to the spread
+    step(pacer, clock, 0.100, loaded=True, n=160)
     assert pacer.rate == pytest.approx(spread, rel=0.01) and pacer.state().mode == "spread"
 
 
@@ -181,9 +179,8 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
     clock, pacer = cut_for_the_budget()
     clock.t += Pacer.IDLE_SECONDS + 1  # the job stopped reporting
     assert math.isinf(pacer.rate) and pacer.state().mode == "unpaced"
-    step(
-        pacer, clock, 0.1, loaded=False
-    )  # it came back (announcing before it streams again): the spread rate
+    # it came back (announcing before it streams again): the spread rate
+    step(pacer, clock, 0.1, loaded=False)
     # again, cut only by fresh evidence
     assert pacer.state().mode == "spread"
 
@@ -191,9 +188,8 @@ def test_an_idle_job_unpaces_and_starts_over() -> None:
 def test_a_rank_whose_snapshot_still_streams_is_not_idle_though_it_announces_nothing() -> None:
     clock, pacer = cut_for_the_budget()
     paced = pacer.rate
-    with pacer.streaming(
-        RANK
-    ):  # a stream at the cut rate outlasts the idle time: the rank skips every due step
+    # a stream at the cut rate outlasts the idle time: the rank skips every due step
+    with pacer.streaming(RANK):
         clock.t += 5 * Pacer.IDLE_SECONDS
         assert pacer.rate == paced and pacer.state().mode == "budget"
     clock.t += Pacer.IDLE_SECONDS / 2  # its silence counts from the stream's end

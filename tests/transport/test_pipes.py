@@ -56,9 +56,8 @@ def test_requests_and_replies_keep_their_frames_and_order(kind: str) -> None:
                         by_client.setdefault(bytes(ident), []).append([bytes(f) for f in frames])
                     assert sorted(len(v) for v in by_client.values()) == [1, 3]
                     ident_a = next(k for k, v in by_client.items() if len(v) == 3)
-                    assert by_client[ident_a] == [
-                        [b"head-a", bytes([i]) * 3] for i in range(3)
-                    ]  # in order, whole
+                    # in order, whole
+                    assert by_client[ident_a] == [[b"head-a", bytes([i]) * 3] for i in range(3)]
                     await server.send([ident_a, b"reply", b"x" * 100_000])
                     assert [bytes(f) for f in await a.recv()] == [b"reply", b"x" * 100_000]
                     assert not await b.poll(0.05) and b.recv_nowait() is None  # nothing for b
@@ -135,9 +134,8 @@ def test_a_waiting_recv_wakes_after_a_pipe_call_took_its_signal(call: str) -> No
 def test_a_client_may_send_before_its_server_is_bound(kind: str) -> None:
     async def scenario() -> None:
         async with network(kind) as (net, address):
-            if (
-                kind == "zeromq"
-            ):  # a fixed port: a plain socket finds a free one and frees it at once (a ZeroMQ
+            # a fixed port: a plain socket finds a free one and frees it at once (a ZeroMQ
+            if kind == "zeromq":
                 # listener closes later, in its I/O thread, and could take the early message with it)
                 with socket.socket() as probe:
                     probe.bind(("127.0.0.1", 0))
