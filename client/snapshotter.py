@@ -57,10 +57,12 @@ from .channel import Channel
 from .direct import direct_targets, writable_by
 from .errors import NotRecoverable, PeerLost, RecoveryFailed, RestoreFailed, SnapshotdError
 from .fetch import RestoreFetcher
+from .group import LiveGroup
 from .identity import Identity
-from .live import LiveGroup, check_rebindable, is_peer_failure, rebind_ddp
 from .load import restore_into
+from .peers import is_peer_failure
 from .progress import RestoreDisplay, restore_display
+from .rebind import check_rebindable, rebind_ddp
 from .replicas import ReplicaShard, agree_restored, fail_remaining
 from .schedule import AlignedStride, AutoInterval, left_out
 from .staging import Stager

@@ -15,6 +15,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from snapshotd.client import PeerLost, Snapshotter, live
+from snapshotd.client.group import LiveGroup
+from snapshotd.client.peers import is_peer_failure
+from snapshotd.client.watchdog import HANG_CHECK_S
 
 
 def test_a_peer_failure_is_a_gloo_transport_error_or_a_dist_error_and_nothing_else() -> None:
@@ -22,11 +25,11 @@ def test_a_peer_failure_is_a_gloo_transport_error_or_a_dist_error_and_nothing_el
         "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[127.0.0.1]:5305. This is typically caused by a remote worker crashing."
     )
-    assert live.is_peer_failure(gloo)
-    assert live.is_peer_failure(RuntimeError("Connection reset by peer"))
-    assert live.is_peer_failure(dist.DistNetworkError("timed out"))
-    assert not live.is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not live.is_peer_failure(ValueError("Connection closed by peer"))
+    assert is_peer_failure(gloo)
+    assert is_peer_failure(RuntimeError("Connection reset by peer"))
+    assert is_peer_failure(dist.DistNetworkError("timed out"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("Connection closed by peer"))
 
 
 @pytest.fixture
@@ -37,8 +40,8 @@ def store() -> Iterator[dist.TCPStore]:
     yield server
 
 
-def _group(store: dist.TCPStore, rank: int, world_size: int = 2, job: str = "j") -> live.LiveGroup:
-    return live.LiveGroup(
+def _group(store: dist.TCPStore, rank: int, world_size: int = 2, job: str = "j") -> LiveGroup:
+    return LiveGroup(
         store,
         job=job,
         rank=rank,
@@ -97,11 +100,11 @@ def test_the_watchdogs_verdict_holds_until_the_next_group_forms_and_the_watchdog
     finally:
         dist.destroy_process_group()
     group.watch()
-    thread = group._watchdog
+    watchdog = group._watchdog
     group.watch()
-    assert group._watchdog is thread and thread is not None and thread.is_alive()
+    assert group._watchdog is watchdog and watchdog is not None and watchdog.thread.is_alive()
     group.unwatch()
-    assert not thread.is_alive() and group._watchdog is None
+    assert not watchdog.thread.is_alive() and group._watchdog is None
 
 
 def test_the_watchdog_leaves_a_hung_step_once_the_job_opens_a_newer_epoch(store) -> None:
@@ -121,7 +124,7 @@ def test_the_watchdog_leaves_a_hung_step_once_the_job_opens_a_newer_epoch(store)
             while not group.left_behind:  # the step "hangs" until the watchdog acts
                 assert time.monotonic() < deadline, "the watchdog never left the group"
                 time.sleep(0.05)
-            assert time.monotonic() - group._step_since >= live.HANG_CHECK_S  # type: ignore[operator]
+            assert time.monotonic() - group._step_since >= HANG_CHECK_S  # type: ignore[operator]
         assert group._links == {} and group.epoch == 0
     finally:
         group.unwatch()
@@ -190,7 +193,7 @@ def test_guard_and_recover_are_for_live_mode_and_guard_passes_other_errors_throu
 def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
     """Rank 2 dies; rank 1 fails on it and leaves; rank 0, waiting on rank 1 only, must fail when rank 1 leaves."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    group = live.LiveGroup(
+    group = LiveGroup(
         store,
         job="blocked",
         rank=rank,
@@ -210,7 +213,7 @@ def _blocked_on_a_survivor(rank: int, port: int, out: str) -> None:
         dist.recv(t, src=1 if rank == 0 else 2)
         outcome = "received"
     except Exception as exc:  # noqa: BLE001 - what it was is the result
-        outcome = "peer failure" if live.is_peer_failure(exc) else repr(exc)
+        outcome = "peer failure" if is_peer_failure(exc) else repr(exc)
         if rank == 1:
             group.leave()
     Path(out, f"rank{rank}").write_text(f"{outcome} after {time.monotonic() - t0:.2f}")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
-from snapshotd.client import RecoveryFailed, SidecarRefused, live
+from snapshotd.client import RecoveryFailed, SidecarRefused
+from snapshotd.client.seat import request_seat
 from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
 
@@ -351,16 +352,16 @@ def test_seats_through_real_sidecars_are_kept_per_node_a_spare_waits_and_bad_req
     job = cluster.job("seats")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert live._seat(job, 2, cluster.ipc("B"), 30) == (0, 4)  # the first node to ask gets seat 0
-    assert live._seat(job, 2, cluster.ipc("A"), 30) == (2, 4)
+    assert request_seat(job, 2, cluster.ipc("B"), 30) == (0, 4)  # the first node to ask gets seat 0
+    assert request_seat(job, 2, cluster.ipc("A"), 30) == (2, 4)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert live._seat(job, 2, cluster.ipc("B"), 30) == (1, 4)  # the node's other rank: the same seat
+    assert request_seat(job, 2, cluster.ipc("B"), 30) == (1, 4)  # the node's other rank: the same seat
     with pytest.raises(
         RecoveryFailed, match=r"no seat for this node within 1 s: all 2 seats of job .* are held"
     ):
-        live._seat(job, 2, cluster.ipc("C"), 1.0)
+        request_seat(job, 2, cluster.ipc("C"), 1.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(SidecarRefused, match="asked for seats of 2 of 4 ranks, this one for 4 of 8"):
-        live._seat(job, 2, cluster.ipc("C"), 5.0)
+        request_seat(job, 2, cluster.ipc("C"), 5.0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert live._seat(job, 2, cluster.ipc("A"), 30) == (3, 4), "a refused request changed nothing"
+    assert request_seat(job, 2, cluster.ipc("A"), 30) == (3, 4), "a refused request changed nothing"
