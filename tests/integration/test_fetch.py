@@ -140,6 +140,7 @@ def test_a_fetch_that_fails_is_followed_by_a_pull_through_the_sidecars(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="snapshotd.sidecar.restore")
+    caplog.set_level(logging.INFO, logger="snapshotd.sidecar.restore_fetch")
     asked: list[RestoreFetch] = []
 
     class Failing(RestoreFetcher):
