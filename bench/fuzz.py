@@ -43,8 +43,9 @@ import zmq
 from snapshotd.client import Snapshotter
 from snapshotd.harness.cluster import LocalCluster, ManagedProcess
 from snapshotd.proto import MESSAGE_TYPES, PullManifest, StreamBegin, decode, encode
+from snapshotd.proto.compound import ListOf, Record
 from snapshotd.proto.limits import PROTOCOL_VERSION
-from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str
+from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, Opt, Spec, Str
 from snapshotd.status import fetch_status
 
 from .report import Report, scratch_dir

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from . import limits as L
+from .compound import ListOf, Record
 from .errors import ErrorCode
 from .fields import (
     ADDR,
@@ -21,7 +22,7 @@ from .fields import (
 )
 from .message import Message, payload
 from .records import Assignment, HeldSeat, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
-from .schema import Bool, Enum, Float, Int, ListOf, Record, Str, spec_field
+from .schema import Bool, Enum, Float, Int, Str, spec_field
 
 __all__ = [
     "Drain",

@@ -7,6 +7,7 @@ import dataclasses
 from typing import ClassVar
 
 from . import limits as L
+from .compound import ListOf
 from .fields import (
     CODECS,
     NAME,
@@ -18,7 +19,7 @@ from .fields import (
     TEXT,
 )
 from .message import Message, payload
-from .schema import Bool, Bytes, Enum, Int, ListOf, spec_field
+from .schema import Bool, Bytes, Enum, Int, spec_field
 
 __all__ = [
     "Chunk",

@@ -6,6 +6,7 @@ import dataclasses
 from typing import ClassVar
 
 from . import limits as L
+from .compound import ListOf
 from .fields import (
     ADDR,
     NBYTES,
@@ -20,7 +21,7 @@ from .fields import (
     WORLD,
 )
 from .message import Message, payload
-from .schema import Bool, Enum, Int, ListOf, spec_field
+from .schema import Bool, Enum, Int, spec_field
 
 __all__ = [
     "Announce",

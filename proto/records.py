@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 from . import limits as L
+from .compound import ListOf
 from .fields import ADDR, JOB, PID, RANK, STEP, STEP_OR_NONE, TEXT, WORLD
-from .schema import Bool, Enum, Int, ListOf, spec_field
+from .schema import Bool, Enum, Int, spec_field
 
 __all__ = [
     "PLAN_STATUSES",

@@ -24,11 +24,12 @@ from typing import Any
 import msgpack
 
 from . import limits as L
+from .compound import ListOf, Record
 from .errors import LimitExceeded, MalformedMessage, ProtocolError, UnknownMessageType, UnsupportedVersion
 from .fields import Buffer
 from .messages import MESSAGE_TYPES, Message, PlanReply
 from .records import RankPlanFields
-from .schema import Frame, ListOf, Record, Spec
+from .schema import Frame, Spec
 
 __all__ = ["FramePacker", "PlanReplyPacker", "decode", "encode"]
 

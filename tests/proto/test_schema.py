@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from snapshotd.proto import limits as L
+from snapshotd.proto.compound import ListOf, Record
 from snapshotd.proto.errors import LimitExceeded, MalformedMessage, ProtocolError
 from snapshotd.proto.records import Assignment, InventoryItem, RankInfo, ReplicateTask, Watermark
-from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Int, ListOf, Opt, Record, Spec, Str, spec_field
+from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Int, Opt, Spec, Str, spec_field
 
 PROPS = settings(
     max_examples=300,

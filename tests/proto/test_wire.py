@@ -31,7 +31,8 @@ from snapshotd.proto import (
     encode,
 )
 from snapshotd.proto import limits as L
-from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, ListOf, Opt, Record, Spec, Str
+from snapshotd.proto.compound import ListOf, Record
+from snapshotd.proto.schema import Bool, Bytes, Enum, Float, Frame, Int, Opt, Spec, Str
 
 PROPS = settings(
     max_examples=200,

@@ -8,8 +8,7 @@ import contextlib
 import pytest
 import zmq.asyncio
 
-from snapshotd import security
-from snapshotd.security import MembersGate
+from snapshotd.security import DATA_DOMAIN, HandshakeWatch, MembersGate, members
 
 
 class _Coordinator:
@@ -41,16 +40,16 @@ def test_answers_are_remembered_and_a_failure_is_temporary() -> None:
             )
             assert await gate.decide("10.0.0.5") == (b"200", "")
             assert coord.asked == ["10.0.0.5", "10.0.0.9"]  # the second question about .5 was not asked
-            clock[0] += security.REFUSED_TTL_S + 0.1
+            clock[0] += members.REFUSED_TTL_S + 0.1
             coord.members.add("10.0.0.9")  # joined since
             assert (await gate.decide("10.0.0.9"))[0] == b"200"
             coord.down = True
-            clock[0] += security.MEMBER_TTL_S + 0.1
+            clock[0] += members.MEMBER_TTL_S + 0.1
             code, why = await gate.decide("10.0.0.5")
             assert code == b"300" and "cannot ask the coordinator" in why and "did not answer" in why
             coord.down = False
             assert (await gate.decide("10.0.0.5"))[0] == b"300"  # the failure stands for a moment ...
-            clock[0] += security.FAILED_TTL_S + 0.1
+            clock[0] += members.FAILED_TTL_S + 0.1
             assert (await gate.decide("10.0.0.5"))[0] == b"200"  # ... then the coordinator is asked again
         finally:
             ctx.destroy(linger=0)
@@ -85,7 +84,7 @@ def test_concurrent_handshakes_from_one_host_ask_once() -> None:
 def test_a_refused_connection_is_retried_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first handshake is refused (the member is not known yet); HandshakeWatch names it, connects again,
     and the next handshake is admitted."""
-    monkeypatch.setattr(security, "REFUSED_TTL_S", 0.0)
+    monkeypatch.setattr(members, "REFUSED_TTL_S", 0.0)
 
     async def scenario() -> None:
         coord = _Coordinator()
@@ -95,14 +94,14 @@ def test_a_refused_connection_is_retried_and_named(monkeypatch: pytest.MonkeyPat
         await asyncio.sleep(0)  # the ZAP endpoint is bound before the server's first handshake
         server = ctx.socket(zmq.ROUTER)
         client = ctx.socket(zmq.DEALER)
-        watch: security.HandshakeWatch | None = None
+        watch: HandshakeWatch | None = None
         try:
             server.linger = client.linger = 0
-            server.zap_domain = security.DATA_DOMAIN
+            server.zap_domain = DATA_DOMAIN
             port = server.bind_to_random_port("tcp://127.0.0.1")
             endpoint = f"tcp://127.0.0.1:{port}"
             client.setsockopt(zmq.IMMEDIATE, 1)  # as a PeerLink: nothing queued before a handshake succeeds
-            watch = security.HandshakeWatch(client, endpoint, "peer B", retry_s=0.2)
+            watch = HandshakeWatch(client, endpoint, "peer B", retry_s=0.2)
             watching = asyncio.ensure_future(watch.run())
             client.connect(endpoint)
             async with asyncio.timeout(10):
@@ -134,7 +133,7 @@ def test_a_failure_without_detail_never_hides_a_named_one() -> None:
     it reconnects: the reason kept is the named one until a handshake succeeds."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
-    watch = security.HandshakeWatch(sock, "tcp://127.0.0.1:9", "peer B")
+    watch = HandshakeWatch(sock, "tcp://127.0.0.1:9", "peer B")
     try:
         mismatch = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
         bare = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, 0)
