@@ -179,14 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     guard = snap.guard if snap is not None else contextlib.nullcontext
     recovering = False  # inside recover(): --die-in-rollback's restore dies
     if args.die_in_rollback and snap is not None:
-        restore = snap.restore
+        restorer = snap._restorer  # the part whose restore recover() runs
+        restore = restorer.restore
 
-        def restore_and_die(timeout: float = 300.0) -> int:
+        def restore_and_die(timeout: float) -> int:
             if recovering:
                 threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGKILL)).start()
             return restore(timeout)
 
-        snap.restore = restore_and_die  # type: ignore[method-assign]
+        restorer.restore = restore_and_die  # type: ignore[method-assign]
     if args.die_before_restore:
         os.kill(os.getpid(), signal.SIGKILL)
     try:

@@ -87,7 +87,7 @@ def _first_snapshot(
     _train_step(model, opt, 1)
     snap.capture(1)
     assert snap.wait(30)
-    side = snap._stager._side_stream
+    side = snap._session.stager._side_stream
     assert side is not None
     return side
 

@@ -122,7 +122,7 @@ def _rank_body(rank: int) -> dict[str, Any]:
         replicated=("model", "optim"),
     )
     try:
-        snap._agree(ok=rank != 1, timeout=30)
+        snap._restorer._agree(ok=rank != 1, timeout=30)
         agreed = "ok"
     except RuntimeError as exc:
         agreed = str(exc)

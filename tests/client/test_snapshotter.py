@@ -257,14 +257,14 @@ def test_a_problem_met_step_after_step_is_warned_once_and_remembered_in_bounded_
 ) -> None:
     snap = Snapshotter({"w": torch.zeros(4)}, job="j", rank=0, world_size=1, sidecar="mem://no-sidecar-here")
     try:
-        with caplog.at_level(logging.WARNING, logger="snapshotd.client.snapshotter"):
+        with caplog.at_level(logging.WARNING, logger="snapshotd.client.session"):
             for step in range(1000):
-                snap._problem(f"2 of 2 buddies did not take step {step}: memory_limit")
+                snap._session.problem(f"2 of 2 buddies did not take step {step}: memory_limit")
             for kind in range(200):
-                snap._problem(f"problem kind {'x' * kind}")
+                snap._session.problem(f"problem kind {'x' * kind}")
         warned = [r for r in caplog.records if "did not take step" in r.getMessage()]
         assert len(warned) == 1 and "step 0" in warned[0].getMessage()
         assert snap.stats.errors == 1200 and snap.stats.last_error == f"problem kind {'x' * 199}"
-        assert len(snap._problems) == ProblemLog.KINDS
+        assert len(snap._session._problems) == ProblemLog.KINDS
     finally:
         snap.close(unregister=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from snapshotd.client import Snapshotter
-from snapshotd.client import snapshotter as snapshotter_module
+from snapshotd.client import restoring as restoring_module
 from snapshotd.client.fetch import RestoreFetcher
 from snapshotd.harness.cluster import LocalCluster
 from snapshotd.harness.demo import wait_for
@@ -148,7 +148,7 @@ def test_a_fetch_that_fails_is_followed_by_a_pull_through_the_sidecars(
             asked.append(self.msg)
             return self._failed("the test's network is down")
 
-    monkeypatch.setattr(snapshotter_module, "RestoreFetcher", Failing)
+    monkeypatch.setattr(restoring_module, "RestoreFetcher", Failing)
     job = f"nofetch-{uuid.uuid4().hex[:6]}"
     with InProcess(chunk_bytes=4096, replicas=2, tcp=True) as dep:
         restored, outcome, how = _replace_node_a(dep, job)
@@ -164,7 +164,7 @@ def test_a_fetch_that_fails_is_followed_by_a_pull_through_the_sidecars(
 
 def test_a_fetch_asked_after_the_restore_ended_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
     """The addresses a restore named may hold other data once it returned: a late RestoreFetch starts nothing."""
-    caplog.set_level(logging.INFO, logger="snapshotd.client.snapshotter")
+    caplog.set_level(logging.INFO, logger="snapshotd.client.restoring")
     job = f"late-{uuid.uuid4().hex[:6]}"
     state = {"w": torch.zeros(8)}
     with (
@@ -172,7 +172,7 @@ def test_a_fetch_asked_after_the_restore_ended_is_ignored(caplog: pytest.LogCapt
         Snapshotter(state, job=job, rank=0, world_size=1, sidecar=dep.start_sidecar("A"), timeout=10) as snap,
     ):
         assert snap.restore(timeout=30) == 0
-        snap._on_message(
+        snap._session.on_message(
             RestoreFetch(
                 job=job,
                 rank=0,
@@ -188,6 +188,6 @@ def test_a_fetch_asked_after_the_restore_ended_is_ignored(caplog: pytest.LogCapt
                 tokens=bytes(16),
             )
         )
-        assert snap._fetching is None
+        assert snap._restorer._fetching is None
     assert any("after the restore ended: ignored" in r.getMessage() for r in caplog.records)
     assert torch.equal(state["w"], torch.zeros(8))
