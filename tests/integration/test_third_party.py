@@ -43,7 +43,6 @@ HOLD_AT = 4
 """Once nanoGPT printed this iteration, node A's worker is held (SIGSTOP) until a step is durable (on every
 rank's buddy); then node B dies and A's worker goes on. Without the hold, a run on a busy machine could end
 before its sidecars made any step durable."""
-# fmt: skip
 CONFIG = (
     "--device=cpu",
     "--compile=False",
@@ -132,7 +131,6 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
     out = f"out-{name}"
 
     def start(index: int) -> EmulatedNode:
-        # fmt: skip
         torchrun_args = [
             "--nnodes",
             "2",
@@ -151,10 +149,17 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
             "--rdzv-conf",
             cfg.rdzv_conf,
         ]
-        node = EmulatedNode(cluster, cluster.node(f"{'ABC'[index]}-{name}"), cfg.node_addr(index),
-                            torchrun_args=torchrun_args, script="train.py",
-                            script_args=[*CONFIG, f"--out_dir={out}"], env=ENV, workdir=str(workdir),
-                            cwd=str(code))  # fmt: skip
+        node = EmulatedNode(
+            cluster,
+            cluster.node(f"{'ABC'[index]}-{name}"),
+            cfg.node_addr(index),
+            torchrun_args=torchrun_args,
+            script="train.py",
+            script_args=[*CONFIG, f"--out_dir={out}"],
+            env=ENV,
+            workdir=str(workdir),
+            cwd=str(code),
+        )
         nodes.append(node)
         return node
 
@@ -208,10 +213,14 @@ def test_nanogpt_with_the_readme_lines_loses_a_node_and_ends_bit_identical(clust
     _assemble(code)
     # the reference has a coordinator of its own: one shared would place the trial's copies on the reference's
     # nodes too, which stop when the reference ends, maybe before the trial's node B is lost
-    with started_cluster(str(tmp_path / "rc"), tag) as alone, \
-            concurrent.futures.ThreadPoolExecutor(2) as pool:  # fmt: skip
-        runs = {name: pool.submit(_run, c, code, tmp_path / name, name=name, fail=name == "trial")
-                for name, c in (("reference", alone), ("trial", cluster))}  # fmt: skip
+    with (
+        started_cluster(str(tmp_path / "rc"), tag) as alone,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        runs = {
+            name: pool.submit(_run, c, code, tmp_path / name, name=name, fail=name == "trial")
+            for name, c in (("reference", alone), ("trial", cluster))
+        }
         reference, trial = (runs[name].result() for name in ("reference", "trial"))
 
     assert len(reference.processes) == 1 and sorted(reference.iters(0)) == list(range(ITERS + 1))
