@@ -17,8 +17,8 @@ import torch
 
 from snapshotd.client import Snapshotter
 from snapshotd.harness.cluster import LocalCluster
-from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -203,7 +203,7 @@ def test_close_right_after_capture_waits_for_the_copy_into_the_arena(tmp_path) -
             return max((j["durable"] for j in jobs if j["job"] == job), default=0)
 
         # announced once the copy was done
-        wait_for(lambda: durable() >= 2, 30, "step 2 durable on the buddy")
+        wait_until(lambda: durable() >= 2, "step 2 durable on the buddy", 30)
         state2 = _restarted()[2]
         with _snapshotter(cluster, job, state2) as snap:
             assert snap.restore(timeout=30) == 2

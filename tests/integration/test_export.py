@@ -32,8 +32,8 @@ from torch import nn
 from snapshotd.cli import main as cli_main
 from snapshotd.client import Snapshotter
 from snapshotd.export import ExportError, export_checkpoint
-from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 from ..gloo_ranks import run_gloo_ranks
 from .conftest import Cluster, shm_leftovers
@@ -355,7 +355,7 @@ def test_a_dead_nodes_ranks_export_from_their_buddies(tmp_path: Path) -> None:
             doc = fetch_status(c.coordinator_addr, secret=None)
             return not next(n for n in doc["nodes"] if n["node"] == c.node("B"))["alive"]
 
-        wait_for(b_dead, WAIT, "the coordinator to declare node B dead")
+        wait_until(b_dead, "the coordinator to declare node B dead", WAIT)
         done = export_checkpoint(c.coordinator_addr, job, str(tmp_path / "out"))
         assert done.step == 3 and 0 in done.pulled  # rank 0's step 3, from its buddy: its own node is gone
         target = {"w": torch.empty(4096), "loop": {"step": -1}}

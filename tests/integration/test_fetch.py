@@ -20,9 +20,9 @@ from snapshotd.client import Snapshotter
 from snapshotd.client import restoring as restoring_module
 from snapshotd.client.fetch import RestoreFetcher
 from snapshotd.harness.cluster import LocalCluster
-from snapshotd.harness.demo import wait_for
 from snapshotd.proto import RestoreFetch, RestoreFetched
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 from ..deployments import InProcess, restore_all, snapshot_then_crash
 
@@ -106,13 +106,13 @@ def test_in_members_mode_the_replacement_fetches_from_a_holder_behind_the_member
             )
         snapshot_then_crash({0: cluster.ipc_path("A"), 1: cluster.ipc_path("B")}, job, STEPS, _state)
         cluster.kill(cluster.sidecars["A"])
-        wait_for(
+        wait_until(
             lambda: any(
                 n["node"] == "A" and not n["alive"]
                 for n in fetch_status(cluster.coordinator_addr, secret=secret)["nodes"]
             ),
-            15,
             "node A declared dead",
+            15,
         )
         cluster.start_sidecar(
             "C", *members, "--rack", "r1", "--advertise", "127.0.0.3", data_bind="tcp://127.0.0.3:0"

@@ -20,8 +20,8 @@ from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
 from snapshotd.client import RecoveryFailed, SidecarRefused
 from snapshotd.client.seat import request_seat
-from snapshotd.harness.demo import wait_for
 from snapshotd.status import fetch_status
+from tests.waits import wait_until
 
 from .conftest import Cluster
 
@@ -120,17 +120,17 @@ def _run_to_loss(
     else:
         for i, label in enumerate("AB"):
             job.start_node(label, cluster.ipc(label), None if seated else i)
-    wait_for(
+    wait_until(
         lambda: bool(job.failed()) or (job.progress(0)["step"] >= 1 and job.progress(2)["step"] >= 1),
-        120,
         "the job's first step",
+        120,
     )
     if spare is not None:
         job.start_node(spare, cluster.ipc(spare))
-    wait_for(
+    wait_until(
         lambda: bool(job.failed()) or (job.progress(0)["step"] >= 4 and _durable(cluster, job.job, 3)),
-        120,
         "step 4, with step 3 durable",
+        120,
     )
     assert not job.failed(), job.failed()
     pids = {r: job.progress(r)["pid"] for r in range(job.world)}
@@ -220,16 +220,16 @@ def test_a_spare_takes_the_lost_seat_and_when_it_dies_joining_the_next_node_does
     cluster.start("B")
     job, pids, reached, survivors = _run_to_loss(tmp_path, cluster, store, seated=True, spare="C")
     try:
-        wait_for(
+        wait_until(
             lambda: bool(job.failed()) or _arrived(store, job.job, 1) >= 3,
-            60,
             "the spare taking the lost seat and arriving in epoch 1",
+            60,
         )
         assert not job.failed(), job.failed()
-        wait_for(
+        wait_until(
             lambda: _fewest_copies(cluster, job.job) >= 2,
-            60,
             "every rank's copy of G on two live nodes again (re-replicated after B's loss), so C may die",
+            60,
         )
         cluster.lose_node(cluster.sidecar("C"), job.lose("C"))
         cluster.start("D")
@@ -266,10 +266,10 @@ def test_a_hung_node_is_replaced_long_before_the_group_timeout_and_its_ranks_are
     hung_at = time.time()
     woken: list[subprocess.Popen[bytes]] = []
     try:
-        wait_for(
+        wait_until(
             lambda: bool(job.failed()) or all(job.progress(r)["step"] > reached for r in range(4)),
-            60,
             "the survivors and the spare training past the step reached before the hang",
+            60,
         )
         assert not job.failed(), job.failed()
         _signal_node(cluster, job, "B", signal.SIGCONT)
