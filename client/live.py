@@ -40,9 +40,21 @@ import torch.distributed as dist
 
 from .group import LiveGroup
 from .identity import Identity
+from .peers import is_peer_failure
+from .rebind import check_rebindable, rebind_ddp
 from .seat import request_seat
+from .watchdog import HANG_CHECK_S
 
-__all__ = ["STORE_ENV", "LiveGroup", "init_process_group"]
+# the parts' public names, re-exported: this module is where users import live mode from
+__all__ = [
+    "HANG_CHECK_S",
+    "STORE_ENV",
+    "LiveGroup",
+    "check_rebindable",
+    "init_process_group",
+    "is_peer_failure",
+    "rebind_ddp",
+]
 
 STORE_ENV = "SNAPSHOTD_STORE"
 """The environment variable naming the rendezvous store, ``host:port``."""

@@ -101,7 +101,7 @@ class Snapshotter:
             check_ddp(ddp)
         self.job, self.rank, self.world_size, self.sidecar = me.job, me.rank, me.world_size, me.sidecar
         self.state = state
-        self.every, self.when_busy, self.timeout, self.slots = every, when_busy, timeout, slots
+        self._settings = (every, when_busy, timeout, slots)
         self.stats = SnapshotStats()
         self._closed = False
         self._session = SidecarSession(
@@ -113,6 +113,26 @@ class Snapshotter:
         self._recovery = (
             LiveRecovery(live, self._session, self._restorer, state, ddp) if live is not None else None
         )
+
+    @property
+    def every(self) -> int:
+        """The snapshot interval in steps this Snapshotter was made with (its parts hold it: read-only)."""
+        return self._settings[0]
+
+    @property
+    def when_busy(self) -> str:
+        """``"skip"`` or ``"block"``, as made (read-only)."""
+        return self._settings[1]
+
+    @property
+    def timeout(self) -> float:
+        """The seconds a wait on the sidecar lasts at most, as made (read-only)."""
+        return self._settings[2]
+
+    @property
+    def slots(self) -> int:
+        """The snapshots a rank holds in its arena at once, as made (read-only)."""
+        return self._settings[3]
 
     @property
     def restored(self) -> dict[str, Any]:

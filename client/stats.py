@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import threading
 
 __all__ = ["ProblemLog", "SnapshotStats"]
 
@@ -57,24 +58,28 @@ class ProblemLog:
 
     A kind is a problem's text with its numbers left out, so that the same failure at step 5 and at step 6 is one
     kind. At most :attr:`KINDS` kinds are remembered, the oldest forgotten first, so that a long job meeting
-    problem after problem holds a bounded set.
+    problem after problem holds a bounded set. Safe to call from any thread (the training thread and the
+    channel's both report problems).
     """
 
     KINDS = 64
 
     def __init__(self) -> None:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def first(self, text: str) -> bool:
         """Whether ``text`` is of a kind not warned about (lately); remembers its kind."""
         kind = re.sub(r"\d+", "#", text)
-        if kind in self._seen:
-            self._seen.move_to_end(kind)
-            return False
-        self._seen[kind] = None
-        if len(self._seen) > self.KINDS:
-            self._seen.popitem(last=False)
-        return True
+        with self._lock:
+            if kind in self._seen:
+                self._seen.move_to_end(kind)
+                return False
+            self._seen[kind] = None
+            if len(self._seen) > self.KINDS:
+                self._seen.popitem(last=False)
+            return True
 
     def __len__(self) -> int:
-        return len(self._seen)
+        with self._lock:
+            return len(self._seen)

@@ -310,12 +310,14 @@ class PeerLostReply(Message):
 class Drain(Message):
     """Sidecar ``node`` (``incarnation``) is stopping: it leaves placement at once (no new copy goes to it; what
     it holds counts as a source, not a copy, and is placed elsewhere, pulled from it while it still serves), and
-    it stops once the reply counts nothing ``remaining``. Sent again until then: every one is answered with the
-    count of the moment."""
+    it stops once the reply counts nothing ``remaining``. Sent again until then. ``timeout_s`` is how long the
+    sidecar waits for this one's answer: the coordinator holds it a little less at most, answering as soon as the
+    count changes (0: as long as it holds any ask)."""
 
     TYPE: ClassVar[str] = "drain"
     node: str = spec_field(NAME)
     incarnation: str = spec_field(NAME)
+    timeout_s: float = spec_field(SECONDS, default=0.0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -21,6 +21,12 @@ MAX_ADDRESS_LEN = 512
 MAX_TEXT_LEN = 4096
 """Free-text fields such as error messages."""
 
+
+def clip_text(text: str) -> str:
+    """``text`` cut to :data:`MAX_TEXT_LEN` characters (ending in "..." when cut)."""
+    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."
+
+
 MIN_CHUNK_BYTES = 4096
 """The smallest chunk of a stream or pull: a receiver keeps a few bytes of bookkeeping per chunk, sized before
 any data arrives, so a tiny chunk would multiply a snapshot's memory."""

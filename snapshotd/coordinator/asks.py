@@ -3,12 +3,13 @@
 A :class:`~snapshotd.proto.SeatRequest` answered ``wait`` (every seat of the job is held by a live node) and a
 :class:`~snapshotd.proto.Drain` whose node still holds snapshots to place elsewhere are held, as plan requests
 are (:mod:`.held`): answered, the sidecar would ask again and again, and learn that a seat came free, or that its
-copies landed, only at its next ask. The server asks the state again for every held one at each expiry pass
-(every tenth of a second at most) and answers it as soon as its answer changes, or with the answer of the moment
-once it was held for ``hold`` seconds (a seat request no longer than its asker waits, less
-:data:`ANSWER_MARGIN_S`), so that its sidecar knows the coordinator is there and asks again. A newer
-ask from the same peer for the same job (or node) replaces the one held; beyond :data:`MAX_ASKS` held, an ask is
-answered at once.
+copies landed, only at its next ask. At each expiry pass (every tenth of a second at most) the server asks the
+state again for every held one and answers it as soon as its answer changes, or with the answer of the moment
+once it was held for ``hold`` seconds, or for less than the ask's own ``timeout_s`` by :data:`ANSWER_MARGIN_S`,
+whichever is shorter, so that its sidecar knows the coordinator is there and asks again. Each ask comes on a
+socket of its own (its envelope differs), so asks never replace one another; beyond :data:`MAX_ASKS` held, an
+ask is answered at once. An ask the state refuses when asked again (``ValueError``) is answered with that error
+and dropped, as :meth:`~snapshotd.coordinator.loop.Loop.handle` answers one refused when it arrives.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeAlias
 
-from snapshotd.proto import Drain, DrainReply, Message, SeatReply, SeatRequest
+from snapshotd.proto import Drain, DrainReply, Error, ErrorCode, Message, SeatReply, SeatRequest
+from snapshotd.proto.limits import clip_text
 
 from .state import CoordinatorState
 
@@ -59,7 +61,7 @@ class HeldAsks:
         if not _waits(reply) or self.hold <= 0 or len(self._held) >= MAX_ASKS:
             return reply
         hold = self.hold
-        if isinstance(msg, SeatRequest) and msg.timeout_s > 0:
+        if msg.timeout_s > 0:
             hold = min(hold, msg.timeout_s - ANSWER_MARGIN_S)
             if hold <= 0:
                 return reply
@@ -67,12 +69,22 @@ class HeldAsks:
         self._held[key] = _Held(envelope, msg, now + hold)
         return None
 
-    def due(self, now: float, *, final: bool = False) -> list[tuple[list[bytes], Message]]:
-        """The held asks to answer now, with their answers: those whose answer changed, those held for ``hold``
-        seconds, and with ``final`` (the coordinator stops) all of them."""
+    def due(
+        self, now: float, *, final: bool = False, expired_only: bool = False
+    ) -> list[tuple[list[bytes], Message]]:
+        """The held asks to answer now, with their answers: those whose answer changed, those whose hold is over,
+        and with ``final`` (the coordinator stops) all of them. With ``expired_only``, only those whose hold is
+        over (no state is asked for the others: cheap enough for every pass of a busy loop)."""
         out: list[tuple[list[bytes], Message]] = []
         for key, held in list(self._held.items()):
-            reply = self._ask(held.msg, now)
+            if expired_only and not final and now < held.deadline:
+                continue
+            try:
+                reply = self._ask(held.msg, now)
+            except ValueError as exc:  # the state changed under it (a job's size): refused as on arrival
+                del self._held[key]
+                out.append((held.envelope, _refused(held.msg, exc)))
+                continue
             if final or not _waits(reply) or now >= held.deadline:
                 del self._held[key]
                 out.append((held.envelope, reply))
@@ -82,6 +94,17 @@ class HeldAsks:
         if isinstance(msg, SeatRequest):
             return self.state.seats.ask(msg, now)
         return self.state.drain(msg)
+
+
+def _refused(msg: Ask, exc: ValueError) -> Error:
+    """The error a refused ``msg`` is answered with."""
+    request_id = msg.request_id if isinstance(msg, SeatRequest) else 0
+    return Error(
+        job=msg.job,
+        code=ErrorCode.BAD_MESSAGE,
+        message=clip_text(str(exc)),
+        request_id=request_id,
+    )
 
 
 def _waits(reply: Message) -> bool:

@@ -55,7 +55,7 @@ from snapshotd.proto import (
     decode,
     encode,
 )
-from snapshotd.proto.limits import MAX_TEXT_LEN
+from snapshotd.proto.limits import clip_text
 from snapshotd.transport import Pipe, TransportError
 
 from .asks import HeldAsks
@@ -118,11 +118,13 @@ class Server:
         self.reanswer(self.held.take_all(), now, final=True)
         self.answer_asks(now, final=True)
 
-    def answer_asks(self, now: float, *, final: bool = False) -> None:
+    def answer_asks(self, now: float, *, final: bool = False, expired_only: bool = False) -> None:
         """Answer the held seat requests and drains whose answer changed or whose hold is over (see
-        :mod:`.asks`); with ``final``, every one."""
+        :mod:`.asks`); with ``expired_only``, those whose hold is over; with ``final``, every one."""
+        if not self.asks:
+            return
         try:
-            for envelope, reply in self.asks.due(now, final=final):
+            for envelope, reply in self.asks.due(now, final=final, expired_only=expired_only):
                 self.send(envelope, reply)
         except Exception:  # a bug must not stop the loop: the sidecars ask again
             self.complain("asks", "answering held asks failed", exc_info=True)
@@ -158,6 +160,8 @@ class Server:
                 self.answer_asks(now)
                 gc_policy.tick(now, busy=len(self.held) > 0)
                 next_expiry = now + expire_every
+            else:  # a loop that never catches up still answers an ask before its asker gives up
+                self.answer_asks(now, expired_only=True)
             self.prober.start()
             await asyncio.sleep(0)
 
@@ -239,7 +243,7 @@ class Server:
                         job=held.msg.job,
                         code=ErrorCode.INTERNAL,
                         rank=held.msg.rank,
-                        message=_clip(f"{type(exc).__name__}: {exc}"),
+                        message=clip_text(f"{type(exc).__name__}: {exc}"),
                     ),
                 )
                 continue
@@ -264,7 +268,7 @@ class Server:
         except ProtocolError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "bad message from peer %s: %s", peer.hex(), exc)
-            self.send(envelope, Error(code=ErrorCode.BAD_MESSAGE, message=_clip(str(exc))))
+            self.send(envelope, Error(code=ErrorCode.BAD_MESSAGE, message=clip_text(str(exc))))
             return
         rank = -1
         if isinstance(msg, PlanRequest):
@@ -274,11 +278,14 @@ class Server:
         except ValueError as exc:
             self.state.bad_messages += 1
             self.complain(peer, "refused %s from peer %s: %s", msg.TYPE, peer.hex(), exc)
-            reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, rank=rank, message=_clip(str(exc)))
+            reply = Error(job=msg.job, code=ErrorCode.BAD_MESSAGE, rank=rank, message=clip_text(str(exc)))
         except Exception as exc:
             self.complain(peer, "failed to handle %s from peer %s", msg.TYPE, peer.hex(), exc_info=True)
             reply = Error(
-                job=msg.job, code=ErrorCode.INTERNAL, rank=rank, message=_clip(f"{type(exc).__name__}: {exc}")
+                job=msg.job,
+                code=ErrorCode.INTERNAL,
+                rank=rank,
+                message=clip_text(f"{type(exc).__name__}: {exc}"),
             )
         if reply is not None:
             self.send(envelope, reply, msg.node if isinstance(msg, Heartbeat) else None)
@@ -351,7 +358,7 @@ class Server:
         except ProtocolError as exc:  # our answer broke a limit (e.g. a status document over 64 MiB)
             self.complain("encode", "cannot encode %s: %s", reply.TYPE, exc)
             frames = encode(
-                Error(code=ErrorCode.INTERNAL, message=_clip(f"the {reply.TYPE} broke a limit: {exc}"))
+                Error(code=ErrorCode.INTERNAL, message=clip_text(f"the {reply.TYPE} broke a limit: {exc}"))
             )
         self.send_frames(envelope, frames)
 
@@ -367,7 +374,7 @@ class Server:
         """Send the encoded reply to ``msg``, or the error saying why it could not be encoded."""
         if isinstance(frame, ProtocolError):
             self.complain("encode", "cannot encode a plan reply: %s", frame)
-            text = _clip(f"the plan reply broke a limit: {frame}")
+            text = clip_text(f"the plan reply broke a limit: {frame}")
             self.send(envelope, Error(job=msg.job, code=ErrorCode.INTERNAL, rank=msg.rank, message=text))
             return
         self.send_frames(envelope, [frame])
@@ -391,7 +398,3 @@ class Server:
             self._complaints = {k: t for k, t in self._complaints.items() if now - t < _COMPLAIN_EVERY_S}
         self._complaints[key] = now
         log.warning(fmt + " (logged at most once a minute)", *args, exc_info=exc_info)
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= MAX_TEXT_LEN else text[: MAX_TEXT_LEN - 3] + "..."

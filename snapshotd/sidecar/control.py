@@ -227,8 +227,8 @@ class CoordinatorClient(PlanAsking):
             CoordinatorUnavailable: no answer within ``timeout``.
             ProtocolError: the coordinator refused it otherwise (one that predates draining does not serve it).
         """
-        try:
-            return await self._ask(msg, DrainReply, timeout)
+        try:  # timeout_s: how long this ask waits, so the coordinator answers within it
+            return await self._ask(dataclasses.replace(msg, timeout_s=timeout), DrainReply, timeout)
         except TimeoutError:
             raise CoordinatorUnavailable(
                 f"coordinator {self.endpoint} did not answer within {timeout:.1f} s"

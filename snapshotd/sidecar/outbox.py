@@ -9,7 +9,7 @@ import logging
 
 from snapshotd import proto
 from snapshotd.proto import Error, Message
-from snapshotd.proto.limits import MAX_TEXT_LEN
+from snapshotd.proto.limits import MAX_TEXT_LEN, clip_text
 from snapshotd.transport import Pipe, TransportError
 
 from .node import Counters
@@ -54,7 +54,7 @@ class Outbox:
     def reply(self, ident: bytes, msg: Message) -> None:
         """Queue ``msg`` for ``ident``; an Error's message is cut to what the protocol carries."""
         if isinstance(msg, Error) and len(msg.message) > MAX_TEXT_LEN:
-            msg = dataclasses.replace(msg, message=msg.message[: MAX_TEXT_LEN - 3] + "...")
+            msg = dataclasses.replace(msg, message=clip_text(msg.message))
         if self._queued >= self._maxsize or ident in self._gone:
             self._counters.errors += 1
             log.warning("reply queue full or its peer not reading; dropped %s", msg.TYPE)
