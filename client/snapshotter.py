@@ -101,7 +101,7 @@ class Snapshotter:
             check_ddp(ddp)
         self.job, self.rank, self.world_size, self.sidecar = me.job, me.rank, me.world_size, me.sidecar
         self.state = state
-        self._settings = (every, when_busy, timeout, slots)
+        self._every, self._when_busy, self._timeout, self._slots = every, when_busy, timeout, slots
         self.stats = SnapshotStats()
         self._closed = False
         self._session = SidecarSession(
@@ -117,22 +117,22 @@ class Snapshotter:
     @property
     def every(self) -> int:
         """The snapshot interval in steps this Snapshotter was made with (its parts hold it: read-only)."""
-        return self._settings[0]
+        return self._every
 
     @property
     def when_busy(self) -> str:
         """``"skip"`` or ``"block"``, as made (read-only)."""
-        return self._settings[1]
+        return self._when_busy
 
     @property
     def timeout(self) -> float:
         """The seconds a wait on the sidecar lasts at most, as made (read-only)."""
-        return self._settings[2]
+        return self._timeout
 
     @property
     def slots(self) -> int:
         """The snapshots a rank holds in its arena at once, as made (read-only)."""
-        return self._settings[3]
+        return self._slots
 
     @property
     def restored(self) -> dict[str, Any]:
