@@ -115,8 +115,9 @@ class Snapshotter:
         )
 
     @property
-    def every(self) -> int:
-        """The snapshot interval in steps this Snapshotter was made with (its parts hold it: read-only)."""
+    def every(self) -> int | str:
+        """The snapshot interval this Snapshotter was made with, in steps or ``"auto"`` (read-only: its parts
+        hold it)."""
         return self._every
 
     @property
