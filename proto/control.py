@@ -21,7 +21,16 @@ from .fields import (
     WORLD,
 )
 from .message import Message, payload
-from .records import Assignment, HeldSeat, InventoryItem, RankInfo, RankPlan, ReplicateTask, Watermark
+from .records import (
+    Assignment,
+    HeldSeat,
+    InventoryItem,
+    PathTrouble,
+    RankInfo,
+    RankPlan,
+    ReplicateTask,
+    Watermark,
+)
 from .schema import Bool, Enum, Float, Int, Str, spec_field
 
 __all__ = [
@@ -95,6 +104,11 @@ class Heartbeat(Message):
     """The slowdown of the local ranks' steps the pacer measures now, parts per million."""
     seats: tuple[HeldSeat, ...] = spec_field(ListOf(Record(HeldSeat), L.MAX_LIST_ITEMS), factory=tuple)
     """With ``changed``: the seats this node was given (so that a restarted coordinator knows who holds each)."""
+    unreachable: tuple[PathTrouble, ...] = spec_field(
+        ListOf(Record(PathTrouble), L.MAX_LIST_ITEMS), factory=tuple
+    )
+    """In every heartbeat: the peers this sidecar cannot move snapshots to or from now. The coordinator places no
+    buddy across a broken pair of nodes while another can be placed (see :mod:`snapshotd.coordinator.paths`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

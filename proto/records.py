@@ -14,6 +14,7 @@ __all__ = [
     "Assignment",
     "HeldSeat",
     "InventoryItem",
+    "PathTrouble",
     "RankInfo",
     "RankPlan",
     "RankPlanFields",
@@ -47,6 +48,16 @@ class HeldSeat:
     per_node: int = spec_field(Int(1, L.MAX_PLAN_RANKS))
     world_size: int = spec_field(WORLD)
     granted: int = spec_field(Int(0, 1 << 62))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PathTrouble:
+    """A peer this sidecar cannot move snapshots to or from now (see :mod:`snapshotd.sidecar.paths`): its data
+    address, and why, for people (``unreachable: ...``: a connection to it fails; ``slow: ...``: it connects,
+    but no stream to it completed within the peer timeout)."""
+
+    addr: str = spec_field(ADDR)
+    reason: str = spec_field(TEXT)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -157,6 +157,16 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
     out.append(nodes)
     if not nodes.row_count:
         out.append(Text("(no sidecar registered)"))
+    broken = doc.get("broken_paths", [])
+    if broken:
+        text = Text(
+            f"\n{len(broken)} broken snapshot path(s): no copy goes across one while another node can take it",
+            style="bold yellow",
+        )
+        for b in broken:
+            said = "; ".join(f"{node}: {why}" for node, why in b.get("reported_by", {}).items())
+            text.append(f"\n  {' <-> '.join(b.get('nodes', []))}  ({said})", style="none")
+        out.append(text)
     replicas = c.get("replicas")
     for j in doc.get("jobs", []):
         g, d = j.get("recoverable", -1), j.get("durable", -1)

@@ -5,8 +5,8 @@ registers is live until it is silent for :meth:`Membership.death_timeout`, or un
 gone (:meth:`Membership.suspect`, :mod:`.probes`); a dead node stays listed (the status
 document shows it) until it registers again. A live node that is stopping (:meth:`Membership.leave`) leaves the
 ring at once, so that placement puts nothing new on it, and stays live, a source for copies of what it holds, until
-its heartbeats stop. Every change of the live set or the ring bumps :attr:`Membership.epoch`, which tells placement
-and plan drafts that what they computed may no longer hold.
+its heartbeats stop. Every change of the live set, the ring or the broken paths between nodes (:mod:`.paths`)
+bumps :attr:`Membership.epoch`, which tells placement and plan drafts that what they computed may no longer hold.
 
 The rate of heartbeats is bounded instead of the fleet: beyond ``target_heartbeats_per_s`` the interval handed
 out grows with the fleet (:meth:`Membership.heartbeat_interval`), and the death timeout with it.
@@ -26,6 +26,7 @@ from snapshotd.proto import (
     Heartbeat,
     MemberQuery,
     MemberReply,
+    PathTrouble,
     RankInfo,
     RegisterSidecar,
     ReplicateTask,
@@ -34,6 +35,7 @@ from snapshotd.security import data_host
 
 from .config import CoordinatorConfig
 from .jobs import Item
+from .paths import BrokenPaths
 
 __all__ = ["Membership", "Node"]
 
@@ -113,6 +115,8 @@ class Membership:
         self._hosts: dict[str, dict[str, None]] = {}  # data-address host -> live node names there
         self._held = (1.0, now)  # (stretch factor the death timeout uses, until when at least)
         self.suspects: dict[str, str] = {}  # live nodes to probe, oldest first -> why each is suspected
+        self.paths = BrokenPaths()  # the pairs of live nodes that cannot move snapshots to each other
+        self._addrs: dict[str, str] = {}  # live nodes' data addresses -> their names
 
     @property
     def live(self) -> int:
@@ -258,8 +262,15 @@ class Membership:
             self._held = (factor, now + factor * self.cfg.heartbeat_timeout)
         return self.cfg.heartbeat_timeout * held
 
+    def report_paths(self, node: Node, troubles: tuple[PathTrouble, ...]) -> None:
+        """Live ``node``'s heartbeat named the peers it cannot reach (see :mod:`.paths`); a change of the broken
+        pairs bumps :attr:`epoch`. O(1) while the report is the node's last one."""
+        if self.paths.report(node.name, troubles, self._addrs):
+            self.epoch += 1
+
     def _add_live(self, node: Node) -> None:
         self._live[node.name] = None
+        self._addrs[node.data_addr] = node.name
         if not node.leaving:
             self._place(node)
         if node.host:
@@ -268,6 +279,9 @@ class Membership:
 
     def _remove_live(self, node: Node) -> None:
         del self._live[node.name]
+        if self._addrs.get(node.data_addr) == node.name:
+            del self._addrs[node.data_addr]
+        self.paths.drop(node.name)
         if not node.leaving:
             self._unplace(node)
         on_host = self._hosts.get(node.host)

@@ -55,6 +55,12 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
         rows=[(("alive",), alive), (("dead",), len(nodes) - alive)],
     )
     yield gauge(
+        "snapshotd_broken_path",
+        "1 for each pair of live nodes that cannot move snapshots to each other (their sidecars report it)",
+        labels=("node_a", "node_b"),
+        rows=[((b["nodes"][0], b["nodes"][1]), 1) for b in doc.get("broken_paths", [])],
+    )
+    yield gauge(
         "snapshotd_node_up",
         "1 while the node's sidecar heartbeats",
         labels=("node",),

@@ -1,7 +1,8 @@
 """Buddy placement: which live nodes back up a node's ranks, and where a missing copy goes.
 
 A node's buddies are the first ``replicas`` live nodes after it in ring order (sorted names) outside its failure
-domain, computed once per node until membership changes (:attr:`Membership.epoch`).
+domain and not across a broken path from it (:mod:`.paths`; one across a broken path only where no other is
+left), computed once per node until membership or the broken paths change (:attr:`Membership.epoch`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class Placement:
         self._warned_short = False
 
     def buddies(self, name: str) -> tuple[str, ...]:
-        """The first ``replicas`` live nodes after ``name`` in ring order whose failure domain differs."""
+        """The first ``replicas`` live nodes after ``name`` in ring order whose failure domain differs, those across
+        a broken path from it last."""
         members = self._membership
         if self._epoch != members.epoch:
             self._buddies.clear()
@@ -56,13 +58,16 @@ class Placement:
                 self._replicas,
             )
         out: list[str] = []
+        across: list[str] = []  # candidates across a broken path: taken only where no other is left
+        paths = members.paths
         start = bisect.bisect_right(ring, name)
         for i in range(len(ring)):
             if len(out) >= want:
                 break
             cand = ring[(start + i) % len(ring)]
             if nodes[cand].domain != domain:
-                out.append(cand)
+                (across if paths.broken(name, cand) else out).append(cand)
+        out.extend(across[: want - len(out)])
         result = self._buddies[name] = tuple(out)
         return result
 

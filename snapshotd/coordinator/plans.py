@@ -194,6 +194,15 @@ class Plans:
         self._answered(job, rnd, msg, now)
         return True
 
+    def _sources(self, holders: tuple[str, ...], asking: str) -> tuple[str, ...]:
+        """The data addresses of ``holders`` but ``asking``, in address order; those across a broken path from
+        ``asking`` (:mod:`.paths`) only where no other holder is left, so that a restore under a partition pulls
+        from a holder it reaches."""
+        nodes, paths = self._membership.nodes, self._membership.paths
+        others = [n for n in holders if n != asking]
+        reached = [n for n in others if not paths.broken(asking, n)]
+        return tuple(sorted(nodes[n].data_addr for n in (reached or others)))
+
     def _token(self, job: Job, rnd: Round, step: int) -> tuple[object, ...]:
         return (rnd, job.world_size, job.version, self._membership.epoch, step)
 
@@ -219,7 +228,7 @@ class Plans:
             return PlanAnswer(
                 msg.job, msg.rank, plans=tuple((r, outcome, step, False, (), reason) for r in msg.all_ranks)
             )
-        holders_of, nodes, asking = job.holders, self._membership.nodes, msg.node
+        holders_of, asking = job.holders, msg.node
         plans: list[RankPlanFields] = []
         sources_of: dict[tuple[str, ...], tuple[str, ...]] = {}  # a node's ranks mostly share their holders
         for r in msg.all_ranks:
@@ -230,9 +239,7 @@ class Plans:
                 key = tuple(holders)
                 sources = sources_of.get(key)
                 if sources is None:
-                    sources = sources_of[key] = tuple(
-                        sorted([nodes[n].data_addr for n in key if n != asking])
-                    )
+                    sources = sources_of[key] = self._sources(key, asking)
                 if local or sources:
                     plans.append((r, "ready", step, local, sources, ""))
                     continue

@@ -122,6 +122,7 @@ class CoordinatorState:
             return HeartbeatReply(known=False, seq=msg.seq)
         self._reports.check(msg)
         self.membership.seen(node, now)
+        self.membership.report_paths(node, msg.unreachable)
         node.measure(msg, now)
         if msg.changed:
             self._reports.apply(node, msg)

@@ -41,6 +41,8 @@ def status_parts(
 
     ``coordinator``: uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
     heartbeat_interval (the one given out now, seconds), heartbeat_timeout (the death timeout now, seconds).
+    ``broken_paths``: the pairs of live nodes that cannot move snapshots to each other (see :mod:`.paths`), each
+    with ``nodes`` and ``reported_by`` (node: why).
     ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
     stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank
     that some node reported (its home, or a copy): rank, node (its home, or None), newest_step (-1: none),
@@ -69,9 +71,11 @@ def status_parts(
     nodes = [membership.nodes[name] for name in sorted(membership.nodes)]
     listed = [jobs[name] for name in sorted(jobs)]
     yield (
-        packer.pack_map_header(3)
+        packer.pack_map_header(4)
         + pack("coordinator")
         + pack(coordinator)
+        + pack("broken_paths")
+        + pack(membership.paths.pairs())
         + pack("nodes")
         + packer.pack_array_header(len(nodes))
     )

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from snapshotd.client.schedule import max_steps_lost
@@ -55,11 +55,16 @@ class TrainingJob:
         parallel: str = "ddp",
         every: int = 1,
         linger: bool = False,
+        init: str | None = None,
+        prefix: Mapping[int, Sequence[str]] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """``linger``: each rank keeps its process and snapshots after its last step until :meth:`wait` or
-        :meth:`kill` (the trainer's ``--linger``)."""
+        :meth:`kill` (the trainer's ``--linger``). ``init``: the process group's init method (default: a free
+        loopback port); ``prefix``: per rank, what its command runs under (e.g. ``ip netns exec NS``); ``env``:
+        the ranks' environment (default: this process's)."""
         self.workdir, self.tag, self.world = workdir, tag, world
-        port = _free_port()
+        init = init or f"tcp://127.0.0.1:{_free_port()}"
         self.procs: dict[int, RankProcess] = {}
         for rank in range(world):
             argv = [
@@ -68,7 +73,7 @@ class TrainingJob:
                 "--world",
                 str(world),
                 "--init",
-                f"tcp://127.0.0.1:{port}",
+                init,
                 "--steps",
                 str(steps),
                 "--params",
@@ -99,6 +104,8 @@ class TrainingJob:
                     argv,
                     output=os.path.join(workdir, f"{tag}-rank{rank}.log"),
                     stdin=linger,
+                    env=env,
+                    prefix=(prefix or {}).get(rank, ()),
                 )
 
     def result_path(self, rank: int) -> str:

@@ -321,23 +321,31 @@ def start_module(
     output: str,
     env: Mapping[str, str] | None = None,
     stdin: bool = False,
+    prefix: Sequence[str] = (),
 ) -> RankProcess:
     """Start ``python -m module args`` (output appended to ``output``; ``env``, ``stdin`` as in
-    :meth:`ForkServer.popen`): forked where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold. Call it inside
+    :meth:`ForkServer.popen`): forked where ``$SNAPSHOTD_WARM_STARTS`` asks for it, else cold; always cold with a
+    ``prefix`` (e.g. ``ip netns exec NS``, which a fork cannot take). Call it inside
     :func:`~snapshotd.harness.cluster.held_interrupts` where an interrupt must not come between the start and the
     caller recording the process."""
-    server = _shared_server()
+    server = _shared_server() if not prefix else None
     if server is not None:
         return server.popen(module, args, output=output, env=env, stdin=stdin)
-    return _cold(module, args, output=output, env=env, stdin=stdin)
+    return _cold(module, args, output=output, env=env, stdin=stdin, prefix=prefix)
 
 
 def _cold(
-    module: str, args: Sequence[str], *, output: str, env: Mapping[str, str] | None, stdin: bool
+    module: str,
+    args: Sequence[str],
+    *,
+    output: str,
+    env: Mapping[str, str] | None,
+    stdin: bool,
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     with open(output, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*prefix, sys.executable, "-m", module, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,

@@ -42,6 +42,7 @@ from .ingest import ArenaRefused, IngestService, RankNotices
 from .node import NodeState
 from .outbox import Outbox
 from .pacer import Pacer
+from .paths import PathService
 from .peers import PeerLinks
 from .replicate import ReplicateService
 from .restore import RestoreService
@@ -135,6 +136,7 @@ class Sidecar:
             )
             source = members_source(self.state.data_addr) if members else None
             links = PeerLinks(network, timeout=cfg.request_timeout, source=source, tasks=self.tasks)
+            self.state.paths.source = source
             ipc_out = Outbox(self.state.counters, cfg.request_timeout)
             data_out = Outbox(self.state.counters, cfg.request_timeout)
             notices = RankNotices(ipc_out)
@@ -188,6 +190,9 @@ class Sidecar:
                     )
                     self.tasks.service(data_out.run(data), "data-plane replies")
                     self.tasks.service(heartbeat.run(), "the control loop")
+                    every = min(cfg.heartbeat_interval, cfg.request_timeout / 4)
+                    paths = PathService(self.state.paths, every, self.tasks.spawn)
+                    self.tasks.service(paths.run(), "the path checks")
                     self.tasks.service(control.watch(), "the coordinator connection's handshakes")
                     await _first(stop, signalled)
                     if signalled.is_set() and not stop.is_set() and cfg.drain_timeout > 0:

@@ -3,7 +3,7 @@
 A heartbeat goes out every interval the coordinator gives, and at once whenever the node's state changed in a
 way the coordinator must hear of (:attr:`~.node.NodeState.changed`: a rank registered or died, a copy completed
 or went). It carries the ranks and the inventory of complete copies only when they differ from what the last
-acknowledged heartbeat carried. Each reply brings the buddy assignments (a stream to a sidecar no longer
+acknowledged heartbeat carried; the broken paths to peers (:mod:`.paths`) it always carries. Each reply brings the buddy assignments (a stream to a sidecar no longer
 assigned stops), each job's watermarks (buddy copies below the durable step D, or of steps no restore can use,
 are dropped, and a rank whose held slots are no longer needed gets them back), and re-replication tasks.
 A heartbeat not answered within two intervals (half a second at least) is followed at once by the next, so one
@@ -117,6 +117,7 @@ class ControlService:
                         step_budget_ppm=round(pace.budget * 1e6),
                         step_slowdown_ppm=round(min(1e9, max(-1e6, pace.slowdown * 1e6))),
                         seats=tuple(self.state.seats.values()) if news else (),
+                        unreachable=self.state.paths.troubles(),
                     )
                     sent_at = time.monotonic()
                     hb_reply = await self.control.heartbeat(hb, timeout=max(0.5, 2 * interval))
@@ -156,9 +157,14 @@ class ControlService:
 
     def _apply(self, reply: HeartbeatReply) -> None:
         state = self.state
+        was = state.assignments
         state.set_assignments({(a.job, a.rank): a.buddies for a in reply.assignments})
         for lr in state.ranks.values():
-            self.streams.cut_off(lr, state.assignments.get((lr.job, lr.rank), ()))
+            key = (lr.job, lr.rank)
+            assigned = state.assignments.get(key, ())
+            self.streams.cut_off(lr, assigned)
+            if was.get(key, assigned) != assigned:  # re-placed: its newest snapshot goes to the new buddies
+                self.streams.restream(lr)
         for w in reply.watermarks:
             unusable = frozenset(w.unusable)
             state.store.drop_unneeded(w.job, w.durable, unusable)

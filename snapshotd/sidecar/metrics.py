@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 
 from snapshotd.metrics import Sampler, counter, gauge
@@ -55,7 +57,28 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
             if lr.durable_step >= 0
         }
         rank_labels = ("job", "rank")
+        now = time.monotonic()
+        paths = sorted(state.paths.paths.values(), key=lambda p: p.addr)
         return [
+            counter(
+                "snapshotd_peer_failures",
+                "Transfers to each peer that failed its path, by reason: timeout (no answer within the peer "
+                "timeout), stalled (none completed for a peer timeout)",
+                labels=("peer", "reason"),
+                rows=[((p.addr, why), n) for p in paths for why, n in sorted(p.failures.items())],
+            ),
+            gauge(
+                "snapshotd_peer_last_success_age_seconds",
+                "Seconds since a transfer to each peer last completed (peers with none completed are left out)",
+                labels=("peer",),
+                rows=[((p.addr,), now - p.last_success) for p in paths if p.last_success is not None],
+            ),
+            gauge(
+                "snapshotd_peer_path_broken",
+                "1 for each peer this sidecar reports to the coordinator as unreachable or slow",
+                labels=("peer", "kind"),
+                rows=[((p.addr, p.kind or "unknown"), 1) for p in paths if p.broken_since is not None],
+            ),
             gauge(
                 "snapshotd_sidecar_info",
                 "This sidecar (always 1)",

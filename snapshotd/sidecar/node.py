@@ -6,7 +6,8 @@ assigned to its ranks, and its counters. The services read it freely. What they 
 or through the rank and store objects it owns, which report their changes to it, so that:
 
 - :attr:`NodeState.changed` fires whenever what the coordinator must hear of changes (the ranks, their liveness,
-  the complete copies held here): the heartbeat goes out at once rather than at its next tick;
+  the complete copies held here, the broken paths to peers): the heartbeat goes out at once rather than at its
+  next tick;
 - :attr:`NodeState.assigned` fires whenever the buddy assignments change: a stream waiting for its rank's
   buddies starts at once.
 
@@ -25,6 +26,7 @@ from snapshotd.proto import HeldSeat, InventoryItem, RankInfo
 
 from .config import SidecarConfig
 from .local import LocalRank
+from .paths import PeerPaths
 from .store import BuddyStore, SnapshotStore
 
 __all__ = ["Counters", "NodeState", "RankKey", "Signal", "Tally"]
@@ -165,6 +167,8 @@ class NodeState:
         self.ranks: dict[RankKey, LocalRank] = {}
         self.assignments: dict[RankKey, tuple[str, ...]] = {}
         self.counters = Counters()
+        self.paths = PeerPaths(cfg.node, cfg.request_timeout, self.changed.fire)
+        """The paths to the other sidecars: which are broken (heartbeats tell the coordinator)."""
 
     def rank(self, job: str, rank: int) -> LocalRank | None:
         return self.ranks.get((job, rank))

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from snapshotd.proto import ChecksumMismatch, Chunk, ErrorCode, PullManifest, PullRequest, StreamBegin, codec
 
 from .integrity import Seal
-from .peers import PeerError, PeerLink
+from .paths import PeerPaths
+from .peers import PeerError, PeerLink, PeerTimeout
 from .placement import Lander, PlacementError
 
 __all__ = ["CorruptEverywhere", "PullFailed", "describe_snapshot", "pull_snapshot"]
@@ -33,9 +34,11 @@ class CorruptEverywhere(PullFailed):
     """Some chunk of the snapshot failed its end-to-end check from every holder that sent it."""
 
 
-async def describe_snapshot(links: Sequence[PeerLink], *, job: str, rank: int, step: int) -> StreamBegin:
+async def describe_snapshot(
+    links: Sequence[PeerLink], *, job: str, rank: int, step: int, paths: PeerPaths | None = None
+) -> StreamBegin:
     """The manifest of ``(job, rank, step)`` from the first of ``links`` (its holders) that describes it with blobs
-    that pass their digest.
+    that pass their digest. ``paths``: where a holder that did not answer in time is reported (:mod:`.paths`).
 
     Raises:
         PullFailed: no holder could.
@@ -50,10 +53,14 @@ async def describe_snapshot(links: Sequence[PeerLink], *, job: str, rank: int, s
                 await link.send(PullManifest(job=job, rank=rank, step=step))
                 reply = await link.receive(replies, StreamBegin)
                 assert isinstance(reply, StreamBegin)
+                if paths is not None:
+                    paths.succeeded(link.addr)
                 if codec.blob_digest(reply.table, reply.meta) != reply.digest:
                     raise PeerError(f"{link.addr} described {what} with blobs that fail their digest")
                 return reply
             except PeerError as exc:
+                if paths is not None and isinstance(exc, PeerTimeout):
+                    paths.failed(link.addr, str(exc))
                 errors.append(str(exc))
     raise PullFailed(f"no holder could describe {what}: {'; '.join(errors)}")
 
@@ -67,6 +74,7 @@ async def pull_snapshot(
     allocate: Callable[[StreamBegin], Lander],
     on_progress: Callable[[int], None] | None = None,
     manifest: StreamBegin | None = None,
+    paths: PeerPaths | None = None,
 ) -> tuple[StreamBegin, Seal, int]:
     """Fetch the complete snapshot ``(job, rank, step)`` from ``links`` (its holders), striped across all of them.
 
@@ -76,7 +84,8 @@ async def pull_snapshot(
     checked against its digest, and every chunk against the checksum its holder carries, before it lands. A
     holder that fails, goes silent, sends a chunk that fails its check or finds its own copy corrupt has its
     chunks reassigned to the others. Returns the manifest, the copy's seal (the carried checksums, for the new
-    holder to keep) and the number of payload bytes received.
+    holder to keep) and the number of payload bytes received. ``paths``: where each holder's path is reported
+    (one that timed out is broken, one that delivered works; see :mod:`.paths`).
 
     Raises:
         CorruptEverywhere: a chunk failed its check from every holder that sent it.
@@ -84,7 +93,7 @@ async def pull_snapshot(
         PlacementError: the lander could not write (the pull stops at once: no holder can help).
     """
     if manifest is None:
-        manifest = await describe_snapshot(links, job=job, rank=rank, step=step)
+        manifest = await describe_snapshot(links, job=job, rank=rank, step=step, paths=paths)
     what = f"job {job!r} rank {rank} step {step}"
     errors: list[str] = []
     seal = Seal(manifest.chunk_bytes, manifest.digest)
@@ -130,6 +139,8 @@ async def pull_snapshot(
                 except PlacementError:
                     raise
                 except Exception as exc:
+                    if paths is not None and isinstance(exc, PeerTimeout):
+                        paths.failed(link.addr, str(exc))
                     # it dropped its own copy
                     if isinstance(exc, PeerError) and exc.code == ErrorCode.CORRUPT:
                         for i in missing:
@@ -139,6 +150,8 @@ async def pull_snapshot(
                     errors.append(f"{link.addr}: {exc}")
                     log.warning("pull of %s from %s failed: %s", what, link.addr, exc)
                     return
+            if paths is not None:
+                paths.succeeded(link.addr)
 
     while pending and alive:  # a holder that failed late may have put chunks back after the others finished
         try:

@@ -64,7 +64,12 @@ class ReplicateService:
 
             try:
                 _, seal, pulled = await pull_snapshot(
-                    links, job=task.job, rank=task.rank, step=task.step, allocate=allocate
+                    links,
+                    job=task.job,
+                    rank=task.rank,
+                    step=task.step,
+                    allocate=allocate,
+                    paths=self.state.paths,
                 )
             except BaseException:
                 store.abort(*key)

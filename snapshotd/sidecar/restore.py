@@ -331,7 +331,7 @@ class RestoreService:
             return brought
         holders = tuple(a for a in sources if a != self.state.data_addr)
         links = [self.links.get(a) for a in holders]
-        manifest = await describe_snapshot(links, job=lr.job, rank=lr.rank, step=step)
+        manifest = await describe_snapshot(links, job=lr.job, rank=lr.rank, step=step, paths=self.state.paths)
         proto.decode_table(manifest.table, manifest.data_bytes)
         if req.fetch and self.cfg.serves_bulk:
             fetched = await self.fetches.fetch(lr, manifest, links, ident, progress, deadline)

@@ -60,6 +60,7 @@ async def pull_through_sidecars(
             allocate=allocate,
             on_progress=progress.landed,
             manifest=manifest,
+            paths=state.paths,
         )
     except BaseException:
         lr.set_slot(index, SlotState())

@@ -69,6 +69,28 @@ class StreamService:
             lr.stream_task.cancel()
         lr.stream_task = self.tasks.spawn(self._stream(lr, index), f"stream of {lr.job} rank {lr.rank}")
 
+    def restream(self, lr: LocalRank) -> None:
+        """``lr``'s buddies changed: stream its newest snapshot to them now, unless a stream of it is under way or
+        that snapshot is durable already. Else the new buddies would get their first copy at the rank's next
+        announce, and with the rank's slots held by copies that are not durable, that one may be many steps
+        away (see ``AlignedStride``)."""
+        if lr.stream_task is not None or not lr.alive:
+            return
+        index = lr.kept_slot()
+        if index is None:
+            return
+        slot = lr.slots[index]
+        if slot.seal is None or slot.step <= lr.durable_step:
+            return
+        log.info(
+            "%s rank %d: streaming step %d again, to its new buddies",
+            lr.job,
+            lr.rank,
+            slot.step,
+            extra=fields(lr.job, lr.rank, slot.step, "restream"),
+        )
+        self.start(lr, index)
+
     def cut_off(self, lr: LocalRank, assigned: tuple[str, ...]) -> None:
         """Stop the part of ``lr``'s stream in flight that goes to a sidecar no longer among its buddies."""
         for addr, task in lr.buddy_streams.items():
@@ -95,6 +117,7 @@ class StreamService:
         buddies: tuple[str, ...] = ()
         errors: list[str] = []
         ok = 0
+        reassigned = False
         me = asyncio.current_task()
         mine: dict[str, asyncio.Task[None]] = {}
         data = lr.arena.slot(index)[: s.data_bytes]
@@ -119,24 +142,29 @@ class StreamService:
                 )
                 lanes = self.cfg.push_connections if pushes else 0
                 try:
-                    res = await send_snapshot(
-                        self.links.get(addr),
-                        job=lr.job,
-                        rank=lr.rank,
-                        step=s.step,
-                        src_node=self.state.node,
-                        data=data,
-                        table=s.table,
-                        meta=s.meta,
-                        seal=seal,
-                        window=self.cfg.window,
-                        pacer=self.pacer,
-                        policy=policy,
-                        base=base,
-                        elem=s.elem,
-                        lanes=lanes,
-                    )
+                    with self.state.paths.transfer(addr):
+                        res = await send_snapshot(
+                            self.links.get(addr),
+                            job=lr.job,
+                            rank=lr.rank,
+                            step=s.step,
+                            src_node=self.state.node,
+                            data=data,
+                            table=s.table,
+                            meta=s.meta,
+                            seal=seal,
+                            window=self.cfg.window,
+                            pacer=self.pacer,
+                            policy=policy,
+                            base=base,
+                            elem=s.elem,
+                            lanes=lanes,
+                        )
                 except PeerError as exc:
+                    if exc.code is None:  # no answer, or no connection: the path to it is broken
+                        self.state.paths.failed(addr, str(exc))
+                    else:  # it answered: the path works
+                        self.state.paths.succeeded(addr)
                     log.warning(
                         "stream of %s rank %d step %d to %s failed: %s",
                         lr.job,
@@ -179,7 +207,8 @@ class StreamService:
                 mine = lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
             ok = len(took)
             if len(errors) < len(buddies) - ok:
-                errors.append("a buddy was reassigned by the coordinator (it died)")
+                reassigned = True
+                errors.append("a buddy was reassigned by the coordinator (it died, or the path to it broke)")
         finally:
             # the lanes took each block's checksum as they sent it; any they did not reach now
             if self.cfg.pushes:
@@ -207,3 +236,5 @@ class StreamService:
                     self.notify(lr, note[:4000], s.step)
                 else:
                     self.notify(lr, "", -1)
+                if reassigned and not superseded:  # the step may still reach the buddies that replaced them
+                    self.restream(lr)
