@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from snapshotd.proto import PathTrouble
+from snapshotd.status import render_status
 
 from .scenario import LATER, T0, addr, beat, inv, keep_alive, make, plan, ranks, register
 
@@ -49,6 +50,9 @@ def test_a_broken_pair_gets_no_buddy_across_it_and_gets_it_back_when_healed(
     assert doc["broken_paths"] == [
         {"nodes": ["a", "b"], "reported_by": {"a": "unreachable: connecting to b:9000 timed out"}}
     ]
+    text = render_status(doc)
+    assert "1 broken snapshot path(s)" in text
+    assert "a <-> b  (a: unreachable: connecting to b:9000 timed out)" in text
     beat(st, "a", T0 + 3, changed=False)  # healed
     assert not st.membership.paths.broken("a", "b")
     assert _assigned(st, "a") == (addr("b"),)
