@@ -10,7 +10,8 @@ heals. :class:`BrokenPaths` keeps what each live node reports and the pairs it m
   way counts as broken both ways.
 - Placement puts no buddy across a broken pair while another node outside the rank's failure domain can take
   the copy (:meth:`~.placement.Placement.buddies`), and a restore plan names no holder across one while another
-  holder has the step (:mod:`.plans`). Where every candidate is across a broken pair, placement keeps the one it
+  holder has the step (:mod:`.plans`), nor a re-replication a source across one from its target
+  (:mod:`.replication`). Where every candidate is across a broken pair, placement keeps the one it
   would pick (a slow path still moves bytes) and the status shows the pair.
 - A node's reports go with it when it dies; a report naming an address no live node has is kept but pairs
   nothing.

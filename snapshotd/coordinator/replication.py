@@ -107,8 +107,11 @@ class Sweep:
             count = want - staying - len(pending)
             if count <= 0:
                 continue
-            sources = tuple(sorted(nodes[n].data_addr for n in holders))
+            paths = self._membership.paths
             for target in self._placement.targets(job, r, holders.keys() | pending, count):
+                # the holders it reaches; all of them where it reaches none (see .paths)
+                reached = [n for n in holders if not paths.broken(target, n)] or list(holders)
+                sources = tuple(sorted(nodes[n].data_addr for n in reached))
                 nodes[target].tasks.append(ReplicateTask(job=job.name, rank=r, step=g, sources=sources))
                 self._issued.setdefault(key, {})[target] = now
                 log.info(

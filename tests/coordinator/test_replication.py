@@ -104,3 +104,22 @@ def test_no_target_outside_the_homes_rack_means_no_task() -> None:
     for t in range(1, 20):
         replies = keep_alive(st, T0 + t, "a", "d")  # b dies; only d, in a's rack, is left
         assert all(r.tasks == () for r in replies.values())
+
+
+def test_a_replication_pulls_from_the_holders_its_target_reaches() -> None:
+    from snapshotd.proto import PathTrouble
+
+    st = make(replicas=2)
+    for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3"), ("e", "r4")):
+        register(st, n, rack=rack)
+    beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))
+    beat(st, "b", T0, (), inv("j", 0, 5))
+    beat(st, "e", T0, (), inv("j", 0, 5))
+    cut = (PathTrouble(addr=addr("e"), reason="unreachable: x"),)
+    tasks = []
+    for t in (2.0, 3.5):  # a dies: rank 0 step 5 has 2 of 3 copies; c, the one node left, cannot reach e
+        st.expire(T0 + t)
+        for n in "be":
+            beat(st, n, T0 + t, changed=False)
+        tasks += beat(st, "c", T0 + t, changed=False, unreachable=cut).tasks
+    assert tasks == [ReplicateTask(job="j", rank=0, step=5, sources=(addr("b"),))]
