@@ -271,6 +271,7 @@ class Membership:
     def _add_live(self, node: Node) -> None:
         self._live[node.name] = None
         self._addrs[node.data_addr] = node.name
+        self.paths.rebuild(self._addrs)  # a report may name its address; the epoch is bumped below
         if not node.leaving:
             self._place(node)
         if node.host:
@@ -281,7 +282,9 @@ class Membership:
         del self._live[node.name]
         if self._addrs.get(node.data_addr) == node.name:
             del self._addrs[node.data_addr]
-        self.paths.drop(node.name)
+        self.paths.drop(
+            node.name, self._addrs
+        )  # its reports, and the pairs naming it; the epoch is bumped below
         if not node.leaving:
             self._unplace(node)
         on_host = self._hosts.get(node.host)

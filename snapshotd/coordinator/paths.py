@@ -13,8 +13,9 @@ heals. :class:`BrokenPaths` keeps what each live node reports and the pairs it m
   holder has the step (:mod:`.plans`), nor a re-replication a source across one from its target
   (:mod:`.replication`). Where every candidate is across a broken pair, placement keeps the one it
   would pick (a slow path still moves bytes) and the status shows the pair.
-- A node's reports go with it when it dies; a report naming an address no live node has is kept but pairs
-  nothing.
+- A node's reports go with it when it dies, and a pair naming a dead node goes; a report naming an address no
+  live node has pairs nothing until a node registers there. The pairs are made anew from the reports whenever a
+  report or the live set changes.
 
 Every change of the pairs bumps :attr:`~.membership.Membership.epoch`, so placement and drafted plans are made
 anew. A warning names each pair when it breaks and when it heals.
@@ -39,54 +40,65 @@ class BrokenPaths:
     """The broken pairs of nodes (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._reports: dict[str, tuple[PathTrouble, ...]] = {}  # node -> what its last heartbeat said
+        self._reports: dict[str, tuple[PathTrouble, ...]] = {}  # live node -> what its last heartbeat said
         self._pairs: dict[Pair, dict[str, str]] = {}  # pair -> reporting node -> why
 
     def __bool__(self) -> bool:
         return bool(self._pairs)
 
     def report(self, node: str, troubles: tuple[PathTrouble, ...], names: Mapping[str, str]) -> bool:
-        """Node ``node`` says its paths to ``troubles`` are broken (and every other path works); ``names`` maps the
-        live nodes' data addresses to their names. Whether the broken pairs changed.
+        """Live node ``node`` says its paths to ``troubles`` are broken (and every other path works); ``names`` maps
+        the live nodes' data addresses to their names. Whether the set of broken pairs changed (a new reason for a
+        pair already broken only shows in the status).
 
-        Cost: O(1) when the report is the node's last one; else O(the pairs it names).
+        Cost: O(1) when the report is the node's last one; else O(every node's reported troubles).
         """
         if self._reports.get(node, ()) == troubles:
             return False
-        self._reports[node] = troubles
-        if not troubles:
+        if troubles:
+            self._reports[node] = troubles
+        else:
             del self._reports[node]
-        now = {names[t.addr]: t.reason for t in troubles if t.addr in names and names[t.addr] != node}
-        changed = False
-        for pair, reporters in list(self._pairs.items()):
-            if node in reporters and (pair - {node}).isdisjoint(now):
-                del reporters[node]
-                changed = True
-                if not reporters:
-                    del self._pairs[pair]
-                    self._healed(pair)
-        for peer, why in now.items():
-            pair = frozenset((node, peer))
-            reporters = self._pairs.setdefault(pair, {})
-            if reporters.get(node) != why:
-                first = not reporters
-                reporters[node] = why
-                changed = True
-                if first:
-                    log.warning(
-                        "the snapshot path between nodes %s and %s is broken (%s reports: %s): no copy goes "
-                        "between them while another node can take it",
-                        node,
-                        peer,
-                        node,
-                        why,
-                        extra=fields(event="path_broken"),
-                    )
-        return changed
+        return self.rebuild(names)
 
-    def drop(self, node: str) -> bool:
-        """Forget what ``node`` reported (it died); whether the broken pairs changed."""
-        return self.report(node, (), {})
+    def drop(self, node: str, names: Mapping[str, str]) -> bool:
+        """Forget what ``node`` reported (it died); whether the set of broken pairs changed."""
+        self._reports.pop(node, None)
+        return self.rebuild(names)
+
+    def rebuild(self, names: Mapping[str, str]) -> bool:
+        """Make the pairs anew from the reports, with ``names`` the live nodes' data addresses and names (the live
+        set changed: a report may name a node that registered since, or one that died); whether the set of pairs
+        changed. O(every node's reported troubles)."""
+        pairs: dict[Pair, dict[str, str]] = {}
+        for node, troubles in self._reports.items():
+            for t in troubles:
+                peer = names.get(t.addr)
+                if peer is not None and peer != node:
+                    pairs.setdefault(frozenset((node, peer)), {})[node] = t.reason
+        before, self._pairs = self._pairs, pairs
+        for pair in pairs.keys() - before.keys():
+            reporter, why = next(iter(sorted(pairs[pair].items())))
+            a, b = sorted(pair)
+            log.warning(
+                "the snapshot path between nodes %s and %s is broken (%s reports: %s): no copy goes between them "
+                "while another node can take it",
+                a,
+                b,
+                reporter,
+                why,
+                extra=fields(event="path_broken"),
+            )
+        gone = before.keys() - pairs.keys()
+        live = set(names.values()) if gone else set()
+        for pair in gone:
+            if not pair <= live:  # a node of it died: that is logged as such
+                continue
+            a, b = sorted(pair)
+            log.warning(
+                "the snapshot path between nodes %s and %s healed", a, b, extra=fields(event="path_healed")
+            )
+        return pairs.keys() != before.keys()
 
     def broken(self, a: str, b: str) -> bool:
         """Whether the path between nodes ``a`` and ``b`` is broken."""
@@ -98,9 +110,3 @@ class BrokenPaths:
             {"nodes": sorted(pair), "reported_by": dict(sorted(reporters.items()))}
             for pair, reporters in sorted(self._pairs.items(), key=lambda item: sorted(item[0]))
         ]
-
-    def _healed(self, pair: Pair) -> None:
-        a, b = sorted(pair)
-        log.warning(
-            "the snapshot path between nodes %s and %s healed", a, b, extra=fields(event="path_healed")
-        )

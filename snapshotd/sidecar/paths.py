@@ -5,11 +5,14 @@ gray link between two live nodes (a flapping port, a firewall rule, an MTU misma
 leaves both nodes heartbeating while every stream between them stalls. :class:`PeerPaths` makes the data path
 its own failure signal:
 
-- **Broken.** A peer's path breaks when a transfer to it times out (:class:`~.peers.PeerTimeout`: no reply
-  within the peer timeout), or when transfers to it were under way, with no more than a peer timeout between
-  two, for a whole peer timeout and none completed (a newer step supersedes a stream in flight, so on a dead
-  link streams end cancelled rather than timed out). A peer that answers, even with a refusal (a full store),
-  has a working path.
+- **Broken.** A peer's path breaks when a transfer to it fails for want of an answer or a connection
+  (:class:`~.peers.PeerTimeout` after the peer timeout, a push connection that fails), or when it cannot keep
+  up: transfers to it were under way for a whole peer timeout (the time they were in flight, from the first
+  since the last one that completed; a pause longer than a peer timeout starts the count again), at least one
+  of them ended unfinished (a newer step superseded it), and none completed. A newer step supersedes a stream
+  in flight, so on a dead or crawling link streams end cancelled rather than timed out; one long stream that
+  is merely paced is never superseded and never counts. A peer that answers, even with a refusal (a full
+  store), has a working path.
 - **Why.** A probe (one TCP connection to the peer's data address, closed at once, as the coordinator's) tells
   the two kinds apart: no connection is ``unreachable``, a connection is ``slow`` (the link carries packets but
   not the snapshots, in time).
@@ -19,7 +22,8 @@ its own failure signal:
 - **Healed.** An ``unreachable`` path heals at the first probe that connects, once it was broken for
   :data:`PROBE_AFTER_TIMEOUTS` peer timeouts; a ``slow`` one after :data:`SLOW_QUARANTINE_S` seconds and a probe
   that connects (a probe cannot tell a slow link from a fast one, and placing a stream on a slow link again holds
-  the job's durable step back again). Any transfer that completes heals a path at once.
+  the job's durable step back again). Any transfer that completes heals a path at once. A path with no
+  transfer for :data:`FORGET_AFTER_S` seconds is forgotten (a peer gone for good is not probed for ever).
 
 It belongs to the sidecar's event loop: not thread-safe.
 """
@@ -47,6 +51,9 @@ PROBE_AFTER_TIMEOUTS = 3
 """An unreachable path is probed once it was broken for this many peer timeouts, then at every check."""
 SLOW_QUARANTINE_S = 300.0
 """A slow path stays broken at least this long."""
+FORGET_AFTER_S = 1200.0
+"""A path with no transfer for this long is forgotten, broken or not (its peer is gone, or no longer a buddy or a
+holder); were it still broken, its next transfer finds out again."""
 REASONS = ("timeout", "stalled")
 """What failures are counted by (:attr:`PeerPath.failures`)."""
 
@@ -62,10 +69,13 @@ class PeerPath:
     """When the transfers under way since the last one that completed began (None: none, or one completed)."""
     last_end: float = 0.0
     """When the last transfer to it ended (monotonic)."""
+    unfinished: int = 0
+    """Transfers to it that ended without completing since ``trying_since``."""
     last_success: float | None = None
     """When a transfer to it last completed (monotonic; None: never)."""
     failures: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(REASONS, 0))
-    """Failures by reason: ``timeout`` (a transfer timed out), ``stalled`` (none completed for a peer timeout)."""
+    """Failures by reason: ``timeout`` (a transfer got no answer or no connection), ``stalled`` (transfers under
+    way for a peer timeout, superseded unfinished, none completed)."""
     broken_since: float | None = None
     """When it broke (None: it works)."""
     reason: str = ""
@@ -105,7 +115,7 @@ class PeerPaths:
     def _path(self, addr: str) -> PeerPath:
         path = self.paths.get(addr)
         if path is None:
-            path = self.paths[addr] = PeerPath(addr)
+            path = self.paths[addr] = PeerPath(addr, last_end=self.clock())
         return path
 
     @contextlib.contextmanager
@@ -115,7 +125,7 @@ class PeerPaths:
         path = self._path(addr)
         now = self.clock()
         if path.trying_since is None or (path.in_flight == 0 and now - path.last_end > self.timeout):
-            path.trying_since = now  # transfers a peer timeout apart are not one long stall
+            path.trying_since, path.unfinished = now, 0  # transfers a peer timeout apart are not one stall
         path.in_flight += 1
         ok = False
         try:
@@ -126,33 +136,36 @@ class PeerPaths:
             path.last_end = self.clock()
             if ok:
                 self.succeeded(addr)
+            elif path.trying_since is not None:
+                path.unfinished += 1
 
     def succeeded(self, addr: str) -> None:
         """A transfer to ``addr`` completed: its path works."""
         path = self._path(addr)
         path.last_success = path.last_end = self.clock()
-        path.trying_since = None
+        path.trying_since, path.unfinished = None, 0
         if path.broken_since is not None:
             self._heal(path, "a transfer completed")
 
     def failed(self, addr: str, why: str) -> None:
-        """A transfer to ``addr`` timed out (``why`` says how): its path is broken."""
+        """A transfer to ``addr`` got no answer in time or no connection (``why`` says how): its path is broken."""
         path = self._path(addr)
         path.failures["timeout"] += 1
+        path.last_end = self.clock()
         self._break(path, why)
 
     def check(self) -> list[str]:
         """Break the paths whose transfers stalled for a peer timeout; the broken paths to probe now."""
         now = self.clock()
-        for path in self.paths.values():
-            if (
-                path.broken_since is None
-                and path.trying_since is not None
-                and now - path.trying_since >= self.timeout
-                and (path.in_flight > 0 or now - path.last_end <= self.timeout)
-            ):
+        for addr, path in list(self.paths.items()):
+            busy = (now if path.in_flight else path.last_end) - (path.trying_since or now)
+            if path.broken_since is None and path.unfinished and busy >= self.timeout:
                 path.failures["stalled"] += 1
-                self._break(path, f"no transfer completed for {now - path.trying_since:.1f} s")
+                self._break(path, f"no transfer completed for {busy:.1f} s")
+            elif not path.in_flight and not path.probing and now - path.last_end > FORGET_AFTER_S:
+                del self.paths[addr]  # no transfer for a long time: a peer gone for good, or idle
+                if path.broken_since is not None:
+                    self.on_change()
         return [
             p.addr
             for p in self.paths.values()

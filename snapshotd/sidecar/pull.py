@@ -107,6 +107,7 @@ async def pull_snapshot(
 
     async def worker(link: PeerLink) -> None:
         nonlocal received
+        landed = 0  # chunks this holder delivered: only those tell that its path works
         with link.subscribe(job, rank, step) as replies:
             while pending:
                 todo = pending.popleft()
@@ -133,6 +134,7 @@ async def pull_snapshot(
                         land(start, chunk)
                         seal.sums[msg.index] = msg.checksum
                         missing.discard(msg.index)
+                        landed += 1
                         received += msg.payload.nbytes
                         if on_progress is not None:
                             on_progress(msg.raw_len)
@@ -150,7 +152,7 @@ async def pull_snapshot(
                     errors.append(f"{link.addr}: {exc}")
                     log.warning("pull of %s from %s failed: %s", what, link.addr, exc)
                     return
-            if paths is not None:
+            if paths is not None and landed:
                 paths.succeeded(link.addr)
 
     while pending and alive:  # a holder that failed late may have put chunks back after the others finished

@@ -74,14 +74,20 @@ class StreamService:
         that snapshot is durable already. Else the new buddies would get their first copy at the rank's next
         announce, and with the rank's slots held by copies that are not durable, that one may be many steps
         away (see ``AlignedStride``)."""
-        if lr.stream_task is not None or not lr.alive:
-            return
+        if lr.stream_task is not None or not lr.alive or lr.awaiting_restore:
+            return  # a stream under way, or a new process whose restore decides which step counts
+        if not self.state.assignments.get((lr.job, lr.rank)):
+            return  # no buddy now: nothing to stream to
         index = lr.kept_slot()
         if index is None:
             return
         slot = lr.slots[index]
-        if slot.seal is None or slot.step <= lr.durable_step:
-            return
+        if (
+            slot.seal is None
+            or slot.step <= max(lr.durable_step, lr.job_durable)
+            or slot.step in lr.job_unusable
+        ):
+            return  # durable already (here, or job-wide), or a step no restore may use
         log.info(
             "%s rank %d: streaming step %d again, to its new buddies",
             lr.job,

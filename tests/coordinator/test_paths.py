@@ -108,3 +108,20 @@ def test_a_restore_plan_names_no_holder_across_a_broken_pair_while_another_holds
     assert reply.sources == (addr("b"), addr("c")), (
         "where every holder is across a broken pair, all are named"
     )
+
+
+def test_pairs_follow_the_live_set_a_report_naming_a_later_node_pairs_once_it_registers() -> None:
+    st = make()
+    register(st, "a")
+    cut = (PathTrouble(addr=addr("b"), reason="unreachable: x"),)
+    beat(st, "a", T0, changed=False, unreachable=cut)
+    assert not st.membership.paths  # no live node at b's address yet
+    register(st, "b")  # after a coordinator restart, nodes register in any order
+    assert st.membership.paths.broken("a", "b")
+    epoch = st.membership.epoch
+    beat(st, "a", T0 + 0.5, changed=False, unreachable=(PathTrouble(addr=addr("b"), reason="slow: y"),))
+    assert st.membership.epoch == epoch, "a new reason alone makes no placement anew"
+    assert st.membership.paths.pairs() == [{"nodes": ["a", "b"], "reported_by": {"a": "slow: y"}}]
+    beat(st, "a", LATER - 1, changed=False, unreachable=cut)
+    st.expire(LATER)  # b silent since it registered: dead; the pair naming it goes
+    assert not st.membership.nodes["b"].alive and not st.membership.paths

@@ -120,3 +120,29 @@ def test_a_probe_tells_unreachable_from_slow_and_heals_only_an_unreachable_path_
             assert paths.troubles() == ()
 
     asyncio.run(main())
+
+
+def test_one_long_paced_transfer_or_one_cut_short_then_nothing_never_breaks_a_path() -> None:
+    clock, changes = Clock(), []
+    paths = _paths(clock, changes)
+    with paths.transfer(A):  # paced to last five peer timeouts, and never superseded
+        clock.now += 5.0
+        assert paths.check() == [] and paths.troubles() == ()
+    with pytest.raises(asyncio.CancelledError), paths.transfer(A):  # cut off (its buddy re-placed) at once
+        clock.now += 1.0
+        raise asyncio.CancelledError
+    clock.now += 10.0  # no transfer since: the idle time is no stall
+    assert paths.check() == [] and paths.troubles() == () and changes == []
+
+
+def test_a_path_with_no_transfer_for_a_long_time_is_forgotten_and_a_broken_one_stops_being_reported() -> None:
+    from snapshotd.sidecar.paths import FORGET_AFTER_S
+
+    clock, changes = Clock(), []
+    paths = _paths(clock, changes)
+    with paths.transfer(A):
+        pass
+    paths.failed("tcp://127.0.0.1:2", "no chunk_ack within 2.0 s")
+    clock.now += FORGET_AFTER_S + 1
+    paths.check()
+    assert paths.paths == {} and paths.troubles() == () and changes == [1, 1]
