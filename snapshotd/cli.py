@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from snapshotd import __version__
 from snapshotd.logs import LOG_FORMATS, setup_logging
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.units import parse_bytes, parse_duration, parse_fraction, parse_rate
@@ -24,10 +25,16 @@ def _parser() -> argparse.ArgumentParser:
         prog="snapshotd", description="In-memory, every-step snapshots for PyTorch training."
     )
     p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    p.add_argument("--version", action="version", version=f"snapshotd {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("coordinator", help="run the job's recovery coordinator")
-    c.add_argument("--bind", default=DEFAULT_COORDINATOR, help="control-plane endpoint (default %(default)s)")
+    c.add_argument(
+        "--bind",
+        type=endpoint,
+        default=DEFAULT_COORDINATOR,
+        help="control-plane endpoint: tcp://HOST:PORT, HOST:PORT or a port (default %(default)s)",
+    )
     c.add_argument("--replicas", type=int, default=1, help="buddy copies per rank (default %(default)s)")
     c.add_argument(
         "--heartbeat-timeout", default="3s", help="silence after which a node is dead (default %(default)s)"
@@ -50,12 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     s = sub.add_parser("serve", help="run this node's sidecar")
-    s.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    s.add_argument(
+        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+    )
     s.add_argument("--node", default=None, help="node name (default: the host name)")
     s.add_argument("--rack", default="", help="failure-domain label; buddies are never in the same rack")
     s.add_argument("--ipc", default=None, help="ipc socket path for local ranks (default: per-user path)")
     s.add_argument(
-        "--data-bind", default="tcp://127.0.0.1:0", help="data-plane endpoint (default %(default)s)"
+        "--data-bind",
+        type=endpoint,
+        default="tcp://127.0.0.1:0",
+        help="data-plane endpoint (default %(default)s)",
     )
     s.add_argument("--advertise", default=None, help="host name peers use to reach --data-bind")
     s.add_argument(
@@ -120,12 +132,16 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
-    st.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    st.add_argument(
+        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+    )
     st.add_argument("--watch", action="store_true", help="refresh every second")
     st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
 
     e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
-    e.add_argument("--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR))
+    e.add_argument(
+        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+    )
     e.add_argument("--job", required=True, help="the job to export")
     e.add_argument(
         "--step",
@@ -144,11 +160,41 @@ def _parser() -> argparse.ArgumentParser:
         "--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)"
     )
     d.add_argument("--params", default="2M", help="model size in parameters (default %(default)s)")
+    for command in (c, s, st, e, d):
+        _verbose_here(command)
     return p
+
+
+def endpoint(text: str) -> str:
+    """An endpoint flag's value as ZeroMQ takes it: ``tcp://HOST:PORT``, ``ipc://PATH`` and ``mem://NAME`` as
+    given; ``HOST:PORT`` as ``tcp://HOST:PORT``; a bare port as ``tcp://127.0.0.1:PORT``.
+
+    Raises:
+        argparse.ArgumentTypeError: none of these.
+    """
+    text = text.strip()
+    if "://" in text:
+        return text
+    if text.isdigit():
+        return f"tcp://127.0.0.1:{text}"
+    host, sep, port = text.rpartition(":")
+    if sep and host and port.isdigit():
+        return f"tcp://{text}"
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not an endpoint: write tcp://HOST:PORT, HOST:PORT or a port"
+    )
+
+
+def _verbose_here(parser: argparse.ArgumentParser) -> None:
+    """Let ``-v`` follow the subcommand too (``snapshotd serve -v``), adding to one before it."""
+    parser.add_argument(
+        "-v", "--verbose", dest="verbose_here", action="count", default=0, help="more logging (-vv for debug)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.verbose += getattr(args, "verbose_here", 0)
     setup_logging(args.verbose, getattr(args, "log_format", "text"))
     secret = os.environ.get("SNAPSHOTD_SECRET") or None
     try:
@@ -171,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"snapshotd {args.command}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a port in use, an address this host does not have: one line, not a traceback
+        print(f"snapshotd {args.command}: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 2

@@ -130,7 +130,8 @@ def status_renderables(doc: dict[str, Any]) -> list[RenderableType]:
     c = doc.get("coordinator", {})
     out: list[RenderableType] = [
         Text(
-            f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, replicas {c.get('replicas')}, "
+            f"coordinator: up {format_seconds(c.get('uptime_s', 0))}, version {c.get('version', '?')}, "
+            f"replicas {c.get('replicas')}, "
             f"{c.get('heartbeats', 0)} heartbeats, {c.get('bad_messages', 0)} bad messages\n"
         ),
     ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
 __all__ = [
     "format_bytes",
@@ -15,65 +14,64 @@ __all__ = [
     "parse_rate",
 ]
 
-_SIZE = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_RATE = {
-    "bit": 1 / 8,
-    "kbit": 1e3 / 8,
-    "mbit": 1e6 / 8,
-    "gbit": 1e9 / 8,
-    "tbit": 1e12 / 8,
-    "b/s": 1,
-    "kb/s": 1e3,
-    "mb/s": 1e6,
-    "gb/s": 1e9,
-    "mib/s": 1 << 20,
-    "gib/s": 1 << 30,
-}
-_FRACTION = {"": 1.0, "%": 0.01}
-_TIME = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z/%]*)\s*$", re.IGNORECASE)
+_DECIMAL = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_BINARY = {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
+_SIZE_RE = re.compile(rf"^\s*{_NUMBER}\s*([kKmMgGtT]i?)?([bB])?\s*$")
+_RATE_RE = re.compile(rf"^\s*{_NUMBER}\s*([kKmMgGtT]i?)?(bits?|Bits?|b|B)(/s|ps)?\s*$")
+_FRACTION_RE = re.compile(rf"^\s*{_NUMBER}\s*(%?)\s*$")
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_TIME_PART = re.compile(rf"{_NUMBER}\s*(ms|us|min|s|m|h|d)", re.IGNORECASE)
+_PLAIN = re.compile(rf"^\s*{_NUMBER}\s*$")
 
 
-def _parse(text: str, units: Mapping[str, float], what: str) -> float:
-    m = _NUM.match(str(text))
-    if not m or m.group(2).lower() not in units:
-        raise ValueError(f"cannot read {text!r} as a {what} (units: {', '.join(k for k in units if k)})")
-    return float(m.group(1)) * units[m.group(2).lower()]
+def _multiplier(prefix: str | None) -> float:
+    """The factor of a unit prefix: ``k``, ``M``, ``G``, ``T`` (either case, decimal) or ``Ki`` .. ``Ti``."""
+    prefix = (prefix or "").lower()
+    return float(_BINARY[prefix]) if prefix in _BINARY else _DECIMAL[prefix]
 
 
 def parse_bytes(text: str) -> int:
-    """``"64GiB"`` -> 68719476736. Plain numbers are bytes."""
-    return int(_parse(text, _SIZE, "size"))
+    """``"64GiB"``, ``"64Gi"`` -> 68719476736; ``"64GB"``, ``"64G"`` -> 64e9. Plain numbers are bytes."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 512MiB, 64Gi, 64GB, 1000000)")
+    return int(float(m.group(1)) * _multiplier(m.group(2)))
 
 
 def parse_rate(text: str) -> float:
-    """``"10Gbit"`` -> 1.25e9 bytes per second."""
-    return _parse(text, _RATE, "rate")
+    """A rate in bytes per second, from network units: ``"10Gbit"``, ``"10Gbit/s"``, ``"10Gbps"`` and
+    ``"10Gb/s"`` are bits (1.25e9 bytes/s); ``"10GB/s"``, ``"10GBps"`` and ``"10GiB/s"`` are bytes. A lowercase
+    ``b`` is a bit and an uppercase ``B`` a byte, as network engineers write them; the prefix may be either case.
+    """
+    m = _RATE_RE.match(str(text))
+    if not m:
+        raise ValueError(
+            f"cannot read {text!r} as a rate: write bits as 10Gbit/s, 10Gbps or 10Gb/s, bytes as 10GB/s or "
+            "10GiB/s"
+        )
+    value = float(m.group(1)) * _multiplier(m.group(2))
+    return value if m.group(3) == "B" else value / 8
 
 
 def parse_duration(text: str) -> float:
-    """``"3s"``, ``"500ms"``, ``"2h"`` -> seconds. Plain numbers are seconds."""
-    return _parse(text, _TIME, "duration")
+    """``"3s"``, ``"500ms"``, ``"2h"``, ``"1m30s"``, ``"1h 2m"`` -> seconds (``m`` is minutes, ``ms``
+    milliseconds). Plain numbers are seconds."""
+    raw = str(text)
+    if _PLAIN.match(raw):
+        return float(raw)
+    parts = _TIME_PART.findall(raw)
+    if not parts or _TIME_PART.sub("", raw).strip():
+        raise ValueError(f"cannot read {text!r} as a duration (e.g. 3s, 500ms, 2h, 1m30s)")
+    return sum(float(n) * _TIME[unit.lower()] for n, unit in parts)
 
 
 def parse_fraction(text: str) -> float:
     """``"1%"`` -> 0.01; plain numbers are fractions (``"0.01"`` -> 0.01)."""
-    return _parse(text, _FRACTION, "fraction")
+    m = _FRACTION_RE.match(str(text))
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a fraction (e.g. 1% or 0.01)")
+    return float(m.group(1)) * (0.01 if m.group(2) else 1.0)
 
 
 def format_bytes(n: float) -> str:

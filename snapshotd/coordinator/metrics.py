@@ -43,6 +43,12 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     yield gauge(
         "snapshotd_coordinator_uptime_seconds", "Seconds since the coordinator started", co["uptime_s"]
     )
+    yield gauge(
+        "snapshotd_build_info",
+        "This daemon's snapshotd version (always 1)",
+        labels=("version",),
+        rows=[((co.get("version", "unknown"),), 1)],
+    )
     yield counter("snapshotd_heartbeats", "Heartbeats received", co["heartbeats"])
     yield counter(
         "snapshotd_refused_messages", "Messages refused (malformed, unknown, not allowed)", co["bad_messages"]

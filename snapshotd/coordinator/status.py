@@ -16,6 +16,7 @@ from typing import Any
 
 import msgpack
 
+from snapshotd import __version__
 from snapshotd.proto import Error, ErrorCode, Message, StatusReply
 from snapshotd.proto.limits import MAX_TEXT_LEN
 
@@ -39,7 +40,7 @@ def status_parts(
 ) -> Iterator[bytes]:
     """The status document packed with msgpack, in parts; the parts joined are the document.
 
-    ``coordinator``: uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
+    ``coordinator``: version (the coordinator's build), uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
     heartbeat_interval (the one given out now, seconds), heartbeat_timeout (the death timeout now, seconds).
     ``broken_paths``: the pairs of live nodes that cannot move snapshots to each other (see :mod:`.paths`), each
     with ``nodes`` and ``reported_by`` (node: why).
@@ -61,6 +62,7 @@ def status_parts(
     packer = msgpack.Packer(use_bin_type=True)
     pack = packer.pack
     coordinator = {
+        "version": __version__,
         "uptime_s": round(now - started, 3),
         "replicas": cfg.replicas,
         **counters,

@@ -6,6 +6,7 @@ import time
 
 from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 
+from snapshotd import __version__
 from snapshotd.metrics import Sampler, counter, gauge
 
 from .node import NodeState
@@ -78,6 +79,12 @@ def sidecar_sampler(state: NodeState, pacer: Pacer) -> Sampler:
                 "1 for each peer this sidecar reports to the coordinator as unreachable or slow",
                 labels=("peer", "kind"),
                 rows=[((p.addr, p.kind or "unknown"), 1) for p in paths if p.broken_since is not None],
+            ),
+            gauge(
+                "snapshotd_build_info",
+                "This daemon's snapshotd version (always 1)",
+                labels=("version",),
+                rows=[((__version__,), 1)],
             ),
             gauge(
                 "snapshotd_sidecar_info",
