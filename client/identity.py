@@ -15,7 +15,10 @@ import torch
 
 from snapshotd.shm import default_ipc_path
 
-__all__ = ["Identity"]
+__all__ = ["TORCHRUN_DEFAULT_RUN_ID", "Identity"]
+
+TORCHRUN_DEFAULT_RUN_ID = "none"
+"""``$TORCHELASTIC_RUN_ID`` when torchrun is given no ``--rdzv-id``: refused as a job name."""
 
 
 def _env_int(name: str) -> int | None:
@@ -49,6 +52,11 @@ class Identity:
         if not job:
             raise ValueError(
                 "no job name: pass job= or set SNAPSHOTD_JOB (torchrun sets TORCHELASTIC_RUN_ID)"
+            )
+        if job == TORCHRUN_DEFAULT_RUN_ID:
+            raise ValueError(
+                f"the job name is torchrun's default run id {job!r} (no --rdzv-id was given): every job launched "
+                "without one would share its snapshots. Give torchrun --rdzv-id, or pass job= or SNAPSHOTD_JOB"
             )
         if rank is None or world_size is None:
             raise ValueError(

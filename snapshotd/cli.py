@@ -162,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--params", default="2M", help="model size in parameters (default %(default)s)")
     for command in (c, s, st, e, d):
         _verbose_here(command)
+    for command in (c, s, st, e):
+        command.add_argument(
+            "--secret-file",
+            default=None,
+            help="read the job's secret from this file (instead of $SNAPSHOTD_SECRET, which it overrides)",
+        )
     return p
 
 
@@ -185,6 +191,25 @@ def endpoint(text: str) -> str:
     )
 
 
+def _secret(path: str | None) -> str | None:
+    """The job's secret: the contents of ``path`` (its surrounding whitespace stripped) where given, else
+    ``$SNAPSHOTD_SECRET``; None when neither has one.
+
+    Raises:
+        ValueError: ``path`` cannot be read, or holds nothing.
+    """
+    if path is None:
+        return os.environ.get("SNAPSHOTD_SECRET") or None
+    try:
+        with open(path) as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read --secret-file {path}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ValueError(f"--secret-file {path} is empty")
+    return secret
+
+
 def _verbose_here(parser: argparse.ArgumentParser) -> None:
     """Let ``-v`` follow the subcommand too (``snapshotd serve -v``), adding to one before it."""
     parser.add_argument(
@@ -196,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.verbose += getattr(args, "verbose_here", 0)
     setup_logging(args.verbose, getattr(args, "log_format", "text"))
-    secret = os.environ.get("SNAPSHOTD_SECRET") or None
     try:
+        secret = _secret(getattr(args, "secret_file", None))
         if args.command == "coordinator":
             return _coordinator(args, secret)
         if args.command == "serve":

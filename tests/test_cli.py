@@ -98,3 +98,16 @@ def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     err = capsys.readouterr().err.strip()
     assert err.splitlines()[-1].startswith("snapshotd coordinator: cannot bind the coordinator to")
     assert "in use" in err and "Traceback" not in err
+
+
+def test_the_secret_comes_from_a_file_where_one_is_given(tmp_path, monkeypatch, capsys) -> None:
+    from snapshotd.cli import _secret
+
+    monkeypatch.setenv("SNAPSHOTD_SECRET", "from-env")
+    (tmp_path / "secret").write_text("from-file\n")
+    assert _secret(str(tmp_path / "secret")) == "from-file"
+    assert _secret(None) == "from-env"
+    (tmp_path / "empty").write_text("  \n")
+    for path, says in ((tmp_path / "empty", "is empty"), (tmp_path / "absent", "cannot read --secret-file")):
+        assert main(["status", "--coordinator", "7", "--secret-file", str(path)]) == 2
+        assert says in capsys.readouterr().err

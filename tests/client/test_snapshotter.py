@@ -64,6 +64,9 @@ def test_missing_identity_is_a_clear_value_error(monkeypatch) -> None:
         Snapshotter({}, job="j")
     with pytest.raises(ValueError, match="when_busy"):
         Snapshotter({}, job="j", rank=0, world_size=1, when_busy="sometimes")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
+    with pytest.raises(ValueError, match="torchrun's default run id 'none'.*--rdzv-id"):
+        Snapshotter({}, rank=0, world_size=1)
 
 
 def test_defaults_come_from_the_environment(monkeypatch, tmp_path) -> None:
