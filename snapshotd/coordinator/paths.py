@@ -9,10 +9,10 @@ heals. :class:`BrokenPaths` keeps what each live node reports and the pairs it m
   chunks go one way and its acknowledgements the other, and a restore pulls the other way), so a path broken one
   way counts as broken both ways.
 - Placement puts no buddy across a broken pair while another node outside the rank's failure domain can take
-  the copy (:meth:`~.placement.Placement.buddies`), and a restore plan names no holder across one while another
-  holder has the step (:mod:`.plans`), nor a re-replication a source across one from its target
-  (:mod:`.replication`). Where every candidate is across a broken pair, placement keeps the one it
-  would pick (a slow path still moves bytes) and the status shows the pair.
+  the copy (:meth:`~.placement.Placement.buddies`); where every candidate is across one, it keeps the one it
+  would pick (a slow path still moves bytes) and the status shows the pair. A restore plan names no holder
+  across one while another holder has the step (:mod:`.plans`). A re-replication goes to no node across one
+  from every holder, and names only the holders its target reaches (:mod:`.replication`).
 - A node's reports go with it when it dies, and a pair naming a dead node goes; a report naming an address no
   live node has pairs nothing until a node registers there. The pairs are made anew from the reports whenever a
   report or the live set changes.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Collection
 
 from snapshotd.proto import Assignment
 
@@ -84,8 +85,12 @@ class Placement:
             node.assign_epoch = epoch
         return node.assignments
 
-    def targets(self, job: Job, rank: int, exclude: set[str], count: int) -> list[str]:
+    def targets(
+        self, job: Job, rank: int, exclude: set[str], count: int, sources: Collection[str] = ()
+    ) -> list[str]:
         """Up to ``count`` live nodes for a new copy: the rank's assigned buddies, then ring order from its home.
+        With ``sources`` (the copy's holders), never a node across a broken path from every one of them
+        (:mod:`.paths`): its pull could not succeed.
 
         Never the home (or the last home, when the rank has none now) nor its failure domain, nor a node in
         ``exclude`` (holders and pending targets), nor a node leaving (out of the ring). Beyond the buddies, domains holding no copy yet come
@@ -96,14 +101,26 @@ class Placement:
         home = job.homes.get(rank)
         anchor = home or job.last_home.get(rank)
         anchor_domain = nodes[anchor].domain if anchor is not None else None
-        picked = [b for b in self.buddies(home) if b not in exclude][:count] if home is not None else []
+        paths = self._membership.paths
+        blocked = (  # O(ring x sources), only while some path is broken
+            {n for n in ring if n not in exclude and all(paths.broken(n, h) for h in sources)}
+            if sources and paths
+            else set()
+        )
+        picked = (
+            [b for b in self.buddies(home) if b not in exclude and b not in blocked][:count]
+            if home is not None
+            else []
+        )
         placed = [
             n for n in (*exclude, *picked) if nodes[n].alive and not nodes[n].leaving
         ]  # those in the ring
         taken = {nodes[n].domain for n in placed} - {anchor_domain}
         outside = len(ring) - (domains[anchor_domain] if anchor_domain is not None else 0)
-        fresh = outside - sum(domains[d] for d in taken)  # ring nodes in domains without a copy
-        spare = outside - sum(1 for n in placed if nodes[n].domain != anchor_domain)
+        others = [n for n in blocked if n not in picked and nodes[n].domain != anchor_domain]
+        # ring nodes in domains without a copy, and all ring nodes, that may take it
+        fresh = outside - sum(domains[d] for d in taken) - sum(nodes[n].domain not in taken for n in others)
+        spare = outside - sum(1 for n in placed if nodes[n].domain != anchor_domain) - len(others)
         count = min(count, len(picked) + spare)
         start = bisect.bisect_right(ring, anchor) if anchor is not None else 0
         for spread, available in ((True, fresh), (False, spare)):
@@ -116,6 +133,7 @@ class Placement:
                 domain = nodes[name].domain
                 if (
                     name in exclude
+                    or name in blocked
                     or name in picked
                     or domain == anchor_domain
                     or (spread and domain in taken)

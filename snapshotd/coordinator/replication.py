@@ -108,7 +108,9 @@ class Sweep:
             if count <= 0:
                 continue
             paths = self._membership.paths
-            for target in self._placement.targets(job, r, holders.keys() | pending, count):
+            for target in self._placement.targets(
+                job, r, holders.keys() | pending, count, sources=holders.keys()
+            ):
                 # the holders it reaches; all of them where it reaches none (see .paths)
                 reached = [n for n in holders if not paths.broken(target, n)] or list(holders)
                 sources = tuple(sorted(nodes[n].data_addr for n in reached))

@@ -168,7 +168,7 @@ class CoordinatorState:
             staying = sum(not nodes[h].leaving for h in holders)
             if staying >= want:
                 continue
-            if self.placement.targets(job, rank, set(holders), want - staying):
+            if self.placement.targets(job, rank, set(holders), want - staying, sources=holders.keys()):
                 remaining += 1
             elif staying == 0:
                 unplaceable += 1

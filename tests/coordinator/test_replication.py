@@ -123,3 +123,22 @@ def test_a_replication_pulls_from_the_holders_its_target_reaches() -> None:
             beat(st, n, T0 + t, changed=False)
         tasks += beat(st, "c", T0 + t, changed=False, unreachable=cut).tasks
     assert tasks == [ReplicateTask(job="j", rank=0, step=5, sources=(addr("b"),))]
+
+
+def test_no_replication_goes_to_a_node_that_reaches_no_holder() -> None:
+    from snapshotd.proto import PathTrouble
+
+    st = make(replicas=2)
+    for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3"), ("e", "r4")):
+        register(st, n, rack=rack)
+    beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))
+    beat(st, "b", T0, (), inv("j", 0, 5))
+    beat(st, "e", T0, (), inv("j", 0, 5))
+    cut = tuple(PathTrouble(addr=addr(n), reason="unreachable: x") for n in "be")
+    tasks = []
+    for t in (2.0, 3.5, 5.0):  # a dies: 2 of 3 copies; c, the one node left, reaches neither holder
+        st.expire(T0 + t)
+        for n in "be":
+            tasks += beat(st, n, T0 + t, changed=False).tasks
+        tasks += beat(st, "c", T0 + t, changed=False, unreachable=cut).tasks
+    assert tasks == [], "its pull could not succeed: no task, rather than one retried every 10 s"
