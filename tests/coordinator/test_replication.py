@@ -106,39 +106,43 @@ def test_no_target_outside_the_homes_rack_means_no_task() -> None:
         assert all(r.tasks == () for r in replies.values())
 
 
-def test_a_replication_pulls_from_the_holders_its_target_reaches() -> None:
-    from snapshotd.proto import PathTrouble
-
+def _two_holders_and_a_spare() -> CoordinatorState:
+    """a (r1) hosts rank 0 with step 5 local; b (r2) and e (r4) hold copies (replicas=2); c (r3) is spare."""
     st = make(replicas=2)
     for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3"), ("e", "r4")):
         register(st, n, rack=rack)
     beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))
     beat(st, "b", T0, (), inv("j", 0, 5))
     beat(st, "e", T0, (), inv("j", 0, 5))
-    cut = (PathTrouble(addr=addr("e"), reason="unreachable: x"),)
-    tasks = []
-    for t in (2.0, 3.5):  # a dies: rank 0 step 5 has 2 of 3 copies; c, the one node left, cannot reach e
+    return st
+
+
+def _tasks_after_a_dies(st: CoordinatorState, unreachable_from_c: tuple) -> list[ReplicateTask]:
+    """The tasks every node gets while a is silent long enough to die, c reporting ``unreachable_from_c``."""
+    tasks: list[ReplicateTask] = []
+    for t in (2.0, 3.5, 5.0):
         st.expire(T0 + t)
         for n in "be":
-            beat(st, n, T0 + t, changed=False)
-        tasks += beat(st, "c", T0 + t, changed=False, unreachable=cut).tasks
+            tasks += beat(st, n, T0 + t, changed=False).tasks
+        tasks += beat(st, "c", T0 + t, changed=False, unreachable=unreachable_from_c).tasks
+    return tasks
+
+
+def test_a_replication_pulls_from_the_holders_its_target_reaches() -> None:
+    from snapshotd.proto import PathTrouble
+
+    st = _two_holders_and_a_spare()
+    cut = (PathTrouble(addr=addr("e"), reason="unreachable: x"),)
+    tasks = _tasks_after_a_dies(
+        st, cut
+    )  # rank 0 step 5 has 2 of 3 copies; c, the one node left, cannot reach e
     assert tasks == [ReplicateTask(job="j", rank=0, step=5, sources=(addr("b"),))]
 
 
 def test_no_replication_goes_to_a_node_that_reaches_no_holder() -> None:
     from snapshotd.proto import PathTrouble
 
-    st = make(replicas=2)
-    for n, rack in (("a", "r1"), ("b", "r2"), ("c", "r3"), ("e", "r4")):
-        register(st, n, rack=rack)
-    beat(st, "a", T0, ranks("j", 1, 0), inv("j", 0, 5, local=True))
-    beat(st, "b", T0, (), inv("j", 0, 5))
-    beat(st, "e", T0, (), inv("j", 0, 5))
+    st = _two_holders_and_a_spare()
     cut = tuple(PathTrouble(addr=addr(n), reason="unreachable: x") for n in "be")
-    tasks = []
-    for t in (2.0, 3.5, 5.0):  # a dies: 2 of 3 copies; c, the one node left, reaches neither holder
-        st.expire(T0 + t)
-        for n in "be":
-            tasks += beat(st, n, T0 + t, changed=False).tasks
-        tasks += beat(st, "c", T0 + t, changed=False, unreachable=cut).tasks
+    tasks = _tasks_after_a_dies(st, cut)  # c, the one node left, reaches neither holder
     assert tasks == [], "its pull could not succeed: no task, rather than one retried every 10 s"
