@@ -159,14 +159,21 @@ def transport_driver(
         t = tensors[step % parts]
         t[step % t.numel()] += 1.0
 
+    return _measure_state({"tensors": tensors}, advance, job, sidecar, repeat, settle, timeout)
+
+
+def _measure_state(
+    state: dict[str, Any],
+    advance: Callable[[int], None],
+    job: str,
+    sidecar: str,
+    repeat: int,
+    settle: int,
+    timeout: float,
+) -> dict[str, Any]:
+    """:func:`_measure` with a Snapshotter of ``state`` (rank 0 of 1, waiting for a slot when none is free)."""
     with Snapshotter(
-        {"tensors": tensors},
-        job=job,
-        rank=0,
-        world_size=1,
-        sidecar=sidecar,
-        when_busy="block",
-        timeout=timeout,
+        state, job=job, rank=0, world_size=1, sidecar=sidecar, when_busy="block", timeout=timeout
     ) as snap:
         return _measure(snap, advance, repeat, settle, timeout)
 
@@ -201,16 +208,7 @@ def train_driver(
         x, y = make_batch(cfg, batch, gen)
         train_step(model, opt, x, y)
 
-    with Snapshotter(
-        {"model": model, "optim": opt},
-        job=job,
-        rank=0,
-        world_size=1,
-        sidecar=sidecar,
-        when_busy="block",
-        timeout=timeout,
-    ) as snap:
-        out = _measure(snap, advance, repeat, settle, timeout)
+    out = _measure_state({"model": model, "optim": opt}, advance, job, sidecar, repeat, settle, timeout)
     out["n_params"] = cfg.n_params
     return out
 

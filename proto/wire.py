@@ -224,20 +224,8 @@ class PlanReplyPacker:
         out: list[bytes | ProtocolError] = []
         for job, plans in replies:
             if checked:
-                rank, status, step, local, sources, reason = plans[0]
                 frame: bytes = msgpack.packb(
-                    {
-                        "v": L.PROTOCOL_VERSION,
-                        "type": PlanReply.TYPE,
-                        "job": job,
-                        "rank": rank,
-                        "status": status,
-                        "step": step,
-                        "local": local,
-                        "sources": sources,
-                        "reason": reason,
-                        "plans": plans[1:],
-                    },
+                    {"v": L.PROTOCOL_VERSION, "type": PlanReply.TYPE, **self._fields(job, plans)},
                     use_bin_type=True,
                 )
                 if len(frame) <= L.MAX_HEADER_BYTES:
@@ -260,7 +248,12 @@ class PlanReplyPacker:
         first = plans[0]
         if len(first) != _PLAN_FIELDS:
             raise MalformedMessage(f"plan_reply: a plan has {len(first)} fields, not {_PLAN_FIELDS}")
-        rank, status, step, local, sources, reason = first
+        return PlanReplyPacker._fields(job, plans)
+
+    @staticmethod
+    def _fields(job: str, plans: Sequence[RankPlanFields]) -> dict[str, Any]:
+        """The header fields of a reply of ``plans`` (at least one, each of the right length)."""
+        rank, status, step, local, sources, reason = plans[0]
         return {
             "job": job,
             "rank": rank,

@@ -125,21 +125,21 @@ def family(
     return fam
 
 
-def gauge(
-    name: str,
-    doc: str,
-    value: float | None = None,
-    labels: Iterable[str] = (),
-    rows: Iterable[tuple[Iterable[str], float]] = (),
-) -> Metric:
-    return family(GaugeMetricFamily, name, doc, labels, [((), value)] if value is not None else rows)
+def _maker(kind: type[GaugeMetricFamily | CounterMetricFamily]) -> Callable[..., Metric]:
+    """A maker of ``kind`` families: ``make(name, doc, value)`` for one unlabelled value, or ``make(name, doc,
+    labels=..., rows=[(label values, value), ...])``."""
+
+    def make(
+        name: str,
+        doc: str,
+        value: float | None = None,
+        labels: Iterable[str] = (),
+        rows: Iterable[tuple[Iterable[str], float]] = (),
+    ) -> Metric:
+        return family(kind, name, doc, labels, [((), value)] if value is not None else rows)
+
+    return make
 
 
-def counter(
-    name: str,
-    doc: str,
-    value: float | None = None,
-    labels: Iterable[str] = (),
-    rows: Iterable[tuple[Iterable[str], float]] = (),
-) -> Metric:
-    return family(CounterMetricFamily, name, doc, labels, [((), value)] if value is not None else rows)
+gauge = _maker(GaugeMetricFamily)
+counter = _maker(CounterMetricFamily)

@@ -102,30 +102,14 @@ class RestoreService:
         if lr is None:
             if self._pending.get(key) is task:
                 del self._pending[key]
-            self.outbox.reply(
-                ident,
-                Error(
-                    job=req.job,
-                    request_id=req.request_id,
-                    code=ErrorCode.NOT_REGISTERED,
-                    rank=req.rank,
-                    message="register the rank before restoring",
-                ),
-            )
+            self._refuse(ident, req, ErrorCode.NOT_REGISTERED, "register the rank before restoring")
             return
         lr.awaiting_restore = True
         try:
             await self._restore(ident, req, lr)
         except RankGone:
-            self.outbox.reply(
-                ident,
-                Error(
-                    job=req.job,
-                    request_id=req.request_id,
-                    code=ErrorCode.NOT_REGISTERED,
-                    rank=req.rank,
-                    message="the rank unregistered while its restore was pending",
-                ),
+            self._refuse(
+                ident, req, ErrorCode.NOT_REGISTERED, "the rank unregistered while its restore was pending"
             )
         except Exception as exc:
             self.state.counters.errors += 1
@@ -135,16 +119,7 @@ class RestoreService:
                 req.rank,
                 extra=fields(req.job, req.rank, event="restore_failed"),
             )
-            self.outbox.reply(
-                ident,
-                Error(
-                    job=req.job,
-                    request_id=req.request_id,
-                    code=ErrorCode.INTERNAL,
-                    rank=req.rank,
-                    message=f"{type(exc).__name__}: {exc}",
-                ),
-            )
+            self._refuse(ident, req, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
             if self.state.rank(lr.job, lr.rank) is not lr:  # dropped meanwhile: its arena belongs to nobody
                 lr.arena.close(unlink=True)
@@ -153,6 +128,22 @@ class RestoreService:
                 self.notify(lr, "", -1)
             if self._pending.get(key) is task:
                 del self._pending[key]
+
+    def _refuse(
+        self, ident: bytes, req: RestoreRequest, code: ErrorCode, message: str, step: int = -1
+    ) -> None:
+        """Answer ``req`` with an Error of ``code`` (about ``step`` where one is known)."""
+        self.outbox.reply(
+            ident,
+            Error(
+                job=req.job,
+                request_id=req.request_id,
+                code=code,
+                rank=req.rank,
+                step=step,
+                message=message,
+            ),
+        )
 
     def track(self, job: str, rank: int, task: asyncio.Task[None]) -> None:
         """``task`` runs :meth:`restore` for ``rank`` of ``job`` (recorded as the task is made, before it runs, so
@@ -185,16 +176,7 @@ class RestoreService:
                 t0 + req.timeout_s,
             )
         except (CoordinatorUnavailable, ProtocolError) as exc:
-            self.outbox.reply(
-                ident,
-                Error(
-                    job=req.job,
-                    request_id=req.request_id,
-                    code=ErrorCode.PLAN_TIMEOUT,
-                    rank=req.rank,
-                    message=str(exc),
-                ),
-            )
+            self._refuse(ident, req, ErrorCode.PLAN_TIMEOUT, str(exc))
             return
         check_registered(self.state, lr)
         if plan.status == "fresh":
@@ -213,16 +195,7 @@ class RestoreService:
             )
             return
         if plan.status != "ready":
-            self.outbox.reply(
-                ident,
-                Error(
-                    job=req.job,
-                    request_id=req.request_id,
-                    code=ErrorCode.NOT_RECOVERABLE,
-                    rank=req.rank,
-                    message=plan.reason,
-                ),
-            )
+            self._refuse(ident, req, ErrorCode.NOT_RECOVERABLE, plan.reason)
             return
         step = plan.step
         t_data = time.monotonic()
@@ -247,16 +220,8 @@ class RestoreService:
                     if local_corrupt
                     else str(exc)
                 )
-                self.outbox.reply(
-                    ident,
-                    Error(
-                        job=req.job,
-                        request_id=req.request_id,
-                        code=ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED,
-                        rank=req.rank,
-                        step=step,
-                        message=why,
-                    ),
+                self._refuse(
+                    ident, req, ErrorCode.CORRUPT if corrupt else ErrorCode.PULL_FAILED, why, step=step
                 )
                 return
             source = "pull" if pulled else "replica"

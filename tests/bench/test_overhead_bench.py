@@ -20,6 +20,21 @@ from snapshotd.harness.workloads import config_for_params
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY_PARAMS = 30_000
+TINY_RUN = (
+    "--params",
+    str(TINY_PARAMS),
+    "--steps",
+    "5",
+    "--warmup",
+    "1",
+    "--rounds",
+    "1",
+    "--ranks",
+    "2",
+    "--batch",
+    "1",
+)
+"""The smallest run that measures anything: a tiny model, one round of five steps, two ranks of one sequence."""
 SUMMARY_KEYS = {
     "scenario",
     "state_bytes_per_rank",
@@ -60,18 +75,7 @@ def _args(*argv: str) -> argparse.Namespace:
 def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
     workdir = tmp_path_factory.mktemp("overhead")
     args = _args(
-        "--params",
-        str(TINY_PARAMS),
-        "--steps",
-        "5",
-        "--warmup",
-        "1",
-        "--rounds",
-        "1",
-        "--ranks",
-        "2",
-        "--batch",
-        "1",
+        *TINY_RUN,
         "--scenario",
         "headroom",
         "--workdir",
@@ -179,18 +183,7 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
 
 def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
     args = _args(
-        "--params",
-        str(TINY_PARAMS),
-        "--steps",
-        "5",
-        "--warmup",
-        "1",
-        "--rounds",
-        "1",
-        "--ranks",
-        "2",
-        "--batch",
-        "1",
+        *TINY_RUN,
         "--variants",
         "none,snapshotd",
         "--every",
