@@ -69,7 +69,7 @@ class LiveRanks:
 
     A node started with an ``index`` runs ranks ``index * per_node`` to ``(index + 1) * per_node - 1``; one
     started without asks snapshotd for its seat (``--nodes``, with ``$LOCAL_RANK`` and ``$LOCAL_WORLD_SIZE`` set as
-    torchrun sets them). Each rank runs :mod:`.live_trainer` with ``flags`` (besides its placement, store, job,
+    torchrun sets them). Each rank runs ``trainer`` (:mod:`.live_trainer`, or :mod:`.elastic_trainer`) with ``flags`` (besides its placement, store, job,
     sidecar, out and progress); its output goes to ``workdir/<tag>/<label>-<local rank>.log``, its result and
     progress to ``workdir/<tag>/rank<R>.json`` and ``.progress``, so a replacement's ranks write where the lost
     ones wrote.
@@ -85,8 +85,10 @@ class LiveRanks:
         nodes: int,
         per_node: int,
         flags: Sequence[str] = (),
+        trainer: str = "snapshotd.bench.live_trainer",
     ) -> None:
         self.dir = os.path.join(workdir, tag)
+        self.trainer = trainer
         os.makedirs(self.dir, exist_ok=True)
         self.tag, self.job, self.store = tag, job, store
         self.nodes, self.per_node, self.world = nodes, per_node, nodes * per_node
@@ -134,7 +136,7 @@ class LiveRanks:
             with held_interrupts():
                 self.procs[label].append(
                     start_module(
-                        "snapshotd.bench.live_trainer",
+                        self.trainer,
                         argv,
                         env=env,
                         output=os.path.join(self.dir, f"{label}-{local_rank}.log"),

@@ -91,6 +91,22 @@ class Capture:
                 self._auto.record(step_seconds, started=started, in_flight=session.in_flight)
                 self.stats.auto_interval = self._auto.interval
 
+    def flush(self, step: int, timeout: float) -> bool:
+        """:meth:`Snapshotter.flush <snapshotd.client.Snapshotter.flush>`."""
+        session = self._session
+        if step != session.last_captured:
+            raise ValueError(f"flush({step}): the step last captured is {session.last_captured}")
+        deadline = time.monotonic() + timeout
+        if session.last_started != step:
+            flat = self._walker.flatten(self._view)
+            if not session.ensure_registered(flat.data_bytes):
+                return False
+            while not self._start(step, flat):  # every slot holds a copy not yet durable: wait for one
+                session.wait(max(0.0, deadline - time.monotonic()))
+                if not session.wait_slot(deadline - time.monotonic()):
+                    return False
+        return session.wait(max(0.0, deadline - time.monotonic()))
+
     def _start(self, step: int, flat: FlatState) -> bool:
         """Stage and announce a snapshot of ``step`` into a free slot (the rank is registered for ``flat``'s size);
         whether one was free."""

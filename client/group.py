@@ -15,6 +15,12 @@ the next one:
 - Then every member of a full epoch creates the gloo group on the store under ``e<E>/pg``; a member that died
   meanwhile makes the others' creation time out (``timeout``), and they open the next epoch, up to
   ``attempts`` failed creations.
+
+An *elastic* group (``settle=``, for virtual ranks: :mod:`snapshotd.client.elastic`) may form with fewer ranks
+than the world. A survivor arriving in an epoch (after a loss, or to let a newcomer in) waits ``settle`` seconds
+for it to fill, then decides it with the ranks arrived so far (``members:<ranks>``); the first decision holds, and
+a rank that arrives after it opens the next epoch, which the members join at their next step boundary. A fresh
+process never decides by settling: it waits for the epoch to fill or for the members to decide.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import datetime
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -58,15 +64,18 @@ class LiveGroup:
         join_timeout: float,
         attempts: int,
         seat: tuple[int, str | None] | None = None,
+        settle: float | None = None,
     ) -> None:
-        if timeout <= 0 or join_timeout <= 0 or attempts < 1:
-            raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+        if timeout <= 0 or join_timeout <= 0 or attempts < 1 or (settle is not None and settle <= 0):
+            raise ValueError("timeout, join_timeout and settle must be > 0, attempts >= 1")
         self.address = (store.host, store.port)  # the watchdog opens a connection of its own there
         self.store = dist.PrefixStore(f"snapshotd/{job}", store)
         self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
         self.seat = seat  # (nodes, sidecar) when snapshotd seated this node (init_process_group's nodes=)
+        self.settle = settle  # elastic: seconds a survivor waits for an epoch to fill before deciding it
         self.epoch = -1
+        self.members: tuple[int, ...] = ()  # the job ranks in the current group, in group rank order
         self.timings: dict[str, float] = {}
         self.left_behind = False  # the watchdog left the group: the job formed a newer one while a step hung
         self._links: dict[int, str] = {}  # the current group's connections: fd -> its socket's /proc link
@@ -74,6 +83,16 @@ class LiveGroup:
         self._lock = threading.Lock()
         self._step_since: float | None = None  # when the guarded step running now began (monotonic)
         self._watchdog: Watchdog | None = None
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the current group (its job rank unless the group is elastic and shrunk)."""
+        return self.members.index(self.rank)
+
+    @property
+    def newest_epoch(self) -> int:
+        """The newest epoch the job opened (a store read): newer than :attr:`epoch` when a rank waits to join."""
+        return int(self.store.get("epoch"))
 
     def __repr__(self) -> str:
         return (
@@ -134,7 +153,23 @@ class LiveGroup:
                     f"job {self.job!r}: this node's seat now gives rank {rank}, not this process's "
                     f"rank {self.rank}"
                 )
-        self._form(self._next(self.epoch), deadline)
+        self._form(self._next(self.epoch), deadline, settling=True)
+
+    def grow(self, on_members: Callable[[tuple[int, ...]], None] | None = None) -> None:
+        """Leave the current (healthy) group for the job's newest epoch, which a newcomer opened, and form it with
+        whoever arrives there within ``settle`` (elastic groups; every member calls it at the same step boundary).
+        ``on_members(members)`` runs once the membership is decided, before the group forms.
+
+        Raises:
+            RecoveryFailed, SnapshotdError: as for :meth:`rejoin`.
+        """
+        if self.settle is None:
+            raise ValueError("grow() is for elastic groups (settle=)")
+        deadline = time.monotonic() + self.join_timeout
+        self.leave()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._form(max(self.newest_epoch, self.epoch + 1), deadline, settling=True, on_members=on_members)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -206,9 +241,16 @@ class LiveGroup:
         """Decide ``epoch`` ``full`` or ``abandoned``, unless it is decided already; the decision that holds."""
         return self.store.compare_set(f"e{epoch}/decided", "", outcome).decode()
 
-    def _form(self, epoch: int, deadline: float | None = None) -> None:
+    def _form(
+        self,
+        epoch: int,
+        deadline: float | None = None,
+        settling: bool = False,
+        on_members: Callable[[tuple[int, ...]], None] | None = None,
+    ) -> None:
         """Form the group of ``epoch`` or a later one, by ``deadline`` (monotonic; default ``join_timeout`` from
-        now)."""
+        now); ``settling``: a survivor of an elastic group, which decides an epoch that did not fill within
+        ``settle``; ``on_members``: called with the members of the epoch that forms, before it does."""
         t0 = time.monotonic()
         deadline = t0 + self.join_timeout if deadline is None else deadline
         first = epoch
@@ -223,25 +265,20 @@ class LiveGroup:
                 epoch = self._next(epoch)
                 continue
             t1 = time.monotonic()
-            try:
-                self.store.wait([f"e{epoch}/decided"], datetime.timedelta(seconds=max(0.001, deadline - t1)))
-            except dist.DistError:
-                raise RecoveryFailed(
-                    f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
-                    f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
-                    "replacement node started?)"
-                ) from None
-            if self.store.get(f"e{epoch}/decided") != b"full":  # a rank came back in it: its old self is gone
+            members = self._decision(epoch, deadline, settling)
+            if self.rank not in members:  # abandoned (a rank came back in it), or decided without this rank
                 epoch = self._next(epoch)
                 continue
+            if on_members is not None:
+                on_members(members)
             t2 = time.monotonic()
             before = set(open_sockets().values())
             try:
                 dist.init_process_group(
                     self.backend,
                     store=dist.PrefixStore(f"e{epoch}/pg", self.store),
-                    rank=self.rank,
-                    world_size=self.world_size,
+                    rank=members.index(self.rank),
+                    world_size=len(members),
                     timeout=datetime.timedelta(seconds=self.timeout),
                 )
             except (RuntimeError, dist.DistError) as exc:  # a member died while the group formed
@@ -253,17 +290,18 @@ class LiveGroup:
                 continue
             with self._lock:
                 self._links = {fd: link for fd, link in open_sockets().items() if link not in before}
-                self.epoch, self.left_behind = epoch, False
+                self.epoch, self.members, self.left_behind = epoch, members, False
             self.timings = {
                 "membership_s": t2 - t0,
                 "group_s": time.monotonic() - t2,
                 "arrival_wait_s": t2 - t1,
             }
             log.info(
-                "[job %s rank %d] process group of epoch %d formed (%d ranks)",
+                "[job %s rank %d] process group of epoch %d formed (%d of %d ranks)",
                 self.job,
                 self.rank,
                 epoch,
+                len(members),
                 self.world_size,
             )
             return
@@ -272,6 +310,35 @@ class LiveGroup:
             f"job {self.job!r} rank {self.rank}: no process group formed within "
             f"{self.join_timeout:.0f} s and {self.attempts} attempts: {why}"
         )
+
+    def _decision(self, epoch: int, deadline: float, settling: bool) -> tuple[int, ...]:
+        """Wait for ``epoch``'s decision (a settling survivor of an elastic group makes it after ``settle``); the
+        job ranks it names members, in order (none when abandoned).
+
+        Raises:
+            RecoveryFailed: no decision by ``deadline``.
+        """
+        key = f"e{epoch}/decided"
+        wait = deadline - time.monotonic()
+        if settling and self.settle is not None:
+            wait = min(wait, self.settle)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=max(0.001, wait)))
+        except dist.DistError:
+            if not (settling and self.settle is not None) or time.monotonic() >= deadline:
+                raise RecoveryFailed(
+                    f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
+                    f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
+                    "replacement node started?)"
+                ) from None
+            arrived = [r for r in range(self.world_size) if int(self.store.add(f"e{epoch}/rank{r}", 0)) > 0]
+            self._decide(epoch, "members:" + ",".join(map(str, arrived)))
+        outcome = self.store.get(key).decode()
+        if outcome == "full":
+            return tuple(range(self.world_size))
+        if outcome.startswith("members:"):
+            return tuple(int(r) for r in outcome.removeprefix("members:").split(","))
+        return ()
 
     def _next(self, failed: int) -> int:
         """:meth:`_open_after`, checked: the epoch after ``failed`` or a newer one.

@@ -72,6 +72,7 @@ def init_process_group(
     timeout: float = 60.0,
     join_timeout: float = 600.0,
     attempts: int = 3,
+    settle: float | None = None,
 ) -> LiveGroup:
     """Form the job's default process group in live mode (in place of ``torch.distributed.init_process_group``).
 
@@ -93,6 +94,8 @@ def init_process_group(
         join_timeout: seconds to wait for the whole membership (the survivors wait this long for a replacement),
             and for a seat.
         attempts: epochs tried before giving up when members die while the group forms.
+        settle: an elastic group (virtual ranks, :mod:`snapshotd.client.elastic`): after a loss the survivors form
+            a group of whoever arrives within ``settle`` seconds instead of waiting for a replacement.
 
     Raises:
         ValueError: no store, or a malformed one; missing job, rank or world size; ``nodes`` with ``rank`` or
@@ -102,8 +105,8 @@ def init_process_group(
             ``join_timeout``, or no group formed.
         SnapshotdError: the seat request failed (the sidecar or coordinator refused it, or did not answer).
     """
-    if timeout <= 0 or join_timeout <= 0 or attempts < 1:  # before connecting; LiveGroup checks them too
-        raise ValueError("timeout and join_timeout must be > 0, attempts >= 1")
+    if timeout <= 0 or join_timeout <= 0 or attempts < 1 or (settle is not None and settle <= 0):
+        raise ValueError("timeout, join_timeout and settle must be > 0, attempts >= 1")  # before connecting
     seat = None
     if nodes is not None:
         if rank is not None or world_size is not None:
@@ -134,6 +137,7 @@ def init_process_group(
         join_timeout=join_timeout,
         attempts=attempts,
         seat=seat,
+        settle=settle,
     )
     group.join()
     return group

@@ -203,6 +203,11 @@ class SidecarSession:
         with self._lock:
             return bool(self._free) or self.arena is None
 
+    def wait_slot(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until :meth:`slot_free`; whether it is."""
+        with self._lock:
+            return self._lock.wait_for(lambda: bool(self._free) or self.arena is None, max(0.0, timeout))
+
     def take_slot(self, step: int) -> int | None:
         """A free slot for ``step``; None when none is (``when_busy="block"``: none within ``timeout``)."""
         deadline = time.monotonic() + self.timeout

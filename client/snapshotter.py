@@ -238,6 +238,15 @@ class Snapshotter:
         """Wait until the last started snapshot is durable on every buddy, or failed. True if durable."""
         return self._session.wait(timeout)
 
+    def flush(self, step: int, timeout: float = 60.0) -> bool:
+        """Make ``step``, the step last captured, durable on every buddy: snapshot it now if :meth:`capture` passed
+        over it (waiting for a free slot), then wait for it. Whether it is durable within ``timeout`` seconds.
+
+        Raises:
+            ValueError: ``step`` is not the step last captured.
+        """
+        return self._capture.flush(step, timeout)
+
     def close(self, *, unregister: bool = True) -> None:
         """Finish the copy in flight, tell the sidecar this rank is done (freeing its arena), stop the thread.
 

@@ -77,7 +77,9 @@ class Layout:
     def __post_init__(self) -> None:
         flat = sorted(v for c in self.carried for v in c)
         if flat != list(range(self.world)):
-            raise ValueError(f"a layout must carry every virtual rank of {self.world} once, got {self.carried}")
+            raise ValueError(
+                f"a layout must carry every virtual rank of {self.world} once, got {self.carried}"
+            )
         if not 0 <= self.me < len(self.carried):
             raise ValueError(f"process {self.me} is not one of the layout's {len(self.carried)}")
 
@@ -148,6 +150,23 @@ class VirtualRank:
         self._streams = _seeded_streams(seed * 1_000_003 + index)
         self._rng = RNGState()
         self._active = False
+        self._batches: Iterator[Any] | None = None
+
+    def next_batch(self) -> Any:
+        """The next item of :attr:`data`, from where its state left it; a new pass begins when one ends.
+
+        Raises:
+            ValueError: this virtual rank has no data.
+        """
+        if self.data is None:
+            raise ValueError(f"virtual rank {self.index} has no data")
+        if self._batches is None:
+            self._batches = iter(self.data)
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.data)
+            return next(self._batches)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[VirtualRank]:
@@ -185,9 +204,14 @@ class VirtualRank:
                 reverse).
         """
         if state_dict["index"] != self.index:
-            raise ValueError(f"virtual rank {self.index} was given virtual rank {state_dict['index']}'s state")
+            raise ValueError(
+                f"virtual rank {self.index} was given virtual rank {state_dict['index']}'s state"
+            )
         if (state_dict["data"] is None) != (self.data is None):
-            raise ValueError(f"virtual rank {self.index}: the state's data and this rank's disagree on having one")
+            raise ValueError(
+                f"virtual rank {self.index}: the state's data and this rank's disagree on having one"
+            )
         self._streams = dict(state_dict["rng"])
         if self.data is not None:
             self.data.load_state_dict(state_dict["data"])
+            self._batches = None  # the next batch comes from a pass resumed at the loaded position

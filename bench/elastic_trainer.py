@@ -1,0 +1,223 @@
+"""A data-parallel job over virtual ranks in exact mode, with zero-wait recovery: for the elastic test and
+``snapshotd-bench live --modes shrink``.
+
+Each process (``python -m snapshotd.bench.elastic_trainer ...``, placed as :mod:`.live_trainer` places its ranks)
+forms an elastic live group (``--settle``) and trains the GPT of :mod:`snapshotd.harness.workloads` over the
+virtual ranks it carries (:class:`~snapshotd.client.elastic.ElasticJob`): each virtual rank reads its own token
+stream (:class:`TokenStream`, position in its state) and replaces a few tokens with random ones drawn from its own
+random streams, so that its data and its randomness both move with it. With ``--no-snapshot`` the same loop runs
+without snapshotd, one virtual rank per process (the failure-free reference, same reduction).
+
+The process writes a JSON result when done: the loss of every (step, virtual rank) it computed, a SHA-256 over
+the shared state (model, optimizer, scheduler) and one over each virtual rank's state it carries at the end, its
+pid, its recoveries and growths; and a progress file (its home rank's: last completed step, time, pid, the
+virtual ranks it carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from snapshotd.harness.trainer import _write_atomic, build_state, state_digest
+from snapshotd.harness.workloads import GPTConfig, make_batch
+
+__all__ = ["TokenStream", "main"]
+
+NOISE = 0.05
+"""The share of tokens each virtual rank replaces with random ones from its own streams."""
+
+
+class TokenStream:
+    """Virtual rank ``vrank``'s batches: batch ``n`` is a pure function of ``(seed, vrank, n)``; ``n`` is its
+    state (a data loader's position)."""
+
+    def __init__(self, cfg: GPTConfig, batch: int, seed: int, vrank: int) -> None:
+        self.cfg, self.batch, self.seed, self.vrank = cfg, batch, seed, vrank
+        self.position = 0
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            gen = torch.Generator().manual_seed(
+                (self.seed * 1_000_003 + self.vrank) * 1_000_003 + self.position
+            )
+            self.position += 1
+            yield make_batch(self.cfg, self.batch, gen)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["position"])
+
+
+class _Reference:
+    """The failure-free reference without snapshotd: one virtual rank per process, the same reduction."""
+
+    def __init__(self, world: int, rank: int, params: Any, data: Any, seed: int) -> None:
+        from snapshotd.client.exact import ExactReducer
+        from snapshotd.client.virtual import Layout, VirtualRank
+
+        self.layout = Layout.failure_free(world, rank)
+        self.reducer = ExactReducer(params, self.layout)
+        self.carried = [VirtualRank(rank, seed=seed, data=data(rank))]
+        self.recovered: dict[str, Any] = {}
+        self.grown: dict[str, Any] = {}
+
+    def guard(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def collect(self, vr: Any) -> None:
+        self.reducer.collect(vr.index)
+
+    def reduce(self) -> None:
+        self.reducer.reduce()
+
+    def capture(self, step: int) -> None:
+        pass
+
+
+def _step(job: Any, model: torch.nn.Module, opt: Any, sched: Any, vocab: int) -> dict[int, float]:
+    """One optimizer step over the virtual ranks ``job`` carries; each one's loss."""
+    opt.zero_grad(set_to_none=True)
+    losses = {}
+    for vr in job.carried:
+        with vr.active():
+            x, y = vr.next_batch()
+            noisy = torch.rand(x.shape) < NOISE
+            x = torch.where(noisy, torch.randint(0, vocab, x.shape), x)
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+        job.collect(vr)
+        losses[vr.index] = float(loss.detach())
+    job.reduce()
+    opt.step()
+    sched.step()
+    return losses
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rank", type=int, default=None, help="home rank in the job (or --nodes)")
+    p.add_argument("--nodes", type=int, default=None, help="the job's nodes: snapshotd seats this node")
+    p.add_argument("--world", type=int, default=None, help="the job's virtual ranks (with --rank)")
+    p.add_argument("--store", required=True, help="the rendezvous store, host:port")
+    p.add_argument("--job", required=True)
+    p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--params", type=int, default=200_000)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument("--pg-timeout", type=float, default=30.0)
+    p.add_argument("--join-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--settle", type=float, default=0.5, help="seconds survivors wait for each other after a loss"
+    )
+    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--out", required=True, help="result folder: rank{R}.json by home rank")
+    p.add_argument("--progress", default=None, help="progress folder: rank{R}.progress by home rank")
+    args = p.parse_args(argv)
+    if (args.rank is None) == (args.nodes is None) or (args.world is None) != (args.nodes is not None):
+        p.error("give --rank with --world, or --nodes")
+
+    from snapshotd.client import PeerLost, live
+    from snapshotd.client.elastic import ElasticJob
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
+    torch.set_num_threads(1)
+    t_start = time.time()
+    cfg, state, _ = build_state(args.params, args.steps, args.seed)
+    model, opt, sched = state["model"], state["optim"], state["sched"]
+    shared = {"model": model, "optim": opt, "sched": sched}
+    place = {"nodes": args.nodes} if args.nodes is not None else {"rank": args.rank, "world_size": args.world}
+    group = live.init_process_group(
+        store=args.store,
+        job=args.job,
+        sidecar=args.sidecar,
+        timeout=args.pg_timeout,
+        join_timeout=args.join_timeout,
+        settle=args.settle,
+        **place,  # type: ignore[arg-type]
+    )
+    home, world = group.rank, group.world_size
+    t_group = time.time()
+
+    def data(v: int) -> TokenStream:
+        return TokenStream(cfg, args.batch, args.seed, v)
+
+    job: Any = (
+        ElasticJob(group, shared, model.parameters(), data=data, seed=args.seed, sidecar=args.sidecar)
+        if args.snapshot
+        else _Reference(world, home, model.parameters(), data, args.seed)
+    )
+    progress = os.path.join(args.progress, f"rank{home}.progress") if args.progress else None
+    losses: dict[str, dict[str, float]] = {}
+    recoveries, growths = [], []
+    try:
+        step = start = job.restore() if args.snapshot else 0
+        started = {"process_start": t_start, "group_formed": t_group, "restored": time.time(), "step": start}
+        while step < args.steps:
+            try:
+                with job.guard():
+                    done = _step(job, model, opt, sched, cfg.vocab)
+                    grown = job.grown
+                    job.capture(step + 1)
+            except PeerLost:
+                failed_at, reached = time.time(), step
+                step = job.recover()
+                recoveries.append({"failed_at": failed_at, "reached": reached, **job.recovered})
+                continue
+            if job.grown is not grown:
+                growths.append({"at": time.time(), **job.grown})
+            step += 1
+            losses[str(step)] = {str(v): loss for v, loss in done.items()}
+            if progress:
+                record = {
+                    "step": step,
+                    "time": time.time(),
+                    "pid": os.getpid(),
+                    "carried": list(job.layout.mine),
+                }
+                _write_atomic(progress, json.dumps(record))
+            if args.step_delay:
+                time.sleep(args.step_delay)
+        result = {
+            "rank": home,
+            "pid": os.getpid(),
+            "start_step": start,
+            "started": started,
+            "losses": losses,
+            "recoveries": recoveries,
+            "growths": growths,
+            "digest": state_digest(shared),
+            "vranks": {str(vr.index): state_digest({"v": vr}) for vr in job.carried},
+            "epoch": group.epoch,
+        }
+    except BaseException:
+        if args.snapshot:
+            job.__exit__(RuntimeError, None, None)  # as a crash leaves it: the arenas stay
+        raise
+    if args.snapshot:
+        for snap in job._snaps.values():
+            snap.wait(timeout=30)
+        job.close()
+    _write_atomic(os.path.join(args.out, f"rank{home}.json"), json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
