@@ -1,7 +1,7 @@
 """A data-parallel job over virtual ranks in exact mode, with zero-wait recovery: for the elastic test and
 ``snapshotd-bench live --modes shrink``.
 
-Each process (``python -m snapshotd.bench.elastic_trainer ...``, placed as :mod:`.live_trainer` places its ranks)
+Each process (``python -m snapshotd.bench.elastic_trainer ...``, placed by index: ``--rank`` or ``--node-index``)
 forms an elastic live group (``--settle``) and trains the GPT of :mod:`snapshotd.harness.workloads` over the
 virtual ranks it carries (:class:`~snapshotd.client.elastic.ElasticJob`): each virtual rank reads its own token
 stream (:class:`TokenStream`, position in its state) and replaces a few tokens with random ones drawn from its own
@@ -65,12 +65,12 @@ class TokenStream:
 class _Reference:
     """The failure-free reference without snapshotd: one virtual rank per process, the same reduction."""
 
-    def __init__(self, world: int, rank: int, params: Any, data: Any, seed: int) -> None:
-        from snapshotd.client.exact import ExactReducer
+    def __init__(self, world: int, rank: int, params: Any, data: Any, seed: int, mode: str) -> None:
+        from snapshotd.client.elastic import MODES
         from snapshotd.client.virtual import Layout, VirtualRank
 
         self.layout = Layout.failure_free(world, rank)
-        self.reducer = ExactReducer(params, self.layout)
+        self.reducer = MODES[mode](params, self.layout)
         self.carried = [VirtualRank(rank, seed=seed, data=data(rank))]
         self.recovered: dict[str, Any] = {}
         self.grown: dict[str, Any] = {}
@@ -110,9 +110,15 @@ def _step(job: Any, model: torch.nn.Module, opt: Any, sched: Any, vocab: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, default=None, help="home rank in the job (or --nodes)")
-    p.add_argument("--nodes", type=int, default=None, help="the job's nodes: snapshotd seats this node")
-    p.add_argument("--world", type=int, default=None, help="the job's virtual ranks (with --rank)")
+    p.add_argument("--rank", type=int, default=None, help="home rank in the job (or --node-index)")
+    p.add_argument(
+        "--node-index",
+        type=int,
+        default=None,
+        help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)",
+    )
+    p.add_argument("--world", type=int, required=True, help="the job's virtual ranks")
+    p.add_argument("--mode", choices=("exact", "equivalent"), default="exact", help="the gradient reduction")
     p.add_argument("--store", required=True, help="the rendezvous store, host:port")
     p.add_argument("--job", required=True)
     p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
@@ -120,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--params", type=int, default=200_000)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
+    p.add_argument(
+        "--step-delay", type=float, default=0.0, help="idle seconds per virtual rank carried, per step"
+    )
     p.add_argument("--pg-timeout", type=float, default=30.0)
     p.add_argument("--join-timeout", type=float, default=600.0)
     p.add_argument(
@@ -130,8 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="result folder: rank{R}.json by home rank")
     p.add_argument("--progress", default=None, help="progress folder: rank{R}.progress by home rank")
     args = p.parse_args(argv)
-    if (args.rank is None) == (args.nodes is None) or (args.world is None) != (args.nodes is not None):
-        p.error("give --rank with --world, or --nodes")
+    if (args.rank is None) == (args.node_index is None):
+        p.error("give --rank or --node-index")
+    rank = args.rank
+    if args.node_index is not None:
+        rank = args.node_index * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
 
     from snapshotd.client import PeerLost, live
     from snapshotd.client.elastic import ElasticJob
@@ -142,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg, state, _ = build_state(args.params, args.steps, args.seed)
     model, opt, sched = state["model"], state["optim"], state["sched"]
     shared = {"model": model, "optim": opt, "sched": sched}
-    place = {"nodes": args.nodes} if args.nodes is not None else {"rank": args.rank, "world_size": args.world}
     group = live.init_process_group(
         store=args.store,
         job=args.job,
@@ -150,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.pg_timeout,
         join_timeout=args.join_timeout,
         settle=args.settle,
-        **place,  # type: ignore[arg-type]
+        rank=rank,
+        world_size=args.world,
     )
     home, world = group.rank, group.world_size
     t_group = time.time()
@@ -159,12 +170,16 @@ def main(argv: list[str] | None = None) -> int:
         return TokenStream(cfg, args.batch, args.seed, v)
 
     job: Any = (
-        ElasticJob(group, shared, model.parameters(), data=data, seed=args.seed, sidecar=args.sidecar)
+        ElasticJob(
+            group, shared, model.parameters(), data=data, seed=args.seed, mode=args.mode, sidecar=args.sidecar
+        )
         if args.snapshot
-        else _Reference(world, home, model.parameters(), data, args.seed)
+        else _Reference(world, home, model.parameters(), data, args.seed, args.mode)
     )
     progress = os.path.join(args.progress, f"rank{home}.progress") if args.progress else None
     losses: dict[str, dict[str, float]] = {}
+    done_at: dict[str, float] = {}  # step -> when this process completed it (time.time())
+    compute: dict[str, float] = {}  # step -> seconds of its forward, backward, reduction and optimizer step
     recoveries, growths = [], []
     try:
         step = start = job.restore() if args.snapshot else 0
@@ -172,18 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         while step < args.steps:
             try:
                 with job.guard():
+                    t0 = time.monotonic()
                     done = _step(job, model, opt, sched, cfg.vocab)
+                    compute[str(step + 1)] = time.monotonic() - t0
                     grown = job.grown
                     job.capture(step + 1)
             except PeerLost:
                 failed_at, reached = time.time(), step
                 step = job.recover()
-                recoveries.append({"failed_at": failed_at, "reached": reached, **job.recovered})
+                recoveries.append(
+                    {"failed_at": failed_at, "recovered_at": time.time(), "reached": reached, **job.recovered}
+                )
                 continue
             if job.grown is not grown:
                 growths.append({"at": time.time(), **job.grown})
             step += 1
             losses[str(step)] = {str(v): loss for v, loss in done.items()}
+            done_at[str(step)] = time.time()
             if progress:
                 record = {
                     "step": step,
@@ -192,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
                     "carried": list(job.layout.mine),
                 }
                 _write_atomic(progress, json.dumps(record))
-            if args.step_delay:
-                time.sleep(args.step_delay)
+            if args.step_delay:  # the accelerator's share of each micro-batch
+                time.sleep(args.step_delay * len(job.carried))
         result = {
             "rank": home,
             "pid": os.getpid(),
             "start_step": start,
             "started": started,
             "losses": losses,
+            "done_at": done_at,
+            "compute_s": compute,
             "recoveries": recoveries,
             "growths": growths,
             "digest": state_digest(shared),

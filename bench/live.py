@@ -14,6 +14,8 @@ For each size the same job runs once per ``--modes``:
 - ``restart+spare`` / ``live+spare``: the same, with the replacement node started ahead (a warm spare: its
   ranks wait for a seat with their model built, and take whichever comes free), which takes the replacement's
   own start off the recovery; otherwise the replacement starts after the loss, as a scheduler would start it.
+- ``shrink``: the job over virtual ranks in exact mode (:mod:`.shrink`): the survivors carry the lost virtual
+  ranks at once and the replacement, started after the loss, joins at a step boundary.
 
 Each row splits the time from the kill to the first step every rank completed after recovery into detection
 (the kill to the first survivor seeing the loss), group (from there to the new group formed on every rank: a
@@ -24,7 +26,9 @@ slowest rank's rollback or restore, DDP's set-up on the new group included) and 
 survivor's wall time, waits for the other ranks included) and ``survivor_cpu_seconds`` the CPU time its process
 spent in ``recover()`` (every thread: what the live path costs a survivor by itself, without the waits). The
 summary (``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size,
-and the same for the spare modes.
+the same for the spare modes, and for shrink ``shrink_seconds``, ``shrink_speedup`` (the full restart's time over
+shrink's), ``grow_pause_seconds``, ``shrunk_throughput_ratio`` and ``exact_reduction_cost_ratio`` (a failure-free
+step's compute with the exact reduction over the DDP job's: forward, backward, reduction and optimizer step).
 
 :class:`LiveRanks` (the rank processes of one job, started directly, node by node) is what the live-recovery
 test runs.
@@ -52,6 +56,7 @@ from snapshotd.status import fetch_status
 
 from .nodes import EmulatedNode, RendezvousStore
 from .report import Report, scratch_dir
+from .shrink import compute_seconds, run_shrink_trial
 from .torchrun_trial import TORCHRUN_ENV
 
 log = logging.getLogger(__name__)
@@ -216,10 +221,11 @@ class LiveRanks:
 # -- the benchmark
 
 
-MODES = ("restart", "live", "restart+spare", "live+spare")
+MODES = ("restart", "live", "restart+spare", "live+spare", "shrink")
 """How the job meets the loss: the launcher restarts every rank, or the survivors recover live; ``+spare``: the
 replacement node was started ahead (a warm spare, its ranks waiting in the job's next epoch with their model
-built), else the scheduler starts it after the loss."""
+built), else the scheduler starts it after the loss; ``shrink``: the survivors carry the lost virtual ranks
+(:mod:`.shrink`) and the replacement, started after the loss, joins when it is ready."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +407,9 @@ def run_trial(
         for node in nodes:
             with contextlib.suppress(RuntimeError):
                 node.stop()
-    return _row(mode, per_node, results, pids, killed_at, out)
+    row = _row(mode, per_node, results, pids, killed_at, out)
+    row["compute_seconds"] = compute_seconds(results, cfg.kill_after)
+    return row
 
 
 def _row(
@@ -523,11 +531,15 @@ def run(args: argparse.Namespace) -> Report:
             for per_node in sizes:
                 for mode in cfg.modes:
                     try:
-                        rows.append(
-                            run_trial(
+                        if mode == "shrink":
+                            row = run_shrink_trial(
+                                cluster, workdir, store.endpoint, cfg, per_node=per_node, tag=tag
+                            )
+                        else:
+                            row = run_trial(
                                 cluster, workdir, store.endpoint, cfg, mode=mode, per_node=per_node, tag=tag
                             )
-                        )
+                        rows.append(row)
                     except Exception as exc:  # noqa: BLE001 - a failed trial is a row, not the end of the run
                         log.warning("live bench: %s x%d failed: %s", mode, per_node, exc)
                         rows.append({"mode": mode, "ranks_per_node": per_node, "error": str(exc)[:300]})
@@ -549,6 +561,15 @@ def run(args: argparse.Namespace) -> Report:
         full_s, live_s = by["restart+spare", first]["total_seconds"], by["live+spare", first]["total_seconds"]
         summary.update(
             full_restart_spare_seconds=full_s, live_spare_seconds=live_s, live_spare_speedup=full_s / live_s
+        )
+    if ("shrink", first) in by:
+        shrink = by["shrink", first]
+        summary.update(
+            shrink_seconds=shrink["total_seconds"],
+            shrink_speedup=full / shrink["total_seconds"],
+            grow_pause_seconds=shrink["grow_pause_seconds"],
+            shrunk_throughput_ratio=shrink["shrunk_throughput_ratio"],
+            exact_reduction_cost_ratio=shrink["compute_seconds"] / by["live", first]["compute_seconds"],
         )
     spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
     work_of = {k: by[spare_mode, k]["survivor_work_seconds"] for k in sizes if (spare_mode, k) in by}
@@ -578,6 +599,10 @@ def run(args: argparse.Namespace) -> Report:
             *_PHASES,
             "survivor_work_seconds",
             "survivor_cpu_seconds",
+            "compute_seconds",
+            "shrunk_throughput_ratio",
+            "joined_after_seconds",
+            "grow_pause_seconds",
             "epochs",
             "error",
         ],

@@ -1,7 +1,7 @@
 """Zero-wait recovery: the survivors of a node's loss carry the lost ranks' work at once (:class:`ElasticJob`).
 
 A data-parallel job of ``W`` ranks is ``W`` virtual ranks (:mod:`snapshotd.client.virtual`), reduced in exact mode
-(:class:`~snapshotd.client.exact.ExactReducer`). Each virtual rank is a snapshotd rank of its own: a
+(:class:`~snapshotd.client.reducers.ExactReducer`). Each virtual rank is a snapshotd rank of its own: a
 :class:`~snapshotd.client.Snapshotter` per virtual rank a process carries, over the shared state (model,
 optimizer, scheduler) and that virtual rank's :class:`~snapshotd.client.virtual.VirtualRank` (its data and random
 streams). So whichever process carries a virtual rank, its copies are where a restore finds them.
@@ -39,13 +39,17 @@ import torch.distributed as dist
 from snapshotd.proto import PeerLostReport
 
 from .errors import PeerLost, RecoveryFailed
-from .exact import ExactReducer
 from .group import LiveGroup
 from .peers import is_peer_failure
+from .reducers import EquivalentReducer, ExactReducer
 from .snapshotter import Snapshotter
 from .virtual import Layout, VirtualRank
 
-__all__ = ["ElasticJob"]
+__all__ = ["MODES", "ElasticJob"]
+
+MODES = {"exact": ExactReducer, "equivalent": EquivalentReducer}
+"""The reductions a job may use, by name: bit-identical to the failure-free run, or equal up to the order of the
+floating-point sum (see :mod:`snapshotd.client.reducers`)."""
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class ElasticJob:
         data: ``data(v)`` makes virtual rank ``v``'s data (a ``StatefulDataLoader`` or anything with a state dict),
             or None.
         seed: the job's seed for the virtual ranks' random streams.
+        mode: ``"exact"`` or ``"equivalent"`` (:data:`MODES`); the failure-free run must use the same.
         sidecar, timeout: as for the Snapshotter (each virtual rank's).
 
     The loop (``examples/elastic_ddp``)::
@@ -97,11 +102,19 @@ class ElasticJob:
         *,
         data: Callable[[int], Any] | None = None,
         seed: int = 0,
+        mode: str = "exact",
         sidecar: str | None = None,
         timeout: float = 30.0,
     ) -> None:
         if group.settle is None:
             raise ValueError("an ElasticJob needs an elastic live group (init_process_group(settle=...))")
+        if group.seat is not None:
+            raise ValueError(
+                "an ElasticJob's nodes are placed by index (init_process_group(rank=, world_size=)): while "
+                "shrunk, a survivor carries the lost node's ranks, so its seat never comes free"
+            )
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
         if VRANK_KEY in state:
             raise ValueError(f"state key {VRANK_KEY!r} is the virtual rank's own")
         self.group, self.world = group, group.world_size
@@ -111,7 +124,7 @@ class ElasticJob:
         self.vranks: dict[int, VirtualRank] = {}
         self._snaps: dict[int, Snapshotter] = {}
         self._carry(self.layout)
-        self.reducer = ExactReducer(params, self.layout)
+        self.reducer = MODES[mode](params, self.layout)
         self.recovered: dict[str, Any] = {}
         self.grown: dict[str, Any] = {}
 

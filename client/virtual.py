@@ -3,7 +3,7 @@
 Each virtual rank is one share of the global batch with its own data position and random streams
 (:class:`VirtualRank`). In a failure-free run every process carries one, its *home* (its rank in the job); after
 a loss the survivors carry the lost ones too (:func:`spread`), so every step still consumes the same ``W``
-micro-batches. With :class:`~snapshotd.client.exact.ExactReducer` the gradient's bits do not depend on which
+micro-batches. With :class:`~snapshotd.client.reducers.ExactReducer` the gradient's bits do not depend on which
 process carries which virtual rank, so a job that shrinks and grows stays bit-identical to its failure-free run.
 
 The loop over the virtual ranks a process carries::

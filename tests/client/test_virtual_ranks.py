@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from snapshotd.client.exact import ExactReducer
+from snapshotd.client.elastic import MODES
 from snapshotd.client.virtual import Layout, VirtualRank, spread
 
 from ..gloo_ranks import run_gloo_ranks
@@ -94,7 +94,16 @@ def _digest(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _train(rank: int, *, processes: int, start: int, stop: int, saved: str | None, save: str | None) -> Any:
+def _train(
+    rank: int,
+    *,
+    processes: int,
+    start: int,
+    stop: int,
+    saved: str | None,
+    save: str | None,
+    mode: str = "exact",
+) -> Any:
     """Steps ``start`` to ``stop`` on ``processes`` processes (homes ``0..processes-1``), from ``saved`` if given
     (each virtual rank's state and the model's, as a restore gives them), writing the end state to ``save``."""
     layout = Layout.of(WORLD, list(range(processes)), rank)
@@ -108,7 +117,7 @@ def _train(rank: int, *, processes: int, start: int, stop: int, saved: str | Non
         for v, vr in vranks.items():
             vr.load_state_dict(torch.load(Path(saved, f"v{v}.pt"), weights_only=False))
     iters = {v: iter(vr.data) for v, vr in vranks.items()}
-    reducer = ExactReducer(model.parameters(), layout)
+    reducer = MODES[mode](model.parameters(), layout)
     losses = {}
     for step in range(start, stop):
         opt.zero_grad(set_to_none=True)
@@ -156,3 +165,59 @@ def test_a_job_moved_to_fewer_processes_mid_run_stays_bit_identical(tmp_path: Pa
     after = _run(tmp_path / "after", 2, start=3, stop=STEPS, saved=str(state), save=None)
     assert {**before[0], **after[0]} == whole[0]
     assert after[1] == whole[1]
+
+
+def test_equivalent_mode_takes_the_same_samples_and_stays_within_rounding(tmp_path: Path) -> None:
+    """The backend's all-reduce: on two processes the losses drift from four processes' by rounding only."""
+    four = _run(tmp_path / "four", 4, start=0, stop=STEPS, saved=None, save=None, mode="equivalent")
+    two = _run(tmp_path / "two", 2, start=0, stop=STEPS, saved=None, save=None, mode="equivalent")
+    assert set(two[0]) == set(four[0])
+    first = {k: v for k, v in four[0].items() if k[0] == 0}
+    assert {k: two[0][k] for k in first} == first  # the same model and samples before any reduction
+    drift = max(
+        abs(float.fromhex(v) - float.fromhex(four[0][k])) / abs(float.fromhex(v)) for k, v in two[0].items()
+    )
+    assert drift < 1e-4
+
+
+def test_a_reducer_refuses_what_the_layout_does_not_say() -> None:
+    model = _model()
+    reducer = MODES["exact"](model.parameters(), Layout.of(WORLD, [0], me=0))  # one process carries all four
+    with pytest.raises(ValueError, match="not collected"):
+        reducer.reduce()
+    model(torch.randn(2, 16)).sum().backward()
+    reducer.collect(1)
+    with pytest.raises(ValueError, match="collected twice"):
+        reducer.collect(1)
+    with pytest.raises(ValueError, match="layout has 2 processes"):
+        reducer.relayout(Layout.of(WORLD, [0, 1], me=0))
+    with pytest.raises(ValueError, match="no parameter"):
+        MODES["equivalent"]([], Layout.of(WORLD, [0], me=0))
+
+
+def test_an_elastic_job_refuses_a_group_it_cannot_shrink_and_bad_arguments() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from snapshotd.client.elastic import ElasticJob
+    from snapshotd.client.group import LiveGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    model = _model()
+
+    def group(**kw: Any) -> LiveGroup:
+        return LiveGroup(
+            store, job="j", rank=0, world_size=2, backend="gloo", timeout=5, join_timeout=5, attempts=1, **kw
+        )
+
+    with pytest.raises(ValueError, match="elastic live group"):
+        ElasticJob(group(), {"model": model}, model.parameters())
+    with pytest.raises(ValueError, match="placed by index"):
+        ElasticJob(group(settle=0.5, seat=(2, None)), {"model": model}, model.parameters())
+    with pytest.raises(ValueError, match="mode must be"):
+        ElasticJob(group(settle=0.5), {"model": model}, model.parameters(), mode="fast")
+    with pytest.raises(ValueError, match="'vrank' is the virtual rank's own"):
+        ElasticJob(group(settle=0.5), {"vrank": model}, model.parameters())
+    with pytest.raises(ValueError, match="settle must be > 0"):
+        group(settle=0)

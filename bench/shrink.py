@@ -1,0 +1,172 @@
+"""The ``shrink`` mode of ``snapshotd-bench live``: zero-wait recovery over virtual ranks.
+
+The same job as the other modes (the GPT of :mod:`snapshotd.harness.workloads`, two torchrun nodes, the second
+SIGKILLed once it completed ``kill_after`` steps) runs as :mod:`.elastic_trainer`: ``2 x ranks_per_node`` virtual
+ranks in exact mode, ``--step-delay`` idle seconds per virtual rank carried (the accelerator's share of each
+micro-batch). The survivors carry the lost node's virtual ranks at once; the replacement node is started cold
+right after the loss and joins at a step boundary once its processes are up.
+
+The row's phases run from the kill to the first step every survivor completed after the loss (as for the other
+modes), and it adds what only this mode has: the survivors' throughput while shrunk over their throughput before
+the loss (``shrunk_throughput_ratio``; ``P / W`` is what the work allows), how long after the kill the replacement
+joined (``joined_after_seconds``), the pause that cost the survivors (``grow_pause_seconds``: making the step
+durable, forming the larger group, restoring), and the median seconds of a failure-free step's forward, backward,
+exact reduction and optimizer step (``compute_seconds``), which ``snapshotd-bench live`` sets against the DDP
+job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+from typing import Any
+
+from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.demo import wait_for
+from snapshotd.status import fetch_status
+
+from .nodes import EmulatedNode
+from .torchrun_trial import TORCHRUN_ENV
+
+__all__ = ["compute_seconds", "run_shrink_trial"]
+
+
+def compute_seconds(results: list[dict[str, Any]], before: int) -> float:
+    """The median over ranks of each rank's median compute seconds per step, over steps ``2 .. before`` (the
+    first step warms up)."""
+    per_rank = []
+    for res in results:
+        times = [t for s, t in res.get("compute_s", {}).items() if 2 <= int(s) <= before]
+        if times:
+            per_rank.append(statistics.median(times))
+    return statistics.median(per_rank) if per_rank else float("nan")
+
+
+def _node(
+    cluster: LocalCluster,
+    workdir: str,
+    name: str,
+    addr: str,
+    index: int,
+    per_node: int,
+    script_args: list[str],
+) -> EmulatedNode:
+    """A node: its sidecar and its own torchrun agent running node ``index``'s processes."""
+    return EmulatedNode(
+        cluster,
+        name,
+        addr,
+        torchrun_args=["--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node)],
+        script="-m",
+        script_args=["snapshotd.bench.elastic_trainer", "--node-index", str(index), *script_args],
+        env=dict(TORCHRUN_ENV),
+        workdir=workdir,
+    )
+
+
+def _read(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return dict(json.load(f))
+
+
+def run_shrink_trial(
+    cluster: LocalCluster, workdir: str, store: str, cfg: Any, *, per_node: int, tag: str
+) -> dict[str, Any]:
+    """Run the elastic job, lose the second node, start its replacement cold; the table row.
+
+    Raises:
+        TimeoutError: the job did not reach ``kill_after`` or did not finish within ``cfg.timeout``.
+        RuntimeError: an agent exited non-zero; the survivors did not shrink and grow once each.
+    """
+    name = f"shrink{per_node}-{tag}"
+    out = os.path.join(workdir, name)
+    os.makedirs(out)
+    world = 2 * per_node
+    job = f"live-{name}"
+    script_args = [
+        *("--store", store, "--job", job, "--world", str(world), "--steps", str(cfg.steps)),
+        *("--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10"),
+        *("--out", out, "--progress", out),
+    ]
+    nodes = [
+        _node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", i, per_node, script_args)
+        for i, x in enumerate("AB")
+    ]
+    try:
+
+        def progress(rank: int) -> int:
+            try:
+                return int(_read(os.path.join(out, f"rank{rank}.progress"))["step"])
+            except (OSError, ValueError, KeyError):
+                return 0
+
+        def reached_kill_point() -> bool:
+            for node in nodes:
+                if node.agent.poll() is not None:
+                    raise RuntimeError(
+                        f"{node.name}'s agent exited with {node.agent.returncode} before the kill"
+                    )
+            if progress(world - 1) < cfg.kill_after:
+                return False
+            with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
+                jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
+                return any(j["job"] == job and j["durable"] >= cfg.kill_after - 1 for j in jobs)
+            return False
+
+        wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
+        pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
+        killed_at = nodes[1].kill()
+        nodes.append(_node(cluster, workdir, f"{name}-C", "127.0.0.4", 1, per_node, script_args))
+        for node in (nodes[0], nodes[-1]):
+            code = node.wait(cfg.timeout)
+            if code != 0:
+                raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
+        results = [_read(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+    finally:
+        for node in nodes:
+            with contextlib.suppress(RuntimeError):
+                node.stop()
+    return _row(per_node, results, pids, killed_at, cfg.kill_after)
+
+
+def _interval(done_at: dict[str, float], first: int, last: int) -> float:
+    """The median seconds between completing consecutive steps ``first .. last``."""
+    gaps = [done_at[str(s)] - done_at[str(s - 1)] for s in range(first + 1, last + 1)]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def _row(
+    per_node: int, results: list[dict[str, Any]], pids: dict[int, int], killed_at: float, kill_after: int
+) -> dict[str, Any]:
+    survivors = results[:per_node]
+    if any(len(r["recoveries"]) != 1 or len(r["growths"]) != 1 for r in survivors):
+        raise RuntimeError("shrink: a survivor did not shrink and grow exactly once")
+    recoveries = [r["recoveries"][0] for r in survivors]
+    step = recoveries[0]["step"]
+    failed = min(rec["failed_at"] for rec in recoveries)
+    grouped = max(rec["recovered_at"] - rec["restore_s"] for rec in recoveries)
+    restored = max(rec["recovered_at"] for rec in recoveries)
+    first = max(r["done_at"][str(step + 1)] for r in survivors)
+    grew = survivors[0]["growths"][0]["step"]
+    done_at = survivors[0]["done_at"]
+    steps = {max(map(int, r["done_at"])) for r in results}
+    if len(steps) != 1 or len({r["epoch"] for r in results}) != 1:
+        raise RuntimeError(f"shrink x{per_node}: the processes ended apart (steps {steps})")
+    return {
+        "mode": "shrink",
+        "ranks_per_node": per_node,
+        "step_restored": step,
+        "survivors_kept": sum(r["pid"] == pids[r["rank"]] for r in survivors),
+        "detection_seconds": failed - killed_at,
+        "group_seconds": grouped - failed,
+        "restore_seconds": restored - grouped,
+        "first_step_seconds": first - restored,
+        "total_seconds": first - killed_at,
+        "epochs": 1,
+        "shrunk_throughput_ratio": _interval(done_at, 2, kill_after) / _interval(done_at, step + 1, grew),
+        "joined_after_seconds": min(r["growths"][0]["at"] for r in survivors) - killed_at,
+        "grow_pause_seconds": max(r["growths"][0]["seconds"] for r in survivors),
+        "compute_seconds": compute_seconds(results, kill_after),
+    }
