@@ -135,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         "--settle", type=float, default=0.5, help="seconds survivors wait for each other after a loss"
     )
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--until-grown",
+        action="store_true",
+        help="train past --steps while the job is shrunk, until a replacement joins (a benchmark's job must "
+        "outlast the replacement's start)",
+    )
     p.add_argument("--out", required=True, help="result folder: rank{R}.json by home rank")
     p.add_argument("--progress", default=None, help="progress folder: rank{R}.progress by home rank")
     args = p.parse_args(argv)
@@ -179,17 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     progress = os.path.join(args.progress, f"rank{home}.progress") if args.progress else None
     losses: dict[str, dict[str, float]] = {}
     done_at: dict[str, float] = {}  # step -> when this process completed it (time.time())
-    compute: dict[str, float] = {}  # step -> seconds of its forward, backward, reduction and optimizer step
     recoveries, growths = [], []
     try:
         step = start = job.restore() if args.snapshot else 0
         started = {"process_start": t_start, "group_formed": t_group, "restored": time.time(), "step": start}
-        while step < args.steps:
+        while step < args.steps or (args.until_grown and args.snapshot and job.shrunk):
             try:
                 with job.guard():
-                    t0 = time.monotonic()
                     done = _step(job, model, opt, sched, cfg.vocab)
-                    compute[str(step + 1)] = time.monotonic() - t0
                     grown = job.grown
                     job.capture(step + 1)
             except PeerLost:
@@ -221,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
             "started": started,
             "losses": losses,
             "done_at": done_at,
-            "compute_s": compute,
             "recoveries": recoveries,
             "growths": growths,
             "digest": state_digest(shared),

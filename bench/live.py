@@ -27,8 +27,8 @@ survivor's wall time, waits for the other ranks included) and ``survivor_cpu_sec
 spent in ``recover()`` (every thread: what the live path costs a survivor by itself, without the waits). The
 summary (``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size,
 the same for the spare modes, and for shrink ``shrink_seconds``, ``shrink_speedup`` (the full restart's time over
-shrink's), ``grow_pause_seconds``, ``shrunk_throughput_ratio`` and ``exact_reduction_cost_ratio`` (a failure-free
-step's compute with the exact reduction over the DDP job's: forward, backward, reduction and optimizer step).
+shrink's), ``grow_pause_seconds``, ``shrunk_throughput_ratio``, and ``exact_reduction_cost_ratio`` with the two
+step times behind it (:mod:`.reduction`: exact-mode and DDP steps alternating in one job of the first size).
 
 :class:`LiveRanks` (the rank processes of one job, started directly, node by node) is what the live-recovery
 test runs.
@@ -55,8 +55,9 @@ from snapshotd.harness.processes import RankProcess, start_module
 from snapshotd.status import fetch_status
 
 from .nodes import EmulatedNode, RendezvousStore
+from .reduction import measure_reduction_cost
 from .report import Report, scratch_dir
-from .shrink import compute_seconds, run_shrink_trial
+from .shrink import run_shrink_trial
 from .torchrun_trial import TORCHRUN_ENV
 
 log = logging.getLogger(__name__)
@@ -248,9 +249,14 @@ class LiveConfig:
             raise ValueError(
                 f"--kill-after must be in [2, steps - 1), got {self.kill_after} with {self.steps} steps"
             )
-        if not self.modes or set(self.modes) - set(MODES) or not {"restart", "live"} <= set(self.modes):
+        if (
+            not self.modes
+            or set(self.modes) - set(MODES)
+            or "restart" not in self.modes
+            or len(self.modes) < 2
+        ):
             raise ValueError(
-                f"--modes must include restart and live, of {', '.join(MODES)}; got {self.modes}"
+                f"--modes must include restart and another, of {', '.join(MODES)}; got {self.modes}"
             )
         if self.step_delay < 0 or self.timeout <= 0:
             raise ValueError("--step-delay must be >= 0 and --timeout > 0")
@@ -407,9 +413,7 @@ def run_trial(
         for node in nodes:
             with contextlib.suppress(RuntimeError):
                 node.stop()
-    row = _row(mode, per_node, results, pids, killed_at, out)
-    row["compute_seconds"] = compute_seconds(results, cfg.kill_after)
-    return row
+    return _row(mode, per_node, results, pids, killed_at, out)
 
 
 def _row(
@@ -547,16 +551,15 @@ def run(args: argparse.Namespace) -> Report:
             store.stop()
     by = {(r["mode"], r["ranks_per_node"]): r for r in rows if "error" not in r}
     first = sizes[0]
-    if ("restart", first) not in by or ("live", first) not in by:
+    missing = [m for m in cfg.modes if (m, first) not in by]
+    if missing:
         failed = "; ".join(f"{r['mode']} x{r['ranks_per_node']}: {r['error']}" for r in rows if "error" in r)
-        raise RuntimeError(f"the first size's restart or live trial failed: {failed}")
-    full, live = by["restart", first]["total_seconds"], by["live", first]["total_seconds"]
-    summary: dict[str, Any] = {
-        "ranks_per_node": first,
-        "full_restart_seconds": full,
-        "live_seconds": live,
-        "live_speedup": full / live,
-    }
+        raise RuntimeError(f"the first size's {', '.join(missing)} trial failed: {failed}")
+    full = by["restart", first]["total_seconds"]
+    summary: dict[str, Any] = {"ranks_per_node": first, "full_restart_seconds": full}
+    if "live" in cfg.modes:
+        live = by["live", first]["total_seconds"]
+        summary.update(live_seconds=live, live_speedup=full / live)
     if {"restart+spare", "live+spare"} <= set(cfg.modes):
         full_s, live_s = by["restart+spare", first]["total_seconds"], by["live+spare", first]["total_seconds"]
         summary.update(
@@ -569,8 +572,8 @@ def run(args: argparse.Namespace) -> Report:
             shrink_speedup=full / shrink["total_seconds"],
             grow_pause_seconds=shrink["grow_pause_seconds"],
             shrunk_throughput_ratio=shrink["shrunk_throughput_ratio"],
-            exact_reduction_cost_ratio=shrink["compute_seconds"] / by["live", first]["compute_seconds"],
         )
+        summary.update(measure_reduction_cost(2 * first, cfg.params, steps=max(cfg.steps, 10)))
     spare_mode = "live+spare" if "live+spare" in cfg.modes else "live"
     work_of = {k: by[spare_mode, k]["survivor_work_seconds"] for k in sizes if (spare_mode, k) in by}
     cpu_of = {k: by[spare_mode, k]["survivor_cpu_seconds"] for k in sizes if (spare_mode, k) in by}
@@ -599,7 +602,6 @@ def run(args: argparse.Namespace) -> Report:
             *_PHASES,
             "survivor_work_seconds",
             "survivor_cpu_seconds",
-            "compute_seconds",
             "shrunk_throughput_ratio",
             "joined_after_seconds",
             "grow_pause_seconds",

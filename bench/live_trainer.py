@@ -161,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     trained = torch.nn.parallel.DistributedDataParallel(state["model"], bucket_cap_mb=args.bucket_mb)
     losses: dict[int, float] = {}
     done_at: dict[int, float] = {}  # step -> when this rank completed it (time.time())
-    compute: dict[str, float] = {}  # step -> seconds of its forward, backward, all-reduce and optimizer step
     recoveries: list[dict[str, Any]] = []
     replicated = [key for key in args.replicated.split(",") if key]
     snap = (
@@ -206,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with guard():  # capture() too: its first call after DDP rebuilt its buckets runs a collective
                     x, y = batch_for(cfg, args.batch, args.seed, rank, step)
-                    t0 = time.monotonic()
                     loss = _train_step(trained, opt, sched, x, y)
-                    compute[str(step + 1)] = time.monotonic() - t0
                     if snap is not None:
                         snap.capture(step + 1)
             except PeerLost as exc:
@@ -251,7 +248,6 @@ def main(argv: list[str] | None = None) -> int:
             "started": started,
             "losses": losses,
             "done_at": done_at,
-            "compute_s": compute,
             "recoveries": recoveries,
             "digest": state_digest(state),
             "epoch": group.epoch,

@@ -9,10 +9,8 @@ right after the loss and joins at a step boundary once its processes are up.
 The row's phases run from the kill to the first step every survivor completed after the loss (as for the other
 modes), and it adds what only this mode has: the survivors' throughput while shrunk over their throughput before
 the loss (``shrunk_throughput_ratio``; ``P / W`` is what the work allows), how long after the kill the replacement
-joined (``joined_after_seconds``), the pause that cost the survivors (``grow_pause_seconds``: making the step
-durable, forming the larger group, restoring), and the median seconds of a failure-free step's forward, backward,
-exact reduction and optimizer step (``compute_seconds``), which ``snapshotd-bench live`` sets against the DDP
-job's.
+joined (``joined_after_seconds``), and the pause that cost the survivors (``grow_pause_seconds``: making the step
+durable, forming the larger group, restoring).
 """
 
 from __future__ import annotations
@@ -30,18 +28,7 @@ from snapshotd.status import fetch_status
 from .nodes import EmulatedNode
 from .torchrun_trial import TORCHRUN_ENV
 
-__all__ = ["compute_seconds", "run_shrink_trial"]
-
-
-def compute_seconds(results: list[dict[str, Any]], before: int) -> float:
-    """The median over ranks of each rank's median compute seconds per step, over steps ``2 .. before`` (the
-    first step warms up)."""
-    per_rank = []
-    for res in results:
-        times = [t for s, t in res.get("compute_s", {}).items() if 2 <= int(s) <= before]
-        if times:
-            per_rank.append(statistics.median(times))
-    return statistics.median(per_rank) if per_rank else float("nan")
+__all__ = ["run_shrink_trial"]
 
 
 def _node(
@@ -88,7 +75,7 @@ def run_shrink_trial(
     script_args = [
         *("--store", store, "--job", job, "--world", str(world), "--steps", str(cfg.steps)),
         *("--params", str(cfg.params), "--step-delay", str(cfg.step_delay), "--pg-timeout", "10"),
-        *("--out", out, "--progress", out),
+        *("--out", out, "--progress", out, "--until-grown"),
     ]
     nodes = [
         _node(cluster, workdir, f"{name}-{x}", f"127.0.0.{2 + i}", i, per_node, script_args)
@@ -151,7 +138,7 @@ def _row(
     first = max(r["done_at"][str(step + 1)] for r in survivors)
     grew = survivors[0]["growths"][0]["step"]
     done_at = survivors[0]["done_at"]
-    steps = {max(map(int, r["done_at"])) for r in results}
+    steps = {max(map(int, r["done_at"]), default=r["start_step"]) for r in results}
     if len(steps) != 1 or len({r["epoch"] for r in results}) != 1:
         raise RuntimeError(f"shrink x{per_node}: the processes ended apart (steps {steps})")
     return {
@@ -168,5 +155,4 @@ def _row(
         "shrunk_throughput_ratio": _interval(done_at, 2, kill_after) / _interval(done_at, step + 1, grew),
         "joined_after_seconds": min(r["growths"][0]["at"] for r in survivors) - killed_at,
         "grow_pause_seconds": max(r["growths"][0]["seconds"] for r in survivors),
-        "compute_seconds": compute_seconds(results, kill_after),
     }

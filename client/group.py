@@ -17,8 +17,9 @@ the next one:
   ``attempts`` failed creations.
 
 An *elastic* group (``settle=``, for virtual ranks: :mod:`snapshotd.client.elastic`) may form with fewer ranks
-than the world. A survivor arriving in an epoch (after a loss, or to let a newcomer in) waits ``settle`` seconds
-for it to fill, then decides it with the ranks arrived so far (``members:<ranks>``); the first decision holds, and
+than the world. A survivor arriving in an epoch (after a loss, or to let a newcomer in) waits for it to fill, at
+most until no rank has arrived for :data:`QUIET_S` or ``settle`` seconds have passed, then decides it with the
+ranks arrived so far (``members:<ranks>``); the first decision holds, and
 a rank that arrives after it opens the next epoch, which the members join at their next step boundary. A fresh
 process never decides by settling: it waits for the epoch to fill or for the members to decide.
 """
@@ -39,7 +40,13 @@ from .peers import open_sockets, shut_connection
 from .seat import SEAT_ASK_MIN_S, request_seat
 from .watchdog import Watchdog
 
-__all__ = ["LiveGroup"]
+__all__ = ["QUIET_S", "LiveGroup"]
+
+QUIET_S = 0.1
+"""An elastic group's survivors decide an epoch once no rank arrived in it for this long (or after ``settle``)."""
+
+SETTLE_POLL_S = 0.02
+"""How often a settling survivor looks at the epoch's arrivals."""
 
 log = logging.getLogger(__name__)
 
@@ -312,33 +319,45 @@ class LiveGroup:
         )
 
     def _decision(self, epoch: int, deadline: float, settling: bool) -> tuple[int, ...]:
-        """Wait for ``epoch``'s decision (a settling survivor of an elastic group makes it after ``settle``); the
-        job ranks it names members, in order (none when abandoned).
-
-        Raises:
-            RecoveryFailed: no decision by ``deadline``.
-        """
+        """Wait for ``epoch``'s decision (a settling survivor may make it: :meth:`_settle`); the job ranks it names
+        members, in order (none when abandoned). Raises RecoveryFailed: no decision by ``deadline``."""
         key = f"e{epoch}/decided"
-        wait = deadline - time.monotonic()
         if settling and self.settle is not None:
-            wait = min(wait, self.settle)
+            self._settle(epoch, min(deadline, time.monotonic() + self.settle))
         try:
-            self.store.wait([key], datetime.timedelta(seconds=max(0.001, wait)))
+            self.store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except dist.DistError:
-            if not (settling and self.settle is not None) or time.monotonic() >= deadline:
-                raise RecoveryFailed(
-                    f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
-                    f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
-                    "replacement node started?)"
-                ) from None
-            arrived = [r for r in range(self.world_size) if int(self.store.add(f"e{epoch}/rank{r}", 0)) > 0]
-            self._decide(epoch, "members:" + ",".join(map(str, arrived)))
+            raise RecoveryFailed(
+                f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
+                f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
+                "replacement node started?)"
+            ) from None
         outcome = self.store.get(key).decode()
         if outcome == "full":
             return tuple(range(self.world_size))
         if outcome.startswith("members:"):
             return tuple(int(r) for r in outcome.removeprefix("members:").split(","))
         return ()
+
+    def _settle(self, epoch: int, until: float) -> None:
+        """A survivor of an elastic group in ``epoch``: unless the epoch is decided first, decide it with the ranks
+        arrived once no rank has arrived for :data:`QUIET_S` (the survivors of one loss arrive within
+        milliseconds of each other), or at ``until`` (monotonic) at the latest."""
+        key, count, since = f"e{epoch}/decided", -1, time.monotonic()
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=SETTLE_POLL_S))
+                return
+            except dist.DistError:
+                pass
+            now = time.monotonic()
+            arrived = int(self.store.add(f"e{epoch}/arrived", 0))
+            if arrived != count:
+                count, since = arrived, now
+            if now - since >= QUIET_S or now >= until:
+                break
+        members = [r for r in range(self.world_size) if int(self.store.add(f"e{epoch}/rank{r}", 0)) > 0]
+        self._decide(epoch, "members:" + ",".join(map(str, members)))
 
     def _next(self, failed: int) -> int:
         """:meth:`_open_after`, checked: the epoch after ``failed`` or a newer one.

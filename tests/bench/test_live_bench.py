@@ -1,5 +1,6 @@
-"""``snapshotd-bench live``, short: one rank per node, a full restart and a live recovery of the same job, each on
-a torchrun per emulated node (the full sizes and the spare modes are ``snapshotd-bench live``'s defaults)."""
+"""``snapshotd-bench live``, short: one rank per node, a full restart, a live recovery and a shrink of the same job,
+each on a torchrun per emulated node (the full sizes and the spare modes are ``snapshotd-bench live``'s
+defaults)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, ca
             "--ranks-per-node",
             "1",
             "--modes",
-            "restart,live",
+            "restart,live,shrink",
             "--steps",
             "10",
             "--kill-after",
@@ -38,8 +39,9 @@ def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, ca
     assert status == 0, out
     doc = json.loads(json_path.read_text())
     rows = {r["mode"]: r for r in doc["results"]}
-    assert set(rows) == {"restart", "live"}
+    assert set(rows) == {"restart", "live", "shrink"}
     assert rows["live"]["survivors_kept"] == 1 and rows["restart"]["survivors_kept"] == 0
+    assert rows["shrink"]["survivors_kept"] == 1
     for row in rows.values():
         assert row["epochs"] == 1 and row["step_restored"] >= 3 - 1
         phases = [
@@ -52,6 +54,11 @@ def test_live_recovery_and_the_full_restart_of_one_job_side_by_side(tmp_path, ca
     s = doc["summary"]
     assert s["live_speedup"] == pytest.approx(s["full_restart_seconds"] / s["live_seconds"])
     assert s["survivors_kept_live"] is True and s["survivor_work_mode"] == "live"
+    # the survivor carried both virtual ranks (half the throughput allows), and the replacement joined later
+    assert s["shrink_speedup"] == pytest.approx(s["full_restart_seconds"] / s["shrink_seconds"])
+    assert 0 < s["shrunk_throughput_ratio"] < 1 and 0 < s["grow_pause_seconds"] < 30
+    assert rows["shrink"]["joined_after_seconds"] > rows["shrink"]["total_seconds"]
+    assert s["exact_reduction_cost_ratio"] == pytest.approx(s["exact_step_seconds"] / s["ddp_step_seconds"])
 
 
 def test_bad_arguments_are_refused_before_anything_starts() -> None:
@@ -61,5 +68,7 @@ def test_bad_arguments_are_refused_before_anything_starts() -> None:
         cli.main(["live", "--ranks-per-node", "two"])
     with pytest.raises(ValueError, match="--modes"):
         cli.main(["live", "--modes", "live"])
+    with pytest.raises(ValueError, match="--modes"):
+        cli.main(["live", "--modes", "restart"])
     with pytest.raises(ValueError, match="--kill-after"):
         cli.main(["live", "--steps", "5", "--kill-after", "4"])
