@@ -326,6 +326,10 @@ class IngestService:
         slot = lr.slots[msg.slot]
         if slot.valid or slot.streaming or slot.pins:
             raise ProtocolError(f"slot {msg.slot} was not free (it holds step {slot.step})")
+        for i, other in enumerate(lr.slots):
+            # a copy past the step seen is the failed run's, kept past a restore because it was streaming then
+            if other.valid and other.step > lr.seen_step and not other.streaming and not other.pins:
+                lr.set_slot(i, SlotState())
         newest = max(lr.valid_steps(), default=-1)
         if msg.step <= newest:
             raise ProtocolError(
