@@ -1,7 +1,9 @@
 """The ``snapshotd`` command: ``coordinator``, ``serve``, ``status``, ``export`` and ``demo``.
 
 The CLI only maps flags onto the config dataclasses that own validation; a bad value is one clear line on stderr
-and exit code 2.
+and exit code 2. Every flag of every subcommand may also come from the environment, as ``SNAPSHOTD_<FLAG>``
+(``--max-rate`` from ``SNAPSHOTD_MAX_RATE``; a switch from ``1``/``true``/``yes`` or ``0``/``false``/``no``); a
+flag given on the command line wins, and ``--help`` names each variable.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run this node's sidecar")
     s.add_argument(
-        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
     )
     s.add_argument("--node", default=None, help="node name (default: the host name)")
     s.add_argument("--rack", default="", help="failure-domain label; buddies are never in the same rack")
@@ -133,14 +135,14 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
     st.add_argument(
-        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
     )
     st.add_argument("--watch", action="store_true", help="refresh every second")
     st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
 
     e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
     e.add_argument(
-        "--coordinator", default=os.environ.get("SNAPSHOTD_COORDINATOR", DEFAULT_COORDINATOR), type=endpoint
+        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
     )
     e.add_argument("--job", required=True, help="the job to export")
     e.add_argument(
@@ -168,7 +170,45 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="read the job's secret from this file (instead of $SNAPSHOTD_SECRET, which it overrides)",
         )
+    for command in (c, s, st, e, d):
+        _from_environment(command)
     return p
+
+
+ENV_PREFIX = "SNAPSHOTD_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_name(flag: str) -> str:
+    """The environment variable of a long flag: ``--max-rate`` -> ``SNAPSHOTD_MAX_RATE``."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _from_environment(parser: argparse.ArgumentParser) -> None:
+    """Give each of ``parser``'s long flags (``-v``, ``--help`` and ``--version`` aside) its default from
+    ``SNAPSHOTD_<FLAG>`` where that is set, and name the variable in its help.
+
+    Raises:
+        ValueError: a variable's value is not one its flag takes (a switch's, or one of its choices).
+    """
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if not longs or action.dest in ("help", "version", "verbose_here"):
+            continue
+        name = env_name(longs[0])
+        action.help = f"{action.help or ''} [${name}]".strip()
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            if value.strip().lower() not in _TRUE + _FALSE:
+                raise ValueError(f"${name}={value!r}: a switch, one of {', '.join(_TRUE + _FALSE[:-1])}")
+            action.default = value.strip().lower() in _TRUE
+        else:
+            if action.choices is not None and value not in action.choices:
+                raise ValueError(f"${name}={value!r}: not one of {', '.join(map(str, action.choices))}")
+            action.default = value  # argparse converts a string default with the flag's type
+            action.required = False
 
 
 def endpoint(text: str) -> str:
@@ -218,7 +258,12 @@ def _verbose_here(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        parser = _parser()
+    except ValueError as exc:  # an environment variable no flag takes
+        print(f"snapshotd: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     args.verbose += getattr(args, "verbose_here", 0)
     setup_logging(args.verbose, getattr(args, "log_format", "text"))
     try:

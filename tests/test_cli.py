@@ -111,3 +111,38 @@ def test_the_secret_comes_from_a_file_where_one_is_given(tmp_path, monkeypatch, 
     for path, says in ((tmp_path / "empty", "is empty"), (tmp_path / "absent", "cannot read --secret-file")):
         assert main(["status", "--coordinator", "7", "--secret-file", str(path)]) == 2
         assert says in capsys.readouterr().err
+
+
+def test_every_flag_may_come_from_the_environment_and_the_command_line_wins(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("SNAPSHOTD_MAX_RATE", "10Gbit/s")
+    monkeypatch.setenv("SNAPSHOTD_COORDINATOR", "coord-host:7070")
+    monkeypatch.setenv("SNAPSHOTD_INSECURE", "yes")
+    monkeypatch.setenv("SNAPSHOTD_JOB", "run-42")
+    args = _parser().parse_args(["serve", "--node", "n1"])
+    assert (args.max_rate, args.coordinator, args.insecure, args.node) == (
+        "10Gbit/s",
+        "tcp://coord-host:7070",
+        True,
+        "n1",
+    )
+    assert _parser().parse_args(["serve", "--max-rate", "1GB/s"]).max_rate == "1GB/s"
+    assert _parser().parse_args(["export", "--out", "d"]).job == "run-42"  # --job is required otherwise
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    assert "[$SNAPSHOTD_PEER_TIMEOUT]" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("SNAPSHOTD_CODEC", "zstd", "not one of auto, raw, delta-lz4"),
+        ("SNAPSHOTD_INSECURE", "maybe", "a switch"),
+    ],
+)
+def test_an_environment_value_no_flag_takes_is_one_line(
+    monkeypatch, capsys, name: str, value: str, says: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    assert main(["status"]) == 2
+    err = capsys.readouterr().err
+    assert f"${name}" in err and says in err and len(err.strip().splitlines()) == 1
