@@ -2,7 +2,7 @@
 
 A job of :mod:`.live_trainer` runs on two emulated nodes, each a sidecar and a torchrun agent of its own
 (``--standalone --nnodes 1``, ``--ranks-per-node`` workers), beside a coordinator and the rendezvous store of
-``examples/torchrun_ddp/rdzv_store.py`` on loopback. Mid-run the second node dies (its sidecar, agent and workers
+``snapshotd rdzv-store`` on loopback. Mid-run the second node dies (its sidecar, agent and workers
 SIGKILLed together, its shared memory gone) and a replacement node takes its seat: the first two nodes are placed
 by their index (``--node-index``), the replacement asks snapshotd for a seat (``--nodes``) and gets the lost one.
 For each size the same job runs once per ``--modes``:
@@ -62,12 +62,7 @@ from .torchrun_trial import TORCHRUN_ENV
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LiveConfig", "LiveRanks", "MODES", "STORE_SCRIPT", "add_arguments", "run", "run_trial"]
-
-STORE_SCRIPT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchrun_ddp", "rdzv_store.py"
-)
-"""The example's standalone rendezvous store, which live mode keeps its membership in."""
+__all__ = ["LiveConfig", "LiveRanks", "MODES", "add_arguments", "run", "run_trial"]
 
 
 class LiveRanks:
@@ -530,7 +525,7 @@ def run(args: argparse.Namespace) -> Report:
         LocalCluster(workdir, heartbeat_interval=0.2, heartbeat_timeout=1.5) as cluster,
     ):
         cluster.start_coordinator()
-        store = RendezvousStore(STORE_SCRIPT, workdir)
+        store = RendezvousStore(workdir)
         try:
             for per_node in sizes:
                 for mode in cfg.modes:

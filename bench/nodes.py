@@ -9,7 +9,7 @@ are the training ranks; one host of its own runs the c10d rendezvous store. Here
   that address, ranks the nodes of a round in its order, and gives the workers the first node's address as
   ``MASTER_ADDR``. The workers find the node's sidecar through ``SNAPSHOTD_SIDECAR``.
 
-:class:`RendezvousStore` runs the example's ``rdzv_store.py`` (a bare TCPStore server) on an address of its
+:class:`RendezvousStore` runs ``snapshotd rdzv-store`` (a bare TCPStore server) on an address of its
 own.
 
 :meth:`EmulatedNode.kill` is the loss of a node: the agent, every worker and the sidecar are SIGKILLed
@@ -114,18 +114,18 @@ def _signal_all(pids: set[int], sig: int) -> None:
 
 
 class RendezvousStore:
-    """The example's standalone rendezvous store (a TCPStore server) on ``host``, a host of its own.
+    """``snapshotd rdzv-store`` (a TCPStore server) on ``host``, a host of its own (a loopback address).
 
     Raises:
         RuntimeError: it did not print its ready line within ``timeout`` seconds (its output is in the
         message).
     """
 
-    def __init__(self, script: str, workdir: str, *, host: str = "127.0.0.9", timeout: float = 30.0) -> None:
+    def __init__(self, workdir: str, *, host: str = "127.0.0.9", timeout: float = 30.0) -> None:
         self.log_path = os.path.join(workdir, "rdzv-store.log")
         with open(self.log_path, "wb") as log, held_interrupts():
             self.proc = subprocess.Popen(
-                [sys.executable, script, "--host", host, "--port", "0"],
+                [sys.executable, "-m", "snapshotd", "rdzv-store", "--bind", f"{host}:0"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -132,7 +132,7 @@ class TrialConfig:
     store_host: str = "127.0.0.9"
     """The rendezvous store's address: a host of its own."""
     example_dir: str = str(EXAMPLE_DIR)
-    """The folder holding ``train.py`` and ``rdzv_store.py``."""
+    """The folder holding ``train.py``."""
 
     def __post_init__(self) -> None:
         if self.nodes < 2 or self.nproc_per_node < 1:
@@ -147,11 +147,10 @@ class TrialConfig:
             raise ValueError(f"lose must name one of the {self.nodes} nodes, got {self.lose}")
         if self.max_restarts < 1 or self.timeout <= 0 or self.step_delay < 0 or self.monitor_interval <= 0:
             raise ValueError("max_restarts must be >= 1, timeout and monitor_interval > 0, step_delay >= 0")
-        for name in ("train.py", "rdzv_store.py"):
-            if not os.path.isfile(os.path.join(self.example_dir, name)):
-                raise FileNotFoundError(
-                    f"{name} not found in {self.example_dir} (a checkout of the repository has it)"
-                )
+        if not os.path.isfile(os.path.join(self.example_dir, "train.py")):
+            raise FileNotFoundError(
+                f"train.py not found in {self.example_dir} (a checkout of the repository has it)"
+            )
 
     def node_addr(self, index: int) -> str:
         """Node ``index``'s ``--local-addr``; the replacement is index ``nodes``, ordered after every survivor
@@ -393,7 +392,7 @@ def run_trial(
     deadline = time.monotonic() + cfg.timeout
     store = None
     if cfg.store_on is None:
-        store = RendezvousStore(os.path.join(cfg.example_dir, "rdzv_store.py"), workdir, host=cfg.store_host)
+        store = RendezvousStore(workdir, host=cfg.store_host)
         endpoint = store.endpoint
     else:
         endpoint = f"{cfg.node_addr(cfg.store_on)}:{_free_port(cfg.node_addr(cfg.store_on))}"

@@ -13,7 +13,7 @@ The replacement ranks start as any restarted rank does: :func:`init_process_grou
 ``restore()``.
 
 Membership lives in a rendezvous store off the training nodes (a ``torch.distributed.TCPStore`` server such as
-``examples/torchrun_ddp/rdzv_store.py``; ``$SNAPSHOTD_STORE`` is its ``host:port``), under ``snapshotd/<job>/``.
+``snapshotd rdzv-store``; ``$SNAPSHOTD_STORE`` is its ``host:port``), under ``snapshotd/<job>/``.
 Each group the job forms is an *epoch* with keys of its own, formed once every rank arrived in it
 (:mod:`snapshotd.client.group` states the protocol).
 

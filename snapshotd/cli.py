@@ -1,4 +1,4 @@
-"""The ``snapshotd`` command: ``coordinator``, ``serve``, ``status``, ``export`` and ``demo``.
+"""The ``snapshotd`` command: ``coordinator``, ``serve``, ``status``, ``export``, ``rdzv-store`` and ``demo``.
 
 The CLI only maps flags onto the config dataclasses that own validation; a bad value is one clear line on stderr
 and exit code 2. Every flag of every subcommand may also come from the environment, as ``SNAPSHOTD_<FLAG>``
@@ -14,6 +14,7 @@ import sys
 
 from snapshotd import __version__
 from snapshotd.logs import LOG_FORMATS, setup_logging
+from snapshotd.rdzv_store import DEFAULT_STORE_BIND
 from snapshotd.security import DATA_SECURITY_MODES
 from snapshotd.units import parse_bytes, parse_duration, parse_fraction, parse_rate
 
@@ -60,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run this node's sidecar")
     s.add_argument(
-        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
+        "--coordinator",
+        default=DEFAULT_COORDINATOR,
+        type=endpoint,
+        help="the coordinator (default %(default)s)",
     )
     s.add_argument("--node", default=None, help="node name (default: the host name)")
     s.add_argument("--rack", default="", help="failure-domain label; buddies are never in the same rack")
@@ -135,14 +139,20 @@ def _parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="show nodes, ranks, recoverable step and lag")
     st.add_argument(
-        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
+        "--coordinator",
+        default=DEFAULT_COORDINATOR,
+        type=endpoint,
+        help="the coordinator (default %(default)s)",
     )
     st.add_argument("--watch", action="store_true", help="refresh every second")
     st.add_argument("--json", action="store_true", help="print the raw status document as JSON")
 
     e = sub.add_parser("export", help="write a complete step from the sidecars' memory as a DCP checkpoint")
     e.add_argument(
-        "--coordinator", default=DEFAULT_COORDINATOR, type=endpoint, help="the coordinator (default %(default)s)"
+        "--coordinator",
+        default=DEFAULT_COORDINATOR,
+        type=endpoint,
+        help="the coordinator (default %(default)s)",
     )
     e.add_argument("--job", required=True, help="the job to export")
     e.add_argument(
@@ -154,6 +164,21 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="the checkpoint directory (must not exist, or be empty)")
     e.add_argument("--timeout", default="10s", help="wait for any one reply (default %(default)s)")
 
+    r = sub.add_parser(
+        "rdzv-store", help="run the rendezvous store (torchrun's c10d, live mode) off the training nodes"
+    )
+    r.add_argument(
+        "--bind",
+        type=endpoint,
+        default=DEFAULT_STORE_BIND,
+        help="tcp://HOST:PORT, HOST:PORT or a port; port 0 picks a free one (default %(default)s)",
+    )
+    r.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a routable bind: the store authenticates nobody (the job's private network only)",
+    )
+
     d = sub.add_parser(
         "demo", help="the whole story on one machine: train, lose a node, recover bit-identically"
     )
@@ -162,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         "--kill-at", type=int, default=12, help="step after which node B dies (default %(default)s)"
     )
     d.add_argument("--params", default="2M", help="model size in parameters (default %(default)s)")
-    for command in (c, s, st, e, d):
+    for command in (c, s, st, e, r, d):
         _verbose_here(command)
     for command in (c, s, st, e):
         command.add_argument(
@@ -170,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="read the job's secret from this file (instead of $SNAPSHOTD_SECRET, which it overrides)",
         )
-    for command in (c, s, st, e, d):
+    for command in (c, s, st, e, r, d):
         _from_environment(command)
     return p
 
@@ -278,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             return status_main(args.coordinator, watch=args.watch, as_json=args.json, secret=secret)
         if args.command == "export":
             return _export(args, secret)
+        if args.command == "rdzv-store":
+            from snapshotd.rdzv_store import serve_store
+
+            return serve_store(
+                args.bind, args.insecure, lambda at: print(f"rendezvous store ready {at}", flush=True)
+            )
         if args.command == "demo":
             from snapshotd.harness.cluster import sigterm_as_interrupt
             from snapshotd.harness.demo import run_demo

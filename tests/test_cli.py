@@ -146,3 +146,34 @@ def test_an_environment_value_no_flag_takes_is_one_line(
     assert main(["status"]) == 2
     err = capsys.readouterr().err
     assert f"${name}" in err and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_rendezvous_store_binds_loopback_unless_told_and_stops_cleanly(tmp_path) -> None:
+    import datetime
+    import signal
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    assert (
+        main(["rdzv-store", "--bind", "0.0.0.0:0"]) == 2
+    )  # routable, without --insecure: refused, nothing bound
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snapshotd", "rdzv-store", "--bind", "0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # ends when the store is ready, or the process has exited
+        assert line.startswith("rendezvous store ready 127.0.0.1:"), line
+        host, port = line.split()[-1].rsplit(":", 1)
+        client = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()

@@ -166,7 +166,7 @@ def test_node_processes_follow_the_marker(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_rendezvous_store_serves_on_its_own_address_and_stops_cleanly(tmp_path: Path) -> None:
-    store = RendezvousStore(str(EXAMPLE_DIR / "rdzv_store.py"), str(tmp_path), host="127.0.0.9")
+    store = RendezvousStore(str(tmp_path), host="127.0.0.9")
     try:
         host, port = store.endpoint.rsplit(":", 1)
         assert host == "127.0.0.9"

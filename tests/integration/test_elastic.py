@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
+from snapshotd.bench.live import LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
 from tests.waits import wait_until
 
@@ -27,8 +27,8 @@ the sum's order changes the mean gradient's last bits, and AdamW carries them on
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The rendezvous store (the example's ``rdzv_store.py``); its ``host:port``."""
-    server = RendezvousStore(STORE_SCRIPT, str(tmp_path_factory.mktemp("store")))
+    """The rendezvous store (``snapshotd rdzv-store``); its ``host:port``."""
+    server = RendezvousStore(str(tmp_path_factory.mktemp("store")))
     try:
         yield server.endpoint
     finally:

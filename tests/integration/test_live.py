@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from snapshotd.bench.live import STORE_SCRIPT, LiveRanks
+from snapshotd.bench.live import LiveRanks
 from snapshotd.bench.nodes import RendezvousStore
 from snapshotd.client import RecoveryFailed, SidecarRefused
 from snapshotd.client.seat import request_seat
@@ -33,8 +33,8 @@ FLAGS = ["--steps", str(STEPS), "--pg-timeout", "5"]
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The rendezvous store (the example's ``rdzv_store.py``) on a host of its own; its ``host:port``."""
-    server = RendezvousStore(STORE_SCRIPT, str(tmp_path_factory.mktemp("store")))
+    """The rendezvous store (``snapshotd rdzv-store``) on a host of its own; its ``host:port``."""
+    server = RendezvousStore(str(tmp_path_factory.mktemp("store")))
     try:
         yield server.endpoint
     finally:

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from snapshotd.bench.nodes import EmulatedNode, RendezvousStore, marked_processes
-from snapshotd.bench.torchrun_trial import EXAMPLE_DIR, TORCHRUN_ENV, TrialConfig
+from snapshotd.bench.torchrun_trial import TORCHRUN_ENV, TrialConfig
 from snapshotd.status import fetch_status
 
 from .conftest import Cluster, started_cluster
@@ -125,7 +125,7 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
     it. Every process started here has ended on return."""
     workdir.mkdir()
     cfg = TrialConfig()
-    store = RendezvousStore(str(EXAMPLE_DIR / "rdzv_store.py"), str(workdir), host=cfg.store_host)
+    store = RendezvousStore(str(workdir), host=cfg.store_host)
     nodes: list[EmulatedNode] = []
     job = cluster.job(name)
     out = f"out-{name}"

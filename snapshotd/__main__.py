@@ -1,0 +1,7 @@
+"""``python -m snapshotd``: the ``snapshotd`` command."""
+
+import sys
+
+from snapshotd.cli import main
+
+sys.exit(main())
