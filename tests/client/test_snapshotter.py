@@ -56,7 +56,7 @@ def test_unsnapshottable_value_is_a_type_error_naming_its_path(tmp_path) -> None
 
 
 def test_missing_identity_is_a_clear_value_error(monkeypatch) -> None:
-    for var in ("SNAPSHOTD_JOB", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE"):
+    for var in (*IDENTITY_ENV, "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="SNAPSHOTD_JOB"):
         Snapshotter({}, rank=0, world_size=1)
@@ -67,6 +67,29 @@ def test_missing_identity_is_a_clear_value_error(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id
     with pytest.raises(ValueError, match="torchrun's default run id 'none'.*--rdzv-id"):
         Snapshotter({}, rank=0, world_size=1)
+
+
+IDENTITY_ENV = ("SNAPSHOTD_JOB", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE")
+
+
+def test_under_srun_without_torchrun_the_identity_comes_from_slurm(monkeypatch) -> None:
+    from snapshotd.client.identity import Identity
+
+    for var in IDENTITY_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    me = Identity.resolve(None, None, None, None)
+    assert (me.job, me.rank, me.world_size) == ("slurm-4242", 5, 8)
+    monkeypatch.setenv("RANK", "2")  # torchrun's (or the user's) variables come first
+    monkeypatch.setenv("SNAPSHOTD_JOB", "run-1")
+    me = Identity.resolve(None, None, None, None)
+    assert (me.job, me.rank, me.world_size) == ("run-1", 2, 8)
+    monkeypatch.setenv("SLURM_NTASKS", "eight")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match=r"\$SLURM_NTASKS='eight' is not an integer"):
+        Identity.resolve(None, None, None, None)
 
 
 def test_defaults_come_from_the_environment(monkeypatch, tmp_path) -> None:
