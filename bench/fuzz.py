@@ -135,7 +135,7 @@ class Mutator:
         elif kind == 2:
             header[self.rng.choice(("extra", "x" * 64, "v2"))] = self.rng.choice(_HOSTILE)
         elif kind == 3:
-            header["v"] = self.rng.choice((0, 2, 99, "1", None))
+            header["v"] = self.rng.choice((0, PROTOCOL_VERSION + 1, 99, str(PROTOCOL_VERSION), None))
         elif kind == 4:
             header["type"] = self.rng.choice((*self.types, "nope", "", 7))
         else:

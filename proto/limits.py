@@ -7,7 +7,9 @@ exhaust memory with one message.
 
 from __future__ import annotations
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""The wire protocol's version, in every message's header: a peer speaking another is refused, naming both. It changes
+whenever the wire does (``tests/proto/test_messages.py`` pins :func:`~snapshotd.proto.wire.wire_fingerprint` to it)."""
 
 MAX_HEADER_BYTES = 1 << 20
 """Frame 0 (the msgpack header) of any message."""

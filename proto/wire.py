@@ -17,6 +17,7 @@ list of records, may also be given in its wire form (a list of its field values,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from .messages import MESSAGE_TYPES, Message, PlanReply
 from .records import RankPlanFields
 from .schema import Frame, Spec
 
-__all__ = ["FramePacker", "PlanReplyPacker", "decode", "encode"]
+__all__ = ["FramePacker", "PlanReplyPacker", "decode", "encode", "wire_fingerprint"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +68,20 @@ def _layout(cls: type[Message]) -> _Layout:
 
 
 _LAYOUTS = {name: _layout(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+def wire_fingerprint() -> str:
+    """A digest of every message type's fields (name, type, header or payload frame, in wire order): it changes
+    whenever the wire does, and ``tests/proto/test_messages.py`` pins it to :data:`PROTOCOL_VERSION`, so that a
+    change of the wire comes with a new version (and peers of different builds refuse each other by name)."""
+    parts = [
+        f"{name}:"
+        + ",".join(f"{f.name}/{f.type}/{type(f.metadata['spec']).__name__}" for f in dataclasses.fields(cls))
+        for name, cls in sorted(MESSAGE_TYPES.items())
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 _ABSENT: Any = object()
 
 

@@ -29,6 +29,7 @@ from snapshotd.client.copies import copy_into
 from snapshotd.client.schedule import left_out
 from snapshotd.client.state import flatten
 from snapshotd.proto import (
+    PROTOCOL_VERSION,
     Announce,
     Chunk,
     ChunkAck,
@@ -437,12 +438,12 @@ def test_malformed_input_gets_an_error_and_the_sidecar_keeps_serving(
         table=table,
         meta=meta,
     )
-    manifest = {"v": 1, "type": "pull_manifest", "job": fake, "rank": 0, "step": 0}
+    manifest = {"v": PROTOCOL_VERSION, "type": "pull_manifest", "job": fake, "rank": 0, "step": 0}
     with DataPeer(b.fields["data"]) as peer:
         garbage: list[tuple[Any, str]] = [
             ([b"\x00 not msgpack"], "bad_message"),
             ([msgpack.packb({"v": 99, "type": "chunk", "job": fake})], "bad_message"),
-            ([msgpack.packb({"v": 1, "type": "no_such_type", "job": fake})], "bad_message"),
+            ([msgpack.packb({"v": PROTOCOL_VERSION, "type": "no_such_type", "job": fake})], "bad_message"),
             ([msgpack.packb({**manifest, "rank": -1})], "bad_message"),
             ([msgpack.packb(manifest), b"an extra frame"], "bad_message"),
             ([b"\x81" + b"\xa1k" * (1 << 20)], "bad_message"),  # a header over the 1 MiB limit

@@ -163,21 +163,26 @@ def test_non_contiguous_frames_are_refused() -> None:
     "header",
     [
         {
-            "v": 1,
+            "v": L.PROTOCOL_VERSION,
             "type": "heartbeat",
             "node": "a",
             "incarnation": "i",
             "inventory": [None] * (L.MAX_HEADER_BYTES - 100),
         },
         {
-            "v": 1,
+            "v": L.PROTOCOL_VERSION,
             "type": "heartbeat",
             "node": "a",
             "incarnation": "i",
             "inventory": [["j", 0, 0, False]] * 150_000,
         },
-        {"v": 1, "type": "heartbeat_reply", "tasks": [["j", 0, 0, ["x" * 200] * 64]] * 60},
-        {"v": 1, "type": "error", "code": "internal", "message": "m" * (L.MAX_HEADER_BYTES - 100)},
+        {"v": L.PROTOCOL_VERSION, "type": "heartbeat_reply", "tasks": [["j", 0, 0, ["x" * 200] * 64]] * 60},
+        {
+            "v": L.PROTOCOL_VERSION,
+            "type": "error",
+            "code": "internal",
+            "message": "m" * (L.MAX_HEADER_BYTES - 100),
+        },
     ],
     ids=["million-nils", "150k-records", "max-nested", "huge-text"],
 )

@@ -362,9 +362,9 @@ CHUNK = SAMPLES[[m.TYPE for m in SAMPLES].index("chunk")]
         ([b"\xc1"], MalformedMessage),  # not msgpack
         ([msgpack.packb([1, "chunk"])], MalformedMessage),  # not a map
         ([msgpack.packb({1: 2})], MalformedMessage),  # int keys
-        (_with(CHUNK, v=2), UnsupportedVersion),
+        (_with(CHUNK, v=L.PROTOCOL_VERSION + 1), UnsupportedVersion),
         (_with(CHUNK, v=True), UnsupportedVersion),
-        (_with(CHUNK, v=1.0), UnsupportedVersion),
+        (_with(CHUNK, v=float(L.PROTOCOL_VERSION)), UnsupportedVersion),
         (_with(CHUNK, type="nope"), UnknownMessageType),
         (_with(CHUNK, type=["chunk"]), UnknownMessageType),
         (_with(CHUNK, surprise=1), MalformedMessage),
@@ -586,3 +586,27 @@ def test_plan_batches_are_bounded() -> None:
                 PlanReply(job="j", rank=0, status="ready", plans=(RankPlan(1, "wait", -1, False, (), ""),))
             )
         )
+
+
+WIRE_FINGERPRINTS = {2: "e56fb00ca401741a"}
+"""The wire of each protocol version (:func:`~snapshotd.proto.wire.wire_fingerprint`)."""
+
+
+def test_the_wire_changes_only_with_a_new_protocol_version() -> None:
+    from snapshotd.proto.wire import wire_fingerprint
+
+    assert WIRE_FINGERPRINTS.get(L.PROTOCOL_VERSION) == wire_fingerprint(), (
+        "the messages' fields changed: bump PROTOCOL_VERSION in proto/limits.py and record the new fingerprint "
+        "in WIRE_FINGERPRINTS (peers of the old build then refuse this one by name)"
+    )
+
+
+def test_a_message_of_another_protocol_version_is_refused_naming_both() -> None:
+    frames = encode(UnregisterRank(job="j", rank=0))
+    header = msgpack.unpackb(frames[0])
+    header["v"] = L.PROTOCOL_VERSION - 1
+    with pytest.raises(
+        ProtocolError,
+        match=rf"protocol version {L.PROTOCOL_VERSION - 1}; this build speaks {L.PROTOCOL_VERSION}",
+    ):
+        decode([msgpack.packb(header), *frames[1:]])
