@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pg-timeout", type=float, default=30.0)
     p.add_argument("--join-timeout", type=float, default=600.0)
     p.add_argument(
-        "--settle", type=float, default=0.5, help="seconds survivors wait for each other after a loss"
+        "--settle", type=float, default=0.5, help="the longest survivors wait for each other after a loss"
     )
     p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
@@ -235,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             job.__exit__(RuntimeError, None, None)  # as a crash leaves it: the arenas stay
         raise
     if args.snapshot:
-        for snap in job._snaps.values():
-            snap.wait(timeout=30)
+        job.wait(timeout=30)
         job.close()
     _write_atomic(os.path.join(args.out, f"rank{home}.json"), json.dumps(result))
     dist.destroy_process_group()

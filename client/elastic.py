@@ -8,15 +8,17 @@ streams). So whichever process carries a virtual rank, its copies are where a re
 
 - **Shrink.** A peer's loss fails the survivors' collective; :meth:`ElasticJob.guard` raises
   :class:`~snapshotd.client.PeerLost`, and :meth:`ElasticJob.recover` forms the group of the survivors (an elastic
-  :class:`~snapshotd.client.group.LiveGroup`: whoever arrives within its ``settle`` seconds), spreads the lost
+  :class:`~snapshotd.client.group.LiveGroup`: whoever arrived once arrivals go quiet, within its ``settle``
+  seconds; :mod:`snapshotd.client.epochs`), spreads the lost
   virtual ranks over them (:func:`~snapshotd.client.virtual.spread`), and restores every virtual rank at the
   job's step G in one plan round: the survivors' own roll back from their slots, the lost ones are pulled from
   their copies. Nobody waits for a replacement.
 - **Grow.** A replacement (a fresh process, started whenever the scheduler starts it) opens the job's next epoch
   and waits there. While the group is shrunk, :meth:`ElasticJob.capture` looks once per step whether one waits
   (group rank 0 reads the store; a one-element all-reduce tells the others); if so every member makes the step
-  durable (:meth:`Snapshotter.flush <snapshotd.client.Snapshotter.flush>`), lets go of the virtual ranks that move
-  (their Snapshotters unregister), and forms the larger group; the replacement restores its virtual ranks at that
+  durable (:meth:`Snapshotter.flush <snapshotd.client.Snapshotter.flush>`; the members agree that every flush
+  succeeded, else they try again at the next step), arrives in the newcomer's epoch (which waits for every
+  member), lets go of the virtual ranks that move (their Snapshotters unregister), and forms the larger group; the replacement restores its virtual ranks at that
   step from the copies the survivors streamed, and the survivors roll back to that same step (their own state).
   No step is repeated.
 
@@ -58,7 +60,7 @@ VRANK_KEY = "vrank"
 
 
 class ElasticJob:
-    """A data-parallel job in exact mode over virtual ranks, with zero-wait recovery.
+    """A data-parallel job over virtual ranks (exact or equivalent mode), with zero-wait recovery.
 
     Args:
         group: the job's elastic live group (:func:`snapshotd.client.live.init_process_group` with ``settle=``);
@@ -72,7 +74,7 @@ class ElasticJob:
         mode: ``"exact"`` or ``"equivalent"`` (:data:`MODES`); the failure-free run must use the same.
         sidecar, timeout: as for the Snapshotter (each virtual rank's).
 
-    The loop (``examples/elastic_ddp``)::
+    The loop (``examples/zero_wait``)::
 
         with ElasticJob(group, state, model.parameters(), data=make_loader) as job:
             step = job.restore()
@@ -121,10 +123,12 @@ class ElasticJob:
         self._state, self._data, self._seed = dict(state), data, seed
         self._sidecar, self._timeout = sidecar, timeout
         self.layout = Layout.of(self.world, group.members, group.group_rank)
+        self.reducer = MODES[mode](
+            params, self.layout
+        )  # first: it refuses bad parameters before anything opens
         self.vranks: dict[int, VirtualRank] = {}
         self._snaps: dict[int, Snapshotter] = {}
-        self._carry(self.layout)
-        self.reducer = MODES[mode](params, self.layout)
+        self._carry()
         self.recovered: dict[str, Any] = {}
         self.grown: dict[str, Any] = {}
 
@@ -139,7 +143,7 @@ class ElasticJob:
         return self.layout.processes < self.world
 
     def collect(self, vrank: VirtualRank) -> None:
-        """After ``vrank``'s backward: keep its gradient apart (:meth:`ExactReducer.collect`)."""
+        """After ``vrank``'s backward: keep its gradient (the reducer's ``collect``)."""
         self.reducer.collect(vrank.index)
 
     def reduce(self) -> None:
@@ -151,8 +155,8 @@ class ElasticJob:
         they are asked at once); the step they resume from (0 on a fresh job).
 
         Raises:
-            RestoreFailed, NotRecoverable: as for :meth:`Snapshotter.restore`; the virtual ranks disagreeing on
-                the step.
+            RestoreFailed, NotRecoverable: as for :meth:`Snapshotter.restore`.
+            RecoveryFailed: the virtual ranks restored different steps.
         """
         snaps = list(self._snaps.values())
         with concurrent.futures.ThreadPoolExecutor(len(snaps), thread_name_prefix="snapshotd-vrank") as pool:
@@ -172,9 +176,10 @@ class ElasticJob:
             if not is_peer_failure(exc) and not group.left_behind:
                 raise
             group.leave()
-            for v in self.layout.mine:  # the coordinator probes the job's nodes
-                self._snaps[v]._session.channel.send(PeerLostReport(job=group.job, rank=v))
-                break
+            home = self._snaps.get(group.rank) or next(iter(self._snaps.values()))
+            home._session.channel.send(
+                PeerLostReport(job=group.job, rank=home.rank)
+            )  # the coordinator probes
             raise PeerLost(
                 f"job {group.job!r} rank {group.rank}: a peer of epoch {group.epoch} was lost: "
                 f"{str(exc).splitlines()[0][:300]}"
@@ -193,14 +198,15 @@ class ElasticJob:
         every virtual rank at the job's step G; that step. :attr:`recovered` tells how long each phase took.
 
         Raises:
-            RecoveryFailed: no group formed; some virtual rank's state is nowhere (``NotRecoverable``).
+            RecoveryFailed: no group formed, or it formed without this process (it arrived late: restart it).
+            NotRecoverable: some virtual rank's state is nowhere.
         """
         t0 = time.monotonic()
-        for snap in self._snaps.values():  # the copy in flight reads the tensors the rollback writes
-            snap._session.stager.fence(timeout=self._timeout, host=True)
         for attempt in range(1, self.group.attempts + 1):
             self.group.rejoin()
             t1 = time.monotonic()
+            for snap in self._snaps.values():  # the copy in flight reads the tensors the rollback writes
+                snap._session.stager.fence(timeout=self._timeout, host=True)
             try:
                 self._relayout()
                 t2 = time.monotonic()
@@ -231,6 +237,11 @@ class ElasticJob:
         )
         return step
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every carried virtual rank's last snapshot is durable (:meth:`Snapshotter.wait`); whether
+        all are."""
+        return all([snap.wait(timeout) for snap in self._snaps.values()])
+
     def close(self) -> None:
         """Close every virtual rank's Snapshotter."""
         for snap in self._snaps.values():
@@ -251,7 +262,7 @@ class ElasticJob:
 
     def _newcomer_waits(self) -> bool:
         """Whether a process waits in a newer epoch (group rank 0 reads the store; every member learns it)."""
-        seen = torch.zeros(1, dtype=torch.int32)
+        seen = torch.zeros(1, dtype=torch.int32, device=self.reducer.device)
         if self.group.group_rank == 0:
             seen[0] = int(self.group.newest_epoch > self.group.epoch)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
@@ -261,9 +272,16 @@ class ElasticJob:
         """Make ``step`` durable for every virtual rank carried, then form the larger group and move virtual ranks
         to the newcomers; the survivors roll back to ``step`` (their own state) as the newcomers restore it."""
         t0 = time.monotonic()
-        for v, snap in self._snaps.items():
-            if not snap.flush(step, timeout=self._timeout):
-                raise RecoveryFailed(f"virtual rank {v}'s step {step} did not become durable to hand it over")
+        flushed = all([snap.flush(step, timeout=self._timeout) for snap in self._snaps.values()])
+        agreed = torch.tensor([int(flushed)], dtype=torch.int32, device=self.reducer.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        if not agreed[0]:  # every member skips this boundary alike; the newcomer waits for the next
+            log.warning(
+                "[job %s] step %d is not durable on every member: the newcomer joins later",
+                self.group.job,
+                step,
+            )
+            return
         t1 = time.monotonic()
         # the virtual ranks that move are let go before the group forms: a newcomer asking for one while this
         # node still reports it running would wait for this node to be declared dead
@@ -304,14 +322,14 @@ class ElasticJob:
     def _relayout(self) -> None:
         """Carry the virtual ranks the current group's layout gives this process."""
         self.layout = Layout.of(self.world, self.group.members, self.group.group_rank)
-        self._carry(self.layout)
+        self._carry()
         self.reducer.relayout(self.layout)
 
-    def _carry(self, layout: Layout) -> None:
+    def _carry(self) -> None:
         """Let go of the virtual ranks ``layout`` moves elsewhere (their Snapshotters unregister: their copies on
         the buddies stay), and take on the ones it brings."""
         self._release_moved(self.group.members)
-        for v in layout.mine:
+        for v in self.layout.mine:
             if v in self._snaps:
                 continue
             vr = VirtualRank(v, seed=self._seed, data=None if self._data is None else self._data(v))

@@ -18,8 +18,9 @@ the next one:
 
 An *elastic* group (``settle=``, for virtual ranks: :mod:`snapshotd.client.elastic`) may form with fewer ranks
 than the world. A survivor arriving in an epoch (after a loss, or to let a newcomer in) waits for it to fill, at
-most until no rank has arrived for :data:`QUIET_S` or ``settle`` seconds have passed, then decides it with the
-ranks arrived so far (``members:<ranks>``); the first decision holds, and
+most until no rank has arrived for :data:`~.epochs.QUIET_S` (and every member it expects has) or ``settle``
+seconds have passed, then decides it with the ranks arrived so far (``members:<ranks>``, :mod:`.epochs`); the first
+decision holds, and
 a rank that arrives after it opens the next epoch, which the members join at their next step boundary. A fresh
 process never decides by settling: it waits for the epoch to fill or for the members to decide.
 """
@@ -35,18 +36,13 @@ from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
+from .epochs import decide, settle, wait_decision
 from .errors import RecoveryFailed
 from .peers import open_sockets, shut_connection
 from .seat import SEAT_ASK_MIN_S, request_seat
 from .watchdog import Watchdog
 
-__all__ = ["QUIET_S", "LiveGroup"]
-
-QUIET_S = 0.1
-"""An elastic group's survivors decide an epoch once no rank arrived in it for this long (or after ``settle``)."""
-
-SETTLE_POLL_S = 0.02
-"""How often a settling survivor looks at the epoch's arrivals."""
+__all__ = ["LiveGroup"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +76,7 @@ class LiveGroup:
         self.job, self.rank, self.world_size, self.backend = job, rank, world_size, backend
         self.timeout, self.join_timeout, self.attempts = timeout, join_timeout, attempts
         self.seat = seat  # (nodes, sidecar) when snapshotd seated this node (init_process_group's nodes=)
-        self.settle = settle  # elastic: seconds a survivor waits for an epoch to fill before deciding it
+        self.settle = settle  # elastic: the longest a survivor waits for an epoch to fill before deciding it
         self.epoch = -1
         self.members: tuple[int, ...] = ()  # the job ranks in the current group, in group rank order
         self.timings: dict[str, float] = {}
@@ -164,7 +160,8 @@ class LiveGroup:
 
     def grow(self, on_members: Callable[[tuple[int, ...]], None] | None = None) -> None:
         """Leave the current (healthy) group for the job's newest epoch, which a newcomer opened, and form it with
-        whoever arrives there within ``settle`` (elastic groups; every member calls it at the same step boundary).
+        every current member and whoever else arrives (elastic groups; every member calls it at the same step
+        boundary; :mod:`.epochs`).
         ``on_members(members)`` runs once the membership is decided, before the group forms.
 
         Raises:
@@ -176,7 +173,14 @@ class LiveGroup:
         self.leave()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self._form(max(self.newest_epoch, self.epoch + 1), deadline, settling=True, on_members=on_members)
+        current = self.members  # every member grows at this step boundary: the epoch waits for each of them
+        self._form(
+            max(self.newest_epoch, self.epoch + 1),
+            deadline,
+            settling=True,
+            on_members=on_members,
+            expect=current,
+        )
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -246,7 +250,7 @@ class LiveGroup:
 
     def _decide(self, epoch: int, outcome: str) -> str:
         """Decide ``epoch`` ``full`` or ``abandoned``, unless it is decided already; the decision that holds."""
-        return self.store.compare_set(f"e{epoch}/decided", "", outcome).decode()
+        return decide(self.store, epoch, outcome)
 
     def _form(
         self,
@@ -254,10 +258,16 @@ class LiveGroup:
         deadline: float | None = None,
         settling: bool = False,
         on_members: Callable[[tuple[int, ...]], None] | None = None,
+        expect: tuple[int, ...] = (),
     ) -> None:
         """Form the group of ``epoch`` or a later one, by ``deadline`` (monotonic; default ``join_timeout`` from
         now); ``settling``: a survivor of an elastic group, which decides an epoch that did not fill within
-        ``settle``; ``on_members``: called with the members of the epoch that forms, before it does."""
+        ``settle`` (and waits for the ranks of ``expect`` until then); ``on_members``: called with the members of
+        the epoch that forms, before it does.
+
+        Raises:
+            RecoveryFailed: as :meth:`rejoin`; a settling survivor arrived after its epoch was decided without it.
+        """
         t0 = time.monotonic()
         deadline = t0 + self.join_timeout if deadline is None else deadline
         first = epoch
@@ -272,8 +282,23 @@ class LiveGroup:
                 epoch = self._next(epoch)
                 continue
             t1 = time.monotonic()
-            members = self._decision(epoch, deadline, settling)
-            if self.rank not in members:  # abandoned (a rank came back in it), or decided without this rank
+            if settling and self.settle is not None:
+                settle(
+                    self.store, epoch, self.world_size, min(deadline, time.monotonic() + self.settle), expect
+                )
+            members = wait_decision(
+                self.store, epoch, self.world_size, deadline, f"job {self.job!r} rank {self.rank}"
+            )
+            if members and self.rank not in members and settling:
+                # decided without this survivor, which arrived late: the others carry its work now, and it must
+                # not form a group of its own beside theirs
+                raise RecoveryFailed(
+                    f"job {self.job!r} rank {self.rank}: epoch {epoch} formed without this process, which arrived "
+                    "after its members decided it; restart it to join as a new process"
+                )
+            if (
+                self.rank not in members
+            ):  # abandoned (a rank came back in it), or decided before a fresh process
                 epoch = self._next(epoch)
                 continue
             if on_members is not None:
@@ -317,47 +342,6 @@ class LiveGroup:
             f"job {self.job!r} rank {self.rank}: no process group formed within "
             f"{self.join_timeout:.0f} s and {self.attempts} attempts: {why}"
         )
-
-    def _decision(self, epoch: int, deadline: float, settling: bool) -> tuple[int, ...]:
-        """Wait for ``epoch``'s decision (a settling survivor may make it: :meth:`_settle`); the job ranks it names
-        members, in order (none when abandoned). Raises RecoveryFailed: no decision by ``deadline``."""
-        key = f"e{epoch}/decided"
-        if settling and self.settle is not None:
-            self._settle(epoch, min(deadline, time.monotonic() + self.settle))
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-        except dist.DistError:
-            raise RecoveryFailed(
-                f"job {self.job!r} rank {self.rank}: only {int(self.store.add(f'e{epoch}/arrived', 0))} of "
-                f"{self.world_size} ranks joined epoch {epoch} within {self.join_timeout:.0f} s (is the "
-                "replacement node started?)"
-            ) from None
-        outcome = self.store.get(key).decode()
-        if outcome == "full":
-            return tuple(range(self.world_size))
-        if outcome.startswith("members:"):
-            return tuple(int(r) for r in outcome.removeprefix("members:").split(","))
-        return ()
-
-    def _settle(self, epoch: int, until: float) -> None:
-        """A survivor of an elastic group in ``epoch``: unless the epoch is decided first, decide it with the ranks
-        arrived once no rank has arrived for :data:`QUIET_S` (the survivors of one loss arrive within
-        milliseconds of each other), or at ``until`` (monotonic) at the latest."""
-        key, count, since = f"e{epoch}/decided", -1, time.monotonic()
-        while True:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=SETTLE_POLL_S))
-                return
-            except dist.DistError:
-                pass
-            now = time.monotonic()
-            arrived = int(self.store.add(f"e{epoch}/arrived", 0))
-            if arrived != count:
-                count, since = arrived, now
-            if now - since >= QUIET_S or now >= until:
-                break
-        members = [r for r in range(self.world_size) if int(self.store.add(f"e{epoch}/rank{r}", 0)) > 0]
-        self._decide(epoch, "members:" + ",".join(map(str, members)))
 
     def _next(self, failed: int) -> int:
         """:meth:`_open_after`, checked: the epoch after ``failed`` or a newer one.

@@ -95,7 +95,8 @@ def init_process_group(
             and for a seat.
         attempts: epochs tried before giving up when members die while the group forms.
         settle: an elastic group (virtual ranks, :mod:`snapshotd.client.elastic`): after a loss the survivors form
-            a group of whoever arrives within ``settle`` seconds instead of waiting for a replacement.
+            a group of whoever arrived once arrivals go quiet (:mod:`snapshotd.client.epochs`), after ``settle``
+            seconds at most, instead of waiting for a replacement.
 
     Raises:
         ValueError: no store, or a malformed one; missing job, rank or world size; ``nodes`` with ``rank`` or

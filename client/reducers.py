@@ -79,8 +79,12 @@ class _Reducer:
         if not by_kind:
             raise ValueError(f"{type(self).__name__} was given no parameter that requires a gradient")
         self._buckets = [_Bucket(ps) for ps in by_kind.values()]
-        self.layout = layout
         self.relayout(layout, group)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters (the first bucket's): where collectives beside the reduction run."""
+        return self._buckets[0].device
 
     def relayout(self, layout: Layout, group: Any = None) -> None:
         """Carry on with ``layout`` over ``group`` (default: the default group); gradients collected and not

@@ -48,6 +48,10 @@ __all__ = ["LeftBehind", "Restorer"]
 
 log = logging.getLogger(__name__)
 
+_LOADING = threading.Lock()
+"""One load into live objects at a time in a process: the Snapshotters of the virtual ranks one process carries
+restore at once into the same model and optimizer (:mod:`.elastic`), and ``load_state_dict`` is not thread-safe."""
+
 
 class LeftBehind(RecoveryFailed):
     """Live mode: the job formed a newer group while this rank waited for its restore in the current one."""
@@ -120,7 +124,8 @@ class Restorer:
             if reply.direct and j < len(targets) // 8 and any(targets[8 * j : 8 * j + 8])
         }
         try:
-            restore_into(self._view, entries, reply.meta, session.slot_tensors[reply.slot], placed=placed)
+            with _LOADING:
+                restore_into(self._view, entries, reply.meta, session.slot_tensors[reply.slot], placed=placed)
         except SnapshotdError:
             fail_remaining(shards)
             raise

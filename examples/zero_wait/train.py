@@ -45,7 +45,7 @@ def main() -> None:
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    # an elastic live group: after a loss the survivors form a group of whoever arrives within `settle` seconds
+    # an elastic live group: after a loss the survivors form a group of whoever arrived (within `settle` seconds)
     group = live.init_process_group(
         rank=args.node_index * per_node + int(os.environ["LOCAL_RANK"]), world_size=world, settle=0.5
     )

@@ -221,3 +221,44 @@ def test_an_elastic_job_refuses_a_group_it_cannot_shrink_and_bad_arguments() -> 
         ElasticJob(group(settle=0.5), {"vrank": model}, model.parameters())
     with pytest.raises(ValueError, match="settle must be > 0"):
         group(settle=0)
+
+
+def test_an_elastic_epoch_waits_for_the_ranks_it_expects_and_a_late_survivor_is_refused() -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from snapshotd.client import RecoveryFailed
+    from snapshotd.client.epochs import settle, wait_decision
+    from snapshotd.client.group import LiveGroup
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=5))
+    store = dist.PrefixStore("snapshotd/j", server)
+    store.add("e1/rank0", 1)
+    store.add("e1/arrived", 1)
+    t0 = time.monotonic()
+    settle(
+        store, 1, 2, until=t0 + 0.6, expect=(0, 1)
+    )  # rank 1 never comes: decided at `until`, not when quiet
+    assert time.monotonic() - t0 >= 0.55
+    assert wait_decision(store, 1, 2, time.monotonic() + 1, "test") == (0,)
+
+    def group() -> LiveGroup:
+        return LiveGroup(
+            server,
+            job="j",
+            rank=1,
+            world_size=2,
+            backend="gloo",
+            timeout=5,
+            join_timeout=1,
+            attempts=1,
+            settle=0.5,
+        )
+
+    with pytest.raises(RecoveryFailed, match="formed without this process"):
+        group()._form(1, settling=True)  # a survivor arriving after the others decided: no group of its own
+    store.set("epoch", "1")
+    with pytest.raises(RecoveryFailed, match="only 1 of 2 ranks joined epoch 2"):
+        group()._form(1)  # a fresh process moves on to the next epoch and waits there for the members
