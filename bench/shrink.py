@@ -151,7 +151,7 @@ def _row(
         "restore_seconds": restored - grouped,
         "first_step_seconds": first - restored,
         "total_seconds": first - killed_at,
-        "epochs": 1,
+        "epochs": len({r["epoch"] for r in results}),
         "shrunk_throughput_ratio": _interval(done_at, 2, kill_after) / _interval(done_at, step + 1, grew),
         "joined_after_seconds": min(r["growths"][0]["at"] for r in survivors) - killed_at,
         "grow_pause_seconds": max(r["growths"][0]["seconds"] for r in survivors),
