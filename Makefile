@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup test lint demo bench fuzz soak clean
+.PHONY: setup test lint demo bench fuzz soak long clean
 
 setup: $(STAMP)
 
@@ -20,9 +20,9 @@ $(STAMP): pyproject.toml
 # of compiling the sources again (with PYTHONDONTWRITEBYTECODE set, none would ever be written).
 test: setup
 	$(PY) -m compileall -q snapshotd client proto bench tests
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 -m "not serial" --durations=10; first=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup -m "not serial and not long" --durations=10; first=$$?; \
 	test $$first -ne 2 || exit 2; \
-	$(PY) -m pytest -q -p no:cacheprovider -m serial --durations=20; second=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -m "serial and not long" --durations=20; second=$$?; \
 	test $$first -eq 0 -a $$second -eq 0
 
 lint: setup
@@ -46,6 +46,10 @@ fuzz: setup
 # a hundred trials of a training job meeting a random fault (seed printed), each checked bit-identical
 soak: setup
 	$(VENV)/bin/snapshotd-bench soak --trials 100
+
+# the stories kept out of make test for its time (marked long)
+long: setup
+	$(PY) -m pytest -q -p no:cacheprovider -m long
 
 clean:
 	rm -rf $(VENV) build *.egg-info

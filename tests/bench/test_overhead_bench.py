@@ -181,6 +181,7 @@ def test_bad_flags_are_usage_errors(argv: list[str]) -> None:
         _args(*argv)
 
 
+@pytest.mark.long  # its schedule's rules are unit-tested in tests/client/test_schedule.py
 def test_every_auto_runs_its_own_schedule(tmp_path: Path) -> None:
     args = _args(
         *TINY_RUN,

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 FAULTS = ("coordinator-in-recovery", "sidecar-stop")
 
 
+@pytest.mark.long  # make soak runs a hundred such trials; the stride story below stays in make test
 @pytest.mark.timeout(400)
 def test_two_faults_each_end_in_a_bit_identical_restore(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     json_path = tmp_path / "soak.json"

@@ -18,6 +18,9 @@ from snapshotd.client.virtual import Layout, VirtualRank, spread
 
 from ..gloo_ranks import run_gloo_ranks
 
+# the gloo stories share their failure-free run (a module fixture): on one xdist worker (make test's --dist loadgroup)
+GLOO = pytest.mark.xdist_group("virtual_ranks")
+
 WORLD = 4  # virtual ranks
 STEPS = 6
 
@@ -149,16 +152,27 @@ def _run(tmp: Path, processes: int, **kw: Any) -> tuple[dict[Any, str], str]:
     return losses, digests.pop()
 
 
-def test_the_job_is_bit_identical_on_any_number_of_processes(tmp_path: Path) -> None:
-    runs = {p: _run(tmp_path / f"p{p}", p, start=0, stop=STEPS, saved=None, save=None) for p in (4, 3, 1)}
-    assert len(runs[4][0]) == WORLD * STEPS
-    assert runs[3] == runs[4] and runs[1] == runs[4]
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[Any, str], str]:
+    """The failure-free run: four processes, one virtual rank each, every step."""
+    return _run(tmp_path_factory.mktemp("whole") / "p4", 4, start=0, stop=STEPS, saved=None, save=None)
 
 
-def test_a_job_moved_to_fewer_processes_mid_run_stays_bit_identical(tmp_path: Path) -> None:
+@GLOO
+def test_the_job_is_bit_identical_on_any_number_of_processes(
+    tmp_path: Path, whole: tuple[dict[Any, str], str]
+) -> None:
+    assert len(whole[0]) == WORLD * STEPS
+    for p in (3, 1):
+        assert _run(tmp_path / f"p{p}", p, start=0, stop=STEPS, saved=None, save=None) == whole, p
+
+
+@GLOO
+def test_a_job_moved_to_fewer_processes_mid_run_stays_bit_identical(
+    tmp_path: Path, whole: tuple[dict[Any, str], str]
+) -> None:
     """Four processes, then two carrying two virtual ranks each from the state the four left (as a shrink
     restores it), against four processes throughout."""
-    whole = _run(tmp_path / "whole", 4, start=0, stop=STEPS, saved=None, save=None)
     state = tmp_path / "state"
     state.mkdir()
     before = _run(tmp_path / "before", 4, start=0, stop=3, saved=None, save=str(state))
@@ -167,6 +181,7 @@ def test_a_job_moved_to_fewer_processes_mid_run_stays_bit_identical(tmp_path: Pa
     assert after[1] == whole[1]
 
 
+@GLOO
 def test_equivalent_mode_takes_the_same_samples_and_stays_within_rounding(tmp_path: Path) -> None:
     """The backend's all-reduce: on two processes the losses drift from four processes' by rounding only."""
     four = _run(tmp_path / "four", 4, start=0, stop=STEPS, saved=None, save=None, mode="equivalent")
