@@ -83,9 +83,26 @@ def find_ddp_modules(state: Mapping[str, Any]) -> dict[str, Any]:
         else:
             unwrapped[id(value)] = key
     if unwrapped:
-        for obj in gc.get_objects():  # type(), not isinstance(): some module proxies warn on __class__
-            if issubclass(type(obj), ddp_cls) and id(obj.module) in unwrapped:
+        # type(), not isinstance(): some module proxies warn on __class__; and a set of the DDP classes, not
+        # issubclass(): DDP is an ABC (Joinable), whose subclass check is slow over every live object
+        ddp_types = _subclasses(ddp_cls)
+        objects = gc.get_objects()
+        if ddp_types.isdisjoint(map(type, objects)):  # no DDP module lives: a pass in C, not a loop in Python
+            return found
+        for obj in objects:
+            if type(obj) in ddp_types and id(obj.module) in unwrapped:
                 found.setdefault(unwrapped[id(obj.module)], obj)
+    return found
+
+
+def _subclasses(cls: type) -> set[type]:
+    """``cls`` and every class derived from it (defined so far)."""
+    found, todo = {cls}, [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
     return found
 
 
