@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
+from snapshotd.bench.nodes import RendezvousStore
 from snapshotd.harness.cluster import LocalCluster, ManagedProcess
 from snapshotd.proto import (
     Chunk,
@@ -121,6 +122,17 @@ def cluster(
     """
     with started_cluster(str(tmp_path), tag, getattr(request, "param", 1.5)) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A rendezvous store (``snapshotd rdzv-store``) on a host of its own, for a module's live-mode jobs; its
+    ``host:port``."""
+    server = RendezvousStore(str(tmp_path_factory.mktemp("store")))
+    try:
+        yield server.endpoint
+    finally:
+        assert server.stop() == 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,12 +5,10 @@ side on the same nodes, one per reduction (exact and equivalent), and meet the s
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from snapshotd.bench.live import LiveRanks
-from snapshotd.bench.nodes import RendezvousStore
 from tests.waits import wait_until
 
 from .conftest import Cluster
@@ -23,16 +21,6 @@ FLAGS = ["--steps", str(STEPS), "--pg-timeout", "10", "--params", "100000"]
 EQUIVALENT_RTOL = 1e-5
 """How far (relative) a loss of equivalent mode may drift from the failure-free run's within this job's steps:
 the sum's order changes the mean gradient's last bits, and AdamW carries them on."""
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The rendezvous store (``snapshotd rdzv-store``); its ``host:port``."""
-    server = RendezvousStore(str(tmp_path_factory.mktemp("store")))
-    try:
-        yield server.endpoint
-    finally:
-        assert server.stop() == 0
 
 
 MODES = ("exact", "equivalent")

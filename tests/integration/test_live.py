@@ -11,13 +11,11 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
 
 from snapshotd.bench.live import LiveRanks
-from snapshotd.bench.nodes import RendezvousStore
 from snapshotd.client import RecoveryFailed, SidecarRefused
 from snapshotd.client.seat import request_seat
 from snapshotd.status import fetch_status
@@ -29,16 +27,6 @@ pytestmark = pytest.mark.integration
 
 STEPS = 10
 FLAGS = ["--steps", str(STEPS), "--pg-timeout", "5"]
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The rendezvous store (``snapshotd rdzv-store``) on a host of its own; its ``host:port``."""
-    server = RendezvousStore(str(tmp_path_factory.mktemp("store")))
-    try:
-        yield server.endpoint
-    finally:
-        assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")

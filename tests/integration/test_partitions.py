@@ -82,7 +82,12 @@ def _ranks(
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "cut", ["both directions", pytest.param("one direction", marks=pytest.mark.long), "slowed to 1%"]
+    "cut",
+    [
+        "both directions",
+        pytest.param("one direction", marks=pytest.mark.long),  # make long (the suite's time)
+        pytest.param("slowed to 1%", marks=pytest.mark.long),
+    ],
 )
 def test_a_cut_snapshot_path_moves_streams_to_another_buddy_and_a_later_loss_is_bit_identical(
     tmp_path, reference: list[dict], cut: str
