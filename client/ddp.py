@@ -97,8 +97,10 @@ def find_ddp_modules(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _subclasses(cls: type) -> set[type]:
     """``cls`` and every class derived from it (defined so far)."""
-    found, todo = {cls}, [cls]
+    found: set[type] = {cls}
+    todo: list[type] = [cls]
     while todo:
+        sub: type
         for sub in todo.pop().__subclasses__():
             if sub not in found:
                 found.add(sub)
