@@ -122,9 +122,14 @@ def _signal(pids: set[int], sig: signal.Signals) -> None:
 
 def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) -> Run:
     """nanoGPT under two torchrun agents (nodes A and B); with ``fail``, B is lost (see HOLD_AT) and C replaces
-    it. Every process started here has ended on return."""
+    it. Every process started here has ended on return.
+
+    The failure-free run and the trial run at once, so their nodes have addresses of their own (the trial's from
+    127.0.0.2, the reference's from 127.0.0.12): two torchrun agents on one address can pick the same free port
+    for their workers' group at the same moment, and the two jobs' workers then meet in one group."""
     workdir.mkdir()
     cfg = TrialConfig()
+    first = 2 if fail else 12
     store = RendezvousStore(str(workdir), host=cfg.store_host)
     nodes: list[EmulatedNode] = []
     job = cluster.job(name)
@@ -152,7 +157,7 @@ def _run(cluster: Cluster, code: Path, workdir: Path, *, name: str, fail: bool) 
         node = EmulatedNode(
             cluster,
             cluster.node(f"{'ABC'[index]}-{name}"),
-            cfg.node_addr(index),
+            f"127.0.0.{first + index}",
             torchrun_args=torchrun_args,
             script="train.py",
             script_args=[*CONFIG, f"--out_dir={out}"],
