@@ -2,17 +2,16 @@
 
 The CLI only maps flags onto the config dataclasses that own validation; a bad value is one clear line on stderr
 and exit code 2. Every flag of every subcommand may also come from the environment, as ``SNAPSHOTD_<FLAG>``
-(``--max-rate`` from ``SNAPSHOTD_MAX_RATE``; a switch from ``1``/``true``/``yes`` or ``0``/``false``/``no``); a
-flag given on the command line wins, and ``--help`` names each variable.
+(:mod:`snapshotd.flags`); a flag given on the command line wins, and ``--help`` names each variable.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from snapshotd import __version__
+from snapshotd.flags import endpoint, from_environment, read_secret
 from snapshotd.logs import LOG_FORMATS, setup_logging
 from snapshotd.rdzv_store import DEFAULT_STORE_BIND
 from snapshotd.security import DATA_SECURITY_MODES
@@ -196,83 +195,8 @@ def _parser() -> argparse.ArgumentParser:
             help="read the job's secret from this file (instead of $SNAPSHOTD_SECRET, which it overrides)",
         )
     for command in (c, s, st, e, r, d):
-        _from_environment(command)
+        from_environment(command)
     return p
-
-
-ENV_PREFIX = "SNAPSHOTD_"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
-
-
-def env_name(flag: str) -> str:
-    """The environment variable of a long flag: ``--max-rate`` -> ``SNAPSHOTD_MAX_RATE``."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _from_environment(parser: argparse.ArgumentParser) -> None:
-    """Give each of ``parser``'s long flags (``-v``, ``--help`` and ``--version`` aside) its default from
-    ``SNAPSHOTD_<FLAG>`` where that is set, and name the variable in its help.
-
-    Raises:
-        ValueError: a variable's value is not one its flag takes (a switch's, or one of its choices).
-    """
-    for action in parser._actions:
-        longs = [o for o in action.option_strings if o.startswith("--")]
-        if not longs or action.dest in ("help", "version", "verbose_here"):
-            continue
-        name = env_name(longs[0])
-        action.help = f"{action.help or ''} [${name}]".strip()
-        value = os.environ.get(name)
-        if value is None:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            if value.strip().lower() not in _TRUE + _FALSE:
-                raise ValueError(f"${name}={value!r}: a switch, one of {', '.join(_TRUE + _FALSE[:-1])}")
-            action.default = value.strip().lower() in _TRUE
-        else:
-            if action.choices is not None and value not in action.choices:
-                raise ValueError(f"${name}={value!r}: not one of {', '.join(map(str, action.choices))}")
-            action.default = value  # argparse converts a string default with the flag's type
-            action.required = False
-
-
-def endpoint(text: str) -> str:
-    """An endpoint flag's value as ZeroMQ takes it: ``tcp://HOST:PORT``, ``ipc://PATH`` and ``mem://NAME`` as
-    given; ``HOST:PORT`` as ``tcp://HOST:PORT``; a bare port as ``tcp://127.0.0.1:PORT``.
-
-    Raises:
-        argparse.ArgumentTypeError: none of these.
-    """
-    text = text.strip()
-    if "://" in text:
-        return text
-    if text.isdigit():
-        return f"tcp://127.0.0.1:{text}"
-    host, sep, port = text.rpartition(":")
-    if sep and host and port.isdigit():
-        return f"tcp://{text}"
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not an endpoint: write tcp://HOST:PORT, HOST:PORT or a port"
-    )
-
-
-def _secret(path: str | None) -> str | None:
-    """The job's secret: the contents of ``path`` (its surrounding whitespace stripped) where given, else
-    ``$SNAPSHOTD_SECRET``; None when neither has one.
-
-    Raises:
-        ValueError: ``path`` cannot be read, or holds nothing.
-    """
-    if path is None:
-        return os.environ.get("SNAPSHOTD_SECRET") or None
-    try:
-        with open(path) as f:
-            secret = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read --secret-file {path}: {exc.strerror or exc}") from None
-    if not secret:
-        raise ValueError(f"--secret-file {path} is empty")
-    return secret
 
 
 def _verbose_here(parser: argparse.ArgumentParser) -> None:
@@ -292,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args.verbose += getattr(args, "verbose_here", 0)
     setup_logging(args.verbose, getattr(args, "log_format", "text"))
     try:
-        secret = _secret(getattr(args, "secret_file", None))
+        secret = read_secret(getattr(args, "secret_file", None))
         if args.command == "coordinator":
             return _coordinator(args, secret)
         if args.command == "serve":

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 import snapshotd
-from snapshotd.cli import _parser, endpoint, main
+from snapshotd.cli import _parser, main
+from snapshotd.flags import endpoint
 from snapshotd.units import parse_bytes, parse_duration, parse_rate
 
 
@@ -101,7 +102,7 @@ def test_a_port_in_use_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_secret_comes_from_a_file_where_one_is_given(tmp_path, monkeypatch, capsys) -> None:
-    from snapshotd.cli import _secret
+    from snapshotd.flags import read_secret as _secret
 
     monkeypatch.setenv("SNAPSHOTD_SECRET", "from-env")
     (tmp_path / "secret").write_text("from-file\n")

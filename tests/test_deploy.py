@@ -13,7 +13,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from snapshotd.cli import _parser, env_name
+from snapshotd.cli import _parser
+from snapshotd.flags import env_name
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 KUBERNETES_VERSION = "1.30"  # native sidecar containers are beta, on by default, from 1.29
