@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import sys
 import time
@@ -32,6 +31,8 @@ import torch.nn.functional as F
 
 from snapshotd.harness.trainer import _write_atomic, build_state, state_digest
 from snapshotd.harness.workloads import GPTConfig, make_batch
+
+from .rank_args import add_rank_arguments, placed_rank, start_rank_process
 
 __all__ = ["TokenStream", "main"]
 
@@ -110,31 +111,15 @@ def _step(job: Any, model: torch.nn.Module, opt: Any, sched: Any, vocab: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, default=None, help="home rank in the job (or --node-index)")
-    p.add_argument(
-        "--node-index",
-        type=int,
-        default=None,
-        help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)",
-    )
+    add_rank_arguments(p)  # --rank: the home rank
     p.add_argument("--world", type=int, required=True, help="the job's virtual ranks")
     p.add_argument("--mode", choices=("exact", "equivalent"), default="exact", help="the gradient reduction")
-    p.add_argument("--store", required=True, help="the rendezvous store, host:port")
-    p.add_argument("--job", required=True)
-    p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--params", type=int, default=200_000)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--step-delay", type=float, default=0.0, help="idle seconds per virtual rank carried, per step"
     )
-    p.add_argument("--pg-timeout", type=float, default=30.0)
-    p.add_argument("--join-timeout", type=float, default=600.0)
     p.add_argument(
         "--settle", type=float, default=0.5, help="the longest survivors wait for each other after a loss"
     )
-    p.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--until-grown",
         action="store_true",
@@ -146,15 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if (args.rank is None) == (args.node_index is None):
         p.error("give --rank or --node-index")
-    rank = args.rank
-    if args.node_index is not None:
-        rank = args.node_index * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+    rank = placed_rank(args)
 
     from snapshotd.client import PeerLost, live
     from snapshotd.client.elastic import ElasticJob
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    start_rank_process()
     t_start = time.time()
     cfg, state, _ = build_state(args.params, args.steps, args.seed)
     model, opt, sched = state["model"], state["optim"], state["sched"]

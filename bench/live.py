@@ -52,13 +52,12 @@ from typing import Any
 from snapshotd.harness.cluster import LocalCluster, held_interrupts
 from snapshotd.harness.demo import wait_for
 from snapshotd.harness.processes import RankProcess, start_module
-from snapshotd.status import fetch_status
 
+from .live_trials import reached_kill_point, read_json, torchrun_node
 from .nodes import EmulatedNode, RendezvousStore
 from .reduction import measure_reduction_cost
 from .report import Report, scratch_dir
 from .shrink import run_shrink_trial
-from .torchrun_trial import TORCHRUN_ENV
 
 log = logging.getLogger(__name__)
 
@@ -270,35 +269,17 @@ def _torchrun_node(
     per_node: int,
     script_args: list[str],
 ) -> EmulatedNode:
-    """A node: its sidecar and a torchrun agent of its own (one node per torchrun job, as live mode runs), its
-    ranks those of ``index`` or, None, of the seat snapshotd gives it."""
-    torchrun_args = [
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(per_node),
-        "--max-restarts",
-        "3",
-        "--monitor-interval",
-        "0.1",
-    ]
+    """A node of :mod:`.live_trainer`'s ranks: those of ``index`` or, None, of the seat snapshotd gives it."""
     place = ["--nodes", "2"] if index is None else ["--node-index", str(index), "--world", str(2 * per_node)]
-    return EmulatedNode(
+    return torchrun_node(
         cluster,
+        workdir,
         name,
         addr,
-        torchrun_args=torchrun_args,
-        script="-m",
-        script_args=["snapshotd.bench.live_trainer", *place, *script_args],
-        env=dict(TORCHRUN_ENV),
-        workdir=workdir,
+        trainer="snapshotd.bench.live_trainer",
+        per_node=per_node,
+        script_args=[*place, *script_args],
     )
-
-
-def _read(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return dict(json.load(f))
 
 
 def run_trial(
@@ -354,23 +335,9 @@ def run_trial(
 
         def progress(rank: int) -> int:
             try:
-                return int(_read(os.path.join(out, f"rank{rank}.progress"))["step"])
+                return int(read_json(os.path.join(out, f"rank{rank}.progress"))["step"])
             except (OSError, ValueError, KeyError):
                 return 0
-
-        def durable() -> bool:
-            with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
-                jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
-                return any(j["job"] == job and j["durable"] >= cfg.kill_after - 1 for j in jobs)
-            return False
-
-        def reached_kill_point() -> bool:
-            for node in nodes:
-                if node.agent.poll() is not None:
-                    raise RuntimeError(
-                        f"{node.name}'s agent exited with {node.agent.returncode} before the kill"
-                    )
-            return progress(world - 1) >= cfg.kill_after and durable()
 
         def replacement() -> EmulatedNode:
             node = _torchrun_node(
@@ -394,8 +361,12 @@ def run_trial(
                 cfg.timeout,
                 "the spare's ranks waiting for a seat, model built",
             )
-        wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
-        pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
+        wait_for(
+            lambda: reached_kill_point(cluster, nodes, out, job, world - 1, cfg.kill_after),
+            cfg.timeout,
+            f"step {cfg.kill_after}, durable",
+        )
+        pids = {r: read_json(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
         killed_at = nodes[1].kill()
         if not spare:
             replacement()
@@ -403,7 +374,7 @@ def run_trial(
             code = node.wait(cfg.timeout)
             if code != 0:
                 raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
-        results = [_read(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+        results = [read_json(os.path.join(out, f"rank{r}.json")) for r in range(world)]
     finally:
         for node in nodes:
             with contextlib.suppress(RuntimeError):
@@ -427,7 +398,7 @@ def _row(
         step = survivors[0]["start_step"]
         # the first survivor to see the loss exits; torchrun then stops the others, which may not have seen it yet
         lost_files = [os.path.join(out, f"rank{r}.json.lost") for r in range(per_node)]
-        failed = min(_read(p)["failed_at"] for p in lost_files if os.path.exists(p))
+        failed = min(read_json(p)["failed_at"] for p in lost_files if os.path.exists(p))
         grouped, restored, fresh = [], [], results
     grouped += [r["started"]["group_formed"] for r in fresh]
     restored += [r["started"]["restored"] for r in fresh]

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -41,6 +40,8 @@ import torch.distributed as dist
 
 from snapshotd.harness.trainer import _train_step, _write_atomic, batch_for, build_state, state_digest
 
+from .rank_args import add_rank_arguments, placed_rank, start_rank_process
+
 __all__ = ["EXIT_PEER_LOST", "main"]
 
 EXIT_PEER_LOST = 3
@@ -49,13 +50,7 @@ EXIT_PEER_LOST = 3
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rank", type=int, default=None, help="rank in the job (or --node-index, or --nodes)")
-    p.add_argument(
-        "--node-index",
-        type=int,
-        default=None,
-        help="this node's index: rank = index * $LOCAL_WORLD_SIZE + $LOCAL_RANK (under torchrun)",
-    )
+    add_rank_arguments(p)
     p.add_argument(
         "--nodes",
         type=int,
@@ -63,30 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the job's nodes: snapshotd gives this node a seat, rank = its first + $LOCAL_RANK",
     )
     p.add_argument("--world", type=int, default=None, help="the job's ranks (with --rank or --node-index)")
-    p.add_argument("--store", required=True, help="the rendezvous store, host:port")
-    p.add_argument("--job", required=True, help="the job (snapshotd's, and the live group's in the store)")
-    p.add_argument("--sidecar", default=None, help="the node sidecar's ipc path")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--params", type=int, default=200_000)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=0.25)
     p.add_argument("--step-delay", type=float, default=0.0, help="extra seconds per step")
-    p.add_argument(
-        "--pg-timeout", type=float, default=30.0, help="the group's collective timeout (a hung peer)"
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for the whole membership (a spare started ahead waits this long)",
-    )
-    p.add_argument(
-        "--snapshot",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="snapshot every step (--no-snapshot: the failure-free reference, snapshotd left out)",
-    )
     p.add_argument(
         "--replicated",
         default="",
@@ -120,14 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give exactly one of --rank, --node-index and --nodes")
     if (args.world is None) != (args.nodes is not None):
         p.error("--world goes with --rank and --node-index, not with --nodes")
-    rank = args.rank
-    if args.node_index is not None:
-        rank = args.node_index * int(os.environ["LOCAL_WORLD_SIZE"]) + int(os.environ["LOCAL_RANK"])
+    rank = placed_rank(args)
 
     from snapshotd.client import PeerLost, Snapshotter, live
 
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
-    torch.set_num_threads(1)
+    start_rank_process()
     t_start = time.time()
     # the model first, the group after: a spare started ahead waits for its seat and group with its model built
     cfg, state, _ = build_state(args.params, args.steps, args.seed)

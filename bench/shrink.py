@@ -16,17 +16,15 @@ durable, forming the larger group, restoring).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import statistics
 from typing import Any
 
 from snapshotd.harness.cluster import LocalCluster
 from snapshotd.harness.demo import wait_for
-from snapshotd.status import fetch_status
 
+from .live_trials import reached_kill_point, read_json, torchrun_node
 from .nodes import EmulatedNode
-from .torchrun_trial import TORCHRUN_ENV
 
 __all__ = ["run_shrink_trial"]
 
@@ -40,22 +38,16 @@ def _node(
     per_node: int,
     script_args: list[str],
 ) -> EmulatedNode:
-    """A node: its sidecar and its own torchrun agent running node ``index``'s processes."""
-    return EmulatedNode(
+    """A node of :mod:`.elastic_trainer`'s processes, those of node ``index``."""
+    return torchrun_node(
         cluster,
+        workdir,
         name,
         addr,
-        torchrun_args=["--standalone", "--nnodes", "1", "--nproc-per-node", str(per_node)],
-        script="-m",
-        script_args=["snapshotd.bench.elastic_trainer", "--node-index", str(index), *script_args],
-        env=dict(TORCHRUN_ENV),
-        workdir=workdir,
+        trainer="snapshotd.bench.elastic_trainer",
+        per_node=per_node,
+        script_args=["--node-index", str(index), *script_args],
     )
-
-
-def _read(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        return dict(json.load(f))
 
 
 def run_shrink_trial(
@@ -82,35 +74,19 @@ def run_shrink_trial(
         for i, x in enumerate("AB")
     ]
     try:
-
-        def progress(rank: int) -> int:
-            try:
-                return int(_read(os.path.join(out, f"rank{rank}.progress"))["step"])
-            except (OSError, ValueError, KeyError):
-                return 0
-
-        def reached_kill_point() -> bool:
-            for node in nodes:
-                if node.agent.poll() is not None:
-                    raise RuntimeError(
-                        f"{node.name}'s agent exited with {node.agent.returncode} before the kill"
-                    )
-            if progress(world - 1) < cfg.kill_after:
-                return False
-            with contextlib.suppress(TimeoutError, ValueError, RuntimeError):
-                jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
-                return any(j["job"] == job and j["durable"] >= cfg.kill_after - 1 for j in jobs)
-            return False
-
-        wait_for(reached_kill_point, cfg.timeout, f"step {cfg.kill_after}, durable")
-        pids = {r: _read(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
+        wait_for(
+            lambda: reached_kill_point(cluster, nodes, out, job, world - 1, cfg.kill_after),
+            cfg.timeout,
+            f"step {cfg.kill_after}, durable",
+        )
+        pids = {r: read_json(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
         killed_at = nodes[1].kill()
         nodes.append(_node(cluster, workdir, f"{name}-C", "127.0.0.4", 1, per_node, script_args))
         for node in (nodes[0], nodes[-1]):
             code = node.wait(cfg.timeout)
             if code != 0:
                 raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
-        results = [_read(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+        results = [read_json(os.path.join(out, f"rank{r}.json")) for r in range(world)]
     finally:
         for node in nodes:
             with contextlib.suppress(RuntimeError):
