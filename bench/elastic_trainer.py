@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from snapshotd.harness.trainer import _write_atomic, build_state, state_digest
 from snapshotd.harness.workloads import GPTConfig, make_batch
 
-from .rank_args import add_rank_arguments, placed_rank, start_rank_process
+from .rank_args import add_rank_arguments, join_group, placed_rank, start_rank_process
 
 __all__ = ["TokenStream", "main"]
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --rank or --node-index")
     rank = placed_rank(args)
 
-    from snapshotd.client import PeerLost, live
+    from snapshotd.client import PeerLost
     from snapshotd.client.elastic import ElasticJob
 
     start_rank_process()
@@ -141,16 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, state, _ = build_state(args.params, args.steps, args.seed)
     model, opt, sched = state["model"], state["optim"], state["sched"]
     shared = {"model": model, "optim": opt, "sched": sched}
-    group = live.init_process_group(
-        store=args.store,
-        job=args.job,
-        sidecar=args.sidecar,
-        timeout=args.pg_timeout,
-        join_timeout=args.join_timeout,
-        settle=args.settle,
-        rank=rank,
-        world_size=args.world,
-    )
+    group = join_group(args, settle=args.settle, rank=rank, world_size=args.world)
     home, world = group.rank, group.world_size
     t_group = time.time()
 

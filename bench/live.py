@@ -53,7 +53,7 @@ from snapshotd.harness.cluster import LocalCluster, held_interrupts
 from snapshotd.harness.demo import wait_for
 from snapshotd.harness.processes import RankProcess, start_module
 
-from .live_trials import reached_kill_point, read_json, torchrun_node
+from .live_trials import finish, reached_kill_point, read_json, torchrun_node
 from .nodes import EmulatedNode, RendezvousStore
 from .reduction import measure_reduction_cost
 from .report import Report, scratch_dir
@@ -370,11 +370,7 @@ def run_trial(
         killed_at = nodes[1].kill()
         if not spare:
             replacement()
-        for node in (nodes[0], nodes[-1]):
-            code = node.wait(cfg.timeout)
-            if code != 0:
-                raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
-        results = [read_json(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+        results = finish(nodes, out, world, cfg.timeout)
     finally:
         for node in nodes:
             with contextlib.suppress(RuntimeError):

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from snapshotd.harness.trainer import _train_step, _write_atomic, batch_for, build_state, state_digest
 
-from .rank_args import add_rank_arguments, placed_rank, start_rank_process
+from .rank_args import add_rank_arguments, join_group, placed_rank, start_rank_process
 
 __all__ = ["EXIT_PEER_LOST", "main"]
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world goes with --rank and --node-index, not with --nodes")
     rank = placed_rank(args)
 
-    from snapshotd.client import PeerLost, Snapshotter, live
+    from snapshotd.client import PeerLost, Snapshotter
 
     start_rank_process()
     t_start = time.time()
@@ -105,23 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.progress is not None and os.path.isdir(args.progress):  # the model is built (a spare is now warm)
         _write_atomic(os.path.join(args.progress, f"built.{os.getpid()}"), json.dumps({"time": time.time()}))
     if args.nodes is not None:
-        group = live.init_process_group(
-            store=args.store,
-            job=args.job,
-            nodes=args.nodes,
-            sidecar=args.sidecar,
-            timeout=args.pg_timeout,
-            join_timeout=args.join_timeout,
-        )
+        group = join_group(args, nodes=args.nodes)
     else:
-        group = live.init_process_group(
-            store=args.store,
-            job=args.job,
-            rank=rank,
-            world_size=args.world,
-            timeout=args.pg_timeout,
-            join_timeout=args.join_timeout,
-        )
+        group = join_group(args, rank=rank, world_size=args.world)
     rank, world = group.rank, group.world_size
     t_group = time.time()
     out = os.path.join(args.out, f"rank{rank}.json") if os.path.isdir(args.out) else args.out

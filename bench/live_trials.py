@@ -15,7 +15,7 @@ from snapshotd.status import fetch_status
 from .nodes import EmulatedNode
 from .torchrun_trial import TORCHRUN_ENV
 
-__all__ = ["read_json", "reached_kill_point", "torchrun_node"]
+__all__ = ["finish", "read_json", "reached_kill_point", "torchrun_node"]
 
 
 def torchrun_node(
@@ -72,3 +72,17 @@ def reached_kill_point(
         jobs = fetch_status(cluster.coordinator_addr, secret=None, timeout=1.0)["jobs"]
         return any(j["job"] == job and j["durable"] >= kill_after - 1 for j in jobs)
     return False
+
+
+def finish(nodes: Sequence[EmulatedNode], out: str, world: int, timeout: float) -> list[dict[str, Any]]:
+    """Wait for the survivors' agent (the first node's) and the replacement's (the last node's) to end; the
+    ranks' results, in rank order.
+
+    Raises:
+        RuntimeError: one of the two agents exited non-zero, or did not end within ``timeout``.
+    """
+    for node in (nodes[0], nodes[-1]):
+        code = node.wait(timeout)
+        if code != 0:
+            raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
+    return [read_json(os.path.join(out, f"rank{r}.json")) for r in range(world)]

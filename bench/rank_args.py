@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 import torch
 
-__all__ = ["add_rank_arguments", "placed_rank", "start_rank_process"]
+__all__ = ["add_rank_arguments", "join_group", "placed_rank", "start_rank_process"]
 
 
 def add_rank_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,3 +58,18 @@ def start_rank_process() -> None:
     """A rank process's logging (its pid on every line) and one intra-op thread."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
     torch.set_num_threads(1)
+
+
+def join_group(args: argparse.Namespace, **place: Any) -> Any:
+    """The job's live group (:func:`snapshotd.client.live.init_process_group`) on the store, job, sidecar and
+    timeouts of ``args``; ``place``: ``nodes=``, or ``rank=`` and ``world_size=`` (and ``settle=``)."""
+    from snapshotd.client import live
+
+    return live.init_process_group(
+        store=args.store,
+        job=args.job,
+        sidecar=args.sidecar,
+        timeout=args.pg_timeout,
+        join_timeout=args.join_timeout,
+        **place,
+    )

@@ -23,7 +23,7 @@ from typing import Any
 from snapshotd.harness.cluster import LocalCluster
 from snapshotd.harness.demo import wait_for
 
-from .live_trials import reached_kill_point, read_json, torchrun_node
+from .live_trials import finish, reached_kill_point, read_json, torchrun_node
 from .nodes import EmulatedNode
 
 __all__ = ["run_shrink_trial"]
@@ -82,11 +82,7 @@ def run_shrink_trial(
         pids = {r: read_json(os.path.join(out, f"rank{r}.progress"))["pid"] for r in range(per_node)}
         killed_at = nodes[1].kill()
         nodes.append(_node(cluster, workdir, f"{name}-C", "127.0.0.4", 1, per_node, script_args))
-        for node in (nodes[0], nodes[-1]):
-            code = node.wait(cfg.timeout)
-            if code != 0:
-                raise RuntimeError(f"{node.name}'s agent exited with {code}; see {node.log_path}")
-        results = [read_json(os.path.join(out, f"rank{r}.json")) for r in range(world)]
+        results = finish(nodes, out, world, cfg.timeout)
     finally:
         for node in nodes:
             with contextlib.suppress(RuntimeError):
