@@ -27,7 +27,7 @@ survivor's wall time, waits for the other ranks included) and ``survivor_cpu_sec
 spent in ``recover()`` (every thread: what the live path costs a survivor by itself, without the waits). The
 summary (``--json``) holds ``full_restart_seconds``, ``live_seconds`` and ``live_speedup`` for the first size,
 the same for the spare modes, and for shrink ``shrink_seconds``, ``shrink_speedup`` (the full restart's time over
-shrink's), ``grow_pause_seconds``, ``shrunk_throughput_ratio``, and ``exact_reduction_cost_ratio`` with the two
+shrink's), ``grow_pause_seconds`` beside ``shrunk_step_seconds``, ``shrunk_throughput_ratio``, and ``exact_reduction_cost_ratio`` with the two
 step times behind it (:mod:`.reduction`: exact-mode and DDP steps alternating in one job of the first size).
 
 :class:`LiveRanks` (the rank processes of one job, started directly, node by node) is what the live-recovery
@@ -533,6 +533,7 @@ def run(args: argparse.Namespace) -> Report:
             shrink_seconds=shrink["total_seconds"],
             shrink_speedup=full / shrink["total_seconds"],
             grow_pause_seconds=shrink["grow_pause_seconds"],
+            shrunk_step_seconds=shrink["shrunk_step_seconds"],
             shrunk_throughput_ratio=shrink["shrunk_throughput_ratio"],
         )
         summary.update(measure_reduction_cost(2 * first, cfg.params, steps=max(cfg.steps, 10)))
@@ -564,6 +565,7 @@ def run(args: argparse.Namespace) -> Report:
             *_PHASES,
             "survivor_work_seconds",
             "survivor_cpu_seconds",
+            "shrunk_step_seconds",
             "shrunk_throughput_ratio",
             "joined_after_seconds",
             "grow_pause_seconds",

@@ -10,7 +10,7 @@ The row's phases run from the kill to the first step every survivor completed af
 modes), and it adds what only this mode has: the survivors' throughput while shrunk over their throughput before
 the loss (``shrunk_throughput_ratio``; ``P / W`` is what the work allows), how long after the kill the replacement
 joined (``joined_after_seconds``), and the pause that cost the survivors (``grow_pause_seconds``: making the step
-durable, forming the larger group, restoring).
+durable, forming the larger group, restoring) beside a shrunk step's time (``shrunk_step_seconds``, the median).
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ def _row(
     first = max(r["done_at"][str(step + 1)] for r in survivors)
     grew = survivors[0]["growths"][0]["step"]
     done_at = survivors[0]["done_at"]
+    shrunk_step = _interval(done_at, step + 1, grew)
     steps = {max(map(int, r["done_at"]), default=r["start_step"]) for r in results}
     if len(steps) != 1 or len({r["epoch"] for r in results}) != 1:
         raise RuntimeError(f"shrink x{per_node}: the processes ended apart (steps {steps})")
@@ -124,7 +125,8 @@ def _row(
         "first_step_seconds": first - restored,
         "total_seconds": first - killed_at,
         "epochs": len({r["epoch"] for r in results}),
-        "shrunk_throughput_ratio": _interval(done_at, 2, kill_after) / _interval(done_at, step + 1, grew),
+        "shrunk_step_seconds": shrunk_step,
+        "shrunk_throughput_ratio": _interval(done_at, 2, kill_after) / shrunk_step,
         "joined_after_seconds": min(r["growths"][0]["at"] for r in survivors) - killed_at,
         "grow_pause_seconds": max(r["growths"][0]["seconds"] for r in survivors),
     }

@@ -69,7 +69,7 @@ def find_ddp_modules(state: Mapping[str, Any]) -> dict[str, Any]:
     if ddp_cls is None:
         return {}
     found: dict[str, Any] = {}
-    unwrapped: dict[int, str] = {}
+    unwrapped: dict[str, torch.nn.Module] = {}
     for key, value in state.items():
         if not isinstance(value, torch.nn.Module):
             continue
@@ -81,17 +81,30 @@ def find_ddp_modules(state: Mapping[str, Any]) -> dict[str, Any]:
         if inside:
             found.update(inside)
         else:
-            unwrapped[id(value)] = key
+            unwrapped[key] = value
     if unwrapped:
-        # type(), not isinstance(): some module proxies warn on __class__; and a set of the DDP classes, not
-        # issubclass(): DDP is an ABC (Joinable), whose subclass check is slow over every live object
-        ddp_types = _subclasses(ddp_cls)
-        objects = gc.get_objects()
-        if ddp_types.isdisjoint(map(type, objects)):  # no DDP module lives: a pass in C, not a loop in Python
-            return found
-        for obj in objects:
-            if type(obj) in ddp_types and id(obj.module) in unwrapped:
-                found.setdefault(unwrapped[id(obj.module)], obj)
+        found.update(_wrappers_of(unwrapped, ddp_cls))
+    return found
+
+
+def _wrappers_of(unwrapped: Mapping[str, torch.nn.Module], ddp_cls: type) -> dict[str, Any]:
+    """The live DDP modules wrapping the modules of ``unwrapped`` (where in the state -> module), by where.
+
+    DDP keeps the module it wraps as its submodule ``"module"``, in a dict. A walk in C over the collector's
+    objects for the wrapped modules' referrers tells whether any dict holds one so; only then are all live objects
+    looked through for the wrappers. ``type()`` and a set of the DDP classes, not ``isinstance()``: some module
+    proxies warn on ``__class__``, and DDP is an ABC (Joinable), whose subclass check is slow.
+    """
+    where = {id(module): key for key, module in unwrapped.items()}
+    if not any(
+        type(obj) is dict and id(obj.get("module")) in where for obj in gc.get_referrers(*unwrapped.values())
+    ):
+        return {}
+    ddp_types = _subclasses(ddp_cls)
+    found: dict[str, Any] = {}
+    for obj in gc.get_objects():
+        if type(obj) in ddp_types and id(obj.module) in where:
+            found.setdefault(where[id(obj.module)], obj)
     return found
 
 
@@ -256,12 +269,17 @@ class DDPBuckets:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Give each live DDP module the layout the snapshot names for it.
 
+        The live DDP modules are looked for again (a walk over every live object: see :func:`find_ddp_modules`)
+        only when the snapshot names one not found before, a model wrapped in DDP after the state was handed over;
+        a restore of a job without DDP, or of one whose modules are known, costs no walk.
+
         Raises:
             ConfigMismatch: the snapshot names a DDP module the live state lacks, a layout that does not fit the
                 live model, or a DDP setup whose reducer cannot be rebuilt.
             ValueError: a malformed layout.
         """
-        self.rediscover()
+        if not state_dict.keys() <= self._modules.keys():
+            self.rediscover()
         for where, layout in state_dict.items():
             ddp = self._modules.get(where)
             if ddp is None:

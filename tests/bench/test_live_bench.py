@@ -52,6 +52,7 @@ def test_a_shrink_and_the_full_restart_of_one_job_side_by_side(tmp_path, capsys)
     # the survivor carried both virtual ranks (half the throughput allows), and the replacement joined later
     assert s["shrink_speedup"] == pytest.approx(s["full_restart_seconds"] / s["shrink_seconds"])
     assert 0 < s["shrunk_throughput_ratio"] < 1 and 0 < s["grow_pause_seconds"] < 30
+    assert 0 < s["shrunk_step_seconds"] < 30
     assert rows["shrink"]["joined_after_seconds"] > rows["shrink"]["total_seconds"]
     assert s["exact_reduction_cost_ratio"] == pytest.approx(s["exact_step_seconds"] / s["ddp_step_seconds"])
     assert "live_speedup" not in s  # no live trial, no live figures

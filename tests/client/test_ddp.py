@@ -92,6 +92,7 @@ def _resume(
 
 def _rank_body(rank: int) -> dict[str, Any]:
     result: dict[str, Any] = {}
+    late: tuple[Any, list[float]] = (None, [])
     for wrap_value, hook in ((False, False), (True, True)):
         ddp, state = _job(wrap_value=wrap_value, hook=hook)
         snaps: dict[Any, Any] = {}
@@ -111,6 +112,17 @@ def _rank_body(rank: int) -> dict[str, Any]:
             res[step] = _resume(snaps[step], step, rank, wrap_value=wrap_value, hook=hook) == reference[step:]
         res["naive"] = _resume(snaps["naive"], 3, rank, wrap_value=wrap_value, hook=hook) == reference[3:]
         result[f"wrap={wrap_value},hook={hook}"] = res
+        if not wrap_value:
+            late = (snaps[3], reference)
+    # a model wrapped in DDP only after its state was handed over: the restore finds the wrapper and sets its layout
+    (flat, data), reference = late
+    model = _model()
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    view, _, _ = snapshot_view(state, (), None)  # no DDP module lives yet
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    restore_into(view, flat.entries, flat.meta, data)
+    resumed = _train(ddp, state["optim"], 3, STEPS, rank) + [float(sum(p.sum() for p in ddp.parameters()))]
+    result["wrapped_later"] = resumed == reference[3:]
     # a snapshot of a DDP model restored into a state whose model is not wrapped in DDP: refused, loudly
     _, state = _job(wrap_value=False, hook=False)
     snapshot = _take(state)  # before any step: DDP's initial layout
@@ -131,6 +143,7 @@ def test_restored_ddp_runs_equal_the_uninterrupted_run_bit_for_bit(tmp_path: Pat
             assert res[name]["buckets"] >= 2, res  # DDP rebuilt its buckets: a layout unlike the initial one
             assert res[name][1] and res[name][3], (name, res)  # restored after step 1 and after step 3
             assert res[name]["naive"] is False, (name, res)  # the control: without the layout, another run
+        assert res["wrapped_later"], res
     # a snapshot taken before DDP's first iteration names DDP's initial layout, which needs DDP too
     assert all("Wrap the model in DDP before restore()" in res["unwrapped"] for res in results), results
 
@@ -138,6 +151,20 @@ def test_restored_ddp_runs_equal_the_uninterrupted_run_bit_for_bit(tmp_path: Pat
 def test_the_state_key_for_layouts_is_reserved() -> None:
     with pytest.raises(ValueError, match="snapshotd's own"):
         snapshot_view({DDP_KEY: torch.zeros(1), "m": torch.nn.Linear(1, 1)}, (), None)
+
+
+def test_a_restore_without_ddp_looks_through_no_live_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a walk over every live object costs tens of ms in a training process: on the path of every recovery
+    state = {"model": _model(), "optim": torch.optim.AdamW(_model().parameters())}
+    flat, data = _take(state)
+    view, _, ddp = snapshot_view(state, (), None)
+    assert ddp is not None and ddp.modules == {}
+
+    def walk() -> list[Any]:
+        raise AssertionError("the restore walked every live object")
+
+    monkeypatch.setattr("snapshotd.client.ddp.gc.get_objects", walk)
+    restore_into(view, flat.entries, flat.meta, data)
 
 
 def test_a_state_without_modules_carries_no_layouts() -> None:
