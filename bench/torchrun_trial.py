@@ -51,6 +51,7 @@ __all__ = [
     "TrialResult",
     "add_arguments",
     "compare",
+    "read_outcome",
     "run",
     "run_trial",
 ]
@@ -241,9 +242,11 @@ def _coordinator_dead_at(log_path: str, node: str) -> float | None:
     return None
 
 
-def _read_outcome(
+def read_outcome(
     out: str, world: int, job: str, exit_codes: dict[str, int | None], killed_at: float | None
 ) -> TrialResult:
+    """What the example left in ``out`` for a job of ``world`` ranks (its per-rank losses, events and final
+    state), the node loss at ``killed_at`` (``time.time()``; None: no loss) placed among them."""
     losses: dict[int, dict[int, float]] = {}
     mismatches: dict[int, list[int]] = {}
     finals: dict[int, dict[str, Any]] = {}
@@ -462,7 +465,7 @@ def run_trial(
     failed = {n: c for n, c in exit_codes.items() if c != 0 and not (fail and n == node_names[cfg.lose])}
     if failed:
         raise RuntimeError(f"torchrun agents exited non-zero: {failed}; see {workdir}/agent-*.log")
-    result = _read_outcome(out, world, job, exit_codes, killed_at)
+    result = read_outcome(out, world, job, exit_codes, killed_at)
     result.pids = [p for n in nodes for p in (n.sidecar.pid, n.agent.pid)]
     if store is not None:
         result.pids.append(store.proc.pid)

@@ -23,8 +23,8 @@ from snapshotd.bench.torchrun_trial import (
     TrialConfig,
     _coordinator_dead_at,
     _is_host,
-    _read_outcome,
     compare,
+    read_outcome,
 )
 
 
@@ -133,9 +133,9 @@ def test_read_outcome_and_compare(tmp_path: Path) -> None:
     _write_run(
         trial, 1, [(21, 100.0, [(1, 3.0), (2, 2.5)], None), (31, 110.0, [(3, 2.0, 8), (4, 1.25, 8)], "pull")]
     )
-    reference = _read_outcome(str(ref), 2, "ref", {}, None)
+    reference = read_outcome(str(ref), 2, "ref", {}, None)
     assert reference.stride_at_loss is None  # no failure: no loss to bound
-    result = _read_outcome(str(trial), 2, "trial", {}, killed_at=105.0)
+    result = read_outcome(str(trial), 2, "trial", {}, killed_at=105.0)
     assert result.reached == 3 and result.steps_lost == 1 and result.stride_at_loss == 2
     assert {r: e["source"] for r, e in result.restored.items()} == {0: "local", 1: "pull"}
     assert result.losses[0] == {1: 3.0, 2: 2.5, 3: 2.0, 4: 1.5} and not any(result.rerun_mismatches.values())

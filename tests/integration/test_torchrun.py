@@ -4,7 +4,9 @@ Two emulated nodes of two DDP workers each (4 gloo ranks), every node with its o
 (c10d rendezvous on a store of its own, ``--max-restarts``). Node B (agent, workers, sidecar) is SIGKILLed
 after step 11, part-way through the second epoch, and a replacement node C starts; the surviving agent
 restarts its workers, and the job runs to the end. Against a failure-free run of the same job (run at the same
-time, on nodes of its own): every step's loss and the final state are bit-identical.
+time, on nodes of its own): every step's loss and the final state are bit-identical, and the recovery's phases
+are found in order. In ``make long``: ``make test`` runs the same job and loss launched by the Slurm script
+(tests/integration/test_slurm.py), against the same failure-free reference.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from snapshotd.shm import pid_alive
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> None:
     # 2 nodes x 2 workers, 16 steps; node 1 (B, ranks 2-3) dies after step 11, in epoch 2; each run takes about
