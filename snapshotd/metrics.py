@@ -7,8 +7,13 @@ state) and turns what it returns into metric families there. Nothing is kept bet
 went away is simply absent from the next one (byte counters per peer stay, for every peer seen, as counters
 must).
 
-Every name starts with ``snapshotd_``; the tables of names and meanings are in docs/reference.md ("Operations").
-The samplers are the daemons' own: :mod:`snapshotd.sidecar.metrics`, :mod:`snapshotd.coordinator.metrics`.
+Every name of the daemons' own starts with ``snapshotd_``; prometheus-client's process, platform and garbage
+collector collectors add ``process_*`` and ``python_*``. The training job a series is about is its
+:data:`JOB_LABEL` label, never ``job``: that one is Prometheus's own (the scrape job). A value that is not known
+is no sample, never a stand-in such as -1. Durations are histograms on :data:`~snapshotd.tally.LATENCY_BUCKETS`.
+The tables of names and meanings are in docs/reference.md ("Operations"); deploy/monitoring holds a dashboard and
+alert rules over them. The samplers are the daemons' own: :mod:`snapshotd.sidecar.metrics`,
+:mod:`snapshotd.coordinator.metrics`.
 """
 
 from __future__ import annotations
@@ -17,25 +22,39 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any
 
-from prometheus_client import start_http_server
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.utils import floatToGoString
 
 from snapshotd.units import parse_host_port
 
-__all__ = ["LoopCollector", "MetricsEndpoint", "Sampler", "counter", "family", "gauge"]
+__all__ = [
+    "JOB_LABEL",
+    "LoopCollector",
+    "MetricsEndpoint",
+    "Sampler",
+    "counter",
+    "family",
+    "gauge",
+    "histogram",
+]
 
 log = logging.getLogger(__name__)
 
 Sampler = Callable[[], Coroutine[Any, Any, list[Metric]]]
 """Samples a daemon's metrics on its event loop."""
+
+JOB_LABEL = "snapshotd_job"
+"""The label naming the training job (``job`` is the scrape job's, which Prometheus sets on every series)."""
 
 SCRAPE_TIMEOUT_S = 5.0
 """A scrape waits at most this long for the event loop to sample the daemon."""
@@ -82,7 +101,8 @@ class LoopCollector:
 
 
 class MetricsEndpoint:
-    """An HTTP server on ``bind`` (``HOST:PORT``) answering ``/metrics`` from ``sample``, in a daemon thread.
+    """An HTTP server on ``bind`` (``HOST:PORT``) answering ``/metrics`` from ``sample``, in a daemon thread,
+    with the process's own figures (CPU, memory, file descriptors, the Python build, the garbage collector).
 
     Start it from the daemon's event loop; :meth:`close` stops the server and joins its thread.
 
@@ -95,6 +115,9 @@ class MetricsEndpoint:
         host, port = parse_host_port(bind, "--metrics-bind")
         registry = CollectorRegistry(auto_describe=False)
         registry.register(LoopCollector(asyncio.get_running_loop(), sample))  # type: ignore[arg-type]
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
@@ -110,6 +133,21 @@ class MetricsEndpoint:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5.0)
+
+
+def histogram(
+    name: str,
+    doc: str,
+    labels: Iterable[str] = (),
+    rows: Iterable[tuple[Iterable[str], Sequence[tuple[float, int]], int, float]] = (),
+) -> Metric:
+    """A histogram family: each row is ``(label values, buckets, count, sum)``, the buckets ``(bound,
+    observations at or under it)`` for the finite bounds in order (``count`` is the ``+Inf`` bucket's)."""
+    fam = HistogramMetricFamily(name, doc, labels=list(labels))
+    for values, buckets, count, total in rows:
+        le = [(floatToGoString(bound), float(n)) for bound, n in buckets]
+        fam.add_metric(list(values), [*le, ("+Inf", float(count))], total)
+    return fam
 
 
 def family(

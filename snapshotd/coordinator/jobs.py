@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 
 from snapshotd.proto import Watermark
 from snapshotd.proto.limits import MAX_UNUSABLE_STEPS
+from snapshotd.tally import Tally
 
 from .rounds import Round
 
@@ -61,12 +62,15 @@ class Job:
     watermark: Watermark | None = None  # what publish() returns until something changes; None: recompute
     published: Watermark | None = None  # the last one handed out
     round: Round | None = None  # the latest plan round (see plans.py)
-    rounds_answered: int = 0  # plan rounds whose every rank was answered
+    rounds: Tally = dataclasses.field(
+        default_factory=Tally
+    )  # rounds every rank was answered in: their seconds
     # (when, G) each time G was seen to grow
     g_seen: collections.deque[tuple[float, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=8)
     )
-    round_seconds: float = 0.0  # their total time from the freeze to the last answer
+    # (D, when it was first published at that value): how long the durable watermark has stood still
+    durable_seen: tuple[int, float] = (-1, 0.0)
     swept_g: tuple[int, float] = (-1, 0.0)  # (G, when the re-replication sweep first saw it)
     version: int = 0
     stale: tuple[int, int] = (-1, -1)
@@ -96,6 +100,8 @@ class Job:
         self.watermark = self.published = wm
         if g >= 0 and (not self.g_seen or g > self.g_seen[-1][1]):
             self.g_seen.append((time.monotonic(), g))
+        if d != self.durable_seen[0]:
+            self.durable_seen = (d, time.monotonic())
         return wm
 
     def step_seconds(self) -> float | None:

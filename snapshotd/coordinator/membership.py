@@ -37,9 +37,13 @@ from .config import CoordinatorConfig
 from .jobs import Item
 from .paths import BrokenPaths
 
-__all__ = ["Membership", "Node"]
+__all__ = ["DEATH_CAUSES", "Membership", "Node"]
 
 log = logging.getLogger(__name__)
+
+DEATH_CAUSES = ("silent", "probe")
+"""Why a node is declared dead: ``silent`` (no heartbeat for the death timeout), ``probe`` (a probe found its
+sidecar gone)."""
 
 _RATE_WINDOW_S = 1.0
 """Seconds over which a node's byte rates are measured (at least)."""
@@ -117,6 +121,9 @@ class Membership:
         self.suspects: dict[str, str] = {}  # live nodes to probe, oldest first -> why each is suspected
         self.paths = BrokenPaths()  # the pairs of live nodes that cannot move snapshots to each other
         self._addrs: dict[str, str] = {}  # live nodes' data addresses -> their names
+        self.deaths = dict.fromkeys(DEATH_CAUSES, 0)
+        """Nodes declared dead, by cause (:data:`DEATH_CAUSES`; every cause listed from the start). A leaving node
+        whose heartbeats stop left; it did not die."""
 
     @property
     def live(self) -> int:
@@ -174,17 +181,18 @@ class Membership:
             node = self.nodes[next(iter(self._live))]
             if node.last_seen > deadline:
                 break
-            self.declare_dead(node, f"missed heartbeats for {now - node.last_seen:.1f} s")
+            self.declare_dead(node, f"missed heartbeats for {now - node.last_seen:.1f} s", "silent")
             dead.append(node)
         return dead
 
-    def declare_dead(self, node: Node, why: str) -> None:
-        """``node`` (live) is dead because of ``why`` (logged as "node NAME WHY: declared dead"; a node that was
-        leaving, as "node NAME left (WHY)")."""
+    def declare_dead(self, node: Node, why: str, cause: str) -> None:
+        """``node`` (live) is dead because of ``why`` (logged as "node NAME WHY: declared dead", and counted in
+        :attr:`deaths` under ``cause``; a node that was leaving, as "node NAME left (WHY)", and not counted)."""
         if node.leaving:
             log.info("node %s left (%s)", node.name, why, extra=fields(event="node_left"))
         else:
             log.warning("node %s %s: declared dead", node.name, why, extra=fields(event="node_dead"))
+            self.deaths[cause] += 1
         self._remove_live(node)
         node.alive, node.leaving = False, False
         self.suspects.pop(node.name, None)

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgpack
-from prometheus_client.core import Metric, SummaryMetricFamily
+from prometheus_client.core import Metric
 
-from snapshotd.metrics import Sampler, counter, gauge
+from snapshotd.metrics import JOB_LABEL, Sampler, counter, gauge, histogram
 
 from .state import CoordinatorState
 
@@ -51,6 +51,13 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     )
     yield counter("snapshotd_heartbeats", "Heartbeats received", co["heartbeats"])
     yield counter(
+        "snapshotd_node_deaths",
+        "Nodes declared dead, by reason: silent (no heartbeat for the death timeout), probe (a probe found "
+        "its sidecar gone); a node that left on purpose is not counted",
+        labels=("reason",),
+        rows=[((why,), n) for why, n in sorted(co["node_deaths"].items())],
+    )
+    yield counter(
         "snapshotd_refused_messages", "Messages refused (malformed, unknown, not allowed)", co["bad_messages"]
     )
     alive = sum(1 for n in nodes if n["alive"])
@@ -73,6 +80,12 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
         rows=[((n["node"],), float(n["alive"])) for n in nodes],
     )
     yield gauge(
+        "snapshotd_node_heartbeat_age_seconds",
+        "Seconds since the node's sidecar was last heard from (it grows on a dead node)",
+        labels=("node",),
+        rows=[((n["node"],), n["last_seen_s"]) for n in nodes],
+    )
+    yield gauge(
         "snapshotd_node_stored_bytes",
         "Bytes of buddy copies the node holds",
         labels=("node",),
@@ -87,35 +100,38 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
         )
     yield gauge(
         "snapshotd_job_world_size",
-        "The job's world size (0: not known yet)",
-        labels=("job",),
-        rows=[((j["job"],), j["world_size"]) for j in jobs],
+        "The job's world size (absent: not known yet)",
+        labels=(JOB_LABEL,),
+        rows=[((j["job"],), j["world_size"]) for j in jobs if j["world_size"] > 0],
     )
     yield gauge(
         "snapshotd_job_recoverable_step",
-        "G: the newest step every rank can restore (-1: none)",
-        labels=("job",),
-        rows=[((j["job"],), j["recoverable"]) for j in jobs],
+        "G: the newest step every rank can restore (absent: none)",
+        labels=(JOB_LABEL,),
+        rows=[((j["job"],), j["recoverable"]) for j in jobs if j["recoverable"] >= 0],
     )
     yield gauge(
         "snapshotd_job_durable_step",
-        "D: the newest step on its buddies for every rank (-1: none)",
-        labels=("job",),
-        rows=[((j["job"],), j["durable"]) for j in jobs],
+        "D: the newest step on its buddies for every rank (absent: none)",
+        labels=(JOB_LABEL,),
+        rows=[((j["job"],), j["durable"]) for j in jobs if j["durable"] >= 0],
     )
-    rounds = SummaryMetricFamily(
+    yield gauge(
+        "snapshotd_job_durable_age_seconds",
+        "Seconds since D last moved: it grows while the job's snapshots stop becoming durable (absent: no D)",
+        labels=(JOB_LABEL,),
+        rows=[((j["job"],), j["durable_age_s"]) for j in jobs if j["durable_age_s"] is not None],
+    )
+    yield histogram(
         "snapshotd_plan_round_seconds",
-        "Plan rounds every rank was answered in, and "
-        "their seconds from the last rank's ask to the last answer",
-        labels=["job"],
+        "Plan rounds every rank was answered in, and their seconds from the last rank's ask to the last answer",
+        labels=(JOB_LABEL,),
+        rows=[((j["job"],), j["plan_round_buckets"], j["plan_rounds"], j["plan_round_s"]) for j in jobs],
     )
-    for j in jobs:
-        rounds.add_metric([j["job"]], count_value=j["plan_rounds"], sum_value=j["plan_round_s"])
-    yield rounds
     yield gauge(
         "snapshotd_job_rpo_steps_max",
         "The largest rank RPO of the job, in steps",
-        labels=("job",),
+        labels=(JOB_LABEL,),
         rows=[
             ((j["job"],), max(lags))
             for j in jobs
@@ -125,7 +141,7 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     yield gauge(
         "snapshotd_job_rpo_seconds_max",
         "The largest rank RPO of the job, in training seconds",
-        labels=("job",),
+        labels=(JOB_LABEL,),
         rows=[
             ((j["job"],), max(rpos))
             for j in jobs
@@ -135,7 +151,7 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     yield gauge(
         "snapshotd_job_copies_min",
         "The fewest live holders of G of any rank of the job",
-        labels=("job",),
+        labels=(JOB_LABEL,),
         rows=[
             ((j["job"],), min(r["copies"] for r in j["ranks"]))
             for j in jobs
@@ -145,25 +161,25 @@ def _coordinator_families(doc: dict[str, Any]) -> Iterator[Metric]:
     ranks = [(j["job"], r) for j in jobs for r in j["ranks"]]
     yield gauge(
         "snapshotd_rank_newest_step",
-        "The rank's newest complete snapshot on any node (-1: none)",
-        labels=("job", "rank"),
-        rows=[((job, str(r["rank"])), r["newest_step"]) for job, r in ranks],
+        "The rank's newest complete snapshot on any node (absent: none)",
+        labels=(JOB_LABEL, "rank"),
+        rows=[((job, str(r["rank"])), r["newest_step"]) for job, r in ranks if r["newest_step"] >= 0],
     )
     yield gauge(
         "snapshotd_rank_rpo_steps",
         "Steps a failure now would cost the rank: its newest step minus G",
-        labels=("job", "rank"),
+        labels=(JOB_LABEL, "rank"),
         rows=[((job, str(r["rank"])), r["lag_steps"]) for job, r in ranks if r["lag_steps"] is not None],
     )
     yield gauge(
         "snapshotd_rank_rpo_seconds",
         "The same in training seconds (steps times the rank's latest step time)",
-        labels=("job", "rank"),
+        labels=(JOB_LABEL, "rank"),
         rows=[((job, str(r["rank"])), r["rpo_s"]) for job, r in ranks if r["rpo_s"] is not None],
     )
     yield gauge(
         "snapshotd_rank_copies",
         "Live holders of the rank's copy of G",
-        labels=("job", "rank"),
+        labels=(JOB_LABEL, "rank"),
         rows=[((job, str(r["rank"])), r["copies"]) for job, r in ranks],
     )

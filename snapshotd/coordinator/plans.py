@@ -218,8 +218,7 @@ class Plans:
         if len(rnd.answered) == job.world_size:
             if rnd.answered_at is None:
                 rnd.answered_at = now
-                job.rounds_answered += 1
-                job.round_seconds += now - rnd.frozen_at
+                job.rounds.add(now - rnd.frozen_at)
             job.watermark = None  # the durable cap may end now
 
     def _answer(self, job: Job, outcome: str, step: int, reason: str, msg: PlanRequest) -> PlanAnswer:

@@ -215,7 +215,7 @@ class CoordinatorState:
         dead already or registered again as another incarnation since."""
         if not node.alive or node.incarnation != incarnation:
             return False
-        self.membership.declare_dead(node, why)
+        self.membership.declare_dead(node, why, "probe")
         self._drop_dead(node)
         return True
 
@@ -251,7 +251,11 @@ class CoordinatorState:
     def status_parts(self, now: float) -> Iterator[bytes]:
         """The status document packed in parts (see :func:`~.status.status_parts`); the counters are read when
         the first part is made."""
-        counters = {"bad_messages": self.bad_messages, "heartbeats": self.heartbeats}
+        counters = {
+            "bad_messages": self.bad_messages,
+            "heartbeats": self.heartbeats,
+            "node_deaths": dict(self.membership.deaths),
+        }
         yield from status_parts(self.cfg, self.membership, self.jobs, counters, self.started, now)
 
 

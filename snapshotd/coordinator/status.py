@@ -40,12 +40,14 @@ def status_parts(
 ) -> Iterator[bytes]:
     """The status document packed with msgpack, in parts; the parts joined are the document.
 
-    ``coordinator``: version (the coordinator's build), uptime_s, replicas, bad_messages and heartbeats (from ``counters``), live_nodes,
+    ``coordinator``: version (the coordinator's build), uptime_s, replicas, bad_messages, heartbeats and
+    node_deaths (by cause, see :attr:`~.membership.Membership.deaths`) (from ``counters``), live_nodes,
     heartbeat_interval (the one given out now, seconds), heartbeat_timeout (the death timeout now, seconds).
     ``broken_paths``: the pairs of live nodes that cannot move snapshots to each other (see :mod:`.paths`), each
     with ``nodes`` and ``reported_by`` (node: why).
     ``nodes`` (dead ones too): node, rack, data_addr, incarnation, alive, last_seen_s, ranks ([job, rank, alive]),
-    stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), and per rank
+    stored_bytes, out_Bps, in_Bps. ``jobs``: job, world_size, recoverable, durable (as published), durable_age_s
+    (seconds since D was first published at its value; None while D is -1), and per rank
     that some node reported (its home, or a copy): rank, node (its home, or None), newest_step (-1: none),
     lag_steps (newest - recoverable; None while no step is recoverable), rpo_s (lag_steps times the job's recent
     time per step, from how fast G grew: the training a failure now would lose, up to its newest snapshot; None
@@ -53,7 +55,8 @@ def status_parts(
     the world size, as ``[first, last]`` ranges (a peer's world size alone never lengthens the document);
     ``round``: its last plan round (None before the first), see :meth:`~.plans.Round.status`; ``plan_rounds``
     and ``plan_round_s``: how many rounds had every rank answered, and their total seconds from the freeze to
-    the last answer.
+    the last answer; ``plan_round_buckets``: ``[bound, rounds at or under it]`` for each bound of
+    :data:`~snapshotd.tally.LATENCY_BUCKETS`.
 
     The state may change between parts: the document lists the nodes and jobs there were when the first part
     was made, and each job's ranks up to the world size it had when its own part began; each entry is read as it
@@ -111,8 +114,9 @@ def status_parts(
         g, ws = wm.recoverable, job.world_size
         known = sorted(r for r in job.homes.keys() | job.holders.keys() if r < ws)
         seconds = job.step_seconds()
+        d, d_since = job.durable_seen
         yield (
-            packer.pack_map_header(9)
+            packer.pack_map_header(11)
             + pack("job")
             + pack(job.name)
             + pack("world_size")
@@ -121,10 +125,14 @@ def status_parts(
             + pack(g)
             + pack("durable")
             + pack(wm.durable)
+            + pack("durable_age_s")
+            + pack(round(now - d_since, 3) if d >= 0 else None)
             + pack("plan_rounds")
-            + pack(job.rounds_answered)
+            + pack(job.rounds.count)
             + pack("plan_round_s")
-            + pack(job.round_seconds)
+            + pack(job.rounds.total)
+            + pack("plan_round_buckets")
+            + pack(job.rounds.buckets())
             + pack("missing")
             + pack(missing_ranges(known, ws))
             + pack("ranks")

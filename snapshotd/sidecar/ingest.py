@@ -357,6 +357,7 @@ class IngestService:
                 data_bytes=lr.data_bytes,
                 elem=lr.elem,
                 seal=Seal.announced(self.block_bytes, lr.table, meta),
+                taken_at=time.monotonic(),
             ),
         )
         self.streams.start(lr, msg.slot)

@@ -30,7 +30,10 @@ from snapshotd.shm import Arena
 
 from .integrity import Seal
 
-__all__ = ["LocalRank", "SlotState", "dominant_elem"]
+__all__ = ["FAILURE_REASONS", "LocalRank", "SlotState", "dominant_elem"]
+
+FAILURE_REASONS = ("no_buddy", "buddy_failed", "buddy_reassigned")
+"""Why a snapshot failed (:attr:`LocalRank.failures`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,6 +48,8 @@ class SlotState:
     elem: int = 1
     seal: Seal | None = None
     """The copy's end-to-end checksums (:mod:`.integrity`); every valid slot has one."""
+    taken_at: float | None = None
+    """When the rank announced the copy (monotonic; None: not announced here, e.g. restored from a buddy)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +69,8 @@ class LocalRank:
     entries: list[TensorEntry] = dataclasses.field(default_factory=list)
     elem: int = 1
     durable_step: int = -1
+    durable_at: float | None = None
+    """When the rank announced its snapshot of ``durable_step`` (monotonic; None: none, or not known)."""
     seen_step: int = -1
     awaiting_restore: bool = False
     """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
@@ -82,10 +89,16 @@ class LocalRank:
     """capture() calls the rank skipped, as its last announce said."""
     durable_count: int = 0
     """Snapshots every buddy took."""
-    failed_count: int = 0
-    """Snapshots some buddy did not take."""
+    failures: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(FAILURE_REASONS, 0))
+    """Snapshots some buddy did not take, by reason (every one of :data:`FAILURE_REASONS` listed from the start):
+    ``no_buddy`` (none assigned yet), ``buddy_failed`` (a buddy refused it or did not answer),
+    ``buddy_reassigned`` (the coordinator replaced a buddy while it streamed)."""
     on_change: Callable[[], None] = dataclasses.field(default=lambda: None, repr=False)
     """Called when this rank's complete copies or its liveness change (the node's state sets it)."""
+
+    def failed(self, reason: str) -> None:
+        """Count one snapshot some buddy did not take, for ``reason`` (see :attr:`failures`)."""
+        self.failures[reason] += 1
 
     def set_slot(self, index: int, state: SlotState) -> None:
         """Put ``state`` in slot ``index`` (every change of what a slot holds goes through here)."""

@@ -23,13 +23,15 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from snapshotd.proto import HeldSeat, InventoryItem, RankInfo
+from snapshotd.tally import Tally
 
 from .config import SidecarConfig
+from .inflight import InFlight
 from .local import LocalRank
 from .paths import PeerPaths
 from .store import BuddyStore, SnapshotStore
 
-__all__ = ["Counters", "NodeState", "RankKey", "Signal", "Tally"]
+__all__ = ["Counters", "NodeState", "RankKey", "Signal"]
 
 RankKey = tuple[str, int]
 
@@ -96,7 +98,7 @@ class Counters:
     """Stream chunks sent, by codec."""
     pushes_in: int = 0
     """Buddy copies that arrived complete pushed over this sidecar's bulk port (not as data-plane messages)."""
-    heartbeat_rtt: Tally = dataclasses.field(default_factory=lambda: Tally())
+    heartbeat_rtt: Tally = dataclasses.field(default_factory=Tally)
     """Heartbeat round trips to the coordinator, in seconds."""
     restores: dict[str, Tally] = dataclasses.field(default_factory=dict)
     """Restores served, by source (``fresh``, ``local``, ``replica``, ``pull``): their seconds."""
@@ -129,20 +131,6 @@ class Counters:
         self.restore_bytes[source] = self.restore_bytes.get(source, 0) + nbytes
 
 
-@dataclasses.dataclass(slots=True)
-class Tally:
-    """Count, sum and last value of something observed repeatedly (a Prometheus summary without quantiles)."""
-
-    count: int = 0
-    total: float = 0.0
-    last: float = 0.0
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self.last = value
-
-
 class NodeState:
     """What one sidecar knows (see the module docstring).
 
@@ -169,6 +157,8 @@ class NodeState:
         self.counters = Counters()
         self.paths = PeerPaths(cfg.node, cfg.request_timeout, self.changed.fire)
         """The paths to the other sidecars: which are broken (heartbeats tell the coordinator)."""
+        self.in_flight = InFlight()
+        """Per buddy, the stream bytes sent to it and not yet acknowledged."""
 
     def rank(self, job: str, rank: int) -> LocalRank | None:
         return self.ranks.get((job, rank))

@@ -230,8 +230,9 @@ class RestoreService:
             if i != index and other.step > step and not other.streaming:
                 lr.set_slot(i, SlotState())
         lr.seen_step = step
-        lr.durable_step = min(lr.durable_step, step)  # the steps past it never happened for the new process
         s = lr.slots[index]
+        if step < lr.durable_step:  # the steps past it never happened for the new process
+            lr.durable_step, lr.durable_at = step, s.taken_at
         seconds = time.monotonic() - t0
         self.state.counters.restored(source, seconds, pulled)
         moving = time.monotonic() - t_data

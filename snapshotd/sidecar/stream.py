@@ -148,7 +148,7 @@ class StreamService:
                 )
                 lanes = self.cfg.push_connections if pushes else 0
                 try:
-                    with self.state.paths.transfer(addr):
+                    with self.state.paths.transfer(addr), self.state.in_flight.stream(addr) as flight:
                         res = await send_snapshot(
                             self.links.get(addr),
                             job=lr.job,
@@ -165,6 +165,7 @@ class StreamService:
                             base=base,
                             elem=s.elem,
                             lanes=lanes,
+                            flight=flight,
                         )
                 except PeerError as exc:
                     if exc.code is None:  # no answer, or no connection: the path to it is broken
@@ -223,7 +224,8 @@ class StreamService:
                 lr.buddy_streams = {}
             s.streaming = False
             if buddies and ok == len(buddies):
-                lr.durable_step = max(lr.durable_step, s.step)
+                if s.step >= lr.durable_step:
+                    lr.durable_step, lr.durable_at = s.step, s.taken_at
                 lr.durable_count += 1
             superseded = lr.stream_task is not None and lr.stream_task is not me
             if lr.stream_task is me:
@@ -232,10 +234,10 @@ class StreamService:
                 if superseded:  # a newer step took over: this one is skipped, not failed
                     self.notify(lr, "", -1)
                 elif not buddies:
-                    lr.failed_count += 1
+                    lr.failed("no_buddy")
                     self.notify(lr, "no buddy assigned yet", s.step)
                 elif ok < len(buddies):
-                    lr.failed_count += 1
+                    lr.failed("buddy_reassigned" if reassigned and len(errors) == 1 else "buddy_failed")
                     note = f"{len(buddies) - ok} of {len(buddies)} buddies did not take step {s.step}"
                     if errors:
                         note += ": " + "; ".join(errors)

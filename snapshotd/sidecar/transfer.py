@@ -28,6 +28,7 @@ from snapshotd.proto import (
     codec,
 )
 
+from .inflight import Flight
 from .integrity import Seal
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
@@ -141,6 +142,7 @@ async def send_snapshot(
     base: tuple[int, memoryview] | None = None,
     elem: int = 1,
     lanes: int = 0,
+    flight: Flight | None = None,
 ) -> SendResult:
     """Stream one snapshot to one buddy and return when the buddy holds it complete.
 
@@ -148,13 +150,16 @@ async def send_snapshot(
     ``seal``, sent with the block's checksum (taken now if the seal lacks it, and kept: the streams of one slot to
     several buddies share the seal). ``base`` is the previous snapshot of this rank in the caller's memory (step,
     bytes), usable for delta-lz4 if the buddy holds it too. With ``lanes``, the stream offers to push its chunks
-    raw over that many connections to the buddy's bulk port (:mod:`.push`), which the buddy may take or leave. On
+    raw over that many connections to the buddy's bulk port (:mod:`.push`), which the buddy may take or leave.
+    ``flight`` (if given) counts the chunks sent and not yet acknowledged as the stream goes (a pushed stream's
+    are acknowledged together, when the buddy holds the snapshot complete). On
     any failure or cancellation the buddy is told to abort, and the error propagates.
 
     Raises:
         PeerError: the buddy refused (memory limit, ...) or failed, or a push connection failed; PeerTimeout when
             it went silent.
     """
+    flight = Flight() if flight is None else flight
     nbytes = data.nbytes
     chunk_bytes = seal.block_bytes
     nchunks = -(-nbytes // chunk_bytes) if nbytes else 0
@@ -196,6 +201,7 @@ async def send_snapshot(
                     policy=policy,
                     base=base if base_ok else None,
                     elem=elem,
+                    flight=flight,
                 )
                 complete = True
             acks_seen: set[int] = set()  # the last chunk of each ack taken (a duplicated ack is skipped)
@@ -237,6 +243,7 @@ async def send_snapshot(
                             payload=payload,  # type: ignore[arg-type]
                         )
                     )
+                    flight.sent(size)
                     wire += size
                     sent += 1
                     inflight += 1
@@ -245,6 +252,7 @@ async def send_snapshot(
                 if ack.index in acks_seen and not ack.complete:  # the one that says complete always counts
                     continue
                 acks_seen.add(ack.index)
+                flight.acked(ack.count)
                 inflight -= min(ack.count, inflight)
                 complete = ack.complete
         except BaseException as exc:
@@ -271,6 +279,7 @@ async def _push(
     policy: CodecPolicy,
     base: tuple[int, memoryview] | None,
     elem: int,
+    flight: Flight,
 ) -> int:
     """Push every chunk of ``data`` over the buddy's bulk port (the accept's port and token) and wait until the
     buddy holds the snapshot complete; the bytes sent. Chunks go raw; in ``auto`` mode some still probe the
@@ -307,6 +316,7 @@ async def _push(
                 policy.record_delta(hi - lo, len(sample), secs)
             await pacer.take(view.nbytes)
             pushing.send(index)
+            flight.sent(view.nbytes)
             wire += view.nbytes
         try:
             await pushing.finish()
@@ -320,4 +330,5 @@ async def _push(
         ack = await link.receive(replies, ChunkAck)
         assert isinstance(ack, ChunkAck)
         if ack.complete:
+            flight.acked(nchunks)
             return wire

@@ -45,6 +45,12 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def buddy_addr(samples: dict) -> str:
+    """The data address of the one buddy a sidecar streamed to."""
+    (peer,) = {dict(k[1])["peer"] for k in samples if k[0] == "snapshotd_stream_sent_bytes_total"}
+    return str(peer)
+
+
 def value(samples: dict, name: str, **labels: str) -> float:
     key = (name, tuple(sorted(labels.items())))
     assert key in samples, f"{name}{labels} not scraped; have {sorted(k for k in samples if k[0] == name)}"
@@ -106,10 +112,11 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
             for s in snaps:
                 assert s.wait(WAIT)
 
-    def coordinator_g_d() -> tuple[float, float]:
-        co = scrape(ports["coordinator"])
-        return value(co, "snapshotd_job_recoverable_step", job=job), value(
-            co, "snapshotd_job_durable_step", job=job
+    def coordinator_g_d() -> tuple[float | None, float | None]:
+        co = scrape(ports["coordinator"])  # G and D are absent until the job has them
+        labels = (("snapshotd_job", job),)
+        return co.get(("snapshotd_job_recoverable_step", labels)), co.get(
+            ("snapshotd_job_durable_step", labels)
         )
 
     def wait_for_g_d(step: int) -> None:
@@ -123,7 +130,7 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
             seen = {
                 k: v
                 for k, v in scrape(ports["coordinator"]).items()
-                if dict(k[1]).get("job") == job or k[0].startswith("snapshotd_node")
+                if dict(k[1]).get("snapshotd_job") == job or k[0].startswith("snapshotd_node")
             }
             raise AssertionError(f"{exc}; the coordinator's view: {seen}") from None
 
@@ -136,7 +143,7 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
     wait_for_g_d(6)
     side2, co2 = scrape(ports["A"]), scrape(ports["coordinator"])
 
-    rank0 = {"job": job, "rank": "0"}
+    rank0 = {"snapshotd_job": job, "rank": "0"}
     for outcome in ("started", "durable"):
         assert value(side1, "snapshotd_snapshots_total", outcome=outcome, **rank0) == 3
         assert value(side2, "snapshotd_snapshots_total", outcome=outcome, **rank0) == 6
@@ -144,6 +151,11 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
     assert value(side2, "snapshotd_local_rank_newest_step", **rank0) == 6
     assert value(side2, "snapshotd_local_rank_durable_step", **rank0) == 6
     assert value(side2, "snapshotd_local_rank_rpo_steps", **rank0) == 0
+    assert 0 <= value(side2, "snapshotd_local_rank_durable_age_seconds", **rank0) < WAIT
+    assert (
+        value(side2, "snapshotd_peer_unacked_bytes", peer=buddy_addr(side2)) == 0
+    )  # every stream acknowledged
+    assert value(side2, "snapshotd_peer_ack_wait_seconds", peer=buddy_addr(side2)) == 0
     assert value(side2, "snapshotd_sent_bytes_total") > value(side1, "snapshotd_sent_bytes_total") > 0
     assert value(side2, "snapshotd_received_bytes_total") > value(side1, "snapshotd_received_bytes_total") > 0
     buddy = [k for k in side2 if k[0] == "snapshotd_stream_sent_bytes_total"]
@@ -157,6 +169,8 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
     )
     assert value(side2, "snapshotd_checksum_failures_total") == 0
     assert value(side2, "snapshotd_restore_seconds_count", path="fresh") == 1
+    assert value(side2, "snapshotd_restore_seconds_bucket", path="fresh", le="+Inf") == 1
+    assert value(side2, "snapshotd_shm_free_bytes") > 0 and value(side2, "snapshotd_shm_used_bytes") > 0
     assert (
         value(
             side2,
@@ -172,16 +186,19 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
     assert value(co2, "snapshotd_nodes", state="alive") == 2
     assert value(co2, "snapshotd_nodes", state="dead") == 0
     assert value(co2, "snapshotd_node_up", node=cluster.node("B")) == 1
-    assert value(co1, "snapshotd_job_durable_step", job=job) >= 3
-    assert value(co2, "snapshotd_job_world_size", job=job) == 2
+    assert 0 <= value(co2, "snapshotd_node_heartbeat_age_seconds", node=cluster.node("B")) < WAIT
+    assert value(co2, "snapshotd_node_deaths_total", reason="silent") == 0
+    assert 0 <= value(co2, "snapshotd_job_durable_age_seconds", snapshotd_job=job) < WAIT
+    assert value(co1, "snapshotd_job_durable_step", snapshotd_job=job) >= 3
+    assert value(co2, "snapshotd_job_world_size", snapshotd_job=job) == 2
     for r in ("0", "1"):
-        assert value(co2, "snapshotd_rank_newest_step", job=job, rank=r) == 6
-        assert value(co2, "snapshotd_rank_rpo_steps", job=job, rank=r) == 0
-        assert value(co2, "snapshotd_rank_rpo_seconds", job=job, rank=r) == 0
-        assert value(co2, "snapshotd_rank_copies", job=job, rank=r) >= 1
-    assert value(co2, "snapshotd_job_rpo_steps_max", job=job) == 0
-    assert value(co2, "snapshotd_job_copies_min", job=job) >= 1
-    rounds_before = value(co2, "snapshotd_plan_round_seconds_count", job=job)
+        assert value(co2, "snapshotd_rank_newest_step", snapshotd_job=job, rank=r) == 6
+        assert value(co2, "snapshotd_rank_rpo_steps", snapshotd_job=job, rank=r) == 0
+        assert value(co2, "snapshotd_rank_rpo_seconds", snapshotd_job=job, rank=r) == 0
+        assert value(co2, "snapshotd_rank_copies", snapshotd_job=job, rank=r) >= 1
+    assert value(co2, "snapshotd_job_rpo_steps_max", snapshotd_job=job) == 0
+    assert value(co2, "snapshotd_job_copies_min", snapshotd_job=job) >= 1
+    rounds_before = value(co2, "snapshotd_plan_round_seconds_count", snapshotd_job=job)
 
     # the training side counts the same: and a restart restores from each node's own shared memory
     assert (
@@ -195,7 +212,7 @@ def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
         assert restore_all(snaps) == [6, 6]
         side3, co3 = scrape(ports["A"]), scrape(ports["coordinator"])
         assert value(side3, "snapshotd_restore_seconds_count", path="local") == 1
-        assert value(co3, "snapshotd_plan_round_seconds_count", job=job) == rounds_before + 1
+        assert value(co3, "snapshotd_plan_round_seconds_count", snapshotd_job=job) == rounds_before + 1
         train(snaps, 7, 7)
         assert snaps[0].stats.last_step == 7 and snaps[0].stats.rpo_steps == 0
     finally:
