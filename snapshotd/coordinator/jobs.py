@@ -1,6 +1,7 @@
 """Per job: the inventory index that G and D are read from, and the watermark published from it.
 
-Pure data structures with no clock and no sockets, used by :class:`~.state.CoordinatorState`.
+Data structures with no sockets, used by :class:`~.state.CoordinatorState`; the only clock read is the monotonic
+one that stamps when G grew and D last moved (:meth:`Job.publish`).
 
 Cost model: a heartbeat that changes its node's inventory costs O(snapshots added or removed), done in one loop
 per job (:meth:`Job.add` / :meth:`Job.remove`) with no call per snapshot. A local copy (a rank's own slot) and a

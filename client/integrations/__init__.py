@@ -1,0 +1,1 @@
+"""snapshotd in training frameworks, each an optional extra: :mod:`.huggingface` (the Hugging Face ``Trainer``)."""

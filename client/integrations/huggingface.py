@@ -1,0 +1,172 @@
+"""snapshotd in the Hugging Face ``Trainer``: :class:`SnapshotdCallback` (``pip install snapshotd[huggingface]``).
+
+Two lines in a Trainer script::
+
+    snap = SnapshotdCallback()                                        # job, rank, world size from torchrun
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[snap])
+    trainer.train(resume_from_checkpoint=snap.restore(trainer))       # None on a fresh job
+
+After every optimizer step (``on_step_end``) the callback captures the model, the optimizer, the learning-rate
+scheduler, the Trainer's state (global step, epoch, log history) and every random generator. :meth:`restore` loads
+the newest step that every rank can resume from out of snapshotd's memory (the model in place), writes it as a
+Trainer checkpoint in a private local folder, and returns that folder: the Trainer then resumes from it by its own
+rules, as from a checkpoint on disk (optimizer, scheduler and generators loaded, the data loader fast-forwarded past
+the batches the restored step used). The folder is removed at the first step after the resume.
+
+Limits: the model must be a ``PreTrainedModel`` (the checkpoint's weights are written with ``save_pretrained``);
+DDP's gradient bucket layout is not carried (the Trainer wraps the model after :meth:`restore`), so at more than two
+data-parallel ranks a resumed run may differ from the original in the last bits, as the Trainer's own resume from
+disk does; DeepSpeed and FSDP through the Trainer are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+
+from ..rng import RNGState
+from ..snapshotter import Snapshotter
+
+__all__ = ["SnapshotdCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class _TrainerParts:
+    """The Trainer's state beside the model and the generators, as one Stateful: the optimizer's and the scheduler's
+    state dicts and the ``TrainerState`` as JSON, as of the last ``on_step_end``."""
+
+    def __init__(self) -> None:
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.trainer_state = ""
+        self.loaded: dict[str, Any] | None = None
+        """What the last restore loaded (None before one)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parts as of the last step; empty before the Trainer's first (a restore's template: the snapshot's
+        values are rebuilt from it, new tensors included)."""
+        if self.optimizer is None:
+            return {}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            "trainer_state": self.trainer_state,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.loaded = dict(state_dict)
+
+
+class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
+    """A ``TrainerCallback`` that snapshots the Trainer's state after every optimizer step, and :meth:`restore`,
+    which turns the newest recoverable step into a checkpoint the Trainer resumes from.
+
+    Args:
+        snapshotter: keyword arguments for the :class:`~snapshotd.client.Snapshotter` (``job``, ``rank``,
+            ``world_size``, ``sidecar``, ``every``, ``timeout``, ...); by default, all from the environment
+            torchrun sets.
+    """
+
+    def __init__(self, **snapshotter: Any) -> None:
+        self._kwargs = snapshotter
+        self._parts = _TrainerParts()
+        self._snap: Snapshotter | None = None
+        self._resume_dir: str | None = None
+
+    @property
+    def snapshotter(self) -> Snapshotter | None:
+        """The Snapshotter, once :meth:`restore` made it."""
+        return self._snap
+
+    def restore(self, trainer: Trainer, timeout: float = 600.0) -> str | None:
+        """Restore the newest step every rank can resume from; the checkpoint folder to pass to
+        ``trainer.train(resume_from_checkpoint=...)``, or None on a fresh job. Call it on every rank, before
+        ``train()``.
+
+        Raises:
+            TypeError: the Trainer's model is not a ``PreTrainedModel``.
+            RestoreFailed, NotRecoverable: as for :meth:`Snapshotter.restore <snapshotd.client.Snapshotter.restore>`.
+        """
+        model = trainer.model
+        if not callable(getattr(model, "save_pretrained", None)):
+            raise TypeError(
+                f"SnapshotdCallback needs the Trainer's model to be a transformers PreTrainedModel, got "
+                f"{type(model).__name__}: a resume writes its weights with save_pretrained()"
+            )
+        if self._snap is None:
+            state = {"model": model, "trainer": self._parts, "rng": RNGState()}
+            self._snap = Snapshotter(state, **self._kwargs)
+        step = self._snap.restore(timeout=timeout)
+        if step == 0:
+            return None
+        self._resume_dir = _write_checkpoint(trainer, self._parts, self._snap)
+        log.info("[job %s rank %d] resuming the Trainer at step %d", self._snap.job, self._snap.rank, step)
+        return self._resume_dir
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._snap is None:
+            raise RuntimeError(
+                "SnapshotdCallback: call trainer.train(resume_from_checkpoint=callback.restore(trainer)) so that "
+                "a restarted rank resumes from the snapshot instead of starting over"
+            )
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        assert self._snap is not None  # on_train_begin made sure
+        parts = self._parts
+        parts.optimizer, parts.scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
+        parts.trainer_state = json.dumps(dataclasses.asdict(state), sort_keys=True)
+        self._snap.capture(state.global_step)
+        if self._resume_dir is not None:  # the Trainer has read it by its first step
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._snap is not None:
+            self._snap.close()
+
+
+def _write_checkpoint(trainer: Trainer, parts: _TrainerParts, snap: Snapshotter) -> str:
+    """The restored state as a Trainer checkpoint in a new local folder (read only by this rank): the model's
+    weights and config, the optimizer, the scheduler, the generators as the restore set them, the TrainerState."""
+    loaded = parts.loaded
+    if loaded is None:
+        raise RuntimeError("the snapshot restored no Trainer state")  # a snapshot always holds it
+    folder = tempfile.mkdtemp(prefix=f"snapshotd-trainer-{snap.job}-{snap.rank}-")
+    model: Any = trainer.model  # a PreTrainedModel: restore() checked
+    model.save_pretrained(folder, safe_serialization=True)
+    torch.save(loaded["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+    torch.save(loaded["scheduler"], os.path.join(folder, SCHEDULER_NAME))
+    with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+        f.write(loaded["trainer_state"])
+    rng: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "cpu": torch.random.get_rng_state(),
+    }
+    distributed = trainer.args.world_size > 1
+    if torch.cuda.is_available():
+        rng["cuda"] = (
+            torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+        )
+    name = f"rng_state_{trainer.args.process_index}.pth" if distributed else "rng_state.pth"
+    torch.save(rng, os.path.join(folder, name))
+    return folder
