@@ -13,10 +13,10 @@ Trainer checkpoint in a private local folder, and returns that folder: the Train
 rules, as from a checkpoint on disk (optimizer, scheduler and generators loaded, the data loader fast-forwarded past
 the batches the restored step used). The folder is removed at the first step after the resume.
 
-Limits: the model must be a ``PreTrainedModel`` (the checkpoint's weights are written with ``save_pretrained``);
-DDP's gradient bucket layout is not carried (the Trainer wraps the model after :meth:`restore`), so at more than two
-data-parallel ranks a resumed run may differ from the original in the last bits, as the Trainer's own resume from
-disk does; DeepSpeed and FSDP through the Trainer are not supported.
+The snapshot also carries the gradient bucket layout of the Trainer's DDP module, which the resumed Trainer's DDP
+takes at ``on_train_begin``: gradients are then summed in the same order as in the run that was snapshotted, at any
+number of ranks (the Trainer's own resume from disk starts DDP from its initial layout). DeepSpeed and FSDP
+through the Trainer are not supported.
 """
 
 from __future__ import annotations
@@ -32,10 +32,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 
+from ..ddp import DDPBuckets
 from ..rng import RNGState
 from ..snapshotter import Snapshotter
 
@@ -46,11 +50,13 @@ log = logging.getLogger(__name__)
 
 class _TrainerParts:
     """The Trainer's state beside the model and the generators, as one Stateful: the optimizer's and the scheduler's
-    state dicts and the ``TrainerState`` as JSON, as of the last ``on_step_end``."""
+    state dicts, the ``TrainerState`` as JSON and DDP's gradient bucket layout, as of the last ``on_step_end``."""
 
     def __init__(self) -> None:
         self.optimizer: Any = None
         self.scheduler: Any = None
+        self.ddp: DDPBuckets | None = None
+        """The gradient bucket layout of the Trainer's DDP module, once it wrapped the model."""
         self.trainer_state = ""
         self.loaded: dict[str, Any] | None = None
         """What the last restore loaded (None before one)."""
@@ -64,6 +70,7 @@ class _TrainerParts:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
             "trainer_state": self.trainer_state,
+            "ddp": self.ddp.state_dict() if self.ddp is not None else {},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -84,6 +91,7 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
         self._kwargs = snapshotter
         self._parts = _TrainerParts()
         self._snap: Snapshotter | None = None
+        self._trainer: Trainer | None = None
         self._resume_dir: str | None = None
 
     @property
@@ -97,17 +105,11 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
         ``train()``.
 
         Raises:
-            TypeError: the Trainer's model is not a ``PreTrainedModel``.
             RestoreFailed, NotRecoverable: as for :meth:`Snapshotter.restore <snapshotd.client.Snapshotter.restore>`.
         """
-        model = trainer.model
-        if not callable(getattr(model, "save_pretrained", None)):
-            raise TypeError(
-                f"SnapshotdCallback needs the Trainer's model to be a transformers PreTrainedModel, got "
-                f"{type(model).__name__}: a resume writes its weights with save_pretrained()"
-            )
+        self._trainer = trainer
         if self._snap is None:
-            state = {"model": model, "trainer": self._parts, "rng": RNGState()}
+            state = {"model": trainer.model, "trainer": self._parts, "rng": RNGState()}
             self._snap = Snapshotter(state, **self._kwargs)
         step = self._snap.restore(timeout=timeout)
         if step == 0:
@@ -119,11 +121,19 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._snap is None:
+        if self._snap is None or self._trainer is None:
             raise RuntimeError(
                 "SnapshotdCallback: call trainer.train(resume_from_checkpoint=callback.restore(trainer)) so that "
                 "a restarted rank resumes from the snapshot instead of starting over"
             )
+        # the Trainer has wrapped the model now: DDP's buckets take the snapshot's layout before the first step, so
+        # that the gradients are summed in the order of the run that was snapshotted
+        wrapped = self._trainer.model_wrapped
+        parts = self._parts
+        parts.ddp = DDPBuckets({"model": wrapped}) if isinstance(wrapped, DistributedDataParallel) else None
+        layout = (parts.loaded or {}).get("ddp")
+        if parts.ddp is not None and layout:
+            parts.ddp.load_state_dict(layout)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -146,13 +156,16 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
 
 def _write_checkpoint(trainer: Trainer, parts: _TrainerParts, snap: Snapshotter) -> str:
     """The restored state as a Trainer checkpoint in a new local folder (read only by this rank): the model's
-    weights and config, the optimizer, the scheduler, the generators as the restore set them, the TrainerState."""
+    weights, the optimizer, the scheduler, the generators as the restore set them, the TrainerState."""
     loaded = parts.loaded
     if loaded is None:
         raise RuntimeError("the snapshot restored no Trainer state")  # a snapshot always holds it
     folder = tempfile.mkdtemp(prefix=f"snapshotd-trainer-{snap.job}-{snap.rank}-")
-    model: Any = trainer.model  # a PreTrainedModel: restore() checked
-    model.save_pretrained(folder, safe_serialization=True)
+    model = trainer.model
+    if model is None:
+        raise RuntimeError("the Trainer has no model")
+    # save_pretrained() writes on global rank 0 only; every rank reads its own folder
+    safetensors.torch.save_model(model, os.path.join(folder, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
     torch.save(loaded["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
     torch.save(loaded["scheduler"], os.path.join(folder, SCHEDULER_NAME))
     with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:

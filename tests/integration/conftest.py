@@ -8,6 +8,7 @@ is left behind) cannot be confused by other tests or other users of the machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -20,6 +21,7 @@ import pytest
 import zmq
 
 from snapshotd.bench.nodes import RendezvousStore
+from snapshotd.bench.torchrun_trial import TrialConfig, TrialResult, run_trial
 from snapshotd.harness.cluster import LocalCluster, ManagedProcess
 from snapshotd.proto import (
     Chunk,
@@ -221,3 +223,25 @@ class DataPeer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def reference_and_trial(cluster: Cluster, workdir: str, cfg: TrialConfig) -> tuple[TrialResult, TrialResult]:
+    """The torchrun job of ``cfg`` run twice at the same time, each on nodes of its own as on a shared cluster:
+    failure-free, and losing node ``cfg.lose`` after ``cfg.kill_after`` to a replacement; (reference, trial)."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = []
+        for i, name in enumerate(("reference", "trial")):
+            os.makedirs(os.path.join(workdir, name))
+            runs.append(
+                pool.submit(
+                    run_trial,
+                    cluster,
+                    os.path.join(workdir, name),
+                    cfg,
+                    job=cluster.job(name),
+                    fail=name == "trial",
+                    node_names=[cluster.node(f"{x}{i}") for x in "ABC"],
+                )
+            )
+        reference, trial = (run.result() for run in runs)
+    return reference, trial

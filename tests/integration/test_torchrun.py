@@ -11,15 +11,16 @@ are found in order. In ``make long``: ``make test`` runs the same job and loss l
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import pytest
 
 from snapshotd.bench.nodes import marked_processes
-from snapshotd.bench.torchrun_trial import TrialConfig, compare, run_trial
+from snapshotd.bench.torchrun_trial import TrialConfig, compare
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.shm import pid_alive
+
+from .conftest import reference_and_trial
 
 pytestmark = pytest.mark.integration
 
@@ -32,22 +33,7 @@ def test_torchrun_node_loss_recovers_bit_identically(cluster, tag, tmp_path) -> 
     # failure-free reference runs beside the trial: another job on nodes of its own, as on a shared cluster.
     cfg = TrialConfig(timeout=90)
     t0 = time.monotonic()
-    for name in ("reference", "trial"):
-        (tmp_path / name).mkdir()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = {
-            name: pool.submit(
-                run_trial,
-                cluster,
-                str(tmp_path / name),
-                cfg,
-                job=cluster.job(name),
-                fail=name == "trial",
-                node_names=[cluster.node(f"{x}{i}") for x in "ABC"],
-            )
-            for i, name in enumerate(("reference", "trial"))
-        }
-        reference, trial = (runs[name].result() for name in ("reference", "trial"))
+    reference, trial = reference_and_trial(cluster, str(tmp_path), cfg)
     elapsed = time.monotonic() - t0
 
     assert all(len(reference.losses[r]) == cfg.steps for r in range(4)), reference.losses
