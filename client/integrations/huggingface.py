@@ -34,7 +34,6 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import SAFE_WEIGHTS_NAME
@@ -42,6 +41,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME
 from ..ddp import DDPBuckets
 from ..rng import RNGState
 from ..snapshotter import Snapshotter
+from .common import Hold, ddp_layouts
 
 __all__ = ["SnapshotdCallback"]
 
@@ -88,16 +88,15 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
     """
 
     def __init__(self, **snapshotter: Any) -> None:
-        self._kwargs = snapshotter
+        self._hold = Hold(snapshotter, "trainer.train(resume_from_checkpoint=callback.restore(trainer))")
         self._parts = _TrainerParts()
-        self._snap: Snapshotter | None = None
         self._trainer: Trainer | None = None
         self._resume_dir: str | None = None
 
     @property
     def snapshotter(self) -> Snapshotter | None:
         """The Snapshotter, once :meth:`restore` made it."""
-        return self._snap
+        return self._hold.snap
 
     def restore(self, trainer: Trainer, timeout: float = 600.0) -> str | None:
         """Restore the newest step every rank can resume from; the checkpoint folder to pass to
@@ -108,41 +107,30 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
             RestoreFailed, NotRecoverable: as for :meth:`Snapshotter.restore <snapshotd.client.Snapshotter.restore>`.
         """
         self._trainer = trainer
-        if self._snap is None:
-            state = {"model": trainer.model, "trainer": self._parts, "rng": RNGState()}
-            self._snap = Snapshotter(state, **self._kwargs)
-        step = self._snap.restore(timeout=timeout)
+        step = self._hold.restore(
+            {"model": trainer.model, "trainer": self._parts, "rng": RNGState()}, timeout
+        )
         if step == 0:
             return None
-        self._resume_dir = _write_checkpoint(trainer, self._parts, self._snap)
-        log.info("[job %s rank %d] resuming the Trainer at step %d", self._snap.job, self._snap.rank, step)
+        snap = self._hold.required()
+        self._resume_dir = _write_checkpoint(trainer, self._parts, snap)
+        log.info("[job %s rank %d] resuming the Trainer at step %d", snap.job, snap.rank, step)
         return self._resume_dir
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._snap is None or self._trainer is None:
-            raise RuntimeError(
-                "SnapshotdCallback: call trainer.train(resume_from_checkpoint=callback.restore(trainer)) so that "
-                "a restarted rank resumes from the snapshot instead of starting over"
-            )
-        # the Trainer has wrapped the model now: DDP's buckets take the snapshot's layout before the first step, so
-        # that the gradients are summed in the order of the run that was snapshotted
-        wrapped = self._trainer.model_wrapped
-        parts = self._parts
-        parts.ddp = DDPBuckets({"model": wrapped}) if isinstance(wrapped, DistributedDataParallel) else None
-        layout = (parts.loaded or {}).get("ddp")
-        if parts.ddp is not None and layout:
-            parts.ddp.load_state_dict(layout)
+        self._hold.required()
+        assert self._trainer is not None  # restore() keeps it
+        self._parts.ddp = ddp_layouts(self._trainer.model_wrapped, (self._parts.loaded or {}).get("ddp"))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        assert self._snap is not None  # on_train_begin made sure
         parts = self._parts
         parts.optimizer, parts.scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
         parts.trainer_state = json.dumps(dataclasses.asdict(state), sort_keys=True)
-        self._snap.capture(state.global_step)
+        self._hold.required().capture(state.global_step)
         if self._resume_dir is not None:  # the Trainer has read it by its first step
             shutil.rmtree(self._resume_dir, ignore_errors=True)
             self._resume_dir = None
@@ -150,8 +138,8 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._snap is not None:
-            self._snap.close()
+        if self._hold.snap is not None:
+            self._hold.snap.close()
 
 
 def _write_checkpoint(trainer: Trainer, parts: _TrainerParts, snap: Snapshotter) -> str:

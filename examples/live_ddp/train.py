@@ -51,7 +51,9 @@ def main() -> None:
                     loss.backward()
                     opt.step()
                     sched.step()
-                    snap.capture(step + 1)  # inside the guard: right after a recovery it runs a DDP collective
+                    snap.capture(
+                        step + 1
+                    )  # inside the guard: right after a recovery it runs a DDP collective
             except PeerLost:
                 step = snap.recover()  # new group with the replacement, state rolled back in place
                 print(f"rank {rank}: a peer was lost; resumed at step {step} ({snap.recovered['seconds']:.2f} s)",

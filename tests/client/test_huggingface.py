@@ -2,7 +2,7 @@
 dies after step 5 and a new Trainer resumed from the snapshot end bit-identical to a run never stopped (a tiny
 GPT-2 built from a config, dropout on, AdamW, a cosine schedule with warm-up, a shuffled data set; real sidecars
 and coordinator in this process over the in-memory transport). The same story under torchrun with a node lost is
-tests/integration/test_huggingface_torchrun.py."""
+tests/integration/test_frameworks_torchrun.py."""
 
 from __future__ import annotations
 
