@@ -3,7 +3,7 @@
 Subcommand ``NAME`` lives in module ``snapshotd.bench.NAME``, imported only when chosen. The module defines
 ``add_arguments(parser)`` and ``run(args) -> Report``, and optionally ``plot(report, path)`` (the default
 plot of :mod:`snapshotd.bench.report` is used otherwise). Every subcommand also takes ``--json PATH``,
-``--plot PATH.png`` and ``-v/--verbose``. The one-line help of each subcommand is kept here so that ``--help``
+``--plot PATH`` (``.png``, ``.svg`` or ``.pdf``) and ``-v/--verbose``. The one-line help of each subcommand is kept here so that ``--help``
 needs no imports.
 """
 
@@ -17,7 +17,7 @@ from types import ModuleType
 
 from snapshotd.harness.cluster import sigterm_as_interrupt
 
-from .report import Report, emit
+from .report import Report, emit, plot_format
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -51,7 +51,9 @@ def _common_flags() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("output")
     group.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
-    group.add_argument("--plot", metavar="PATH.png", help="also draw the report as a PNG to PATH.png")
+    group.add_argument(
+        "--plot", metavar="PATH", help="also draw the report to PATH (.png, .svg or .pdf: the suffix chooses)"
+    )
     group.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     return common
 
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse already printed
         return exc.code if isinstance(exc.code, int) else 2
     assert module is not None  # parse_args succeeded, so argv named a known subcommand
+    if args.plot:
+        try:
+            plot_format(args.plot)  # before the run: a benchmark takes minutes
+        except ValueError as exc:
+            print(f"snapshotd-bench {args.bench}: {exc}", file=sys.stderr)
+            return 2
     if args.verbose:
         logging.basicConfig(
             level=logging.DEBUG if args.verbose > 1 else logging.INFO,

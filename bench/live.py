@@ -56,7 +56,7 @@ from snapshotd.harness.processes import RankProcess, start_module
 from .live_trials import finish, reached_kill_point, read_json, torchrun_node
 from .nodes import EmulatedNode, RendezvousStore
 from .reduction import measure_reduction_cost
-from .report import Report, scratch_dir
+from .report import Report, phases_plot, scratch_dir
 from .shrink import run_shrink_trial
 
 log = logging.getLogger(__name__)
@@ -573,3 +573,8 @@ def run(args: argparse.Namespace) -> Report:
             "error",
         ],
     )
+
+
+def plot(report: Report, path: str) -> None:
+    """The recovery's phases as a stacked bar per mode and size (the kill to the first step, its total at the end)."""
+    phases_plot(report, path, _PHASES[:-1], lambda r: f"{r['mode']}, {r['ranks_per_node']} ranks/node")

@@ -80,7 +80,7 @@ from snapshotd.units import parse_bytes, parse_rate
 
 from .baselines import process_cpu_times
 from .node import run_node
-from .report import Report, progress, scratch_dir
+from .report import Report, progress, save_figure, scratch_dir
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
@@ -757,4 +757,4 @@ def plot(report: Report, path: str) -> None:
         f"{cfg.get('device')}"
     )
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)

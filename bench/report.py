@@ -245,8 +245,60 @@ def _plot_summary(fig: Any, summary: dict[str, float]) -> None:
         ax.grid(True, axis="x", alpha=0.3)
 
 
+PLOT_FORMATS = ("png", "svg", "pdf")
+"""The picture formats ``--plot`` writes, chosen by the file name's suffix."""
+
+
+def plot_format(path: str) -> str:
+    """The format of a picture written to ``path``, from its suffix.
+
+    Raises:
+        ValueError: a suffix that names none of :data:`PLOT_FORMATS`.
+    """
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in PLOT_FORMATS:
+        raise ValueError(f"--plot {path}: name a .png, .svg or .pdf file (the suffix chooses the format)")
+    return suffix
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """Write ``fig`` to ``path`` in the format its suffix names (:func:`plot_format`)."""
+    fig.savefig(path, format=plot_format(path))
+
+
+def phases_plot(
+    report: Report, path: str, phases: Sequence[str], label: Callable[[dict[str, Any]], str]
+) -> None:
+    """One stacked horizontal bar per result row: the row's ``phases`` (seconds) in turn, its total written at the
+    end (the sum of the phases; a row missing one is drawn without it), labelled ``label(row)``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = [r for r in report.results if any(_is_number(r.get(p)) for p in phases)]
+    fig = Figure(figsize=(8.0, 1.2 + 0.45 * max(1, len(rows))), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    starts = [0.0] * len(rows)
+    for phase in phases:
+        widths = [float(r[phase]) if _is_number(r.get(phase)) else 0.0 for r in rows]
+        ax.barh(range(len(rows)), widths, left=starts, label=phase.removesuffix("_seconds").replace("_", " "))
+        starts = [a + b for a, b in zip(starts, widths, strict=True)]
+    for i, total in enumerate(starts):
+        ax.text(total, i, f" {total:.2f} s", va="center", fontsize="small")
+    ax.set_yticks(range(len(rows)), [label(r) for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(starts, default=1.0) * 1.15 or 1.0)
+    ax.set_xlabel("seconds from the node's loss")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
+    ax.set_title(f"snapshotd-bench {report.bench}: recovery phases")
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 def default_plot(report: Report, path: str) -> None:
-    """Draw ``report`` to a PNG at ``path`` with matplotlib's Agg canvas (no display, no pyplot state).
+    """Draw ``report`` to ``path`` (a PNG, SVG or PDF by its suffix) with matplotlib's Agg canvas (no display, no
+    pyplot state).
 
     With at least one numeric result column besides the first column, draws one panel per numeric column
     (up to six) against the first column; otherwise one bar per numeric summary value (up to twelve);
@@ -276,7 +328,7 @@ def default_plot(report: Report, path: str) -> None:
         ax.set_xlabel("-")
         ax.set_ylabel("-")
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)
 
 
 def emit(
@@ -287,13 +339,13 @@ def emit(
     plot_fn: Callable[[Report, str], None] | None = None,
     out: TextIO | None = None,
 ) -> None:
-    """Print ``report`` (table, then ``key: value`` summary lines); optionally write JSON and a PNG.
+    """Print ``report`` (table, then ``key: value`` summary lines); optionally write JSON and a picture.
 
     Args:
         report: what to show.
         json_path: where to write the JSON document (atomically), or None.
-        plot_path: where to write a PNG, or None.
-        plot_fn: draws the PNG (``plot_fn(report, plot_path)``); :func:`default_plot` when None.
+        plot_path: where to write a picture (PNG, SVG or PDF, by its suffix), or None.
+        plot_fn: draws it (``plot_fn(report, plot_path)``); :func:`default_plot` when None.
         out: text stream for the printout; ``sys.stdout`` when None.
 
     Raises:

@@ -42,7 +42,7 @@ from typing import Any
 from snapshotd.harness.cluster import LocalCluster
 
 from .nodes import EmulatedNode, RendezvousStore, agent_lines
-from .report import Report, scratch_dir
+from .report import Report, phases_plot, scratch_dir
 
 __all__ = [
     "EXAMPLE_DIR",
@@ -648,3 +648,10 @@ def run(args: argparse.Namespace) -> Report:
         summary,
         columns=["run", "steps_lost", *_SPLIT_COLUMNS, "bit_identical", "sources"],
     )
+
+
+def plot(report: Report, path: str) -> None:
+    """Each run's recovery as a stacked bar of its phases in turn (the kill to the first step, its total at the
+    end): detection overlaps the launcher's restart, so the bar is the launcher's path."""
+    phases = ("launcher_restart_seconds", *_SPLIT_COLUMNS[5:-1])
+    phases_plot(report, path, phases, lambda r: f"run {r['run']}")

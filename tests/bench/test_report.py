@@ -92,6 +92,36 @@ def test_emit_writes_default_png(tmp_path, results) -> None:
     assert data[:8] == PNG_MAGIC and len(data) > 5_000
 
 
+@pytest.mark.parametrize(("suffix", "magic"), [(".svg", b"<?xml"), (".pdf", b"%PDF"), (".PNG", PNG_MAGIC)])
+def test_the_plot_s_format_is_the_one_its_file_name_asks_for(tmp_path, suffix: str, magic: bytes) -> None:
+    path = tmp_path / f"r{suffix}"
+    emit(_report(), json_path=None, plot_path=str(path), out=io.StringIO())
+    assert path.read_bytes().startswith(magic)
+
+
+def test_the_recovery_benchmarks_draw_their_phases_stacked_with_the_total(tmp_path) -> None:
+    from snapshotd.bench import live, torchrun_trial
+
+    rows = [
+        {"mode": m, "ranks_per_node": 2, "detection_seconds": 0.2, "group_seconds": g, "restore_seconds": 0.05,
+         "first_step_seconds": 0.07, "total_seconds": 0.32 + g}
+        for m, g in (("restart", 5.5), ("shrink", 0.2))
+    ]  # fmt: skip
+    live.plot(_report(bench="live", results=rows), str(tmp_path / "live.svg"))
+    drawn = (tmp_path / "live.svg").read_text()
+    assert all(
+        word in drawn for word in ("restart, 2 ranks/node", "detection", "first step", "5.82 s", "0.52 s")
+    )
+    split = dict.fromkeys(torchrun_trial._SPLIT_COLUMNS, 0.5)
+    torchrun_trial.plot(_report(bench="torchrun", results=[{"run": 1, **split}]), str(tmp_path / "t.svg"))
+    assert "3.00 s" in (tmp_path / "t.svg").read_text()  # the launcher's path: six phases of 0.5 s
+
+
+def test_a_plot_named_in_no_known_format_is_refused_before_the_run(capsys) -> None:
+    assert cli.main(["codec", "--plot", "out.jpg"]) == 2
+    assert "name a .png, .svg or .pdf file" in capsys.readouterr().err
+
+
 def test_emit_calls_plot_fn(tmp_path) -> None:
     seen = []
     emit(
