@@ -13,7 +13,7 @@ scheduler, the Trainer's state and every RNG after each optimizer step; after a 
 newest step every rank holds into a checkpoint the Trainer resumes from by its own rules.
 
 With ``--out DIR`` each rank writes the files ``examples/torchrun_ddp/train.py`` writes (``losses-rank{R}.jsonl``
-with the Trainer's logged loss of every step, ``events-rank{R}.jsonl``, and ``final-rank{R}.json`` with the
+with the rank's own loss of every step, ``events-rank{R}.jsonl``, and ``final-rank{R}.json`` with the
 SHA-256 of the model's and optimizer's tensors, ``digest``, and of those with the scheduler's state,
 ``state_digest``), so that a test compares a run that lost a node with one that did not.
 """
@@ -82,11 +82,28 @@ class Recorder(TrainerCallback):  # type: ignore[misc]
         if self.step_delay:
             time.sleep(self.step_delay)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs:
-            snapshotter = self.snap.snapshotter
+
+class RecordingTrainer(Trainer):  # type: ignore[misc]
+    """The Trainer, writing each rank's own loss of every step to ``--out`` as it is computed: the Trainer's logged
+    loss is gathered from every rank after the step (a collective), so a peer's loss can leave a snapshotted step
+    without it."""
+
+    recorder: Recorder | None = None
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        result = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if self.recorder is not None:
+            snapshotter = self.recorder.snap.snapshotter
             stride = snapshotter.stats.stride if snapshotter is not None else 0
-            self.append("losses", {"step": state.global_step, "loss": float(logs["loss"]), "stride": stride})
+            loss = result[0] if return_outputs else result
+            self.recorder.append(
+                "losses", {"step": self.state.global_step + 1, "loss": loss.item(), "stride": stride}
+            )
+        return result
 
 
 def digest(tensors: list[torch.Tensor]) -> str:
@@ -136,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     snap = SnapshotdCallback()  # job, rank, world size and sidecar from torchrun's environment
     recorder = Recorder(recorder_out, rank, snap, a.step_delay)
     recorder.append("events", {"event": "start", "t": T_START})
-    trainer = Trainer(
+    trainer = RecordingTrainer(
         model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[snap, recorder]
     )
+    trainer.recorder = recorder
     recorder.append("events", {"event": "built"})
     resume = snap.restore(trainer)
     assert snap.snapshotter is not None
@@ -146,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     recorder.append(
         "events", {"event": "restored", "step": restored.get("step", 0), "source": restored.get("source")}
     )
+    if (
+        restored.get("step", 0) >= a.steps
+    ):  # restarted after the last step (its teardown failed): nothing left
+        return 0
     trainer.train(resume_from_checkpoint=resume)
 
     model = [t for t in trainer.model.state_dict().values()]
