@@ -39,7 +39,7 @@ from snapshotd.proto import Chunk, decode, encode
 from snapshotd.proto.codec import breakeven_rate, checksum, compress_chunk, decompress_chunk
 from snapshotd.units import format_bytes, parse_bytes
 
-from .report import Report
+from .report import Report, save_figure
 
 __all__ = ["add_arguments", "plot", "run"]
 
@@ -344,4 +344,4 @@ def plot(report: Report, path: str) -> None:
     ax_speed.grid(True, axis="y", alpha=0.3)
     ax_speed.set_xticks(xs, labels, rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)

@@ -65,7 +65,7 @@ import numpy as np
 
 from snapshotd.units import format_bytes, parse_bytes, parse_duration, parse_rate
 
-from .report import Report
+from .report import Report, save_figure
 
 __all__ = ["DEFAULTS", "Strategy", "add_arguments", "expected_ettr", "load_inputs", "plot", "run", "simulate"]
 
@@ -446,4 +446,4 @@ def plot(report: Report, path: str) -> None:
         f"{c.get('ranks')} ranks"
     )
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)

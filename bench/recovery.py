@@ -78,7 +78,7 @@ from snapshotd.status import fetch_status
 from snapshotd.units import format_bytes, parse_bytes
 
 from .baselines import process_cpu_seconds, raw_socket_transfer
-from .report import Report, progress, scratch_dir
+from .report import Report, progress, save_figure, scratch_dir
 
 __all__ = ["add_arguments", "make_state", "plot", "run", "state_digest"]
 
@@ -480,7 +480,7 @@ def plot(report: Report, path: str) -> None:
         ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle(f"snapshotd-bench recovery: {format_bytes(report.summary['state_bytes'])} of rank state")
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)
 
 
 # -------------------------------------------------------------------------------- rank role processes

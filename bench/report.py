@@ -280,7 +280,9 @@ def phases_plot(
     ax = fig.subplots()
     starts = [0.0] * len(rows)
     for phase in phases:
-        widths = [float(r[phase]) if _is_number(r.get(phase)) else 0.0 for r in rows]
+        widths = [
+            float(r[phase]) if _is_number(r.get(phase)) and math.isfinite(r[phase]) else 0.0 for r in rows
+        ]
         ax.barh(range(len(rows)), widths, left=starts, label=phase.removesuffix("_seconds").replace("_", " "))
         starts = [a + b for a, b in zip(starts, widths, strict=True)]
     for i, total in enumerate(starts):

@@ -86,7 +86,7 @@ from snapshotd import security
 from snapshotd.harness.cluster import LocalCluster
 from snapshotd.status import fetch_status
 
-from .report import Report
+from .report import Report, save_figure
 from .simsidecars import data_addr, fds_needed, node_name, plan_sockets, raise_nofile
 
 __all__ = ["add_arguments", "plot", "run"]
@@ -253,7 +253,7 @@ def plot(report: Report, path: str) -> None:
         ax.legend(fontsize="small")
     axes[-1].set_xlabel("simulated sidecars (N)")
     fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path)
 
 
 class _Worker:

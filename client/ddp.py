@@ -18,7 +18,8 @@ rebuilt reducer has not "rebuilt its buckets" in DDP's sense, so after its first
 once more, from the same gradient-ready order, into the same layout.
 
 A DDP module is found as a value of the state, as a submodule of one, or as the wrapper whose ``.module`` a value
-of the state is (searched once among live objects, when the Snapshotter is built and at each ``restore()``).
+of the state is (searched among live objects when the Snapshotter is built, and at each ``restore()`` of a
+snapshot that names a DDP module: a model wrapped again since is found).
 If a snapshot names a DDP module that the live state does not have (the model is wrapped only after
 ``restore()``), the restore fails with :class:`~snapshotd.client.ConfigMismatch` saying so, rather than
 drifting silently.
@@ -97,7 +98,8 @@ def _wrappers_of(unwrapped: Mapping[str, torch.nn.Module], ddp_cls: type) -> dic
     """
     where = {id(module): key for key, module in unwrapped.items()}
     if not any(
-        type(obj) is dict and id(obj.get("module")) in where for obj in gc.get_referrers(*unwrapped.values())
+        isinstance(obj, dict) and id(obj.get("module")) in where
+        for obj in gc.get_referrers(*unwrapped.values())
     ):
         return {}
     ddp_types = _subclasses(ddp_cls)
@@ -269,16 +271,16 @@ class DDPBuckets:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Give each live DDP module the layout the snapshot names for it.
 
-        The live DDP modules are looked for again (a walk over every live object: see :func:`find_ddp_modules`)
-        only when the snapshot names one not found before, a model wrapped in DDP after the state was handed over;
-        a restore of a job without DDP, or of one whose modules are known, costs no walk.
+        The live DDP modules are looked for again when the snapshot names any (a model wrapped in DDP after the
+        state was handed over, or wrapped anew since, is found; see :func:`find_ddp_modules` for what that costs);
+        a restore of a snapshot without DDP looks for none.
 
         Raises:
             ConfigMismatch: the snapshot names a DDP module the live state lacks, a layout that does not fit the
                 live model, or a DDP setup whose reducer cannot be rebuilt.
             ValueError: a malformed layout.
         """
-        if not state_dict.keys() <= self._modules.keys():
+        if state_dict:
             self.rediscover()
         for where, layout in state_dict.items():
             ddp = self._modules.get(where)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 __all__ = ["LATENCY_BUCKETS", "Tally"]
 
@@ -53,6 +54,9 @@ class Tally:
     last entry counts those above every bound."""
 
     def add(self, value: float) -> None:
+        """Count ``value`` (seconds); one that is not a finite number of zero or more is left out."""
+        if not (math.isfinite(value) and value >= 0):
+            return
         self.count += 1
         self.total += value
         self.last = value

@@ -29,6 +29,12 @@ class Hold:
             self.snap = Snapshotter(state, **self._kwargs)
         return self.snap.restore(timeout=timeout)
 
+    def close(self, *, unregister: bool = True) -> None:
+        """Close the Snapshotter, if any, and forget it (a later hook requires a new restore)."""
+        if self.snap is not None:
+            self.snap.close(unregister=unregister)
+            self.snap = None
+
     def required(self) -> Snapshotter:
         """The Snapshotter.
 

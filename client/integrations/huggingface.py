@@ -16,7 +16,9 @@ the batches the restored step used). The folder is removed at the first step aft
 The snapshot also carries the gradient bucket layout of the Trainer's DDP module, which the resumed Trainer's DDP
 takes at ``on_train_begin``: gradients are then summed in the same order as in the run that was snapshotted, at any
 number of ranks (the Trainer's own resume from disk starts DDP from its initial layout). DeepSpeed and FSDP
-through the Trainer are not supported.
+through the Trainer are refused. The optimizer's state sits inside the callback's state, where the Snapshotter does
+not see it change, so each capture copies it on the training thread (the model's parameters are copied as for any
+Snapshotter).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import safetensors.torch
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.training_args import ParallelMode
 from transformers.utils import SAFE_WEIGHTS_NAME
 
 from ..ddp import DDPBuckets
@@ -113,6 +116,7 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
         if step == 0:
             return None
         snap = self._hold.required()
+        self._drop_checkpoint()  # one of an earlier restore()
         self._resume_dir = _write_checkpoint(trainer, self._parts, snap)
         log.info("[job %s rank %d] resuming the Trainer at step %d", snap.job, snap.rank, step)
         return self._resume_dir
@@ -121,8 +125,11 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._hold.required()
-        assert self._trainer is not None  # restore() keeps it
-        self._parts.ddp = ddp_layouts(self._trainer.model_wrapped, (self._parts.loaded or {}).get("ddp"))
+        trainer = self._trainer
+        assert trainer is not None  # restore() keeps it
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            raise RuntimeError("SnapshotdCallback does not snapshot DeepSpeed or FSDP through the Trainer")
+        self._parts.ddp = ddp_layouts(trainer.model_wrapped, (self._parts.loaded or {}).get("ddp"))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -131,15 +138,20 @@ class SnapshotdCallback(TrainerCallback):  # type: ignore[misc]
         parts.optimizer, parts.scheduler = kwargs["optimizer"], kwargs.get("lr_scheduler")
         parts.trainer_state = json.dumps(dataclasses.asdict(state), sort_keys=True)
         self._hold.required().capture(state.global_step)
-        if self._resume_dir is not None:  # the Trainer has read it by its first step
-            shutil.rmtree(self._resume_dir, ignore_errors=True)
-            self._resume_dir = None
+        self._drop_checkpoint()  # the Trainer has read it by its first step
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._hold.snap is not None:
-            self._hold.snap.close()
+        """Close the Snapshotter: another ``train()`` with this callback restores first, as a new process does."""
+        self._drop_checkpoint()
+        self._hold.close()
+        self._parts.loaded = None
+
+    def _drop_checkpoint(self) -> None:
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None
 
 
 def _write_checkpoint(trainer: Trainer, parts: _TrainerParts, snap: Snapshotter) -> str:
@@ -148,26 +160,35 @@ def _write_checkpoint(trainer: Trainer, parts: _TrainerParts, snap: Snapshotter)
     loaded = parts.loaded
     if loaded is None:
         raise RuntimeError("the snapshot restored no Trainer state")  # a snapshot always holds it
-    folder = tempfile.mkdtemp(prefix=f"snapshotd-trainer-{snap.job}-{snap.rank}-")
     model = trainer.model
     if model is None:
         raise RuntimeError("the Trainer has no model")
-    # save_pretrained() writes on global rank 0 only; every rank reads its own folder
-    safetensors.torch.save_model(model, os.path.join(folder, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
-    torch.save(loaded["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
-    torch.save(loaded["scheduler"], os.path.join(folder, SCHEDULER_NAME))
-    with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
-        f.write(loaded["trainer_state"])
-    rng: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "cpu": torch.random.get_rng_state(),
-    }
-    distributed = trainer.args.world_size > 1
-    if torch.cuda.is_available():
-        rng["cuda"] = (
-            torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    folder = tempfile.mkdtemp(prefix=f"snapshotd-trainer-{snap.job}-{snap.rank}-")
+    try:
+        # save_pretrained() writes on global rank 0 only; every rank reads its own folder
+        safetensors.torch.save_model(
+            model, os.path.join(folder, SAFE_WEIGHTS_NAME), metadata={"format": "pt"}
         )
-    name = f"rng_state_{trainer.args.process_index}.pth" if distributed else "rng_state.pth"
-    torch.save(rng, os.path.join(folder, name))
+        torch.save(loaded["optimizer"], os.path.join(folder, OPTIMIZER_NAME))
+        torch.save(loaded["scheduler"], os.path.join(folder, SCHEDULER_NAME))
+        with open(os.path.join(folder, TRAINER_STATE_NAME), "w") as f:
+            f.write(loaded["trainer_state"])
+        # the Trainer's own layout: the CUDA states of every device under a distributed launch, else one
+        rng: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            distributed = trainer.args.parallel_mode == ParallelMode.DISTRIBUTED
+            rng["cuda"] = (
+                torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+            )
+        name = (
+            f"rng_state_{trainer.args.process_index}.pth" if trainer.args.world_size > 1 else "rng_state.pth"
+        )
+        torch.save(rng, os.path.join(folder, name))
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
     return folder

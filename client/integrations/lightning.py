@@ -10,8 +10,11 @@ After every optimizer step (``on_train_batch_end`` once ``global_step`` moved) t
 Lightning would write at that point (model, optimizers, LR schedulers, loops with their progress and the stateful
 data loaders' positions, callbacks, precision plugin, hyper-parameters), with every random generator beside it.
 :meth:`restore` loads the newest step every rank can resume from, out of snapshotd's memory, writes that checkpoint
-to a private local file and returns its path: ``fit`` resumes from it by Lightning's own rules, and the generators
-are set as they were when the first batch after the resume starts. The file is removed at that batch. The
+to a private local file and returns its path: ``fit`` resumes from it by Lightning's own rules (the file is
+removed when training starts), and the generators are set as they were at ``on_train_batch_start`` of the first
+batch after the resume. Lightning fetches that batch first: random numbers drawn in the main process to fetch it
+(a transform, a sampler without its own generator starting an epoch) are drawn from other states than in the run
+that was snapshotted, so the resume is exact when fetching a batch draws none in the main process. The
 strategy's DDP module takes the snapshot's gradient bucket layout when training starts, so that the resumed run
 sums gradients in the same order as the one snapshotted (Lightning's own checkpoints carry neither the generators
 nor the layout).
@@ -57,8 +60,16 @@ class _Checkpoint:
         from it)."""
         if self.trainer is None:
             return {}
-        # what ModelCheckpoint writes at the same hook, without the file
+        # what ModelCheckpoint writes at the same hook, without the file, and without the hyper-parameters (the
+        # resumed fit does not read them, and they may hold values a snapshot cannot carry)
         checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        for module in (pl.LightningModule, pl.LightningDataModule):
+            for name in (
+                "CHECKPOINT_HYPER_PARAMS_KEY",
+                "CHECKPOINT_HYPER_PARAMS_NAME",
+                "CHECKPOINT_HYPER_PARAMS_TYPE",
+            ):
+                checkpoint.pop(getattr(module, name), None)
         ddp = self.ddp.state_dict() if self.ddp is not None else {}
         return {"lightning": checkpoint, "rng": RNGState().state_dict(), "ddp": ddp}
 
@@ -79,7 +90,10 @@ class SnapshotdCallback(pl.Callback):
     def __init__(self, **snapshotter: Any) -> None:
         self._hold = Hold(snapshotter, "trainer.fit(..., ckpt_path=callback.restore(trainer))")
         self._parts = _Checkpoint()
-        self._resume: tuple[str, Mapping[str, Any]] | None = None  # the checkpoint file and the generators
+        self._path: str | None = None  # the checkpoint file a restore wrote, until fit has read it
+        self._rng: Mapping[str, Any] | None = (
+            None  # the generators to set at the first batch after the resume
+        )
         self._captured = -1
 
     @property
@@ -98,29 +112,35 @@ class SnapshotdCallback(pl.Callback):
         snap, loaded = self._hold.required(), self._parts.loaded
         if step == 0 or loaded is None:
             return None
+        self._drop_checkpoint()  # one of an earlier restore()
         fd, path = tempfile.mkstemp(prefix=f"snapshotd-lightning-{snap.job}-{snap.rank}-", suffix=".ckpt")
-        with os.fdopen(fd, "wb") as f:
-            torch.save(loaded["lightning"], f)
-        self._resume = (path, loaded["rng"])
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(loaded["lightning"], f)
+        except BaseException:
+            os.unlink(path)
+            raise
+        self._path, self._rng = path, loaded["rng"]
         log.info("[job %s rank %d] resuming Lightning at step %d", snap.job, snap.rank, step)
         return path
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._hold.required()
+        if isinstance(trainer.strategy, (pl.strategies.FSDPStrategy, pl.strategies.DeepSpeedStrategy)):
+            raise RuntimeError("SnapshotdCallback does not snapshot the FSDP or DeepSpeed strategies")
         self._parts.trainer = trainer
         self._captured = trainer.global_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._parts.ddp = ddp_layouts(trainer.strategy.model, (self._parts.loaded or {}).get("ddp"))
+        self._drop_checkpoint()  # fit has read it
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._resume is not None:  # the first batch after the resume: the generators as they were
-            path, rng = self._resume
-            self._resume = None
-            RNGState().load_state_dict(rng)
-            os.unlink(path)
+        if self._rng is not None:  # the first batch after the resume: the generators as they were
+            RNGState().load_state_dict(self._rng)
+            self._rng = None
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -130,5 +150,18 @@ class SnapshotdCallback(pl.Callback):
             self._hold.required().capture(trainer.global_step)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._hold.snap is not None:
-            self._hold.snap.close()
+        """Close the Snapshotter: another ``fit`` with this callback restores first, as a new process does."""
+        self._hold.close()
+        self._parts.loaded = None
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        """A failed fit keeps its snapshots where they are (the copy in flight completes), as a crash would."""
+        self._drop_checkpoint()
+        self._hold.close(unregister=False)
+
+    def _drop_checkpoint(self) -> None:
+        if self._path is not None:
+            os.unlink(self._path)
+            self._path = None
