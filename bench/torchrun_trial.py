@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import re
-import socket
 import statistics
 import time
 import uuid
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from snapshotd.harness.cluster import LocalCluster
+from snapshotd.harness.ports import free_port
 
 from .nodes import EmulatedNode, RendezvousStore, agent_lines
 from .report import Report, phases_plot, scratch_dir
@@ -204,12 +204,6 @@ class TrialResult:
     - ``first_step_seconds``: -> the first step after the recovery completed on every rank;
     - ``total_seconds``: kill -> that first step.
     """
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _is_host(conf: str, is_host: bool) -> str:
@@ -398,7 +392,7 @@ def run_trial(
         store = RendezvousStore(workdir, host=cfg.store_host)
         endpoint = store.endpoint
     else:
-        endpoint = f"{cfg.node_addr(cfg.store_on)}:{_free_port(cfg.node_addr(cfg.store_on))}"
+        endpoint = f"{cfg.node_addr(cfg.store_on)}:{free_port(cfg.node_addr(cfg.store_on))}"
     nodes: list[EmulatedNode] = []
     try:
 

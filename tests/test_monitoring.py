@@ -23,8 +23,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapshotd.client import Snapshotter
+from snapshotd.harness.ports import free_port
 from tests.integration.conftest import Cluster, shm_leftovers
-from tests.integration.test_metrics import free_port
 from tests.waits import wait_until
 
 MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"

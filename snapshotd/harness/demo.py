@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,17 +23,12 @@ from typing import Any
 
 from snapshotd.client.schedule import max_steps_lost
 from snapshotd.harness.cluster import LocalCluster, held_interrupts
+from snapshotd.harness.ports import free_port
 from snapshotd.harness.processes import RankProcess, start_module
 from snapshotd.harness.ranks import read_progress
 from snapshotd.status import fetch_status
 
 __all__ = ["TrainingJob", "run_demo", "run_scenario", "wait_for"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TrainingJob:
@@ -64,7 +58,7 @@ class TrainingJob:
         loopback port); ``prefix``: per rank, what its command runs under (e.g. ``ip netns exec NS``); ``env``:
         the ranks' environment (default: this process's)."""
         self.workdir, self.tag, self.world = workdir, tag, world
-        init = init or f"tcp://127.0.0.1:{_free_port()}"
+        init = init or f"tcp://127.0.0.1:{free_port()}"
         self.procs: dict[int, RankProcess] = {}
         for rank in range(world):
             argv = [

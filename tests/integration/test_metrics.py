@@ -8,7 +8,6 @@ is parsed with prometheus-client's own parser.
 from __future__ import annotations
 
 import os
-import socket
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapshotd.client import Snapshotter
+from snapshotd.harness.ports import free_port
 from tests.waits import wait_until
 
 from .conftest import Cluster
@@ -25,12 +25,6 @@ from .conftest import Cluster
 pytestmark = pytest.mark.integration
 
 WAIT = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

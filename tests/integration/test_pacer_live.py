@@ -16,11 +16,12 @@ from collections.abc import Iterator
 import pytest
 
 from snapshotd.harness.demo import TrainingJob
+from snapshotd.harness.ports import free_port
 from snapshotd.status import fetch_status
 from tests.waits import wait_until
 
 from .conftest import Cluster
-from .test_metrics import free_port, scrape
+from .test_metrics import scrape
 
 pytestmark = pytest.mark.integration
 

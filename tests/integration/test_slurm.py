@@ -39,6 +39,7 @@ from snapshotd.bench.torchrun_trial import (
     run_trial,
 )
 from snapshotd.client.schedule import max_steps_lost
+from snapshotd.harness.ports import free_port
 from snapshotd.shm import SHM_DIR, pid_alive, sweep_stale_arenas
 
 from ..waits import wait_until
@@ -54,9 +55,7 @@ CONFIG = TrialConfig(timeout=90)  # 2 nodes x 2 workers, 16 steps; node B (ranks
 
 def _port_free_on_every_host() -> int:
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind((HOSTS[0], 0))
-            port = int(s.getsockname()[1])
+        port = free_port(HOSTS[0])
         try:
             for host in HOSTS[1:]:
                 with socket.socket() as s:
