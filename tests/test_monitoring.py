@@ -23,8 +23,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from snapshotd.client import Snapshotter
-from snapshotd.harness.ports import free_port
-from tests.integration.conftest import Cluster, shm_leftovers
+from tests.integration.conftest import shm_leftovers
+from tests.integration.test_metrics import metered_cluster
 from tests.waits import wait_until
 
 MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "monitoring"
@@ -78,12 +78,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Metric]]:
     daemons are stopped before the module's tests run."""
     tmp_path = tmp_path_factory.mktemp("monitoring")
     tag = os.urandom(4).hex()
-    ports = {"coordinator": free_port(), "A": free_port(), "B": free_port()}
-    cluster = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
-    try:
-        cluster.start_coordinator("tcp://127.0.0.1:0", "--metrics-bind", f"127.0.0.1:{ports['coordinator']}")
-        for node in ("A", "B"):
-            cluster.start(node, "--metrics-bind", f"127.0.0.1:{ports[node]}")
+    with metered_cluster(str(tmp_path), tag) as (cluster, ports):
         job = cluster.job("monitored")
         state = {"w": torch.zeros(16, 1024), "loop": {"step": 0}}
         snap = Snapshotter(state, job=job, rank=0, world_size=1, sidecar=cluster.ipc("A"), timeout=WAIT)
@@ -109,12 +104,6 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Metric]]:
             yield [*scrape(ports["coordinator"]), *scrape(ports["A"]), *scrape(ports["B"])]
         finally:
             snap.close()
-    finally:
-        cluster.close()
-    for p in [cluster.coordinator, *cluster.started]:
-        assert p is not None and p.proc.returncode == 0, (
-            f"{p and p.name} exited with {p and p.proc.returncode}"
-        )
     assert not shm_leftovers(tag)
 
 

@@ -7,6 +7,7 @@ is parsed with prometheus-client's own parser.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import urllib.request
 from collections.abc import Iterator
@@ -51,12 +52,12 @@ def value(samples: dict, name: str, **labels: str) -> float:
     return float(samples[key])
 
 
-@pytest.fixture
-def metered(
-    tmp_path: os.PathLike[str], tag: str, no_shm_leak: None
-) -> Iterator[tuple[Cluster, dict[str, int]]]:
+@contextlib.contextmanager
+def metered_cluster(workdir: str, tag: str) -> Iterator[tuple[Cluster, dict[str, int]]]:
+    """A coordinator and sidecars A and B, each serving metrics; the cluster and each one's metrics port (by
+    ``"coordinator"``, ``"A"``, ``"B"``). Every daemon is stopped on exit, and must have exited cleanly."""
     ports = {"coordinator": free_port(), "A": free_port(), "B": free_port()}
-    c = Cluster(str(tmp_path), tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    c = Cluster(workdir, tag, replicas=1, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     try:
         c.start_coordinator("tcp://127.0.0.1:0", "--metrics-bind", f"127.0.0.1:{ports['coordinator']}")
         for node in ("A", "B"):
@@ -68,6 +69,14 @@ def metered(
         assert p is not None and p.proc.returncode == 0, (
             f"{p and p.name} exited with {p and p.proc.returncode}"
         )
+
+
+@pytest.fixture
+def metered(
+    tmp_path: os.PathLike[str], tag: str, no_shm_leak: None
+) -> Iterator[tuple[Cluster, dict[str, int]]]:
+    with metered_cluster(str(tmp_path), tag) as (c, ports):
+        yield c, ports
 
 
 def test_both_endpoints_are_scraped_during_a_run_and_their_values_move(
