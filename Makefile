@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,plot,huggingface,lightning]'
+	$(PY) -m pip install -q -e '.[dev,plot,huggingface,lightning,torchtitan]'
 	touch $(STAMP)
 
 # The project's bytecode is compiled first: every daemon and rank process the suite starts then loads it instead

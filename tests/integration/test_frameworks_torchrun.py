@@ -1,11 +1,13 @@
 """The frameworks under torchrun lose a node: ``examples/huggingface/train.py`` (a GPT-2 built from a config, the
-Trainer's DDP through accelerate) and ``examples/lightning/train.py`` (a small language model, the DDP strategy, a
-``StatefulDataLoader``), each with its ``SnapshotdCallback``, on two emulated nodes of two ranks (gloo), each node a
-sidecar and a torchrun agent. Node B is SIGKILLed after step 6, mid-epoch, and a replacement node starts. Against a
-failure-free run of the same job, run at the same time on nodes of its own: every step's loss, and every rank's
-model and optimizer, are bit-identical (at four ranks that needs DDP's gradient bucket layout carried over: without
-it the Trainer's losses part at the first step after the restore). In ``make long``; the in-process story of each
-callback is in ``make test`` (tests/client/test_huggingface.py, tests/client/test_lightning.py)."""
+Trainer's DDP through accelerate), ``examples/lightning/train.py`` (a small language model, the DDP strategy, a
+``StatefulDataLoader``), each with its ``SnapshotdCallback``, and ``examples/torchtitan/train.py`` (torchtitan's
+Trainer on its Llama 3 debug model cut to one block, FSDP2 over the four ranks, with ``SnapshotdCheckpointManager``),
+on two emulated nodes of two ranks (gloo), each node a sidecar and a torchrun agent. Node B is SIGKILLed after step
+6, mid-epoch, and a replacement node starts. Against a failure-free run of the same job, run at the same time on
+nodes of its own: every step's loss, and every rank's model and optimizer, are bit-identical (at four ranks under
+DDP that needs DDP's gradient bucket layout carried over: without it the Trainer's losses part at the first step
+after the restore). In ``make long``; the in-process story of each integration is in ``make test``
+(tests/client/test_huggingface.py, test_lightning.py, test_torchtitan.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,11 @@ MODEL = ("--width", "32", "--heads", "2", "--block", "16", "--batch", "8")
 
 @pytest.mark.parametrize(
     ("example", "library", "model"),
-    [("huggingface", "transformers", (*MODEL, "--layers", "1")), ("lightning", "lightning", MODEL)],
+    [
+        ("huggingface", "transformers", (*MODEL, "--layers", "1")),
+        ("lightning", "lightning", MODEL),
+        ("torchtitan", "torchtitan", ("--layers", "1", "--block", "32", "--batch", "2")),
+    ],
 )
 @pytest.mark.timeout(300)
 def test_a_framework_loses_a_node_under_torchrun_and_ends_bit_identical(

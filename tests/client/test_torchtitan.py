@@ -1,0 +1,161 @@
+"""torchtitan's Trainer with :class:`~snapshotd.client.integrations.torchtitan.SnapshotdCheckpointManager`: a run
+that dies after step 3 and a new Trainer that restores from the snapshot end bit-identical to a run never stopped
+(``examples/torchtitan/train.py``'s config: the Llama 3 debug model cut to one block, FSDP2, AdamW, warm-up then
+linear decay, torchtitan's stateful text loader; one rank of gloo in this process, real sidecars and coordinator
+over the in-memory transport). The same story under torchrun, four ranks on two nodes with one lost, is
+tests/integration/test_frameworks_torchrun.py."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from snapshotd.client.integrations.torchtitan import SnapshotdCheckpointManager  # noqa: E402
+from snapshotd.harness.ports import free_port  # noqa: E402
+
+from ..deployments import InProcess  # noqa: E402
+
+# torchtitan 0.3.0 on torch 2.13 without a GPU warns of what it cannot use (deprecated torch APIs, devices)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+STEPS, DIES_AFTER = 6, 3
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchtitan"
+
+
+@pytest.fixture(scope="module")
+def example() -> Iterator[ModuleType]:
+    """``examples/torchtitan/train.py`` as a module (its ``cpu.py`` applied on a machine without a GPU)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        spec = importlib.util.spec_from_file_location("snapshotd_torchtitan_example", EXAMPLE / "train.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+class _Run:
+    """One process's Trainer: the rank's environment, then the Trainer; :meth:`end` undoes what the Trainer did to
+    the process (its process group; torchtitan turns automatic garbage collection off)."""
+
+    def __init__(self, example: ModuleType, monkeypatch: pytest.MonkeyPatch, job: str, sidecar: str) -> None:
+        for name, value in {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+        }.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port("127.0.0.1")))
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+        config = example.configure(example.parse(["--steps", str(STEPS), "--layers", "1", "--block", "32"]))
+        config.checkpoint.sidecar = sidecar
+        config.checkpoint.snapshot_timeout = 60.0
+        self.trainer = config.build()
+        self.losses: dict[int, float] = {}
+        forward_backward = self.trainer.forward_backward_step
+
+        def recorded(**kwargs: Any) -> torch.Tensor:
+            loss = forward_backward(**kwargs)
+            self.losses[self.trainer.step] = loss.item()
+            return loss
+
+        self.trainer.forward_backward_step = recorded
+
+    @property
+    def manager(self) -> SnapshotdCheckpointManager:
+        manager = self.trainer.checkpointer
+        assert isinstance(manager, SnapshotdCheckpointManager)
+        return manager
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        tensors = [t for p in self.trainer.model_parts for t in p.state_dict().values()]
+        for optimizer in self.trainer.optimizers.optimizers:
+            tensors += [t for s in optimizer.state_dict()["state"].values() for t in s.values()]
+        for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def end(self, *, close: bool = True) -> None:
+        if close:
+            self.trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        gc.enable()
+
+
+def test_a_trainer_restored_from_the_snapshot_ends_bit_identical_to_one_never_stopped(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with InProcess() as dep:
+        ipc = dep.start_sidecar("a")
+        dep.start_sidecar("b")  # the buddy: the snapshots become durable
+        never_stopped = _Run(example, monkeypatch, "titan-reference", ipc)
+        try:
+            never_stopped.trainer.train()
+            assert never_stopped.manager.snapshotter.restored["step"] == 0  # a fresh job
+            reference = never_stopped.digest()
+        finally:
+            never_stopped.end()
+
+        dying = _Run(example, monkeypatch, "titan", ipc)
+        try:
+            train_step = dying.trainer.train_step
+
+            def dies(data_iterator: Any) -> None:
+                if dying.trainer.step > DIES_AFTER:
+                    raise KeyboardInterrupt(f"died after step {DIES_AFTER}")
+                train_step(data_iterator)
+
+            dying.trainer.train_step = dies
+            with pytest.raises(KeyboardInterrupt):
+                dying.trainer.train()
+            snapshotter = dying.manager.snapshotter
+            assert snapshotter.wait(30)
+            snapshotter.close(unregister=False)  # the process is gone; the sidecars keep its snapshots
+        finally:
+            dying.end(close=False)
+
+        resumed = _Run(example, monkeypatch, "titan", ipc)
+        try:
+            resumed.trainer.train()
+            assert resumed.manager.snapshotter.restored["step"] == DIES_AFTER
+            assert resumed.trainer.step == STEPS
+            assert sorted(resumed.losses) == list(range(DIES_AFTER + 1, STEPS + 1))
+            assert resumed.losses == {s: loss for s, loss in never_stopped.losses.items() if s > DIES_AFTER}
+            assert resumed.digest() == reference
+        finally:
+            resumed.end()
+
+
+def test_load_with_no_snapshot_and_no_checkpoint_starts_fresh(
+    example: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with InProcess() as dep:
+        run = _Run(example, monkeypatch, "titan-fresh", dep.start_sidecar("a"))
+        try:
+            assert run.manager.load() is False
+            assert run.trainer.step == 0
+            assert run.manager.save_future is None  # DCP checkpoints are off
+        finally:
+            run.end()
