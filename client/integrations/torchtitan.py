@@ -96,6 +96,10 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
         self.snapshotter = Snapshotter(
             state, sidecar=config.sidecar, every=config.snapshot_every, timeout=config.snapshot_timeout
         )
+        self.finished = False
+        """Whether the Trainer saved its last step: then ``close()`` frees the rank's arena; before it (torchtitan
+        closes the Trainer when a step raises, a lost peer's collective among the causes) the arena stays for the
+        restarted rank to restore from."""
 
     @property
     def save_future(self) -> Any:  # type: ignore[override]
@@ -126,6 +130,7 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Snapshot ``curr_step`` (returns at once; the copy runs in the background), then the DCP manager's save."""
         self.snapshotter.capture(curr_step)
+        self.finished = last_step
         return self.disk.save(curr_step, last_step)
 
     def _maybe_wait_for_staging(self) -> None:
@@ -135,6 +140,7 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
         self.disk.maybe_wait_for_saving()
 
     def _close(self) -> None:
-        """Close the Snapshotter (finishing the copy in flight) and the DCP manager."""
-        self.snapshotter.close()
+        """Close the Snapshotter (finishing the copy in flight; the arena freed only if training :attr:`finished`)
+        and the DCP manager."""
+        self.snapshotter.close(unregister=self.finished)
         self.disk.close()

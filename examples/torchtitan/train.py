@@ -169,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     manager.load = load_recorded  # type: ignore[method-assign]
     trainer.forward_backward_step = forward_backward_recorded  # type: ignore[method-assign]
     trainer.train_step = train_step_recorded  # type: ignore[method-assign]
-    trainer.train()
+    try:
+        trainer.train()
+    except Exception:
+        trainer.close()  # as torchtitan's own train.py does: snapshotd's arena stays for the restarted rank
+        raise
 
     model = [t for part in trainer.model_parts for t in part.state_dict().values()]
     moments = [
