@@ -20,6 +20,7 @@ any :class:`~snapshotd.client.Snapshotter`.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,22 +85,13 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
         # each module and optimizer a value of its own: their tensors are then copied as any model's
         state: dict[str, Any] = {f"model.{i}": part for i, part in enumerate(model_parts)}
         state.update({f"optimizer.{i}": optimizer for i, optimizer in enumerate(optimizers.optimizers)})
-        state.update(
-            {
-                "lr_schedulers": lr_schedulers,
-                "train_state": states["train_state"],
-                "rng": RNGState(),
-            }
-        )
+        state.update(states)  # the Trainer's own ("train_state": its step and token count)
+        state.update({"lr_schedulers": lr_schedulers, "rng": RNGState()})
         if dataloader is not None:
             state["dataloader"] = dataloader
         self.snapshotter = Snapshotter(
             state, sidecar=config.sidecar, every=config.snapshot_every, timeout=config.snapshot_timeout
         )
-        self.finished = False
-        """Whether the Trainer saved its last step: then ``close()`` frees the rank's arena; before it (torchtitan
-        closes the Trainer when a step raises, a lost peer's collective among the causes) the arena stays for the
-        restarted rank to restore from."""
 
     @property
     def save_future(self) -> Any:  # type: ignore[override]
@@ -130,7 +122,6 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         """Snapshot ``curr_step`` (returns at once; the copy runs in the background), then the DCP manager's save."""
         self.snapshotter.capture(curr_step)
-        self.finished = last_step
         return self.disk.save(curr_step, last_step)
 
     def _maybe_wait_for_staging(self) -> None:
@@ -140,7 +131,11 @@ class SnapshotdCheckpointManager(BaseCheckpointManager):
         self.disk.maybe_wait_for_saving()
 
     def _close(self) -> None:
-        """Close the Snapshotter (finishing the copy in flight; the arena freed only if training :attr:`finished`)
-        and the DCP manager."""
-        self.snapshotter.close(unregister=self.finished)
+        """Close the Snapshotter (finishing the copy in flight) and the DCP manager.
+
+        The rank's arena in the sidecar is freed unless an exception is being handled: torchtitan's ``train.py``
+        closes a Trainer whose step raised (a lost peer's collective among the causes) in its ``except`` clause,
+        and that rank's restarted process restores from the arena (the rule of the Snapshotter's own ``with``).
+        """
+        self.snapshotter.close(unregister=sys.exc_info()[0] is None)
         self.disk.close()

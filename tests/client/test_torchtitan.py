@@ -7,6 +7,7 @@ tests/integration/test_frameworks_torchrun.py."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib.util
@@ -25,6 +26,7 @@ from snapshotd.client.integrations.torchtitan import SnapshotdCheckpointManager 
 from snapshotd.harness.ports import free_port  # noqa: E402
 
 from ..deployments import InProcess  # noqa: E402
+from ..waits import wait_until  # noqa: E402
 
 # torchtitan 0.3.0 on torch 2.13 without a GPU warns of what it cannot use (deprecated torch APIs, devices)
 pytestmark = [
@@ -52,8 +54,7 @@ def example() -> Iterator[ModuleType]:
 
 
 class _Run:
-    """One process's Trainer: the rank's environment, then the Trainer; :meth:`end` undoes what the Trainer did to
-    the process (its process group; torchtitan turns automatic garbage collection off)."""
+    """One process's Trainer (made in the rank's environment), its losses by step."""
 
     def __init__(self, example: ModuleType, monkeypatch: pytest.MonkeyPatch, job: str, sidecar: str) -> None:
         for name, value in {
@@ -70,6 +71,7 @@ class _Run:
         config.checkpoint.sidecar = sidecar
         config.checkpoint.snapshot_timeout = 60.0
         self.trainer = config.build()
+        self.closed = False
         self.losses: dict[int, float] = {}
         forward_backward = self.trainer.forward_backward_step
 
@@ -96,8 +98,24 @@ class _Run:
             h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
-    def end(self) -> None:
-        self.trainer.close()
+    def close(self) -> None:
+        """The Trainer's ``close()``, once."""
+        if not self.closed:
+            self.closed = True
+            self.trainer.close()
+
+
+@contextlib.contextmanager
+def _running(example: ModuleType, monkeypatch: pytest.MonkeyPatch, job: str, sidecar: str) -> Iterator[_Run]:
+    """A :class:`_Run`, closed at the end (if not already), and what the Trainer did to this process undone, even
+    when building it failed: its process group, and torchtitan turning automatic garbage collection off."""
+    run = None
+    try:
+        run = _Run(example, monkeypatch, job, sidecar)
+        yield run
+    finally:
+        if run is not None:
+            run.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         gc.enable()
@@ -109,16 +127,15 @@ def test_a_trainer_restored_from_the_snapshot_ends_bit_identical_to_one_never_st
     with InProcess() as dep:
         ipc = dep.start_sidecar("a")
         dep.start_sidecar("b")  # the buddy: the snapshots become durable
-        never_stopped = _Run(example, monkeypatch, "titan-reference", ipc)
-        try:
+        ranks = dep.sidecars["a"].state.ranks
+        with _running(example, monkeypatch, "titan-reference", ipc) as never_stopped:
             never_stopped.trainer.train()
             assert never_stopped.manager.snapshotter.restored["step"] == 0  # a fresh job
             reference = never_stopped.digest()
-        finally:
-            never_stopped.end()
+        # closed after a clean run: the rank's arena is freed
+        wait_until(lambda: ("titan-reference", 0) not in ranks, "the finished rank's arena freed")
 
-        dying = _Run(example, monkeypatch, "titan", ipc)
-        try:
+        with _running(example, monkeypatch, "titan", ipc) as dying:
             train_step = dying.trainer.train_step
 
             def dies(data_iterator: Any) -> None:
@@ -127,14 +144,16 @@ def test_a_trainer_restored_from_the_snapshot_ends_bit_identical_to_one_never_st
                 train_step(data_iterator)
 
             dying.trainer.train_step = dies
-            with pytest.raises(KeyboardInterrupt):
+            try:
                 dying.trainer.train()
-            assert dying.manager.snapshotter.wait(30)
-        finally:
-            dying.end()  # as torchtitan's train.py closes a Trainer that raised: the rank's arena stays
+            except KeyboardInterrupt:
+                assert dying.manager.snapshotter.wait(30)
+                dying.close()  # in the except clause, as torchtitan's train.py closes a Trainer that raised
+            else:
+                pytest.fail("the Trainer did not die")
+        assert ("titan", 0) in ranks  # its arena stays for the restarted rank
 
-        resumed = _Run(example, monkeypatch, "titan", ipc)
-        try:
+        with _running(example, monkeypatch, "titan", ipc) as resumed:
             resumed.trainer.train()
             restored = resumed.manager.snapshotter.restored
             assert restored["step"] == DIES_AFTER and restored["source"] == "local", restored
@@ -142,18 +161,12 @@ def test_a_trainer_restored_from_the_snapshot_ends_bit_identical_to_one_never_st
             assert sorted(resumed.losses) == list(range(DIES_AFTER + 1, STEPS + 1))
             assert resumed.losses == {s: loss for s, loss in never_stopped.losses.items() if s > DIES_AFTER}
             assert resumed.digest() == reference
-        finally:
-            resumed.end()
 
 
 def test_load_with_no_snapshot_and_no_checkpoint_starts_fresh(
     example: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with InProcess() as dep:
-        run = _Run(example, monkeypatch, "titan-fresh", dep.start_sidecar("a"))
-        try:
-            assert run.manager.load() is False
-            assert run.trainer.step == 0
-            assert run.manager.save_future is None  # DCP checkpoints are off
-        finally:
-            run.end()
+    with InProcess() as dep, _running(example, monkeypatch, "titan-fresh", dep.start_sidecar("a")) as run:
+        assert run.manager.load() is False
+        assert run.trainer.step == 0
+        assert run.manager.save_future is None  # DCP checkpoints are off: no save in flight, ever
