@@ -7,7 +7,8 @@ Trainer is imported, and changes nothing else:
   device module answering the calls torchtitan makes of ``torch.cuda`` (memory statistics report nothing);
 - attention: the language models' attention backends are FlexAttention (no backward pass on CPU) and varlen
   (flash attention, CUDA only); here the attention kernel is causal ``scaled_dot_product_attention`` (the documents
-  of a packed sequence then see each other: the same model otherwise);
+  of a packed sequence then see each other: the same model otherwise), and the block mask FlexAttention would
+  read is built eagerly (compiled, as torchtitan builds it, it costs seconds of inductor on CPU at the first step);
 - gradient reduction: torchtitan turns FSDP's gradient division off, which makes FSDP reduce with ``PREMUL_SUM(1)``,
   an op gloo lacks; here FSDP sums (the same result);
 - ``torch.distributed.set_timeout`` (a nightly API) is ``_set_pg_timeout`` of torch 2.13.
@@ -64,7 +65,9 @@ def apply() -> None:
     utils.device_type, utils.device_module = "cpu", _CPU
 
     import torchtitan.distributed.fsdp as fsdp
+    import torchtitan.models.common.decoder as decoder
     from torch.distributed.fsdp import FSDPModule
+    from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common.attention import FlexAttention
 
     def summing_fsdp(model: torch.nn.Module) -> None:
@@ -75,5 +78,6 @@ def apply() -> None:
 
     fsdp.disable_fsdp_gradient_division = summing_fsdp
     FlexAttention.compiled_flex_attn = staticmethod(_causal_attention)
+    decoder.create_attention_mask = create_block_mask
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)

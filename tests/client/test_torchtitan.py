@@ -12,6 +12,7 @@ import gc
 import hashlib
 import importlib.util
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -105,10 +106,25 @@ class _Run:
             self.trainer.close()
 
 
+class _NoSleep:
+    """The ``time`` module, with ``sleep`` a no-op."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
+
+
 @contextlib.contextmanager
 def _running(example: ModuleType, monkeypatch: pytest.MonkeyPatch, job: str, sidecar: str) -> Iterator[_Run]:
     """A :class:`_Run`, closed at the end (if not already), and what the Trainer did to this process undone, even
     when building it failed: its process group, and torchtitan turning automatic garbage collection off."""
+    import torchtitan.trainer
+
+    # train() sleeps 2 s on rank 0 at its end for the other ranks to finish; here there is one rank
+    monkeypatch.setattr(torchtitan.trainer, "time", _NoSleep())
     run = None
     try:
         run = _Run(example, monkeypatch, job, sidecar)
