@@ -19,6 +19,7 @@ import torch
 
 from snapshotd.snapshot_format import PLAIN, STATEFUL, Path, is_stateful
 
+from .module_tree import ModuleTree
 from .state import FlatState, TableCache, Walk, check_key, finish, top_part
 
 __all__ = ["StateWalker"]
@@ -50,6 +51,10 @@ class _Memo:
     """msgpack of its tree (``optimizer``: of its ``state``)."""
     last: list[torch.Tensor]
     """The tensors it last matched."""
+    tree: ModuleTree | None = None
+    """``tensors`` of a module whose state dict can be read from its tree (see :class:`~.module_tree.ModuleTree`)."""
+    tree_changed: bool = False
+    """The tree no longer matched at this capture."""
 
     def matches(self, tensors: list[Any]) -> bool:
         """Whether ``tensors`` are plain tensors of the dtypes and shapes seen that need no detach (C-level loops
@@ -98,16 +103,47 @@ class StateWalker:
         for key, value in state.items():
             check_key(key)
             if not isinstance(value, torch.Tensor) and is_stateful(value):
-                sd = value.state_dict()
-                packed = self._reuse(key, sd, walk)
-                if packed is None:
-                    packed = self._walk(key, sd, walk)
-                parts.append(top_part(key, STATEFUL, packed))
+                parts.append(top_part(key, STATEFUL, self._stateful(key, value, walk)))
             else:
                 self._memos.pop(key, None)
                 parts.append(top_part(key, PLAIN, msgpack.packb(walk.value(value, (key,)))))
         flat, self._table = finish(walk, parts, self._table)
         return flat
+
+    def _stateful(self, key: str, value: Any, walk: Walk) -> bytes:
+        """The packed state dict of ``value``: read from its module tree, reused from its memo, or walked."""
+        packed = self._reuse_tree(key, value, walk)
+        if packed is not None:
+            return packed
+        sd = value.state_dict()
+        packed = self._reuse(key, sd, walk)
+        if packed is None:
+            return self._walk(key, sd, walk, value)
+        memo = self._memos[key]
+        if memo.tree_changed:  # the same state dict from a changed tree: read the tree anew
+            memo.tree, memo.tree_changed = ModuleTree.of(value, memo.keys), False
+        return packed
+
+    def _reuse_tree(self, key: str, value: Any, walk: Walk) -> bytes | None:
+        """The packed tree of module ``value``'s state dict from the memo of ``key``, read from the module tree
+        without calling ``state_dict()``; None when there is no such memo or the tree no longer matches it."""
+        memo = self._memos.get(key)
+        if (
+            memo is None
+            or memo.tree is None
+            or memo.tree.module is not value
+            or memo.start != len(walk.tensors)
+        ):
+            return None
+        tensors = memo.tree.tensors()
+        if tensors is None:
+            memo.tree, memo.tree_changed = None, True
+            return None
+        if not memo.matches(tensors):
+            return None
+        walk.tensors.extend(tensors)
+        walk.specs.extend(memo.specs)
+        return memo.packed
 
     def _reuse(self, key: str, sd: Any, walk: Walk) -> bytes | None:
         """The packed tree of ``sd`` from the memo of ``key``, its tensors added to ``walk``; None when ``sd`` no
@@ -140,8 +176,9 @@ class StateWalker:
         groups = walk.value(sd["param_groups"], (key, "param_groups"))
         return _OPTIMIZER_HEAD + memo.packed + _GROUPS_KEY + msgpack.packb(groups)
 
-    def _walk(self, key: str, sd: Any, walk: Walk) -> bytes:
-        """Walk ``sd`` in full, remembering it when it has one of the memo's shapes; its packed tree."""
+    def _walk(self, key: str, sd: Any, walk: Walk, value: Any) -> bytes:
+        """Walk ``sd`` (the state dict of ``value``) in full, remembering it when it has one of the memo's
+        shapes; its packed tree."""
         self._memos.pop(key, None)
         start = len(walk.tensors)
         if type(sd) is dict and tuple(sd) == _OPTIMIZER_KEYS and type(sd["state"]) is dict:
@@ -158,6 +195,8 @@ class StateWalker:
         packed = msgpack.packb(walk.value(sd, (key,)))
         if type(sd) in (dict, collections.OrderedDict) and _plain_tensors(list(sd.values())):
             self._remember("tensors", key, sd, list(sd), [], start, walk, packed)
+            if isinstance(value, torch.nn.Module):
+                self._memos[key].tree = ModuleTree.of(value, tuple(sd))
         return packed
 
     def _remember(

@@ -14,8 +14,10 @@ and hands the tickets to its rank, which connects here and reads the chunks into
 - A push (:meth:`BulkServer.expect`, when a stream's begin asks for one) admits up to :data:`PUSH_CONNECTIONS`
   connections presenting its token until it ends (complete, aborted, failed) or, unused, expires. Each
   connection's thread receives its chunks straight into the copy's buffers, taking each chunk's checksum piece by
-  piece as the bytes land (while they are in the CPU's caches), and tells the event loop of each chunk that
-  passed; the first chunk that fails or does not fit the stream ends the push.
+  piece as the bytes land (while they are in the CPU's caches), and tells the event loop of the chunks that
+  passed in batches: when the sender closes the connection after its last chunk, and at least every
+  :data:`LANDED_EVERY` seconds meanwhile (each wake of the event loop from a thread costs a context switch on a
+  busy host). The first chunk that fails or does not fit the stream ends the push.
 - The port serves only on a plaintext data plane (:attr:`~.config.SidecarConfig.serves_bulk`): a ticket or a push
   token is given only over the data plane, so the port admits no one the data plane would not.
 """
@@ -54,6 +56,8 @@ HELLO_TIMEOUT = 2.0
 stays silent is no rank and is closed."""
 PUSH_CONNECTIONS = 16
 """Connections one push admits."""
+LANDED_EVERY = 0.5
+"""Seconds a push connection's thread may hold chunks that passed before it tells the event loop of them."""
 RECV_BYTES = 256 << 10
 """The most one receive of a push asks for: each piece is checksummed right after it lands, while it is hot."""
 
@@ -82,8 +86,8 @@ class Push:
     """The snapshot, for messages."""
     buffers: list[memoryview]
     """Where each chunk lands: one buffer per chunk, of exactly its length."""
-    landed: Callable[[int, int], None]
-    """Called on the event loop with ``(index, checksum)`` of each chunk that landed whole and passed its check."""
+    landed: Callable[[list[tuple[int, int]]], None]
+    """Called on the event loop with ``(index, checksum)`` of chunks that landed whole and passed their check."""
     failed: Callable[[str], None]
     """Called on the event loop, at most once, with why the push failed."""
     claimed: set[int] = dataclasses.field(default_factory=set)
@@ -288,28 +292,39 @@ class BulkServer:
             if push is None or push.connections >= PUSH_CONNECTIONS:
                 return  # closing the connection refuses it: the sender's stream fails
             push.connections += 1
-        while not push.ended:
-            header = _recv_header(conn)
-            if header is None:  # the sender sent its last chunk on this connection
-                return
-            index, length, checksum, status = CHUNK.unpack(header)
-            with self._lock:
-                bad = _misfit(push, index, length, status)
-                if bad is None:
-                    push.claimed.add(index)
-            if bad is not None:
-                self._fail(push, f"{push.what}: {bad}")
-                return
-            buf = push.buffers[index]
-            actual = _recv_checked(conn, buf)
-            if actual != checksum:
-                self._fail(
-                    push,
-                    f"chunk {index} of {push.what} failed its end-to-end check: "
-                    f"{mismatch(buf.nbytes, actual, checksum)}",
-                )
-                return
-            self._on_loop(push.landed, index, checksum)
+        landed: list[tuple[int, int]] = []
+        reported = time.monotonic()
+        why = None
+        try:
+            while not push.ended:
+                header = _recv_header(conn)
+                if header is None:  # the sender sent its last chunk on this connection
+                    break
+                index, length, checksum, status = CHUNK.unpack(header)
+                with self._lock:
+                    bad = _misfit(push, index, length, status)
+                    if bad is None:
+                        push.claimed.add(index)
+                if bad is not None:
+                    why = f"{push.what}: {bad}"
+                    break
+                buf = push.buffers[index]
+                actual = _recv_checked(conn, buf)
+                if actual != checksum:
+                    why = (
+                        f"chunk {index} of {push.what} failed its end-to-end check: "
+                        f"{mismatch(buf.nbytes, actual, checksum)}"
+                    )
+                    break
+                landed.append((index, checksum))
+                if time.monotonic() - reported >= LANDED_EVERY:
+                    self._on_loop(push.landed, landed)
+                    landed, reported = [], time.monotonic()
+        finally:  # the chunks that passed count, whatever ends the connection
+            if landed:
+                self._on_loop(push.landed, landed)
+        if why is not None:
+            self._fail(push, why)
 
     def _fail(self, push: Push, why: str) -> None:
         with self._lock:

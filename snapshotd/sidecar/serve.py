@@ -212,21 +212,23 @@ class ServeService:
         what = f"job {snap.job!r} rank {snap.rank} step {snap.step}"
         buffers = self.state.store.prepare_push(*key)
 
-        def landed(index: int, checksum: int) -> None:
-            if self._pushes.get(key) != token:  # ended meanwhile (aborted, replaced)
-                return
-            try:
-                done = self.state.store.landed(*key, index, checksum)
-            except UnknownSnapshot:
-                self._end_push(key)
-                return
-            self.state.counters.received(snap.src_node, buffers[index].nbytes)
-            if done:
-                self._end_push(key)
-                self.state.counters.pushes_in += 1
-                self.outbox.reply(
-                    ident, ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index, complete=True)
-                )
+        def landed(chunks: list[tuple[int, int]]) -> None:
+            for index, checksum in chunks:
+                if self._pushes.get(key) != token:  # ended meanwhile (aborted, replaced)
+                    return
+                try:
+                    done = self.state.store.landed(*key, index, checksum)
+                except UnknownSnapshot:
+                    self._end_push(key)
+                    return
+                self.state.counters.received(snap.src_node, buffers[index].nbytes)
+                if done:
+                    self._end_push(key)
+                    self.state.counters.pushes_in += 1
+                    self.outbox.reply(
+                        ident,
+                        ChunkAck(job=snap.job, rank=snap.rank, step=snap.step, index=index, complete=True),
+                    )
 
         def failed(why: str) -> None:
             if self._pushes.get(key) != token:

@@ -133,3 +133,41 @@ def test_errors_are_the_full_walks() -> None:
     state["x"].sd = {"a": torch.zeros(2), "b": object()}
     with pytest.raises(TypeError, match=r"state\['x'\]\['b'\]: cannot snapshot a value of type object"):
         walker.flatten(state)
+
+
+def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes() -> None:
+    state, model, opt = training_state()
+    walker = StateWalker()
+    calls = 0
+    real = nn.Module.state_dict
+
+    def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(self, *args, **kwargs)
+
+    step(model, opt, state["sched"])
+    assert_same(walker.flatten(state), flatten(state))  # remembers the tree
+    changes = [
+        lambda: None,
+        lambda: setattr(model[0], "weight", nn.Parameter(torch.ones(16, 8))),  # a parameter replaced
+        lambda: setattr(model[0].weight, "data", torch.zeros(16, 8)),  # its data
+        lambda: setattr(model[3], "bias", None),  # a parameter gone (None)
+        lambda: model[1].register_buffer("extra", torch.ones(2)),  # a buffer added
+        lambda: model[1].register_buffer("scratch", torch.ones(2), persistent=False),  # not in the state dict
+        lambda: model[1]._non_persistent_buffers_set.discard("scratch"),  # now it is
+        lambda: setattr(model, "2", nn.Tanh()),  # a submodule swapped
+        lambda: model[0].register_state_dict_post_hook(lambda m, sd, prefix, meta: None),  # a hook
+    ]
+    for n, change in enumerate(changes):
+        change()
+        assert_same(walker.flatten(state), flatten(state))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(nn.Module, "state_dict", counted)
+            before = calls
+            again = walker.flatten(state)
+            read_from_tree = calls == before
+        assert_same(again, flatten(state))
+        # after any change but a hook, the tree is read anew and then read without a state_dict() call
+        assert read_from_tree == (n < len(changes) - 1)
+    assert walker._memos["model"].tree is None

@@ -64,7 +64,7 @@ class Buddy:
         self.failures: list[str] = []
 
         async def expect() -> bytes:
-            push = Push("job 'j' rank 0 step 1", self.buffers, self.landed.__setitem__, self.failures.append)
+            push = Push("job 'j' rank 0 step 1", self.buffers, self.landed.update, self.failures.append)
             return self.server.expect(push)
 
         self.token: bytes = run(loop, expect())

@@ -1,0 +1,126 @@
+"""A module's state dict without calling ``state_dict()``: :class:`ModuleTree`.
+
+``nn.Module.state_dict()`` recurses in Python through every submodule (a few microseconds each, more with the
+caches cold after a training step). For a tree whose every module keeps torch's own ``state_dict``,
+``_save_to_state_dict`` and ``get_extra_state`` and has no state-dict hooks, the result is a function of each
+module's ``_parameters``, ``_buffers``, ``_non_persistent_buffers_set`` and ``_modules`` alone, so it can be read
+from those dicts with C-level loops once their shape is known to be unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleTree"]
+
+_PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _POST_HOOKS, _PRE_HOOKS = (
+    operator.attrgetter(a)
+    for a in (
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+    )
+)
+_DETACH = torch.Tensor.detach
+_chain = itertools.chain.from_iterable
+
+
+def _plain(module: nn.Module) -> bool:
+    """Whether ``module``'s own part of a state dict is torch's default: no override, no hook."""
+    cls = type(module)
+    return (
+        cls.state_dict is nn.Module.state_dict
+        and cls._save_to_state_dict is nn.Module._save_to_state_dict
+        and getattr(cls, "get_extra_state", nn.Module.get_extra_state) is nn.Module.get_extra_state
+        and not module._state_dict_hooks
+        and not module._state_dict_pre_hooks
+    )
+
+
+class ModuleTree:
+    """What ``module.state_dict()`` holds, read from the module tree's dicts.
+
+    Made with :meth:`of` from a ``state_dict()`` just taken; :meth:`tensors` then returns that state dict's
+    values (detached, in its order) as long as the tree keeps the same modules, types, names, non-persistent
+    buffer sets and no state-dict hooks, and None once any of that changed (the caller then calls
+    ``state_dict()`` itself). A value that changes in place (``param.data = ...``) is read as it is now.
+    """
+
+    __slots__ = ("_children", "_keep", "_names", "_non_persistent", "_nones", "_order", "_types", "module")
+
+    def __init__(self, order: list[nn.Module], keep: list[int]) -> None:
+        self.module = order[0]
+        """The root."""
+        self._order = order
+        self._types = list(map(type, order))
+        self._children = list(_chain(map(dict.values, map(_CHILDREN, order))))
+        self._names = list(_chain(self._dicts()))
+        self._nones = self._none_mask()
+        self._non_persistent = [set(s) for s in map(_NON_PERSISTENT, order)]
+        self._keep = None if len(keep) == len(self._names) else keep
+
+    @classmethod
+    def of(cls, module: nn.Module, keys: tuple[Any, ...]) -> ModuleTree | None:
+        """The tree of ``module``, whose ``state_dict()`` just had ``keys``; None when its state dict is not
+        torch's default (an override or a hook anywhere in the tree)."""
+        order: list[nn.Module] = []
+        found: list[str] = []
+        keep: list[int] = []
+        position = 0
+
+        def visit(m: nn.Module, prefix: str) -> bool:
+            nonlocal position
+            if not _plain(m):
+                return False
+            order.append(m)
+            for name, p in m._parameters.items():
+                if p is not None:
+                    found.append(prefix + name)
+                    keep.append(position)
+                position += 1
+            for name, b in m._buffers.items():
+                if b is not None and name not in m._non_persistent_buffers_set:
+                    found.append(prefix + name)
+                    keep.append(position)
+                position += 1
+            return all(visit(c, f"{prefix}{n}.") for n, c in m._modules.items() if c is not None)
+
+        if not visit(module, "") or tuple(found) != keys:
+            return None
+        return cls(order, keep)
+
+    def _dicts(self) -> Iterator[dict[str, Any]]:
+        """Each module's parameters then buffers, in the order ``state_dict()`` visits them."""
+        return _chain(zip(map(_PARAMS, self._order), map(_BUFFERS, self._order), strict=True))
+
+    def _none_mask(self) -> list[bool]:
+        return list(map(operator.is_, _chain(map(dict.values, self._dicts())), itertools.repeat(None)))
+
+    def tensors(self) -> list[torch.Tensor] | None:
+        """The state dict's values now (see the class docstring), or None when the tree changed."""
+        order = self._order
+        if (
+            list(map(type, order)) != self._types
+            or any(map(len, map(_PRE_HOOKS, order)))
+            or any(map(len, map(_POST_HOOKS, order)))
+            or list(map(_NON_PERSISTENT, order)) != self._non_persistent
+        ):
+            return None
+        children = list(_chain(map(dict.values, map(_CHILDREN, order))))
+        if len(children) != len(self._children) or not all(map(operator.is_, children, self._children)):
+            return None
+        if list(_chain(self._dicts())) != self._names or self._none_mask() != self._nones:
+            return None
+        values = list(_chain(map(dict.values, self._dicts())))
+        if self._keep is not None:
+            values = list(map(values.__getitem__, self._keep))
+        return list(map(_DETACH, values))
