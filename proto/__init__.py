@@ -22,6 +22,7 @@ from .fields import CODECS
 from .limits import PROTOCOL_VERSION
 from .manifest import (
     DTYPE_SIZES,
+    CheckedTables,
     TensorEntry,
     decode_table,
     encode_table,
@@ -71,6 +72,7 @@ __all__ = [
     "blob_digest",
     "breakeven_rate",
     "checksum",
+    "CheckedTables",
     "compress_chunk",
     "decode",
     "decode_table",

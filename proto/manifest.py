@@ -7,6 +7,7 @@ changes only when a shape or dtype changes, so it travels only then.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -15,7 +16,15 @@ import msgpack
 from . import limits as L
 from .errors import LimitExceeded, MalformedMessage
 
-__all__ = ["DTYPE_SIZES", "TensorEntry", "decode_table", "encode_table", "match_entries", "table_data_bytes"]
+__all__ = [
+    "DTYPE_SIZES",
+    "CheckedTables",
+    "TensorEntry",
+    "decode_table",
+    "encode_table",
+    "match_entries",
+    "table_data_bytes",
+]
 
 DTYPE_SIZES: dict[str, int] = {
     "float64": 8,
@@ -140,3 +149,26 @@ def landing_segments(
     return sorted(
         (e.offset, e.offset + e.nbytes, direct.get(i, 0)) for i, e in enumerate(snapshot) if e.nbytes
     )
+
+
+class CheckedTables:
+    """Tables that passed :func:`decode_table`, remembered (the newest, up to ``max_bytes`` of them), so that the
+    table a rank sends with every snapshot is validated once, not at every stream."""
+
+    def __init__(self, max_bytes: int = 16 << 20) -> None:
+        self._seen: collections.OrderedDict[tuple[bytes, int | None], None] = collections.OrderedDict()
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def check(self, buf: bytes | memoryview, data_bytes: int | None = None) -> None:
+        """Validate ``buf`` as :func:`decode_table` does (same errors), at once when it passed before."""
+        key = (bytes(buf), data_bytes)
+        if key in self._seen:
+            self._seen.move_to_end(key)
+            return
+        decode_table(buf, data_bytes)
+        self._seen[key] = None
+        self._bytes += len(key[0])
+        while self._bytes > self._max_bytes:
+            (old, _), _ = self._seen.popitem(last=False)
+            self._bytes -= len(old)

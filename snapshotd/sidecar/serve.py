@@ -78,6 +78,7 @@ class ServeService:
         self._acks: dict[tuple[str, int, int], _AckBatch] = {}  # incoming streams whose sender gave a window
         # incoming streams pushed over the bulk port: tokens
         self._pushes: dict[tuple[str, int, int], bytes] = {}
+        self._tables = proto.CheckedTables()  # a rank's streams bring the same table, step after step
 
     def handle(self, ident: bytes, msg: Message) -> None:
         """Act on one request from the peer at ``ident``.
@@ -121,7 +122,7 @@ class ServeService:
                 ),
             )
         elif isinstance(msg, StreamBegin):
-            proto.decode_table(msg.table, msg.data_bytes)
+            self._tables.check(msg.table, msg.data_bytes)
             key = (msg.job, msg.rank, msg.step)
             # told twice of one stream: what arrived stays, and so does its ack count
             again = self._arriving(msg)

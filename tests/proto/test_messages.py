@@ -71,7 +71,7 @@ from snapshotd.proto.errors import (
     UnknownMessageType,
     UnsupportedVersion,
 )
-from snapshotd.proto.manifest import TensorEntry, decode_table, encode_table, table_data_bytes
+from snapshotd.proto.manifest import CheckedTables, TensorEntry, decode_table, encode_table, table_data_bytes
 
 TABLE = [
     TensorEntry("model/embed.weight", "bfloat16", (1000, 64), 0, 128_000),
@@ -410,6 +410,22 @@ def test_table_roundtrip() -> None:
     assert decode_table(memoryview(buf), data_bytes=table_data_bytes(TABLE)) == TABLE
     assert table_data_bytes(TABLE) == 384_004
     assert decode_table(encode_table([])) == [] and table_data_bytes([]) == 0
+
+
+def test_checked_tables_validate_a_table_once_and_refuse_what_decode_table_refuses() -> None:
+    buf, other = encode_table(TABLE), encode_table(TABLE[:1])
+    checked = CheckedTables(max_bytes=len(buf) + len(other))
+    size = table_data_bytes(TABLE)
+    checked.check(memoryview(buf), size)
+    checked.check(buf, size)  # remembered: passes without a parse
+    assert list(checked._seen) == [(buf, size)]
+    with pytest.raises(MalformedMessage):  # the same table against a smaller buffer is checked anew
+        checked.check(buf, size - 1)
+    with pytest.raises(MalformedMessage):
+        checked.check(buf[:-1], size)
+    checked.check(other, size)
+    checked.check(encode_table(TABLE[:2]), size)  # over max_bytes: the oldest goes
+    assert (buf, size) not in checked._seen and (other, size) in checked._seen
 
 
 @pytest.mark.parametrize(
