@@ -31,6 +31,8 @@ _PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _POST_HOOKS, _PRE_HOOKS = (
     )
 )
 _DETACH = torch.Tensor.detach
+_DATA_PTR = torch.Tensor.data_ptr
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _chain = itertools.chain.from_iterable
 
 
@@ -53,9 +55,25 @@ class ModuleTree:
     values (detached, in its order) as long as the tree keeps the same modules, types, names, non-persistent
     buffer sets and no state-dict hooks, and None once any of that changed (the caller then calls
     ``state_dict()`` itself). A value that changes in place (``param.data = ...``) is read as it is now.
+
+    The detached tensors are made once and returned again while every value is the same tensor object with the
+    same data pointer, shape and dtype, so with the same bytes (a new storage, as ``param.data = ...`` gives,
+    has a new address: the detached tensor made before still holds the old one).
     """
 
-    __slots__ = ("_children", "_keep", "_names", "_non_persistent", "_nones", "_order", "_types", "module")
+    __slots__ = (
+        "_children",
+        "_detached",
+        "_keep",
+        "_layout",
+        "_names",
+        "_non_persistent",
+        "_nones",
+        "_order",
+        "_sources",
+        "_types",
+        "module",
+    )
 
     def __init__(self, order: list[nn.Module], keep: list[int]) -> None:
         self.module = order[0]
@@ -64,9 +82,12 @@ class ModuleTree:
         self._types = list(map(type, order))
         self._children = list(_chain(map(dict.values, map(_CHILDREN, order))))
         self._names = list(_chain(self._dicts()))
-        self._nones = self._none_mask()
+        self._nones = _none_mask(list(_chain(map(dict.values, self._dicts()))))
         self._non_persistent = [set(s) for s in map(_NON_PERSISTENT, order)]
         self._keep = None if len(keep) == len(self._names) else keep
+        self._sources: list[torch.Tensor] = []
+        self._layout: tuple[list[int], list[torch.Size], list[torch.dtype]] = ([], [], [])
+        self._detached: list[torch.Tensor] = []
 
     @classmethod
     def of(cls, module: nn.Module, keys: tuple[Any, ...]) -> ModuleTree | None:
@@ -102,9 +123,6 @@ class ModuleTree:
         """Each module's parameters then buffers, in the order ``state_dict()`` visits them."""
         return _chain(zip(map(_PARAMS, self._order), map(_BUFFERS, self._order), strict=True))
 
-    def _none_mask(self) -> list[bool]:
-        return list(map(operator.is_, _chain(map(dict.values, self._dicts())), itertools.repeat(None)))
-
     def tensors(self) -> list[torch.Tensor] | None:
         """The state dict's values now (see the class docstring), or None when the tree changed."""
         order = self._order
@@ -118,9 +136,23 @@ class ModuleTree:
         children = list(_chain(map(dict.values, map(_CHILDREN, order))))
         if len(children) != len(self._children) or not all(map(operator.is_, children, self._children)):
             return None
-        if list(_chain(self._dicts())) != self._names or self._none_mask() != self._nones:
+        dicts = list(self._dicts())
+        if list(_chain(dicts)) != self._names:
             return None
-        values = list(_chain(map(dict.values, self._dicts())))
+        values = list(_chain(map(dict.values, dicts)))
+        if _none_mask(values) != self._nones:
+            return None
         if self._keep is not None:
             values = list(map(values.__getitem__, self._keep))
-        return list(map(_DETACH, values))
+        layout = (list(map(_DATA_PTR, values)), list(map(_SHAPE, values)), list(map(_DTYPE, values)))
+        if (
+            len(values) != len(self._sources)
+            or not all(map(operator.is_, values, self._sources))
+            or (layout != self._layout)
+        ):
+            self._sources, self._layout, self._detached = values, layout, list(map(_DETACH, values))
+        return self._detached
+
+
+def _none_mask(values: list[Any]) -> list[bool]:
+    return list(map(operator.is_, values, itertools.repeat(None)))

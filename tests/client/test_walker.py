@@ -152,6 +152,8 @@ def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes
         lambda: None,
         lambda: setattr(model[0], "weight", nn.Parameter(torch.ones(16, 8))),  # a parameter replaced
         lambda: setattr(model[0].weight, "data", torch.zeros(16, 8)),  # its data
+        lambda: setattr(model[1].running_mean, "data", model[1].running_mean.view(torch.int32)),  # a dtype
+        lambda: model[1].running_var.resize_(8),  # same storage, a shape
         lambda: setattr(model[3], "bias", None),  # a parameter gone (None)
         lambda: model[1].register_buffer("extra", torch.ones(2)),  # a buffer added
         lambda: model[1].register_buffer("scratch", torch.ones(2), persistent=False),  # not in the state dict
