@@ -30,19 +30,21 @@ _PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _POST_HOOKS, _PRE_HOOKS = (
         "_state_dict_pre_hooks",
     )
 )
+_OVERRIDABLE = ("state_dict", "_save_to_state_dict", "get_extra_state")
+"""What ``state_dict()`` calls on each module of the tree, through the instance."""
 _DETACH = torch.Tensor.detach
-_DATA_PTR = torch.Tensor.data_ptr
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _chain = itertools.chain.from_iterable
 
 
 def _plain(module: nn.Module) -> bool:
-    """Whether ``module``'s own part of a state dict is torch's default: no override, no hook."""
+    """Whether ``module``'s own part of a state dict is torch's default: no override (in its class or on the
+    instance), no hook."""
     cls = type(module)
     return (
         cls.state_dict is nn.Module.state_dict
         and cls._save_to_state_dict is nn.Module._save_to_state_dict
         and getattr(cls, "get_extra_state", nn.Module.get_extra_state) is nn.Module.get_extra_state
+        and not any(name in vars(module) for name in _OVERRIDABLE)
         and not module._state_dict_hooks
         and not module._state_dict_pre_hooks
     )
@@ -52,25 +54,25 @@ class ModuleTree:
     """What ``module.state_dict()`` holds, read from the module tree's dicts.
 
     Made with :meth:`of` from a ``state_dict()`` just taken; :meth:`tensors` then returns that state dict's
-    values (detached, in its order) as long as the tree keeps the same modules, types, names, non-persistent
-    buffer sets and no state-dict hooks, and None once any of that changed (the caller then calls
-    ``state_dict()`` itself). A value that changes in place (``param.data = ...``) is read as it is now.
-
-    The detached tensors are made once and returned again while every value is the same tensor object with the
-    same data pointer, shape and dtype, so with the same bytes (a new storage, as ``param.data = ...`` gives,
-    has a new address: the detached tensor made before still holds the old one).
+    values (detached, in its order) as long as the tree keeps the same modules under the same names, the same
+    types, the same parameter and buffer names in each module, the same non-persistent buffer sets, no
+    state-dict hooks and the same number of instance attributes on each module (an override of
+    ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` set on an instance adds one); None once any of
+    that changed (the caller then calls ``state_dict()`` itself). A value that changes in place
+    (``param.data = ...``) is read as it is now.
     """
 
     __slots__ = (
+        "_attributes",
+        "_child_counts",
+        "_child_names",
         "_children",
-        "_detached",
+        "_counts",
         "_keep",
-        "_layout",
         "_names",
         "_non_persistent",
         "_nones",
         "_order",
-        "_sources",
         "_types",
         "module",
     )
@@ -80,14 +82,16 @@ class ModuleTree:
         """The root."""
         self._order = order
         self._types = list(map(type, order))
+        self._attributes = list(map(len, map(vars, order)))
+        self._child_counts = list(map(len, map(_CHILDREN, order)))
+        self._child_names = list(_chain(map(_CHILDREN, order)))
         self._children = list(_chain(map(dict.values, map(_CHILDREN, order))))
-        self._names = list(_chain(self._dicts()))
-        self._nones = _none_mask(list(_chain(map(dict.values, self._dicts()))))
+        dicts = list(self._dicts())
+        self._counts = list(map(len, dicts))
+        self._names = list(_chain(dicts))
+        self._nones = _none_mask(list(_chain(map(dict.values, dicts))))
         self._non_persistent = [set(s) for s in map(_NON_PERSISTENT, order)]
         self._keep = None if len(keep) == len(self._names) else keep
-        self._sources: list[torch.Tensor] = []
-        self._layout: tuple[list[int], list[torch.Size], list[torch.dtype]] = ([], [], [])
-        self._detached: list[torch.Tensor] = []
 
     @classmethod
     def of(cls, module: nn.Module, keys: tuple[Any, ...]) -> ModuleTree | None:
@@ -128,30 +132,26 @@ class ModuleTree:
         order = self._order
         if (
             list(map(type, order)) != self._types
+            or list(map(len, map(vars, order))) != self._attributes
             or any(map(len, map(_PRE_HOOKS, order)))
             or any(map(len, map(_POST_HOOKS, order)))
             or list(map(_NON_PERSISTENT, order)) != self._non_persistent
+            or list(map(len, map(_CHILDREN, order))) != self._child_counts
+            or list(_chain(map(_CHILDREN, order))) != self._child_names
         ):
             return None
         children = list(_chain(map(dict.values, map(_CHILDREN, order))))
         if len(children) != len(self._children) or not all(map(operator.is_, children, self._children)):
             return None
         dicts = list(self._dicts())
-        if list(_chain(dicts)) != self._names:
+        if list(map(len, dicts)) != self._counts or list(_chain(dicts)) != self._names:
             return None
         values = list(_chain(map(dict.values, dicts)))
         if _none_mask(values) != self._nones:
             return None
         if self._keep is not None:
             values = list(map(values.__getitem__, self._keep))
-        layout = (list(map(_DATA_PTR, values)), list(map(_SHAPE, values)), list(map(_DTYPE, values)))
-        if (
-            len(values) != len(self._sources)
-            or not all(map(operator.is_, values, self._sources))
-            or (layout != self._layout)
-        ):
-            self._sources, self._layout, self._detached = values, layout, list(map(_DETACH, values))
-        return self._detached
+        return list(map(_DETACH, values))
 
 
 def _none_mask(values: list[Any]) -> list[bool]:

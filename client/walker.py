@@ -24,7 +24,9 @@ from .state import FlatState, TableCache, Walk, check_key, finish, top_part
 
 __all__ = ["StateWalker"]
 
-_SHAPE, _DTYPE, _GRAD = (operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad"))
+_SHAPE, _DTYPE, _GRAD, _LAYOUT, _META = (
+    operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad", "layout", "is_meta")
+)
 _OPTIMIZER_KEYS = ("state", "param_groups")
 _OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
 _GROUPS_KEY = msgpack.packb("param_groups")
@@ -57,10 +59,10 @@ class _Memo:
     """The tree no longer matched at this capture."""
 
     def matches(self, tensors: list[Any]) -> bool:
-        """Whether ``tensors`` are plain tensors of the dtypes and shapes seen that need no detach (C-level loops
-        only; where they live is the stager's business). The very tensor objects seen last time match at once
-        (an optimizer's moments are the same objects from step to step; nothing changes a tensor's dtype or shape
-        in place but ``set_`` and ``resize_``)."""
+        """Whether ``tensors`` are plain strided tensors of the dtypes and shapes seen, off the meta device, that
+        need no detach (C-level loops only; where they live is the stager's business). The very tensor objects
+        seen last time match at once (an optimizer's moments are the same objects from step to step; nothing
+        changes a tensor's dtype or shape in place but ``set_`` and ``resize_``)."""
         if len(tensors) != len(self.dtypes):
             return False
         if all(map(operator.is_, tensors, self.last)):
@@ -70,6 +72,8 @@ class _Memo:
             and list(map(_DTYPE, tensors)) == self.dtypes
             and list(map(_SHAPE, tensors)) == self.shapes
             and not any(map(_GRAD, tensors))
+            and set(map(_LAYOUT, tensors)) == {torch.strided}
+            and not any(map(_META, tensors))
         ):
             return False
         self.last = tensors
@@ -128,15 +132,10 @@ class StateWalker:
         """The packed tree of module ``value``'s state dict from the memo of ``key``, read from the module tree
         without calling ``state_dict()``; None when there is no such memo or the tree no longer matches it."""
         memo = self._memos.get(key)
-        if (
-            memo is None
-            or memo.tree is None
-            or memo.tree.module is not value
-            or memo.start != len(walk.tensors)
-        ):
+        if memo is None or memo.tree is None or memo.start != len(walk.tensors):
             return None
-        tensors = memo.tree.tensors()
-        if tensors is None:
+        tensors = memo.tree.tensors() if memo.tree.module is value else None
+        if tensors is None:  # let go of the tree (a module replaced is not kept alive by it)
             memo.tree, memo.tree_changed = None, True
             return None
         if not memo.matches(tensors):

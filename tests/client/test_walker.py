@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -159,6 +161,7 @@ def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes
         lambda: model[1].register_buffer("scratch", torch.ones(2), persistent=False),  # not in the state dict
         lambda: model[1]._non_persistent_buffers_set.discard("scratch"),  # now it is
         lambda: setattr(model, "2", nn.Tanh()),  # a submodule swapped
+        lambda: model._modules.__setitem__("head", model._modules.pop("3")),  # a submodule renamed
         lambda: model[0].register_state_dict_post_hook(lambda m, sd, prefix, meta: None),  # a hook
     ]
     for n, change in enumerate(changes):
@@ -173,3 +176,58 @@ def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes
         # after any change but a hook, the tree is read anew and then read without a state_dict() call
         assert read_from_tree == (n < len(changes) - 1)
     assert walker._memos["model"].tree is None
+
+
+def _flattens_alike(walker: StateWalker, state: dict[str, Any]) -> None:
+    assert_same(walker.flatten(state), flatten(state))
+    assert_same(walker.flatten(state), flatten(state))
+
+
+def test_a_module_tree_notices_a_submodule_moved_an_override_set_on_an_instance_and_a_module_replaced() -> (
+    None
+):
+    root = nn.Module()
+    root.a = nn.Module()
+    root.a.b = nn.Linear(2, 2)
+    state: dict[str, Any] = {"model": root}
+    walker = StateWalker()
+    _flattens_alike(walker, state)
+    assert walker._memos["model"].tree is not None
+    moved = root.a.b
+    del root.a.b
+    root.b = moved  # same modules in the same visiting order, under another parent
+    _flattens_alike(walker, state)
+
+    real = nn.Linear._save_to_state_dict
+
+    def zeroed(destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        real(moved, destination, prefix, keep_vars)
+        destination[prefix + "weight"] = torch.zeros(2, 2)
+
+    moved._save_to_state_dict = zeroed  # type: ignore[method-assign]
+    _flattens_alike(walker, state)
+    assert walker._memos["model"].tree is None  # an override: state_dict() from now on
+
+    state["model"] = nn.Linear(2, 2)  # the same keys, shapes and dtypes: reused, the old tree let go
+    walker = StateWalker()
+    _flattens_alike(walker, state)
+    old = weakref.ref(state["model"])
+    state["model"] = nn.Linear(2, 2)
+    _flattens_alike(walker, state)
+    gc.collect()
+    assert old() is None and walker._memos["model"].tree is not None
+
+
+@pytest.mark.parametrize(
+    "value", [torch.zeros(4).to_sparse(), torch.zeros(4, device="meta")], ids=["sparse", "meta"]
+)
+def test_a_tensor_snapshots_cannot_carry_is_refused_as_by_the_full_walk(value: torch.Tensor) -> None:
+    model = nn.Linear(4, 2)
+    walker = StateWalker()
+    walker.flatten({"model": model})
+    model.bias = nn.Parameter(value, requires_grad=False)  # the same dtype and shape
+    with pytest.raises(TypeError) as full:
+        flatten({"model": model})
+    with pytest.raises(TypeError) as walked:
+        walker.flatten({"model": model})
+    assert str(walked.value) == str(full.value)
