@@ -149,8 +149,9 @@ class Lanes:
         for lane in self._lanes:
             lane.stop()
         await asyncio.wait(self._futures, timeout=timeout)
-        for lane in self._lanes:
-            if lane.thread.is_alive():
+        for lane, fut in zip(self._lanes, self._futures, strict=True):
+            # resolved from the thread's last step: it reads no more data (it may not have exited quite yet)
+            if not fut.done():
                 log.warning("a push lane to %s:%d did not stop within %.0f s", *lane.addr, timeout)
 
 

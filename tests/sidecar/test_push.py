@@ -104,7 +104,7 @@ def chunk(
 
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_every_chunk_lands_in_its_buffer_with_its_checksum(
-    loop: asyncio.AbstractEventLoop, buddy: Buddy, lanes: int
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, lanes: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     seal = Seal(BLOCK, 0)
 
@@ -132,6 +132,7 @@ def test_every_chunk_lands_in_its_buffer_with_its_checksum(
         buddy.landed == seal.sums == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
     )
     assert buddy.failures == []
+    assert "did not stop" not in caplog.text  # every lane ended: no warning, however soon stop() looked
 
 
 def test_a_chunk_whose_bytes_fail_their_checksum_ends_the_push_naming_it(buddy: Buddy) -> None:
