@@ -31,11 +31,14 @@ class Flight:
         self._chunks: collections.deque[tuple[int, float]] = collections.deque()  # (bytes, when sent)
         self.bytes = 0
         """Bytes of the chunks sent and not yet acknowledged (as they went on the wire)."""
+        self.sent_bytes = 0
+        """Bytes of every chunk sent so far, acknowledged or not."""
 
     def sent(self, nbytes: int) -> None:
         """One chunk of ``nbytes`` went out."""
         self._chunks.append((nbytes, self._clock()))
         self.bytes += nbytes
+        self.sent_bytes += nbytes
 
     def acked(self, count: int) -> None:
         """The buddy acknowledged the ``count`` oldest chunks in flight (all of them, if fewer)."""

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from snapshotd.proto import DTYPE_SIZES, TensorEntry, decode_table, table_data_bytes
 from snapshotd.shm import Arena
 
+from .inflight import Flight
 from .integrity import Seal
 
 __all__ = ["FAILURE_REASONS", "LocalRank", "SlotState", "dominant_elem"]
@@ -76,7 +77,12 @@ class LocalRank:
     """A new process took over this arena: valid slots stay until its restore() decided which step it resumes."""
     stream_task: asyncio.Task[None] | None = None
     buddy_streams: dict[str, asyncio.Task[None]] = dataclasses.field(default_factory=dict)
-    stream_step: int = -1
+    stream_flights: dict[str, Flight] = dataclasses.field(default_factory=dict)
+    """What the stream in flight has sent each buddy so far."""
+    next_slot: int | None = None
+    """A slot announced while the stream in flight, nearly sent, finishes first: streamed when it ends."""
+    next_due: asyncio.TimerHandle | None = None
+    """When :attr:`next_slot` stops waiting and supersedes the stream in flight."""
     job_durable: int = -1
     """The job's durable watermark D, as the coordinator last said (-1: none yet)."""
     job_unusable: frozenset[int] = frozenset()
@@ -104,6 +110,8 @@ class LocalRank:
         """Put ``state`` in slot ``index`` (every change of what a slot holds goes through here)."""
         was_valid = self.slots[index].valid
         self.slots[index] = state
+        if index == self.next_slot:  # what was to stream next is gone
+            self.next_slot = None
         if was_valid or state.valid:
             self.on_change()
 
@@ -168,6 +176,14 @@ class LocalRank:
         if newest is not None and any(s.streaming for s in self.slots):
             free = free[1:]
         return free
+
+    def waits_on_watermark(self) -> bool:
+        """No slot is free, and one would be once the job's D reached this rank's durable step: the coordinator
+        should be asked for D now rather than at the node's next heartbeat."""
+        return not self.free_slots() and any(
+            s.valid and not s.streaming and s.pins == 0 and self.job_durable <= s.step < self.durable_step
+            for s in self.slots
+        )
 
     def _needed(self, s: SlotState) -> bool:
         """Whether a restore after another node's death may need this copy (see the module docstring)."""

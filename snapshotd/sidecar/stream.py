@@ -1,9 +1,15 @@
 """Outgoing streams: each announced slot of a local rank goes to every buddy of the rank.
 
-One stream per rank at a time: a newer announced step supersedes the stream in flight (which stops, its step
-counted as skipped, not failed). Within a stream each buddy has its own task, so that a buddy the coordinator
-stops assigning (it died) is cut off alone while the others finish. When the stream ends the rank's process gets
-its free slots back, with a note when the step did not reach every buddy.
+One stream per rank at a time. A newer announced step supersedes the stream in flight (which stops, its step
+counted as skipped, not failed), unless that stream has sent at least half its bytes to every buddy
+(:data:`FINISH_FIRST`): then the newer step waits for it to end, for at most :data:`FINISH_WAIT` of the rank's
+step time, and streams at once when it does (the newest step announced meanwhile, if several were); a stream
+that has not ended by then is superseded after all. Superseding a stream that is nearly done throws away a step
+about to be durable (a rank's first snapshots, landing in a buddy's fresh memory, each took longer than a
+step, so that none became durable); the bound keeps a stream stalled on a broken path from holding the newer
+steps back for longer than superseding would. Within a stream each buddy has its own task, so that a buddy the
+coordinator stops assigning (it died) is cut off alone while the others finish. When the stream ends the rank's
+process gets its free slots back, with a note when the step did not reach every buddy.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Callable
 from snapshotd.logs import fields
 
 from .config import SidecarConfig
+from .inflight import Flight
 from .integrity import Seal
 from .local import LocalRank
 from .node import NodeState
@@ -23,13 +30,19 @@ from .peers import PeerError, PeerLinks
 from .tasks import TaskTree
 from .transfer import CodecPolicy, send_snapshot
 
-__all__ = ["PUSH_MIN_BYTES", "RankNotify", "StreamService"]
+__all__ = ["FINISH_FIRST", "FINISH_WAIT", "PUSH_MIN_BYTES", "RankNotify", "StreamService"]
 
 log = logging.getLogger(__name__)
 
 PUSH_MIN_BYTES = 1 << 20
 """Smaller snapshots stream as data-plane messages even where they could push: a push's connections cost more
 than they save on a few chunks."""
+
+FINISH_FIRST = 0.5
+"""The share of its bytes a stream must have sent to every buddy for a newer step to wait for it to end."""
+
+FINISH_WAIT = 0.5
+"""How long a newer step waits for a nearly sent stream to end, in units of the rank's step time."""
 
 RankNotify = Callable[[LocalRank, str, int], None]
 """Hands a rank its free slots: ``notify(lr, note, failed_step)`` (see :meth:`.ingest.RankNotices.slots`)."""
@@ -64,10 +77,57 @@ class StreamService:
         self.policies: dict[str, CodecPolicy] = {}
 
     def start(self, lr: LocalRank, index: int) -> None:
-        """Stream slot ``index`` of ``lr`` (just announced), superseding the rank's stream in flight."""
+        """Stream slot ``index`` of ``lr`` (just announced): now, superseding the rank's stream in flight, or when
+        that one ends if it has sent :data:`FINISH_FIRST` of its bytes to every buddy (see the module docstring)."""
+        task = lr.stream_task
+        if task is not None and not task.done() and lr.step_seconds > 0 and self._nearly_sent(lr):
+            if lr.next_slot is None:  # the first step to wait sets how long any waits
+                lr.next_due = asyncio.get_running_loop().call_later(
+                    FINISH_WAIT * lr.step_seconds, self._overdue, lr
+                )
+            lr.next_slot = index  # a step announced earlier and still waiting is passed over
+            return
+        self._launch(lr, index)
+
+    def _launch(self, lr: LocalRank, index: int) -> None:
+        lr.next_slot = None
+        if lr.next_due is not None:
+            lr.next_due.cancel()
+            lr.next_due = None
         if lr.stream_task is not None:
             lr.stream_task.cancel()
         lr.stream_task = self.tasks.spawn(self._stream(lr, index), f"stream of {lr.job} rank {lr.rank}")
+
+    def _start_next(self, lr: LocalRank) -> None:
+        """Stream the step that waited for the rank's stream in flight, if it still may: that stream ended, or
+        it took too long (:data:`FINISH_WAIT`)."""
+        index = lr.next_slot
+        if lr.next_due is not None:
+            lr.next_due.cancel()
+            lr.next_due = None
+        lr.next_slot = None
+        if (
+            index is None
+            or not lr.alive
+            or lr.awaiting_restore
+            or self.state.ranks.get((lr.job, lr.rank)) is not lr
+        ):
+            return
+        if lr.slots[index].valid and lr.slots[index].seal is not None:
+            self._launch(lr, index)
+
+    def _overdue(self, lr: LocalRank) -> None:
+        lr.next_due = None
+        self._start_next(lr)
+
+    @staticmethod
+    def _nearly_sent(lr: LocalRank) -> bool:
+        flights = lr.stream_flights
+        return (
+            bool(flights)
+            and flights.keys() == lr.buddy_streams.keys()
+            and all(f.sent_bytes >= FINISH_FIRST * lr.data_bytes for f in flights.values())
+        )
 
     def restream(self, lr: LocalRank) -> None:
         """``lr``'s buddies changed: stream its newest snapshot to them now, unless a stream of it is under way or
@@ -126,6 +186,7 @@ class StreamService:
         reassigned = False
         me = asyncio.current_task()
         mine: dict[str, asyncio.Task[None]] = {}
+        flights: dict[str, Flight] = {}
         data = lr.arena.slot(index)[: s.data_bytes]
         seal = s.seal
         assert seal is not None  # every announced slot has one
@@ -149,6 +210,7 @@ class StreamService:
                 lanes = self.cfg.push_connections if pushes else 0
                 try:
                     with self.state.paths.transfer(addr), self.state.in_flight.stream(addr) as flight:
+                        flights[addr] = flight
                         res = await send_snapshot(
                             self.links.get(addr),
                             job=lr.job,
@@ -212,6 +274,7 @@ class StreamService:
 
             async with asyncio.TaskGroup() as group:  # one task per buddy: a reassigned one is cut off alone
                 mine = lr.buddy_streams = {addr: group.create_task(one(addr)) for addr in buddies}
+                lr.stream_flights = flights
             ok = len(took)
             if len(errors) < len(buddies) - ok:
                 reassigned = True
@@ -222,14 +285,19 @@ class StreamService:
                 self._fill(lr, seal, data, s.step)
             if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
                 lr.buddy_streams = {}
+            if lr.stream_flights is flights:
+                lr.stream_flights = {}
             s.streaming = False
             if buddies and ok == len(buddies):
                 if s.step >= lr.durable_step:
                     lr.durable_step, lr.durable_at = s.step, s.taken_at
                 lr.durable_count += 1
+                if lr.waits_on_watermark():  # its buddies report the copy at once: ask for the new D now
+                    self.state.changed.fire()
             superseded = lr.stream_task is not None and lr.stream_task is not me
             if lr.stream_task is me:
                 lr.stream_task = None
+                self._start_next(lr)
             if self.state.ranks.get((lr.job, lr.rank)) is lr and lr.alive:
                 if superseded:  # a newer step took over: this one is skipped, not failed
                     self.notify(lr, "", -1)

@@ -28,6 +28,7 @@ from snapshotd.client import Snapshotter
 from snapshotd.client.copies import copy_into
 from snapshotd.client.schedule import left_out
 from snapshotd.client.state import flatten
+from snapshotd.harness.ports import free_port
 from snapshotd.proto import (
     PROTOCOL_VERSION,
     Announce,
@@ -51,6 +52,7 @@ from snapshotd.status import fetch_status
 from tests.waits import wait_until
 
 from .conftest import Cluster, DataPeer, Pulled, shm_leftovers
+from .test_metrics import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -791,7 +793,7 @@ def test_superseded_stream_is_aborted_and_the_newer_step_completes(
     cluster.start("A", "--max-rate", "16MB/s")
     cluster.start("B")
     job = cluster.job("superseded")
-    work = big(16 << 20)  # 1 s per stream
+    work = big(16 << 20)  # 1 s per stream: step 2 comes before step 1 is half sent
     with open_ranks(cluster, job, [("A", work)], slots=3) as [r]:
         watch.track(job, [r])
         assert r.capture(1)
@@ -814,6 +816,35 @@ def test_superseded_stream_is_aborted_and_the_newer_step_completes(
         assert (stats.started, stats.durable, stats.last_durable_step) == (2, 1, 2)
         wait_until(lambda: watch.watermark(job) == (2, 2), "G = D = 2", WAIT)
     assert 1 not in watch.durable_steps(job)
+
+
+def test_a_stream_more_than_half_sent_finishes_and_the_newer_step_follows(
+    cluster: Cluster, watch: StatusWatch
+) -> None:
+    """A newer step superseded a stream with every byte sent, throwing away a step about to be durable: a rank's
+    first snapshots, landing in a buddy's fresh memory, each took longer than a step and none became durable."""
+    port = free_port()
+    cluster.start("A", "--max-rate", "16MB/s", "--metrics-bind", f"127.0.0.1:{port}")
+    cluster.start("B")
+    job = cluster.job("finish-first")
+    work = big(24 << 20)  # 1.5 s per stream, in 6 chunks
+
+    def sent() -> float:  # a push's bytes count as unacknowledged until the buddy holds the snapshot
+        return sum(v for (name, _), v in scrape(port).items() if name == "snapshotd_peer_unacked_bytes")
+
+    with open_ranks(cluster, job, [("A", work)], slots=3) as [r]:
+        watch.track(job, [r])
+        assert r.capture(1)
+        # the step between the two captures is as long as step 1's stream so far (1.25 s): the rest (0.25 s)
+        # takes less than the half step that step 2 waits at most
+        wait_until(lambda: sent() >= 0.8 * work.data_bytes, "step 1 to be nearly sent", WAIT, every=0.05)
+        assert r.capture(2)  # a third slot is free: step 2 is announced while step 1 finishes
+        assert r.snap.wait(WAIT)
+        stats = r.snap.stats
+        assert (stats.started, stats.durable, stats.failed, stats.last_durable_step) == (2, 2, 0, 2), stats
+        assert_holds(cluster, "B", r, job, 2)
+        wait_until(lambda: watch.watermark(job) == (2, 2), "G = D = 2", WAIT)
+    assert 1 in watch.durable_steps(job)
 
 
 def test_memory_limit_refuses_a_bigger_stream_and_keeps_what_is_held(

@@ -69,6 +69,26 @@ def test_copies_are_held_until_the_jobs_durable_watermark_passes_them(rank: Loca
     assert rank.valid_steps() == [3]
 
 
+def test_a_rank_whose_slots_d_alone_holds_asks_for_d(rank: LocalRank) -> None:
+    """Its buddies report a copy to the coordinator at once, but the node heard the new D only with its next
+    heartbeat: a rank whose first streams were slow had every slot held for half a second and skipped steps."""
+    rank.job_durable = 1
+    announce(rank, 0, 1, streaming=False)
+    announce(rank, 1, 2, streaming=False)
+    announce(rank, 2, 3, streaming=False)
+    rank.durable_step = 2
+    assert rank.free_slots() == [] and rank.waits_on_watermark()  # D reaching 2 frees step 1's slot
+    rank.durable_step = 1
+    assert not rank.waits_on_watermark()  # nothing durable above D: a new D frees nothing
+    rank.durable_step = 3
+    rank.job_durable = 3
+    assert rank.free_slots() == [0, 1] and not rank.waits_on_watermark()  # a slot is free already
+    rank.job_durable = 1
+    rank.slots[0].pins = 1  # a pull reads step 1: D frees it only once the read ends
+    rank.slots[1].pins = 1
+    assert not rank.waits_on_watermark()
+
+
 def test_pinned_slot_is_never_free(rank: LocalRank) -> None:
     announce(rank, 0, 1, streaming=False)
     announce(rank, 1, 2, streaming=False)
