@@ -26,7 +26,18 @@ import numpy as np
 import xxhash
 
 from snapshotd.proto import RestoreFetch, RestoreFetched, TensorEntry, decode_table, landing_segments
-from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, RANGE, TOKEN_BYTES, VERSION, Status, chunk_length
+from snapshotd.proto.bulk import (
+    CHUNK,
+    HELLO,
+    MAGIC,
+    RANGE,
+    TOKEN_BYTES,
+    VERSION,
+    Status,
+    chunk_length,
+    recv_exact,
+    recv_into,
+)
 from snapshotd.shm import Arena, attach_arena
 
 __all__ = ["RANGE_BYTES", "RestoreFetcher"]
@@ -252,7 +263,7 @@ class RestoreFetcher:
             self.cond.notify_all()
 
     def _receive(self, sock: socket.socket, addr: str, index: int) -> None:
-        got, length, checksum, status = CHUNK.unpack(_recv_exact(sock, CHUNK.size))
+        got, length, checksum, status = CHUNK.unpack(recv_exact(sock, CHUNK.size))
         if status == Status.CORRUPT:
             with self.cond:
                 self.corrupt_from.setdefault(index, set()).add(addr)
@@ -297,21 +308,6 @@ class RestoreFetcher:
                 view = self.slot[pos:upto] if self.slot is not None else memoryview(bytearray(upto - pos))
             if self.cancelled:
                 raise _HolderFailed("cancelled")
-            _recv_into(sock, view)
+            recv_into(sock, view)
             h.update(view)
             pos += view.nbytes
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the holder closed the connection")
-        got += k
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)

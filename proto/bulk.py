@@ -34,8 +34,12 @@ Every integer is little-endian.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import socket
 import struct
+
+from .codec import RunningChecksum
 
 __all__ = [
     "CHUNK",
@@ -44,9 +48,13 @@ __all__ = [
     "PUSH_MAGIC",
     "RANGE",
     "TOKEN_BYTES",
+    "RECV_BYTES",
     "VERSION",
     "Status",
     "chunk_length",
+    "recv_checked",
+    "recv_exact",
+    "recv_into",
 ]
 
 MAGIC = b"SNPB"
@@ -62,6 +70,9 @@ RANGE = struct.Struct("<II")
 """first chunk, count (``(0, 0)``: the client is done)."""
 CHUNK = struct.Struct("<IIQB7x")
 """chunk index, payload length, xxh3-64 of the payload, :class:`Status`."""
+RECV_BYTES = 256 << 10
+"""The most one receive of :func:`recv_checked` asks for: each piece is checksummed right after it lands, while
+it is hot."""
 
 
 class Status(enum.IntEnum):
@@ -78,3 +89,57 @@ class Status(enum.IntEnum):
 def chunk_length(index: int, chunk_bytes: int, data_bytes: int) -> int:
     """The payload length of chunk ``index`` of a copy of ``data_bytes`` in chunks of ``chunk_bytes``."""
     return max(0, min(chunk_bytes, data_bytes - index * chunk_bytes))
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        EOFError: the peer closed first.
+    """
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError(f"the peer closed after {got} of {n} bytes")
+        got += k
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``.
+
+    Raises:
+        EOFError: the peer closed first.
+    """
+    buf = bytearray(n)
+    recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_checked(sock: socket.socket, view: memoryview) -> int:
+    """Fill ``view`` from ``sock``, taking its checksum piece by piece as the bytes land; the checksum.
+
+    The thread wakes only once a whole piece (:data:`RECV_BYTES`, or the rest) is in (``SO_RCVLOWAT``), not for
+    every segment the kernel queues: fewer wakes and system calls at both ends of the connection.
+
+    Raises:
+        EOFError: the peer closed first.
+    """
+    running = RunningChecksum()
+    got, n = 0, view.nbytes
+    lowat = min(RECV_BYTES, n)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+    try:
+        while got < n:
+            if n - got < lowat:  # the rest: wait for no more than it
+                lowat = n - got
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            k = sock.recv_into(view[got:], min(RECV_BYTES, n - got))
+            if k == 0:
+                raise EOFError(f"the peer closed after {got} of {n} bytes of a chunk")
+            running.update(view[got : got + k])
+            got += k
+    finally:
+        with contextlib.suppress(OSError):  # what follows is read as soon as any of it is in
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    return running.value()

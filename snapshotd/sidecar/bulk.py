@@ -34,8 +34,19 @@ import threading
 import time
 from collections.abc import Callable
 
-from snapshotd.proto.bulk import CHUNK, HELLO, MAGIC, PUSH_MAGIC, RANGE, TOKEN_BYTES, VERSION, Status
-from snapshotd.proto.codec import RunningChecksum, mismatch
+from snapshotd.proto.bulk import (
+    CHUNK,
+    HELLO,
+    MAGIC,
+    PUSH_MAGIC,
+    RANGE,
+    TOKEN_BYTES,
+    VERSION,
+    Status,
+    recv_checked,
+    recv_exact,
+)
+from snapshotd.proto.codec import mismatch
 
 from .integrity import CorruptCopy, Seal
 from .local import SlotState
@@ -58,8 +69,6 @@ PUSH_CONNECTIONS = 16
 """Connections one push admits."""
 LANDED_EVERY = 0.5
 """Seconds a push connection's thread may hold chunks that passed before it tells the event loop of them."""
-RECV_BYTES = 256 << 10
-"""The most one receive of a push asks for: each piece is checksummed right after it lands, while it is hot."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -240,7 +249,7 @@ class BulkServer:
         try:
             conn.settimeout(HELLO_TIMEOUT)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, version, token = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            magic, version, token = HELLO.unpack(recv_exact(conn, HELLO.size))
             conn.settimeout(self.timeout)
             if magic == PUSH_MAGIC and version == VERSION:
                 self._push(conn, token)
@@ -267,7 +276,7 @@ class BulkServer:
         block = copy.seal.block_bytes
         nchunks = -(-copy.nbytes // block)
         while True:
-            first, count = RANGE.unpack(_recv_exact(conn, RANGE.size))
+            first, count = RANGE.unpack(recv_exact(conn, RANGE.size))
             if count == 0:
                 return
             if first + count > nchunks:
@@ -309,7 +318,7 @@ class BulkServer:
                     why = f"{push.what}: {bad}"
                     break
                 buf = push.buffers[index]
-                actual = _recv_checked(conn, buf)
+                actual = recv_checked(conn, buf)
                 if actual != checksum:
                     why = (
                         f"chunk {index} of {push.what} failed its end-to-end check: "
@@ -352,24 +361,7 @@ def _recv_header(conn: socket.socket) -> bytes | None:
     first = conn.recv(CHUNK.size)
     if not first:
         return None
-    return first + _recv_exact(conn, CHUNK.size - len(first)) if len(first) < CHUNK.size else first
-
-
-def _recv_checked(conn: socket.socket, buf: memoryview) -> int:
-    """Fill ``buf`` from ``conn``, taking its checksum piece by piece as the bytes land; the checksum.
-
-    Raises:
-        EOFError: the peer closed first.
-    """
-    running = RunningChecksum()
-    got, n = 0, buf.nbytes
-    while got < n:
-        k = conn.recv_into(buf[got:], min(RECV_BYTES, n - got))
-        if k == 0:
-            raise EOFError(f"the peer closed after {got} of {n} bytes of a chunk")
-        running.update(buf[got : got + k])
-        got += k
-    return running.value()
+    return first + recv_exact(conn, CHUNK.size - len(first)) if len(first) < CHUNK.size else first
 
 
 def _unpin(copy: HeldCopy) -> None:
@@ -379,20 +371,3 @@ def _unpin(copy: HeldCopy) -> None:
 def _shut(sock: socket.socket) -> None:
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes from ``conn``.
-
-    Raises:
-        EOFError: the peer closed first.
-    """
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = conn.recv_into(view[got:])
-        if k == 0:
-            raise EOFError(f"the peer closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
