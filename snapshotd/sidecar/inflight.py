@@ -26,19 +26,22 @@ class Flight:
         clock: monotonic seconds.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, data_bytes: int = 0) -> None:
         self._clock = clock
         self._chunks: collections.deque[tuple[int, float]] = collections.deque()  # (bytes, when sent)
         self.bytes = 0
         """Bytes of the chunks sent and not yet acknowledged (as they went on the wire)."""
-        self.sent_bytes = 0
-        """Bytes of every chunk sent so far, acknowledged or not."""
+        self.data_bytes = data_bytes
+        """The bytes of the snapshot the stream sends (0: not known)."""
+        self.data_sent = 0
+        """Bytes of the snapshot sent so far, acknowledged or not, as they were before any compression."""
 
-    def sent(self, nbytes: int) -> None:
-        """One chunk of ``nbytes`` went out."""
+    def sent(self, nbytes: int, data_bytes: int | None = None) -> None:
+        """One chunk of ``nbytes`` on the wire went out, carrying ``data_bytes`` of the snapshot (``nbytes`` if
+        not given: a raw chunk)."""
         self._chunks.append((nbytes, self._clock()))
         self.bytes += nbytes
-        self.sent_bytes += nbytes
+        self.data_sent += nbytes if data_bytes is None else data_bytes
 
     def acked(self, count: int) -> None:
         """The buddy acknowledged the ``count`` oldest chunks in flight (all of them, if fewer)."""
@@ -65,9 +68,9 @@ class InFlight:
         self._peers: dict[str, list[Flight]] = {}
 
     @contextlib.contextmanager
-    def stream(self, addr: str) -> Iterator[Flight]:
-        """The flight of one stream to ``addr``, counted while the block runs."""
-        flight = Flight(self._clock)
+    def stream(self, addr: str, data_bytes: int = 0) -> Iterator[Flight]:
+        """The flight of one stream of a snapshot of ``data_bytes`` to ``addr``, counted while the block runs."""
+        flight = Flight(self._clock, data_bytes)
         flights = self._peers.setdefault(addr, [])
         flights.append(flight)
         try:

@@ -111,9 +111,16 @@ class LocalRank:
         was_valid = self.slots[index].valid
         self.slots[index] = state
         if index == self.next_slot:  # what was to stream next is gone
-            self.next_slot = None
+            self.cancel_next()
         if was_valid or state.valid:
             self.on_change()
+
+    def cancel_next(self) -> None:
+        """Forget the slot waiting to stream (:attr:`next_slot`) and its deadline."""
+        self.next_slot = None
+        if self.next_due is not None:
+            self.next_due.cancel()
+            self.next_due = None
 
     def invalidate(self, index: int) -> None:
         """Slot ``index`` no longer holds a copy (found corrupt). The same state object stays, with its

@@ -81,7 +81,7 @@ class StreamService:
         that one ends if it has sent :data:`FINISH_FIRST` of its bytes to every buddy (see the module docstring)."""
         task = lr.stream_task
         if task is not None and not task.done() and lr.step_seconds > 0 and self._nearly_sent(lr):
-            if lr.next_slot is None:  # the first step to wait sets how long any waits
+            if lr.next_due is None:  # the first step to wait sets how long any waits
                 lr.next_due = asyncio.get_running_loop().call_later(
                     FINISH_WAIT * lr.step_seconds, self._overdue, lr
                 )
@@ -90,29 +90,26 @@ class StreamService:
         self._launch(lr, index)
 
     def _launch(self, lr: LocalRank, index: int) -> None:
-        lr.next_slot = None
-        if lr.next_due is not None:
-            lr.next_due.cancel()
-            lr.next_due = None
+        lr.cancel_next()
         if lr.stream_task is not None:
             lr.stream_task.cancel()
-        lr.stream_task = self.tasks.spawn(self._stream(lr, index), f"stream of {lr.job} rank {lr.rank}")
+        slot = lr.slots[index]
+        slot.streaming = (
+            True  # from now, not from when the task first runs: slots handed back meanwhile skip it
+        )
+        task = self.tasks.spawn(self._stream(lr, index), f"stream of {lr.job} rank {lr.rank}")
+        # a task cancelled before it ever ran never reaches its finally
+        task.add_done_callback(lambda _: setattr(slot, "streaming", False))
+        lr.stream_task = task
 
     def _start_next(self, lr: LocalRank) -> None:
         """Stream the step that waited for the rank's stream in flight, if it still may: that stream ended, or
         it took too long (:data:`FINISH_WAIT`)."""
         index = lr.next_slot
-        if lr.next_due is not None:
-            lr.next_due.cancel()
-            lr.next_due = None
-        lr.next_slot = None
-        if (
-            index is None
-            or not lr.alive
-            or lr.awaiting_restore
-            or self.state.ranks.get((lr.job, lr.rank)) is not lr
-        ):
+        lr.cancel_next()
+        if index is None or self.state.ranks.get((lr.job, lr.rank)) is not lr:
             return
+        # streamed even once the rank's process is gone, as a stream started at its announce would go on
         if lr.slots[index].valid and lr.slots[index].seal is not None:
             self._launch(lr, index)
 
@@ -126,7 +123,7 @@ class StreamService:
         return (
             bool(flights)
             and flights.keys() == lr.buddy_streams.keys()
-            and all(f.sent_bytes >= FINISH_FIRST * lr.data_bytes for f in flights.values())
+            and all(f.data_sent >= FINISH_FIRST * f.data_bytes for f in flights.values())
         )
 
     def restream(self, lr: LocalRank) -> None:
@@ -209,7 +206,10 @@ class StreamService:
                 )
                 lanes = self.cfg.push_connections if pushes else 0
                 try:
-                    with self.state.paths.transfer(addr), self.state.in_flight.stream(addr) as flight:
+                    with (
+                        self.state.paths.transfer(addr),
+                        self.state.in_flight.stream(addr, s.data_bytes) as flight,
+                    ):
                         flights[addr] = flight
                         res = await send_snapshot(
                             self.links.get(addr),

@@ -243,7 +243,7 @@ async def send_snapshot(
                             payload=payload,  # type: ignore[arg-type]
                         )
                     )
-                    flight.sent(size)
+                    flight.sent(size, view.nbytes)
                     wire += size
                     sent += 1
                     inflight += 1

@@ -827,7 +827,7 @@ def test_a_stream_more_than_half_sent_finishes_and_the_newer_step_follows(
     cluster.start("A", "--max-rate", "16MB/s", "--metrics-bind", f"127.0.0.1:{port}")
     cluster.start("B")
     job = cluster.job("finish-first")
-    work = big(24 << 20)  # 1.5 s per stream, in 6 chunks
+    work = big(48 << 20)  # 3 s per stream, in 12 chunks
 
     def sent() -> float:  # a push's bytes count as unacknowledged until the buddy holds the snapshot
         return sum(v for (name, _), v in scrape(port).items() if name == "snapshotd_peer_unacked_bytes")
@@ -835,9 +835,12 @@ def test_a_stream_more_than_half_sent_finishes_and_the_newer_step_follows(
     with open_ranks(cluster, job, [("A", work)], slots=3) as [r]:
         watch.track(job, [r])
         assert r.capture(1)
-        # the step between the two captures is as long as step 1's stream so far (1.25 s): the rest (0.25 s)
-        # takes less than the half step that step 2 waits at most
-        wait_until(lambda: sent() >= 0.8 * work.data_bytes, "step 1 to be nearly sent", WAIT, every=0.05)
+        # the step between the two captures is as long as step 1's stream so far (2.4 s): the rest (0.8 s) takes
+        # less than the half step that step 2 waits at most
+        wait_until(
+            lambda: sent() >= 0.7 * work.data_bytes, "step 1 to be more than half sent", WAIT, every=0.05
+        )
+        assert r.snap.stats.durable == 0  # step 1 still streams
         assert r.capture(2)  # a third slot is free: step 2 is announced while step 1 finishes
         assert r.snap.wait(WAIT)
         stats = r.snap.stats
