@@ -24,10 +24,12 @@ one stream at once. A push connection:
 
 1. the sender sends :data:`HELLO` with :data:`PUSH_MAGIC` and the token of the stream's accept;
 2. then any number of :data:`CHUNK` headers with status :attr:`Status.OK`, each followed by its payload (a chunk
-   of the stream's geometry, ``checksum`` its block's xxh3-64 from the slot's seal); it closes the connection
-   after its last chunk. The buddy checks each chunk as it lands and answers over the data plane: a
-   :class:`~snapshotd.proto.ChunkAck` once the copy is complete, an :class:`~snapshotd.proto.Error` (code
-   ``bad_chunk``) for a chunk that fails its check or does not fit the stream.
+   of the stream's geometry, ``checksum`` its block's xxh3-64 from the slot's seal), and after its last chunk a
+   header with status :attr:`Status.END`. The buddy checks each chunk as it lands and answers over the data
+   plane: a :class:`~snapshotd.proto.ChunkAck` once the copy is complete, an :class:`~snapshotd.proto.Error`
+   (code ``bad_chunk``) for a chunk that fails its check or does not fit the stream, and closes the connection;
+3. after ``END`` the connection may carry another push: from 1., with that push's token. Either side closes it
+   when it stays idle (the sender first).
 
 Every integer is little-endian.
 """
@@ -61,7 +63,7 @@ MAGIC = b"SNPB"
 """A rank fetching a holder's copy."""
 PUSH_MAGIC = b"SNPU"
 """A sidecar pushing a stream's chunks to its buddy."""
-VERSION = 1
+VERSION = 2
 TOKEN_BYTES = 16
 
 HELLO = struct.Struct("<4sB3x16s")
@@ -84,6 +86,8 @@ class Status(enum.IntEnum):
     """The holder's copy failed its check at this chunk: it dropped the copy. Take the chunk from another holder."""
     REFUSED = 2
     """A bad hello (wrong magic or version, an unknown or expired token) or a range outside the copy."""
+    END = 3
+    """A push connection's sender sent its last chunk of the push (no payload follows)."""
 
 
 def chunk_length(index: int, chunk_bytes: int, data_bytes: int) -> int:

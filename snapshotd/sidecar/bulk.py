@@ -15,9 +15,11 @@ and hands the tickets to its rank, which connects here and reads the chunks into
   connections presenting its token until it ends (complete, aborted, failed) or, unused, expires. Each
   connection's thread receives its chunks straight into the copy's buffers, taking each chunk's checksum piece by
   piece as the bytes land (while they are in the CPU's caches), and tells the event loop of the chunks that
-  passed in batches: when the sender closes the connection after its last chunk, and at least every
+  passed in batches: when the sender ends its share of the push (``END``), and at least every
   :data:`LANDED_EVERY` seconds meanwhile (each wake of the event loop from a thread costs a context switch on a
-  busy host). The first chunk that fails or does not fit the stream ends the push.
+  busy host). The first chunk that fails or does not fit the stream ends the push and closes the connection.
+  After ``END`` the connection and its thread wait for the sender's next push (its hello) for up to
+  :data:`PUSH_IDLE` seconds.
 - The port serves only on a plaintext data plane (:attr:`~.config.SidecarConfig.serves_bulk`): a ticket or a push
   token is given only over the data plane, so the port admits no one the data plane would not.
 """
@@ -50,6 +52,7 @@ from snapshotd.proto.codec import mismatch
 
 from .integrity import CorruptCopy, Seal
 from .local import SlotState
+from .push import LANE_IDLE
 from .store import StoredSnapshot
 
 __all__ = ["BulkServer", "HeldCopy", "Push"]
@@ -69,6 +72,9 @@ PUSH_CONNECTIONS = 16
 """Connections one push admits."""
 LANDED_EVERY = 0.5
 """Seconds a push connection's thread may hold chunks that passed before it tells the event loop of them."""
+PUSH_IDLE = 2 * LANE_IDLE
+"""Seconds a push connection may wait for its next push before it is closed (the sender closes an idle one
+first, after :data:`~.push.LANE_IDLE`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -142,6 +148,8 @@ class BulkServer:
         self._pushes: dict[bytes, Push] = {}
         self._conns: dict[socket.socket, str] = {}  # -> the peer's host
         self._threads: set[threading.Thread] = set()
+        self.accepted = 0
+        """Connections accepted so far."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -238,6 +246,7 @@ class BulkServer:
                     conn.close()
                     continue
                 self._conns[conn] = host
+                self.accepted += 1
                 thread = threading.Thread(
                     target=self._serve, args=(conn,), name="snapshotd-bulk", daemon=True
                 )
@@ -252,7 +261,15 @@ class BulkServer:
             magic, version, token = HELLO.unpack(recv_exact(conn, HELLO.size))
             conn.settimeout(self.timeout)
             if magic == PUSH_MAGIC and version == VERSION:
-                self._push(conn, token)
+                while self._push(conn, token):  # the sender ended its share: its next push may follow
+                    conn.settimeout(PUSH_IDLE)
+                    hello = _recv_header(conn, HELLO.size)
+                    if hello is None:
+                        return
+                    conn.settimeout(self.timeout)
+                    magic, version, token = HELLO.unpack(hello)
+                    if magic != PUSH_MAGIC or version != VERSION:
+                        return
                 return
             if magic == MAGIC and version == VERSION:
                 with self._lock:
@@ -294,29 +311,34 @@ class BulkServer:
                 conn.sendall(part)
                 self._on_loop(self._served, part.nbytes)
 
-    def _push(self, conn: socket.socket, token: bytes) -> None:
-        """Receive one connection's chunks of the push ``token`` admits (see the module docstring)."""
+    def _push(self, conn: socket.socket, token: bytes) -> bool:
+        """Receive one connection's chunks of the push ``token`` admits (see the module docstring); whether the
+        sender ended its share with ``END`` (else the connection is to be closed)."""
         with self._lock:
             push = self._pushes.get(token)
             if push is None or push.connections >= PUSH_CONNECTIONS:
-                return  # closing the connection refuses it: the sender's stream fails
+                return False  # closing the connection refuses it: the sender's stream fails
             push.connections += 1
         landed: list[tuple[int, int]] = []
         reported = time.monotonic()
         why = None
         try:
-            while not push.ended:
-                header = _recv_header(conn)
-                if header is None:  # the sender sent its last chunk on this connection
-                    break
+            while True:
+                header = _recv_header(conn, CHUNK.size)
+                if header is None:  # the sender closed the connection
+                    return False
                 index, length, checksum, status = CHUNK.unpack(header)
+                if status == Status.END:
+                    return True
+                if push.ended:  # it stops here: what the sender sends after is never read
+                    return False
                 with self._lock:
                     bad = _misfit(push, index, length, status)
                     if bad is None:
                         push.claimed.add(index)
                 if bad is not None:
                     why = f"{push.what}: {bad}"
-                    break
+                    return False
                 buf = push.buffers[index]
                 actual = recv_checked(conn, buf)
                 if actual != checksum:
@@ -324,7 +346,7 @@ class BulkServer:
                         f"chunk {index} of {push.what} failed its end-to-end check: "
                         f"{mismatch(buf.nbytes, actual, checksum)}"
                     )
-                    break
+                    return False
                 landed.append((index, checksum))
                 if time.monotonic() - reported >= LANDED_EVERY:
                     self._on_loop(push.landed, landed)
@@ -332,8 +354,8 @@ class BulkServer:
         finally:  # the chunks that passed count, whatever ends the connection
             if landed:
                 self._on_loop(push.landed, landed)
-        if why is not None:
-            self._fail(push, why)
+            if why is not None:
+                self._fail(push, why)
 
     def _fail(self, push: Push, why: str) -> None:
         with self._lock:
@@ -356,12 +378,12 @@ def _misfit(push: Push, index: int, length: int, status: int) -> str | None:
     return None
 
 
-def _recv_header(conn: socket.socket) -> bytes | None:
-    """The next chunk header, or None when the peer closed the connection before it."""
-    first = conn.recv(CHUNK.size)
+def _recv_header(conn: socket.socket, size: int) -> bytes | None:
+    """The next ``size``-byte header, or None when the peer closed the connection before it."""
+    first = conn.recv(size)
     if not first:
         return None
-    return first + recv_exact(conn, CHUNK.size - len(first)) if len(first) < CHUNK.size else first
+    return first + recv_exact(conn, size - len(first)) if len(first) < size else first
 
 
 def _unpin(copy: HeldCopy) -> None:

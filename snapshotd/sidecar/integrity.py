@@ -54,6 +54,10 @@ class Seal:
             value = self.sums[index] = checksum(view)
         return value
 
+    def whole(self, nbytes: int) -> bool:
+        """Whether it holds the checksum of every block of a copy of ``nbytes``."""
+        return len(self.sums) >= len(self.blocks(nbytes))
+
     def fill(self, data: memoryview) -> None:
         """Take the checksum of every block of ``data`` that has none yet (from a worker thread: the event loop
         may take some of the same at once, alike)."""

@@ -1,8 +1,9 @@
 """Connections from this sidecar to other sidecars' data planes.
 
-One :class:`PeerLink` (a client pipe) per remote data address, shared by every stream to that peer and every
-pull from it. Replies are routed by ``(job, rank, step)`` to whoever subscribed to that key, so several streams
-and pulls share one connection without reading each other's messages.
+One :class:`PeerLink` (a client pipe, and the pool of push connections to the peer's bulk port) per remote data
+address, shared by every stream to that peer and every pull from it. Replies are routed by ``(job, rank, step)``
+to whoever subscribed to that key, so several streams and pulls share one connection without reading each
+other's messages.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from snapshotd.proto import Error, ErrorCode, Message, ProtocolError, decode, encode
 from snapshotd.transport import Network, Pipe, Role
+
+from .push import LanePool
 
 if TYPE_CHECKING:
     from .tasks import TaskTree
@@ -50,6 +53,8 @@ class PeerLink:
         self.stale = False
         """A request on it went unanswered: once no transfer uses it, :class:`PeerLinks` connects afresh."""
         self.reader: asyncio.Task[None] | None = None
+        self.lanes = LanePool()
+        """Connections to the peer's bulk port kept open between the pushes of streams to it."""
 
     @property
     def busy(self) -> bool:
@@ -157,6 +162,7 @@ class PeerLink:
         if self.reader is not None:
             self.reader.cancel()
         self.pipe.close()
+        self.lanes.close()
 
 
 class PeerLinks:

@@ -6,58 +6,81 @@ memory, with ``sendmsg`` of the chunk header and a view of the slot; the buddy r
 copy's buffers. Several lanes spread the kernel's copies over several cores at each end. The event loop only
 paces the chunks and hands them to the lanes; the checksums come from the slot's seal (taken by the lane's thread
 for a block the seal does not hold yet).
+
+A lane outlives its push: it ends each push with an ``END`` header and waits, connection open and thread parked,
+in its :class:`LanePool` for the next push to the same port, which presents its own token on it. So a snapshot
+after the first costs no connection set-up and no thread start at either end. A lane that failed or was stopped
+is closed, never reused; an idle one is closed after :data:`LANE_IDLE` seconds (the buddy closes its end after
+twice that, :data:`~snapshotd.sidecar.bulk.PUSH_IDLE`), and one whose buddy closed its end is found so before
+reuse and replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
+import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from snapshotd.proto.bulk import CHUNK, HELLO, PUSH_MAGIC, VERSION, Status
 
 from .integrity import Seal
 
-__all__ = ["Lanes", "PushFailed"]
+__all__ = ["LANE_IDLE", "LanePool", "Lanes", "PushFailed"]
 
 log = logging.getLogger(__name__)
+
+LANE_IDLE = 60.0
+"""Seconds a lane waits in its pool for the next push before it is closed."""
+KEEP_IDLE = 16
+"""Idle lanes a pool keeps per bulk port; more are closed."""
 
 
 class PushFailed(RuntimeError):
     """A lane could not deliver its chunks (the buddy closed the connection, refused it, or went silent)."""
 
 
-class _Lane:
-    """One connection to the buddy's bulk port and the thread that sends its chunks."""
+class _Stopped(Exception):
+    """The lane was stopped in the middle of a push."""
 
-    def __init__(
-        self,
-        addr: tuple[str, int],
-        token: bytes,
-        seal: Seal,
-        data: memoryview,
-        timeout: float,
-        done: Callable[[BaseException | None], None],
-    ) -> None:
+
+@dataclasses.dataclass(slots=True)
+class _Begin:
+    token: bytes
+    seal: Seal
+    data: memoryview
+    done: Callable[[BaseException | None], None]
+
+
+_END = -1
+"""In a lane's queue: the push's chunks are all queued."""
+
+
+class _Lane:
+    """One connection to a buddy's bulk port and the thread that sends the chunks of one push after another."""
+
+    def __init__(self, addr: tuple[str, int], timeout: float) -> None:
         self.addr = addr
-        self.token = token
-        self.seal = seal
-        self.data = data
         self.timeout = timeout
-        self.done = done
-        self.todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.todo: queue.SimpleQueue[_Begin | int | None] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.stopped = False
+        self.idle_since = time.monotonic()
         self.thread = threading.Thread(target=self._run, name="snapshotd-push", daemon=True)
         self.thread.start()
 
+    def begin(self, push: _Begin) -> None:
+        self.todo.put(push)
+
     def stop(self) -> None:
-        """Make the thread stop at once: a send in progress fails, no further chunk is sent."""
+        """Make the thread stop at once: a send in progress fails, no further chunk is sent, the lane closes."""
         with self.lock:
             self.stopped = True
             if self.sock is not None:
@@ -65,27 +88,59 @@ class _Lane:
                     self.sock.shutdown(socket.SHUT_RDWR)
         self.todo.put(None)
 
+    def usable(self) -> bool:
+        """Whether an idle lane can carry another push: not stopped, and its connection (if open yet) not closed
+        or written to by the buddy (which only closes a push connection)."""
+        if self.stopped or not self.thread.is_alive():
+            return False
+        with self.lock:
+            sock = self.sock
+        if sock is None:
+            return True
+        poll = select.poll()
+        poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return not poll.poll(0)  # anything to read on it is its end
+
     def _run(self) -> None:
-        error: BaseException | None = None
         try:
-            sock = socket.create_connection(self.addr, timeout=self.timeout)
-            with self.lock:
-                self.sock = sock
-                stopped = self.stopped
-            with sock:
-                if stopped:
+            while (push := self.todo.get()) is not None:
+                assert isinstance(push, _Begin)
+                error: BaseException | None = None
+                try:
+                    self._push(push)
+                except BaseException as exc:  # reported to the stream, which says what failed
+                    error = exc
+                push.done(None if error is None or self.stopped else error)
+                if error is not None:
                     return
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.sendall(HELLO.pack(PUSH_MAGIC, VERSION, self.token))
-                block = self.seal.block_bytes
-                while (index := self.todo.get()) is not None and not self.stopped:
-                    view = self.data[index * block : (index + 1) * block]
-                    header = CHUNK.pack(index, view.nbytes, self.seal.block_sum(index, view), Status.OK)
-                    _send(sock, header, view)
-        except BaseException as exc:  # reported to the stream, which says what failed
-            error = exc
         finally:
-            self.done(None if error is None or self.stopped else error)
+            with self.lock:
+                self.stopped = True
+                sock, self.sock = self.sock, None
+            if sock is not None:
+                sock.close()
+
+    def _push(self, push: _Begin) -> None:
+        sock = self.sock if self.sock is not None else self._connect()
+        sock.sendall(HELLO.pack(PUSH_MAGIC, VERSION, push.token))
+        block = push.seal.block_bytes
+        while (index := self.todo.get()) != _END:
+            if not isinstance(index, int) or self.stopped:
+                raise _Stopped
+            view = push.data[index * block : (index + 1) * block]
+            header = CHUNK.pack(index, view.nbytes, push.seal.block_sum(index, view), Status.OK)
+            _send(sock, header, view)
+        sock.sendall(CHUNK.pack(0, 0, 0, Status.END))
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self.addr, timeout=self.timeout)
+        with self.lock:
+            self.sock = sock
+            stopped = self.stopped
+        if stopped:
+            raise _Stopped
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
 
 def _send(sock: socket.socket, header: bytes, payload: memoryview) -> None:
@@ -98,29 +153,82 @@ def _send(sock: socket.socket, header: bytes, payload: memoryview) -> None:
         sock.sendall(payload[sent - len(header) :])
 
 
-class Lanes:
-    """The lanes of one push (see the module docstring): made on the event loop, fed with :meth:`send`, then
-    :meth:`finish` waits until every lane sent its share and closed its connection. :meth:`stop` ends them at
-    once (the stream failed or was cancelled); the data is not read after :meth:`finish` or :meth:`stop` returns.
+class LanePool:
+    """The lanes kept open between pushes (see the module docstring), per bulk port. Used on the event loop;
+    :meth:`close` it when the sidecar stops.
 
     Args:
-        host, port, token: the buddy's bulk port and the push's token (its StreamAccept).
-        count: how many connections.
-        seal: the slot's seal (block size and checksums).
-        data: the slot's bytes.
-        timeout: seconds a connection may take to open, or stay blocked on one send.
+        idle_seconds: how long an idle lane is kept.
+        keep: idle lanes kept per bulk port.
     """
 
-    def __init__(
+    def __init__(self, *, idle_seconds: float = LANE_IDLE, keep: int = KEEP_IDLE) -> None:
+        self.idle_seconds = idle_seconds
+        self.keep = keep
+        self._idle: dict[tuple[str, int], list[_Lane]] = {}
+
+    def take(
         self, host: str, port: int, token: bytes, *, count: int, seal: Seal, data: memoryview, timeout: float
+    ) -> Lanes:
+        """The lanes of one push of ``data`` to ``host:port`` under the push's ``token``: idle ones first, new
+        ones for the rest (each connects as its push starts). ``timeout``: seconds a new connection may take to
+        open, or any lane stay blocked on one send."""
+        self._close_idle(time.monotonic() - self.idle_seconds)
+        idle = self._idle.get((host, port), [])
+        lanes: list[_Lane] = []
+        while idle and len(lanes) < count:
+            lane = idle.pop()
+            if lane.usable():
+                lanes.append(lane)
+            else:
+                lane.stop()
+        lanes += [_Lane((host, port), timeout) for _ in range(count - len(lanes))]
+        return Lanes(self, lanes, token, seal, data)
+
+    @property
+    def idle(self) -> int:
+        """Lanes waiting for a push now."""
+        return sum(len(lanes) for lanes in self._idle.values())
+
+    def close(self) -> None:
+        """Close every idle lane (the lanes of pushes in flight close when their pushes end)."""
+        self._close_idle(float("inf"))
+
+    def _put(self, lanes: list[_Lane]) -> None:
+        now = time.monotonic()
+        for lane in lanes:
+            lane.idle_since = now
+            idle = self._idle.setdefault(lane.addr, [])
+            idle.append(lane)
+            if len(idle) > self.keep:
+                idle.pop(0).stop()
+
+    def _close_idle(self, before: float) -> None:
+        for addr, idle in list(self._idle.items()):
+            for lane in [lane for lane in idle if lane.idle_since < before]:
+                idle.remove(lane)
+                lane.stop()
+            if not idle:
+                del self._idle[addr]
+
+
+class Lanes:
+    """The lanes of one push (see the module docstring), from :meth:`LanePool.take`: fed with :meth:`send`, then
+    :meth:`finish` waits until every lane sent its share and hands them back to the pool. :meth:`stop` closes
+    those it still holds at once (the stream failed or was cancelled); the data is not read after
+    :meth:`finish` or :meth:`stop` returns."""
+
+    def __init__(
+        self, pool: LanePool, lanes: list[_Lane], token: bytes, seal: Seal, data: memoryview
     ) -> None:
         loop = asyncio.get_running_loop()
+        self._pool = pool
         self._futures: list[asyncio.Future[None]] = []
-        self._lanes: list[_Lane] = []
-        for _ in range(count):
+        self._lanes = lanes
+        for lane in lanes:
             fut: asyncio.Future[None] = loop.create_future()
             self._futures.append(fut)
-            self._lanes.append(_Lane((host, port), token, seal, data, timeout, _resolver(loop, fut)))
+            lane.begin(_Begin(token, seal, data, _resolver(loop, fut)))
 
     @property
     def failed(self) -> bool:
@@ -132,24 +240,26 @@ class Lanes:
         self._lanes[index % len(self._lanes)].todo.put(index)
 
     async def finish(self) -> None:
-        """Wait until every lane has sent its chunks.
+        """Wait until every lane has sent its chunks, then hand the lanes back to the pool.
 
         Raises:
             PushFailed: a lane failed (the first failure, named).
         """
         for lane in self._lanes:
-            lane.todo.put(None)
+            lane.todo.put(_END)
         results = await asyncio.gather(*self._futures, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise PushFailed(f"{type(errors[0]).__name__}: {errors[0]}") from errors[0]
+        lanes, self._lanes = self._lanes, []
+        self._pool._put(lanes)
 
     async def stop(self, timeout: float = 5.0) -> None:
-        """Stop every lane and wait (up to ``timeout``) until none reads the data any more."""
+        """Close every lane still held and wait (up to ``timeout``) until none reads the data any more."""
         for lane in self._lanes:
             lane.stop()
         await asyncio.wait(self._futures, timeout=timeout)
-        for lane, fut in zip(self._lanes, self._futures, strict=True):
+        for lane, fut in zip(self._lanes, self._futures, strict=False):
             # resolved from the thread's last step: it reads no more data (it may not have exited quite yet)
             if not fut.done():
                 log.warning("a push lane to %s:%d did not stop within %.0f s", *lane.addr, timeout)

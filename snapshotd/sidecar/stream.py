@@ -281,7 +281,7 @@ class StreamService:
                 errors.append("a buddy was reassigned by the coordinator (it died, or the path to it broke)")
         finally:
             # the lanes took each block's checksum as they sent it; any they did not reach now
-            if self.cfg.pushes:
+            if self.cfg.pushes and not seal.whole(data.nbytes):
                 self._fill(lr, seal, data, s.step)
             if lr.buddy_streams is mine:  # a newer stream of the rank may have taken over already
                 lr.buddy_streams = {}

@@ -32,7 +32,7 @@ from .inflight import Flight
 from .integrity import Seal
 from .pacer import Pacer
 from .peers import PeerError, PeerLink
-from .push import Lanes, PushFailed
+from .push import PushFailed
 
 __all__ = ["CodecPolicy", "SendResult", "send_snapshot"]
 
@@ -292,7 +292,7 @@ async def _push(
     if host is None:
         raise PeerError(f"{link.addr} names no host for its bulk port")
     nchunks = -(-data.nbytes // seal.block_bytes)
-    pushing = Lanes(
+    pushing = link.lanes.take(
         host,
         accept.upload_port,
         accept.upload_token,

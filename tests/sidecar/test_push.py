@@ -2,7 +2,7 @@
 
 The first tests put a :class:`~snapshotd.sidecar.bulk.BulkServer` on an event loop of its own thread, expecting one
 :class:`~snapshotd.sidecar.bulk.Push` into buffers of test size, and send to it with
-:class:`~snapshotd.sidecar.push.Lanes`, or with a raw socket where a test sends what no sidecar would. The last ones
+:class:`~snapshotd.sidecar.push.LanePool`'s lanes, or with a raw socket where a test sends what no sidecar would. The last ones
 stream end to end between real sidecars in this process on loopback TCP (:class:`~tests.deployments.InProcess`).
 """
 
@@ -22,9 +22,10 @@ import torch
 from snapshotd.client import Snapshotter
 from snapshotd.proto import checksum
 from snapshotd.proto.bulk import CHUNK, HELLO, PUSH_MAGIC, VERSION, Status
+from snapshotd.sidecar import bulk
 from snapshotd.sidecar.bulk import BulkServer, Push
 from snapshotd.sidecar.integrity import Seal
-from snapshotd.sidecar.push import Lanes, PushFailed
+from snapshotd.sidecar.push import LanePool, PushFailed
 
 from ..deployments import InProcess
 from ..waits import wait_until
@@ -50,15 +51,20 @@ def run(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 class Buddy:
-    """A bulk port expecting one push of :data:`DATA`; what landed and why it failed, as its callbacks said."""
+    """A bulk port expecting a push of :data:`DATA` (:meth:`expect` another); what landed and why it failed, as
+    its callbacks said."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, port: int = 0) -> None:
         self.loop = loop
 
         async def start() -> BulkServer:
-            return BulkServer("127.0.0.1", 0, served=lambda n: None, ticket_ttl=10.0, timeout=5.0)
+            return BulkServer("127.0.0.1", port, served=lambda n: None, ticket_ttl=10.0, timeout=5.0)
 
         self.server: BulkServer = run(loop, start())
+        self.expect()
+
+    def expect(self) -> None:
+        """Expect a new push (:attr:`token`) into fresh buffers."""
         self.buffers = [memoryview(bytearray(len(DATA[i * BLOCK : (i + 1) * BLOCK]))) for i in range(NCHUNKS)]
         self.landed: dict[int, int] = {}
         self.failures: list[str] = []
@@ -67,10 +73,37 @@ class Buddy:
             push = Push("job 'j' rank 0 step 1", self.buffers, self.landed.update, self.failures.append)
             return self.server.expect(push)
 
-        self.token: bytes = run(loop, expect())
+        self.token: bytes = run(self.loop, expect())
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        run(self.loop, _call(self.server.close))
+
+
+async def _call(fn: Any) -> Any:
+    return fn()
+
+
+def push_all(loop: asyncio.AbstractEventLoop, pool: LanePool, buddy: Buddy, lanes: int, seal: Seal) -> None:
+    """Push every chunk of :data:`DATA` to ``buddy``'s expected push over ``lanes`` lanes from ``pool``."""
+
+    async def push() -> None:
+        sending = pool.take(
+            "127.0.0.1",
+            buddy.server.port,
+            buddy.token,
+            count=lanes,
+            seal=seal,
+            data=memoryview(DATA),
+            timeout=5.0,
+        )
+        try:
+            for index in range(NCHUNKS):
+                sending.send(index)
+            await sending.finish()
+        finally:
+            await sending.stop()
+
+    run(loop, push())
 
 
 @pytest.fixture
@@ -102,37 +135,84 @@ def chunk(
     return CHUNK.pack(index, n, checksum(payload) if sum_ is None else sum_, status) + payload[:n]
 
 
-@pytest.mark.parametrize("lanes", [1, 3])
-def test_every_chunk_lands_in_its_buffer_with_its_checksum(
-    loop: asyncio.AbstractEventLoop, buddy: Buddy, lanes: int, caplog: pytest.LogCaptureFixture
-) -> None:
-    seal = Seal(BLOCK, 0)
+@pytest.fixture
+def pool(loop: asyncio.AbstractEventLoop) -> Iterator[LanePool]:
+    lanes = LanePool()
+    yield lanes
+    run(loop, _call(lanes.close))
 
-    async def push() -> None:
-        sending = Lanes(
-            "127.0.0.1",
-            buddy.server.port,
-            buddy.token,
-            count=lanes,
-            seal=seal,
-            data=memoryview(DATA),
-            timeout=5.0,
-        )
-        try:
-            for index in range(NCHUNKS):
-                sending.send(index)
-            await sending.finish()
-        finally:
-            await sending.stop()
 
-    run(loop, push())
+def landed_whole(buddy: Buddy) -> None:
     wait_until(lambda: len(buddy.landed) == NCHUNKS, "every chunk to land")
     assert b"".join(bytes(b) for b in buddy.buffers) == DATA
-    assert (
-        buddy.landed == seal.sums == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
-    )
+    assert buddy.landed == {i: checksum(DATA[i * BLOCK : (i + 1) * BLOCK]) for i in range(NCHUNKS)}
     assert buddy.failures == []
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_every_chunk_lands_in_its_buffer_with_its_checksum(
+    loop: asyncio.AbstractEventLoop,
+    buddy: Buddy,
+    pool: LanePool,
+    lanes: int,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seal = Seal(BLOCK, 0)
+    push_all(loop, pool, buddy, lanes, seal)
+    landed_whole(buddy)
+    assert seal.sums == buddy.landed
     assert "did not stop" not in caplog.text  # every lane ended: no warning, however soon stop() looked
+
+
+def test_the_next_push_to_the_buddy_goes_over_the_same_connections(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, pool: LanePool
+) -> None:
+    push_all(loop, pool, buddy, 3, Seal(BLOCK, 0))
+    landed_whole(buddy)
+    assert pool.idle == 3
+    buddy.expect()  # the next step's stream
+    push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    landed_whole(buddy)
+    assert buddy.server.accepted == 3 and pool.idle == 3
+
+
+def test_a_lane_whose_buddy_closed_its_connection_is_replaced(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, pool: LanePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buddy closes an idle push connection after a while, and all of them when it restarts: the next push
+    connects afresh instead of failing on a connection that is gone."""
+    monkeypatch.setattr(bulk, "PUSH_IDLE", 0.2)
+    push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    landed_whole(buddy)
+    wait_until(lambda: buddy.server.accepted == 2 and not buddy.server._conns, "the buddy to close idle ones")
+    buddy.expect()
+    push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    landed_whole(buddy)
+    assert buddy.server.accepted == 4
+    port = buddy.server.port
+    buddy.close()  # a sidecar restarted on the same port
+    again = Buddy(loop, port)
+    try:
+        push_all(loop, pool, again, 2, Seal(BLOCK, 0))
+        landed_whole(again)
+        assert again.server.accepted == 2
+    finally:
+        again.close()
+
+
+def test_a_lane_idle_longer_than_the_pool_keeps_it_is_closed(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy
+) -> None:
+    pool = LanePool(idle_seconds=0.0)
+    push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    assert pool.idle == 2
+    buddy.expect()
+    push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    landed_whole(buddy)
+    assert buddy.server.accepted == 4
+    run(loop, _call(pool.close))
+    assert pool.idle == 0
+    wait_until(lambda: not buddy.server._conns, "the buddy to see the closed lanes go")
 
 
 def test_a_chunk_whose_bytes_fail_their_checksum_ends_the_push_naming_it(buddy: Buddy) -> None:
@@ -178,30 +258,12 @@ def test_a_wrong_token_or_an_ended_push_is_refused_and_nothing_lands(
 
 
 def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(
-    loop: asyncio.AbstractEventLoop, buddy: Buddy
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, pool: LanePool
 ) -> None:
     buddy.close()
-    seal = Seal(BLOCK, 0)
-
-    async def push() -> None:
-        sending = Lanes(
-            "127.0.0.1",
-            buddy.server.port,
-            buddy.token,
-            count=2,
-            seal=seal,
-            data=memoryview(DATA),
-            timeout=2.0,
-        )
-        try:
-            for index in range(NCHUNKS):
-                sending.send(index)
-            await sending.finish()
-        finally:
-            await sending.stop()
-
     with pytest.raises(PushFailed, match="ConnectionRefusedError|ConnectionResetError|BrokenPipeError"):
-        run(loop, push())
+        push_all(loop, pool, buddy, 2, Seal(BLOCK, 0))
+    assert pool.idle == 0  # a lane that failed is never kept
 
 
 FLOATS = 300_000  # 1.2 MB: 19 chunks of 64 KiB
