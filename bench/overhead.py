@@ -21,6 +21,10 @@ N is each value of ``--interval``. ``--scenario`` picks the machine's shape (def
 - ``saturated``: ``--ranks`` ranks of ``--threads`` threads (default 2 of 1: both cores of a 2-core machine
   train), so that the sidecars stream with CPU that training wanted. Keys ``saturated_*`` alike.
 
+Two scenarios run alone, in modules of their own: ``node`` (:mod:`.node`, the rate a node's snapshots sustain)
+and ``ideal`` (:mod:`.ideal`, headroom's training beside the least work a snapshot's bytes can take, the yardstick
+for the sidecars' CPU beside training).
+
 The other summary keys (``step_ratio``, ``torch_save_ratio``, ...) are the headline scenario's: headroom when it
 ran. Where the time goes, per snapshot and scenario: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all,
 the sum of ``rank_cpu_ms_per_snapshot`` (the rank processes' extra CPU over ``none``: ``capture()``'s walk, the
@@ -69,6 +73,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -79,8 +84,9 @@ from snapshotd.proto import checksum
 from snapshotd.units import parse_bytes, parse_rate
 
 from .baselines import process_cpu_times
+from .ideal import run_ideal
 from .node import run_node
-from .report import Report, progress, save_figure, scratch_dir
+from .report import Report, default_plot, progress, save_figure, scratch_dir
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
@@ -163,12 +169,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scenario",
-        choices=(*SCENARIOS, "both", "node"),
+        choices=(*SCENARIOS, "both", "node", "ideal"),
         default="both",
         help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
         "saturated: --ranks ranks using the cores; both (default): each in turn; node: "
         "--ranks ranks snapshotting back to back, the rate the node sustains "
-        "(snapshotd.bench.node)",
+        "(snapshotd.bench.node); ideal: headroom's training beside the least work a snapshot's bytes can take "
+        "(snapshotd.bench.ideal)",
     )
     parser.add_argument(
         "--ranks",
@@ -631,6 +638,8 @@ def run(args: argparse.Namespace) -> Report:
     _check(args)
     if args.scenario == "node":
         return _run_node(args)
+    if args.scenario == "ideal":
+        return _run_ideal(args)
     scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
     setup = (
         f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
@@ -707,26 +716,59 @@ def _run_node(args: argparse.Namespace) -> Report:
         f"{args.ranks} rank(s) on node A snapshotting back to back, each streamed to node B (replicas=1, "
         f"loopback TCP); {os.cpu_count()} cores"
     )
-    print(f"overhead: {setup}", flush=True)
-    with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
-        rows, summary = run_node(args, workdir)
-    config = {key: getattr(args, key) for key in _CONFIG_KEYS}
-    config.update(setup=setup)
-    return Report(
-        "overhead",
-        config,
-        rows,
-        summary,
-        columns=["scenario", "variant", "runs", "moved_per_step_bytes", "moved_to"],
+    return _run_apart(
+        args, setup, run_node, ["scenario", "variant", "runs", "moved_per_step_bytes", "moved_to"]
     )
 
 
+def _run_ideal(args: argparse.Namespace) -> Report:
+    setup = (
+        f"1 rank of 1 thread training; after each step its state copied into shared memory and sent whole to "
+        f"another process over loopback TCP by a third; {os.cpu_count()} cores"
+    )
+
+    def measure(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        rows, summary, nbytes = run_ideal(args, workdir)
+        minimum = physical_minimum(nbytes)
+        minimum_ms = (minimum.copy_s + minimum.wire_s) * 1e3
+        summary.update(
+            minimum_cpu_ms=minimum_ms,
+            minimum_copy_ms=minimum.copy_s * 1e3,
+            minimum_wire_ms=minimum.wire_s * 1e3,
+            ideal_vs_minimum=summary["ideal_cpu_ms_per_snapshot"] / minimum_ms if minimum_ms > 0 else None,
+        )
+        return rows, summary
+
+    return _run_apart(
+        args, setup, measure, ["scenario", "variant", "steps", "step_median_s", "step_mean_s", "rank_cpu_ms"]
+    )
+
+
+def _run_apart(
+    args: argparse.Namespace,
+    setup: str,
+    measure: Callable[[argparse.Namespace, str], tuple[list[dict[str, Any]], dict[str, Any]]],
+    columns: list[str],
+) -> Report:
+    """A scenario measured by a module of its own: ``measure(args, workdir)`` gives its rows and summary."""
+    print(f"overhead: {setup}", flush=True)
+    with scratch_dir(args.workdir, prefix="snapshotd-overhead-") as workdir:
+        rows, summary = measure(args, workdir)
+    config = {key: getattr(args, key) for key in _CONFIG_KEYS}
+    config.update(setup=setup)
+    return Report("overhead", config, rows, summary, columns=columns)
+
+
 def plot(report: Report, path: str) -> None:
-    """Step times per variant: a box per variant (the ``none`` median as a line), and each run's steps in turn."""
+    """Step times per variant: a box per variant (the ``none`` median as a line), and each run's steps in turn.
+    The node and ideal scenarios, which keep no steps per row, get the default plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows = report.results
+    if any("step_ms" not in r for r in rows):
+        default_plot(report, path)
+        return
     labels = [
         f"{r.get('scenario', '')} {r['variant']}" + (f" N={r['interval']}" if r.get("interval") else "")
         for r in rows

@@ -10,9 +10,9 @@ for a block the seal does not hold yet).
 A lane outlives its push: it ends each push with an ``END`` header and waits, connection open and thread parked,
 in its :class:`LanePool` for the next push to the same port, which presents its own token on it. So a snapshot
 after the first costs no connection set-up and no thread start at either end. A lane that failed or was stopped
-is closed, never reused; an idle one is closed after :data:`LANE_IDLE` seconds (the buddy closes its end after
-twice that, :data:`~snapshotd.sidecar.bulk.PUSH_IDLE`), and one whose buddy closed its end is found so before
-reuse and replaced.
+is closed, never reused; an idle one closes itself after :data:`LANE_IDLE` seconds (the buddy closes its end
+after twice that, :data:`~snapshotd.sidecar.bulk.PUSH_IDLE`), and one whose buddy closed its end is found so
+before reuse and replaced. An idle lane holds no reference to the memory of the push it carried.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ _END = -1
 class _Lane:
     """One connection to a buddy's bulk port and the thread that sends the chunks of one push after another."""
 
-    def __init__(self, addr: tuple[str, int], timeout: float) -> None:
+    def __init__(self, addr: tuple[str, int], timeout: float, idle_seconds: float) -> None:
         self.addr = addr
         self.timeout = timeout
+        self.idle_seconds = idle_seconds
         self.todo: queue.SimpleQueue[_Begin | int | None] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
@@ -76,8 +77,14 @@ class _Lane:
         self.thread = threading.Thread(target=self._run, name="snapshotd-push", daemon=True)
         self.thread.start()
 
-    def begin(self, push: _Begin) -> None:
-        self.todo.put(push)
+    def begin(self, push: _Begin) -> bool:
+        """Queue ``push`` for the thread; False (nothing queued) when the lane is closed or closing, or its
+        connection was closed or written to by the buddy (which only closes a push connection)."""
+        with self.lock:  # against the thread closing the lane after its idle time
+            if self.stopped or (self.sock is not None and _readable(self.sock)):
+                return False
+            self.todo.put(push)
+            return True
 
     def stop(self) -> None:
         """Make the thread stop at once: a send in progress fails, no further chunk is sent, the lane closes."""
@@ -88,29 +95,30 @@ class _Lane:
                     self.sock.shutdown(socket.SHUT_RDWR)
         self.todo.put(None)
 
-    def usable(self) -> bool:
-        """Whether an idle lane can carry another push: not stopped, and its connection (if open yet) not closed
-        or written to by the buddy (which only closes a push connection)."""
-        if self.stopped or not self.thread.is_alive():
-            return False
-        with self.lock:
-            sock = self.sock
-        if sock is None:
-            return True
-        poll = select.poll()
-        poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return not poll.poll(0)  # anything to read on it is its end
+    def _next(self) -> _Begin | None:
+        """The next push, or None once the lane is stopped or has waited :attr:`idle_seconds` for one."""
+        while True:
+            try:
+                item = self.todo.get(timeout=self.idle_seconds)
+            except queue.Empty:
+                with self.lock:
+                    if self.todo.empty():  # no begin() came meanwhile: none comes after this
+                        self.stopped = True
+                        return None
+                continue
+            assert item is None or isinstance(item, _Begin)
+            return item
 
     def _run(self) -> None:
         try:
-            while (push := self.todo.get()) is not None:
-                assert isinstance(push, _Begin)
+            while (push := self._next()) is not None:
                 error: BaseException | None = None
                 try:
                     self._push(push)
                 except BaseException as exc:  # reported to the stream, which says what failed
                     error = exc
-                push.done(None if error is None or self.stopped else error)
+                done, push = push.done, None  # waiting for the next, it holds no view of this one's memory
+                done(None if error is None or self.stopped else error)
                 if error is not None:
                     return
         finally:
@@ -143,6 +151,13 @@ class _Lane:
         return sock
 
 
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has anything to read (or its end closed) right now."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poll.poll(0))
+
+
 def _send(sock: socket.socket, header: bytes, payload: memoryview) -> None:
     """``header`` then ``payload``, in one system call where the kernel takes it all."""
     sent = sock.sendmsg([header, payload])
@@ -166,6 +181,7 @@ class LanePool:
         self.idle_seconds = idle_seconds
         self.keep = keep
         self._idle: dict[tuple[str, int], list[_Lane]] = {}
+        self._closed = False
 
     def take(
         self, host: str, port: int, token: bytes, *, count: int, seal: Seal, data: memoryview, timeout: float
@@ -173,17 +189,20 @@ class LanePool:
         """The lanes of one push of ``data`` to ``host:port`` under the push's ``token``: idle ones first, new
         ones for the rest (each connects as its push starts). ``timeout``: seconds a new connection may take to
         open, or any lane stay blocked on one send."""
+        loop = asyncio.get_running_loop()
         self._close_idle(time.monotonic() - self.idle_seconds)
         idle = self._idle.get((host, port), [])
         lanes: list[_Lane] = []
-        while idle and len(lanes) < count:
-            lane = idle.pop()
-            if lane.usable():
+        futures: list[asyncio.Future[None]] = []
+        while len(lanes) < count:
+            lane = idle.pop() if idle else _Lane((host, port), timeout, self.idle_seconds)
+            fut: asyncio.Future[None] = loop.create_future()
+            if lane.begin(_Begin(token, seal, data, _resolver(loop, fut))):
                 lanes.append(lane)
+                futures.append(fut)
             else:
                 lane.stop()
-        lanes += [_Lane((host, port), timeout) for _ in range(count - len(lanes))]
-        return Lanes(self, lanes, token, seal, data)
+        return Lanes(self, lanes, futures)
 
     @property
     def idle(self) -> int:
@@ -191,12 +210,16 @@ class LanePool:
         return sum(len(lanes) for lanes in self._idle.values())
 
     def close(self) -> None:
-        """Close every idle lane (the lanes of pushes in flight close when their pushes end)."""
+        """Close every idle lane; the lanes of pushes in flight close as their pushes end."""
+        self._closed = True
         self._close_idle(float("inf"))
 
     def _put(self, lanes: list[_Lane]) -> None:
         now = time.monotonic()
         for lane in lanes:
+            if self._closed:
+                lane.stop()
+                continue
             lane.idle_since = now
             idle = self._idle.setdefault(lane.addr, [])
             idle.append(lane)
@@ -218,17 +241,11 @@ class Lanes:
     those it still holds at once (the stream failed or was cancelled); the data is not read after
     :meth:`finish` or :meth:`stop` returns."""
 
-    def __init__(
-        self, pool: LanePool, lanes: list[_Lane], token: bytes, seal: Seal, data: memoryview
-    ) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, pool: LanePool, lanes: list[_Lane], futures: list[asyncio.Future[None]]) -> None:
         self._pool = pool
-        self._futures: list[asyncio.Future[None]] = []
         self._lanes = lanes
-        for lane in lanes:
-            fut: asyncio.Future[None] = loop.create_future()
-            self._futures.append(fut)
-            lane.begin(_Begin(token, seal, data, _resolver(loop, fut)))
+        self._futures = futures
+        """Each lane's push, resolved when its thread is done with it (the data no longer read)."""
 
     @property
     def failed(self) -> bool:
@@ -247,8 +264,8 @@ class Lanes:
         """
         for lane in self._lanes:
             lane.todo.put(_END)
-        results = await asyncio.gather(*self._futures, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        await asyncio.wait(self._futures)  # not gather: cancelling this leaves them for stop() to wait on
+        errors = [e for f in self._futures if (e := f.exception()) is not None]
         if errors:
             raise PushFailed(f"{type(errors[0]).__name__}: {errors[0]}") from errors[0]
         lanes, self._lanes = self._lanes, []

@@ -323,3 +323,28 @@ def test_the_node_scenario_reports_the_rate_the_node_sustains_and_its_cpu_per_gb
         summary["node_durable_Bps"] / summary["node_raw_socket_Bps"]
     )
     assert summary["node_sidecar_user_ms_per_GB"] >= 0 and summary["node_sidecar_system_ms_per_GB"] > 0
+
+
+def test_the_ideal_scenario_prices_the_least_work_beside_training(tmp_path: Path) -> None:
+    args = _args(*TINY_RUN, "--scenario", "ideal", "--workdir", str(tmp_path))
+    report = overhead.run(args)
+    summary = report.summary
+    cfg = config_for_params(TINY_PARAMS)
+    assert (
+        12 * cfg.n_params <= summary["ideal_state_bytes"] < 12 * cfg.n_params + 4096
+    )  # parameters, 2 moments
+    assert summary["ideal_step_ratio"] > 0 and summary["ideal_mean_ratio"] > 0
+    # /proc counts the pair's CPU in clock ticks, and a tiny transfer takes less than one: it may read below 0
+    assert summary["ideal_cpu_ms_per_snapshot"] == pytest.approx(
+        summary["ideal_rank_cpu_ms_per_snapshot"] + summary["ideal_pair_cpu_ms_per_snapshot"]
+    )
+    assert summary["minimum_cpu_ms"] > 0 and summary["ideal_vs_minimum"] == pytest.approx(
+        summary["ideal_cpu_ms_per_snapshot"] / summary["minimum_cpu_ms"]
+    )
+    assert 0 <= summary["ideal_waited"] <= 4
+    assert [(r["variant"], r["steps"]) for r in report.results] == [
+        ("none", 4),
+        ("ideal", 4),
+    ]  # warmup left out
+    assert all(r["step_median_s"] > 0 and r["rank_cpu_ms"] >= 0 for r in report.results)
+    assert not list(tmp_path.rglob("ideal-arena"))  # the shared arena is gone
