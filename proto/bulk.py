@@ -23,11 +23,13 @@ memory into the buffers that will hold the copy, one kernel copy on each side, a
 one stream at once. A push connection:
 
 1. the sender sends :data:`HELLO` with :data:`PUSH_MAGIC` and the token of the stream's accept;
-2. then any number of :data:`CHUNK` headers with status :attr:`Status.OK`, each followed by its payload (a chunk
-   of the stream's geometry, ``checksum`` its block's xxh3-64 from the slot's seal), and after its last chunk a
-   header with status :attr:`Status.END`. The buddy checks each chunk as it lands and answers over the data
-   plane: a :class:`~snapshotd.proto.ChunkAck` once the copy is complete, an :class:`~snapshotd.proto.Error`
-   (code ``bad_chunk``) for a chunk that fails its check or does not fit the stream, and closes the connection;
+2. then any number of chunks (of the stream's geometry), each a :data:`PUSH_CHUNK` header ``(index, length,
+   status)`` with status :attr:`Status.OK`, ``length`` bytes of payload, and :data:`PUSH_SUM`, the payload's
+   xxh3-64 (after the payload, so that the sender can take it piece by piece as the bytes go out, each piece
+   while it is in the CPU's caches); after its last chunk a header with status :attr:`Status.END`. The buddy
+   checks each chunk as it lands and answers over the data plane: a :class:`~snapshotd.proto.ChunkAck` once the
+   copy is complete, an :class:`~snapshotd.proto.Error` (code ``bad_chunk``) for a chunk that fails its check or
+   does not fit the stream, and closes the connection;
 3. after ``END`` the connection may carry another push: from 1., with that push's token. Either side closes it
    when it stays idle (the sender first).
 
@@ -42,28 +44,33 @@ import socket
 import struct
 
 from .codec import RunningChecksum
+from .fields import Buffer
 
 __all__ = [
     "CHUNK",
     "HELLO",
     "MAGIC",
+    "PIECE_BYTES",
+    "PUSH_CHUNK",
     "PUSH_MAGIC",
+    "PUSH_SUM",
     "RANGE",
     "TOKEN_BYTES",
-    "RECV_BYTES",
     "VERSION",
     "Status",
     "chunk_length",
     "recv_checked",
     "recv_exact",
     "recv_into",
+    "send_all",
+    "send_checked",
 ]
 
 MAGIC = b"SNPB"
 """A rank fetching a holder's copy."""
 PUSH_MAGIC = b"SNPU"
 """A sidecar pushing a stream's chunks to its buddy."""
-VERSION = 2
+VERSION = 3
 TOKEN_BYTES = 16
 
 HELLO = struct.Struct("<4sB3x16s")
@@ -72,9 +79,14 @@ RANGE = struct.Struct("<II")
 """first chunk, count (``(0, 0)``: the client is done)."""
 CHUNK = struct.Struct("<IIQB7x")
 """chunk index, payload length, xxh3-64 of the payload, :class:`Status`."""
-RECV_BYTES = 256 << 10
-"""The most one receive of :func:`recv_checked` asks for: each piece is checksummed right after it lands, while
-it is hot."""
+PUSH_CHUNK = struct.Struct("<IIB7x")
+"""A push's chunk header: chunk index, payload length, :class:`Status`."""
+PUSH_SUM = struct.Struct("<Q")
+"""What follows a push chunk's payload: its xxh3-64."""
+PIECE_BYTES = 1 << 20
+"""The bytes :func:`send_checked` checksums just before they go out, and :func:`recv_checked` just after they land,
+at a time: each piece is checksummed while it is in the CPU's caches, and the thread wakes and calls into the
+kernel once per piece."""
 
 
 class Status(enum.IntEnum):
@@ -123,7 +135,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 def recv_checked(sock: socket.socket, view: memoryview) -> int:
     """Fill ``view`` from ``sock``, taking its checksum piece by piece as the bytes land; the checksum.
 
-    The thread wakes only once a whole piece (:data:`RECV_BYTES`, or the rest) is in (``SO_RCVLOWAT``), not for
+    The thread wakes only once a whole piece (:data:`PIECE_BYTES`, or the rest) is in (``SO_RCVLOWAT``), not for
     every segment the kernel queues: fewer wakes and system calls at both ends of the connection.
 
     Raises:
@@ -131,14 +143,14 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
     """
     running = RunningChecksum()
     got, n = 0, view.nbytes
-    lowat = min(RECV_BYTES, n)
+    lowat = min(PIECE_BYTES, n)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
     try:
         while got < n:
             if n - got < lowat:  # the rest: wait for no more than it
                 lowat = n - got
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
-            k = sock.recv_into(view[got:], min(RECV_BYTES, n - got))
+            k = sock.recv_into(view[got:], min(PIECE_BYTES, n - got))
             if k == 0:
                 raise EOFError(f"the peer closed after {got} of {n} bytes of a chunk")
             running.update(view[got : got + k])
@@ -147,3 +159,35 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
         with contextlib.suppress(OSError):  # what follows is read as soon as any of it is in
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return running.value()
+
+
+def send_checked(sock: socket.socket, header: bytes, view: memoryview) -> int:
+    """Send ``header``, ``view`` and :data:`PUSH_SUM` of ``view``, taking the checksum piece by piece
+    (:data:`PIECE_BYTES`) just before each piece goes out, so that the kernel copies it from the CPU's caches; the
+    checksum."""
+    running = RunningChecksum()
+    n = view.nbytes
+    head: list[Buffer] = [header]
+    lo = 0
+    while True:
+        piece = view[lo : lo + PIECE_BYTES]
+        running.update(piece)
+        lo += piece.nbytes
+        if lo >= n:
+            value = running.value()
+            send_all(sock, [*head, piece, PUSH_SUM.pack(value)])
+            return value
+        send_all(sock, [*head, piece])
+        head = []
+
+
+def send_all(sock: socket.socket, buffers: list[Buffer]) -> None:
+    """Send every byte of ``buffers``, in order, in as few system calls as the kernel allows (``sendmsg``)."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]

@@ -40,7 +40,9 @@ from snapshotd.proto.bulk import (
     CHUNK,
     HELLO,
     MAGIC,
+    PUSH_CHUNK,
     PUSH_MAGIC,
+    PUSH_SUM,
     RANGE,
     TOKEN_BYTES,
     VERSION,
@@ -324,10 +326,10 @@ class BulkServer:
         why = None
         try:
             while True:
-                header = _recv_header(conn, CHUNK.size)
+                header = _recv_header(conn, PUSH_CHUNK.size)
                 if header is None:  # the sender closed the connection
                     return False
-                index, length, checksum, status = CHUNK.unpack(header)
+                index, length, status = PUSH_CHUNK.unpack(header)
                 if status == Status.END:
                     return True
                 if push.ended:  # it stops here: what the sender sends after is never read
@@ -341,6 +343,7 @@ class BulkServer:
                     return False
                 buf = push.buffers[index]
                 actual = recv_checked(conn, buf)
+                (checksum,) = PUSH_SUM.unpack(recv_exact(conn, PUSH_SUM.size))
                 if actual != checksum:
                     why = (
                         f"chunk {index} of {push.what} failed its end-to-end check: "

@@ -54,6 +54,10 @@ class Seal:
             value = self.sums[index] = checksum(view)
         return value
 
+    def keep(self, index: int, value: int) -> None:
+        """Keep ``value`` as block ``index``'s checksum (taken as its bytes were read) unless one is kept already."""
+        self.sums.setdefault(index, value)
+
     def whole(self, nbytes: int) -> bool:
         """Whether it holds the checksum of every block of a copy of ``nbytes``."""
         return len(self.sums) >= len(self.blocks(nbytes))

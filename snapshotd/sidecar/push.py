@@ -2,10 +2,11 @@
 
 A push moves a slot's bytes with one kernel copy at each end: each of a few connections ("lanes") is served by a
 thread of its own that sends its share of the chunks (chunk ``i`` on lane ``i % lanes``) straight from shared
-memory, with ``sendmsg`` of the chunk header and a view of the slot; the buddy receives them straight into the
-copy's buffers. Several lanes spread the kernel's copies over several cores at each end. The event loop only
-paces the chunks and hands them to the lanes; the checksums come from the slot's seal (taken by the lane's thread
-for a block the seal does not hold yet).
+memory, with ``sendmsg`` of views of the slot; the buddy receives them straight into the copy's buffers. Several
+lanes spread the kernel's copies over several cores at each end. The event loop only paces the chunks and hands
+them to the lanes. A chunk's checksum is the slot's seal's, or, for a block the seal does not hold yet, taken by
+the lane piece by piece as the bytes go out (:func:`~snapshotd.proto.bulk.send_checked`) and kept in the seal:
+one pass over the bytes, from the CPU's caches, for the checksum and the kernel's copy.
 
 A lane outlives its push: it ends each push with an ``END`` header and waits, connection open and thread parked,
 in its :class:`LanePool` for the next push to the same port, which presents its own token on it. So a snapshot
@@ -28,7 +29,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from snapshotd.proto.bulk import CHUNK, HELLO, PUSH_MAGIC, VERSION, Status
+from snapshotd.proto.bulk import (
+    HELLO,
+    PUSH_CHUNK,
+    PUSH_MAGIC,
+    PUSH_SUM,
+    VERSION,
+    Status,
+    send_all,
+    send_checked,
+)
 
 from .integrity import Seal
 
@@ -136,9 +146,13 @@ class _Lane:
             if not isinstance(index, int) or self.stopped:
                 raise _Stopped
             view = push.data[index * block : (index + 1) * block]
-            header = CHUNK.pack(index, view.nbytes, push.seal.block_sum(index, view), Status.OK)
-            _send(sock, header, view)
-        sock.sendall(CHUNK.pack(0, 0, 0, Status.END))
+            header = PUSH_CHUNK.pack(index, view.nbytes, Status.OK)
+            kept = push.seal.sums.get(index)
+            if kept is None:
+                push.seal.keep(index, send_checked(sock, header, view))
+            else:
+                send_all(sock, [header, view, PUSH_SUM.pack(kept)])
+        sock.sendall(PUSH_CHUNK.pack(0, 0, Status.END))
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.addr, timeout=self.timeout)
@@ -156,16 +170,6 @@ def _readable(sock: socket.socket) -> bool:
     poll = select.poll()
     poll.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(poll.poll(0))
-
-
-def _send(sock: socket.socket, header: bytes, payload: memoryview) -> None:
-    """``header`` then ``payload``, in one system call where the kernel takes it all."""
-    sent = sock.sendmsg([header, payload])
-    if sent < len(header):
-        sock.sendall(header[sent:])
-        sent = len(header)
-    if sent - len(header) < payload.nbytes:
-        sock.sendall(payload[sent - len(header) :])
 
 
 class LanePool:

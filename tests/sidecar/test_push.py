@@ -9,6 +9,7 @@ stream end to end between real sidecars in this process on loopback TCP (:class:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -21,8 +22,18 @@ import torch
 
 from snapshotd.client import Snapshotter
 from snapshotd.proto import checksum
-from snapshotd.proto.bulk import CHUNK, HELLO, PUSH_MAGIC, VERSION, Status
+from snapshotd.proto.bulk import (
+    HELLO,
+    PUSH_CHUNK,
+    PUSH_MAGIC,
+    PUSH_SUM,
+    VERSION,
+    Status,
+    send_all,
+    send_checked,
+)
 from snapshotd.sidecar import bulk
+from snapshotd.sidecar import push as sender
 from snapshotd.sidecar.bulk import BulkServer, Push
 from snapshotd.sidecar.integrity import Seal
 from snapshotd.sidecar.push import LanePool, PushFailed
@@ -139,7 +150,8 @@ def chunk(
 ) -> bytes:
     payload = DATA[index * BLOCK : (index + 1) * BLOCK]
     n = len(payload) if length is None else length
-    return CHUNK.pack(index, n, checksum(payload) if sum_ is None else sum_, status) + payload[:n]
+    trailer = PUSH_SUM.pack(checksum(payload) if sum_ is None else sum_)
+    return PUSH_CHUNK.pack(index, n, status) + payload[:n] + trailer
 
 
 @pytest.fixture
@@ -164,6 +176,26 @@ def test_every_chunk_lands_in_its_buffer_with_its_checksum(
     push_all(loop, pool, buddy, lanes, seal)
     landed_whole(buddy)
     assert seal.sums == buddy.landed
+
+
+def test_a_block_whose_sum_the_seal_holds_is_sent_with_it_and_checked_against_it(
+    loop: asyncio.AbstractEventLoop, buddy: Buddy, pool: LanePool
+) -> None:
+    """A slot's bytes changed after its seal took their sums (a rank writing into a slot it handed over) never
+    become a copy: the buddy checks them against the seal's sums, which the lanes send as they are."""
+    seal = Seal(BLOCK, 0)
+    seal.fill(memoryview(DATA))
+    slot = bytearray(DATA)
+    slot[BLOCK + 7] ^= 0xFF  # chunk 1
+    with contextlib.suppress(PushFailed):  # the lane may have sent it all before the buddy closed its end
+        push_all(loop, pool, buddy, 1, seal, slot)
+    wait_until(lambda: buddy.failures, "the push to fail")
+    (why,) = buddy.failures
+    assert "chunk 1 of job 'j' rank 0 step 1 failed its end-to-end check" in why
+    assert buddy.landed == {0: seal.sums[0]}
+    buddy.expect()  # the same seal over the bytes it was taken of: every chunk lands with the seal's sums
+    push_all(loop, pool, buddy, 2, seal)
+    landed_whole(buddy)
 
 
 def _resizable(buf: bytearray) -> bool:
@@ -252,9 +284,9 @@ def test_a_chunk_whose_bytes_fail_their_checksum_ends_the_push_naming_it(buddy: 
 @pytest.mark.parametrize(
     ("header", "why"),
     [
-        (CHUNK.pack(NCHUNKS, BLOCK, 0, Status.OK), f"chunk {NCHUNKS} is outside 0..{NCHUNKS - 1}"),
-        (CHUNK.pack(0, BLOCK - 1, 0, Status.OK), f"chunk 0 is {BLOCK - 1} B, expected {BLOCK} B"),
-        (CHUNK.pack(0, BLOCK, 0, Status.CORRUPT), "a chunk header with status 1"),
+        (PUSH_CHUNK.pack(NCHUNKS, BLOCK, Status.OK), f"chunk {NCHUNKS} is outside 0..{NCHUNKS - 1}"),
+        (PUSH_CHUNK.pack(0, BLOCK - 1, Status.OK), f"chunk 0 is {BLOCK - 1} B, expected {BLOCK} B"),
+        (PUSH_CHUNK.pack(0, BLOCK, Status.CORRUPT), "a chunk header with status 1"),
     ],
 )
 def test_a_chunk_that_does_not_fit_the_stream_ends_the_push(buddy: Buddy, header: bytes, why: str) -> None:
@@ -328,11 +360,13 @@ def test_a_chunk_the_buddy_finds_corrupt_fails_that_step_only(monkeypatch: pytes
     """The sender's lane carries a checksum that its bytes do not match (as bytes changed after the seal was
     taken): the buddy refuses the chunk, the step is not durable there, and the next step streams whole."""
     job = f"push-{uuid.uuid4().hex[:6]}"
-    block_sum = Seal.block_sum
 
-    def spoil_one(seal: Seal, index: int, view: memoryview) -> int:
-        value = block_sum(seal, index, view)
-        return value ^ 1 if index == 5 else value
+    def spoil_one(sock: socket.socket, header: bytes, view: memoryview) -> int:
+        if PUSH_CHUNK.unpack(header)[0] != 5:
+            return send_checked(sock, header, view)
+        value = checksum(view) ^ 1
+        send_all(sock, [header, view, PUSH_SUM.pack(value)])
+        return value
 
     with InProcess(tcp=True, chunk_bytes=64 << 10) as dep:
         ipc = dep.start_sidecar("A")
@@ -343,7 +377,7 @@ def test_a_chunk_the_buddy_finds_corrupt_fails_that_step_only(monkeypatch: pytes
         ) as snap:
             assert snap.restore(timeout=30) == 0
             assert snap.capture(1) and snap.wait(30)
-            monkeypatch.setattr(Seal, "block_sum", spoil_one)
+            monkeypatch.setattr(sender, "send_checked", spoil_one)
             state["w"].add_(1.0)
             assert snap.capture(2)
             assert not snap.wait(30)  # step 2 did not reach its buddy
@@ -354,7 +388,7 @@ def test_a_chunk_the_buddy_finds_corrupt_fails_that_step_only(monkeypatch: pytes
             )
             b = dep.sidecars["B"].state.store
             wait_until(lambda: not b.holds(job, 0, 2), "the sender's abort to reach the buddy")
-            monkeypatch.setattr(Seal, "block_sum", block_sum)
+            monkeypatch.setattr(sender, "send_checked", send_checked)
             state["w"].add_(1.0)
             assert snap.capture(3) and snap.wait(30)
             assert b.get(job, 0, 3).data.tobytes() == state["w"].numpy().tobytes()
