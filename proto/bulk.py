@@ -58,6 +58,7 @@ __all__ = [
     "TOKEN_BYTES",
     "VERSION",
     "Status",
+    "block_with_timeout",
     "chunk_length",
     "recv_checked",
     "recv_exact",
@@ -136,7 +137,9 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
     """Fill ``view`` from ``sock``, taking its checksum piece by piece as the bytes land; the checksum.
 
     The thread wakes only once a whole piece (:data:`PIECE_BYTES`, or the rest) is in (``SO_RCVLOWAT``), not for
-    every segment the kernel queues: fewer wakes and system calls at both ends of the connection.
+    every segment the kernel queues: fewer wakes and system calls at both ends of the connection. (Not on a socket
+    of :func:`block_with_timeout`: a blocking receive that has taken part of a piece is woken for the rest only
+    once a whole piece more is queued.)
 
     Raises:
         EOFError: the peer closed first.
@@ -159,6 +162,17 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
         with contextlib.suppress(OSError):  # what follows is read as soon as any of it is in
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     return running.value()
+
+
+def block_with_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking under the kernel's own timeouts (``SO_RCVTIMEO``, ``SO_SNDTIMEO``): each send of a
+    piece is one system call, with no poll before it, and one that makes no progress for ``seconds`` fails with
+    ``OSError`` (``EAGAIN``). For a sender: see :func:`recv_checked` for why not for a receiver."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    limit = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 def send_checked(sock: socket.socket, header: bytes, view: memoryview) -> int:

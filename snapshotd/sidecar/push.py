@@ -36,6 +36,7 @@ from snapshotd.proto.bulk import (
     PUSH_SUM,
     VERSION,
     Status,
+    block_with_timeout,
     send_all,
     send_checked,
 )
@@ -140,19 +141,23 @@ class _Lane:
 
     def _push(self, push: _Begin) -> None:
         sock = self.sock if self.sock is not None else self._connect()
-        sock.sendall(HELLO.pack(PUSH_MAGIC, VERSION, push.token))
-        block = push.seal.block_bytes
-        while (index := self.todo.get()) != _END:
-            if not isinstance(index, int) or self.stopped:
-                raise _Stopped
-            view = push.data[index * block : (index + 1) * block]
-            header = PUSH_CHUNK.pack(index, view.nbytes, Status.OK)
-            kept = push.seal.sums.get(index)
-            if kept is None:
-                push.seal.keep(index, send_checked(sock, header, view))
-            else:
-                send_all(sock, [header, view, PUSH_SUM.pack(kept)])
-        sock.sendall(PUSH_CHUNK.pack(0, 0, Status.END))
+        try:
+            sock.sendall(HELLO.pack(PUSH_MAGIC, VERSION, push.token))
+            block = push.seal.block_bytes
+            while (index := self.todo.get()) != _END:
+                if not isinstance(index, int) or self.stopped:
+                    raise _Stopped
+                view = push.data[index * block : (index + 1) * block]
+                header = PUSH_CHUNK.pack(index, view.nbytes, Status.OK)
+                kept = push.seal.sums.get(index)
+                if kept is None:
+                    push.seal.keep(index, send_checked(sock, header, view))
+                else:
+                    send_all(sock, [header, view, PUSH_SUM.pack(kept)])
+            sock.sendall(PUSH_CHUNK.pack(0, 0, Status.END))
+        except BlockingIOError:  # the socket's send timeout
+            host, port = self.addr
+            raise TimeoutError(f"the bulk port {host}:{port} took no bytes for {self.timeout:g} s") from None
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.addr, timeout=self.timeout)
@@ -162,6 +167,7 @@ class _Lane:
         if stopped:
             raise _Stopped
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        block_with_timeout(sock, self.timeout)
         return sock
 
 

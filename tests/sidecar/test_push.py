@@ -323,6 +323,38 @@ def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(
     assert pool.idle == 0  # a lane that failed is never kept
 
 
+def test_a_lane_whose_buddy_stops_reading_fails_after_its_timeout(
+    loop: asyncio.AbstractEventLoop, pool: LanePool
+) -> None:
+    """A buddy that took the connection but reads nothing (hung, or its path black-holed) fails the push once
+    the socket's buffers are full and no byte goes for the lane's timeout: the lane never blocks for good."""
+    data = memoryview(bytearray(64 << 20))  # far more than the socket buffers at both ends hold
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        async def push() -> None:
+            sending = pool.take(
+                "127.0.0.1",
+                listener.getsockname()[1],
+                bytes(16),
+                count=1,
+                seal=Seal(4 << 20, 0),
+                data=data,
+                timeout=0.5,
+            )
+            try:
+                for index in range(16):
+                    sending.send(index)
+                await sending.finish()
+            finally:
+                await sending.stop()
+
+        with pytest.raises(
+            PushFailed, match=r"TimeoutError: the bulk port 127\.0\.0\.1:\d+ took no bytes for 0\.5 s"
+        ):
+            run(loop, push())
+    assert pool.idle == 0
+
+
 FLOATS = 300_000  # 1.2 MB: 19 chunks of 64 KiB
 
 
