@@ -21,9 +21,10 @@ N is each value of ``--interval``. ``--scenario`` picks the machine's shape (def
 - ``saturated``: ``--ranks`` ranks of ``--threads`` threads (default 2 of 1: both cores of a 2-core machine
   train), so that the sidecars stream with CPU that training wanted. Keys ``saturated_*`` alike.
 
-Two scenarios run alone, in modules of their own: ``node`` (:mod:`.node`, the rate a node's snapshots sustain)
-and ``ideal`` (:mod:`.ideal`, headroom's training beside the least work a snapshot's bytes can take, the yardstick
-for the sidecars' CPU beside training).
+Three scenarios run alone, in modules of their own: ``node`` (:mod:`.node`, the rate a node's snapshots
+sustain), ``ideal`` (:mod:`.ideal`, headroom's training beside the least work a snapshot's bytes can take, the
+yardstick for the sidecars' CPU beside training) and ``sidecars`` (:mod:`.sidecars`, the sidecars' CPU per
+snapshot with no training beside them, against the floor of any checked transfer).
 
 The other summary keys (``step_ratio``, ``torch_save_ratio``, ...) are the headline scenario's: headroom when it
 ran. Where the time goes, per snapshot and scenario: ``cpu_ms_per_snapshot`` is the CPU a snapshot costs in all,
@@ -87,6 +88,7 @@ from .baselines import process_cpu_times
 from .ideal import run_ideal
 from .node import run_node
 from .report import Report, default_plot, progress, save_figure, scratch_dir
+from .sidecars import PERIOD, run_sidecars
 
 __all__ = ["VARIANTS", "add_arguments", "plot", "run"]
 
@@ -169,13 +171,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scenario",
-        choices=(*SCENARIOS, "both", "node", "ideal"),
+        choices=(*SCENARIOS, "both", "node", "ideal", "sidecars"),
         default="both",
         help="headroom: one rank per spare core, CPU left to the sidecars (a GPU node); "
         "saturated: --ranks ranks using the cores; both (default): each in turn; node: "
         "--ranks ranks snapshotting back to back, the rate the node sustains "
         "(snapshotd.bench.node); ideal: headroom's training beside the least work a snapshot's bytes can take "
-        "(snapshotd.bench.ideal)",
+        "(snapshotd.bench.ideal); sidecars: the sidecars' CPU per snapshot with no training beside them "
+        "(snapshotd.bench.sidecars)",
     )
     parser.add_argument(
         "--ranks",
@@ -640,6 +643,8 @@ def run(args: argparse.Namespace) -> Report:
         return _run_node(args)
     if args.scenario == "ideal":
         return _run_ideal(args)
+    if args.scenario == "sidecars":
+        return _run_sidecars(args)
     scenarios = SCENARIOS if args.scenario == "both" else (args.scenario,)
     setup = (
         f"gloo ranks on node A, each snapshot streamed to node B (replicas=1, loopback TCP); both sidecars "
@@ -744,6 +749,26 @@ def _run_ideal(args: argparse.Namespace) -> Report:
     )
 
 
+def _run_sidecars(args: argparse.Namespace) -> Report:
+    setup = f"the sidecars alone: 1 rank snapshotting headroom's state every {PERIOD} s, no training; {os.cpu_count()} cores"
+
+    def measure(args: argparse.Namespace, workdir: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        rows, summary, nbytes = run_sidecars(args, workdir)
+        minimum = physical_minimum(nbytes)
+        floor_ms = (minimum.wire_s + 2 * minimum.checksum_s) * 1e3
+        summary.update(
+            minimum_wire_ms=minimum.wire_s * 1e3,
+            checksum_ms=minimum.checksum_s * 1e3,
+            sidecars_floor_ms=floor_ms,
+            sidecars_vs_floor=summary["sidecars_cpu_ms_per_snapshot"] / floor_ms if floor_ms > 0 else None,
+        )
+        return rows, summary
+
+    return _run_apart(
+        args, setup, measure, ["scenario", "block", "snapshots", "user_ms", "system_ms", "cpu_ms"]
+    )
+
+
 def _run_apart(
     args: argparse.Namespace,
     setup: str,
@@ -761,7 +786,7 @@ def _run_apart(
 
 def plot(report: Report, path: str) -> None:
     """Step times per variant: a box per variant (the ``none`` median as a line), and each run's steps in turn.
-    The node and ideal scenarios, which keep no steps per row, get the default plot."""
+    The node, ideal and sidecars scenarios, which keep no steps per row, get the default plot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -58,7 +58,7 @@ __all__ = [
     "TOKEN_BYTES",
     "VERSION",
     "Status",
-    "block_with_timeout",
+    "block_sends",
     "chunk_length",
     "recv_checked",
     "recv_exact",
@@ -79,7 +79,7 @@ HELLO = struct.Struct("<4sB3x16s")
 RANGE = struct.Struct("<II")
 """first chunk, count (``(0, 0)``: the client is done)."""
 CHUNK = struct.Struct("<IIQB7x")
-"""chunk index, payload length, xxh3-64 of the payload, :class:`Status`."""
+"""A pulled chunk's header: chunk index, payload length, xxh3-64 of the payload, :class:`Status`."""
 PUSH_CHUNK = struct.Struct("<IIB7x")
 """A push's chunk header: chunk index, payload length, :class:`Status`."""
 PUSH_SUM = struct.Struct("<Q")
@@ -137,9 +137,9 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
     """Fill ``view`` from ``sock``, taking its checksum piece by piece as the bytes land; the checksum.
 
     The thread wakes only once a whole piece (:data:`PIECE_BYTES`, or the rest) is in (``SO_RCVLOWAT``), not for
-    every segment the kernel queues: fewer wakes and system calls at both ends of the connection. (Not on a socket
-    of :func:`block_with_timeout`: a blocking receive that has taken part of a piece is woken for the rest only
-    once a whole piece more is queued.)
+    every segment the kernel queues: fewer wakes and system calls at both ends of the connection. ``sock`` keeps
+    Python's timeout (a poll before each receive): a blocking receive that has taken part of a piece would be
+    woken for the rest only once a whole piece more is queued, which may never come.
 
     Raises:
         EOFError: the peer closed first.
@@ -164,21 +164,31 @@ def recv_checked(sock: socket.socket, view: memoryview) -> int:
     return running.value()
 
 
-def block_with_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make ``sock`` blocking under the kernel's own timeouts (``SO_RCVTIMEO``, ``SO_SNDTIMEO``): each send of a
-    piece is one system call, with no poll before it, and one that makes no progress for ``seconds`` fails with
-    ``OSError`` (``EAGAIN``). For a sender: see :func:`recv_checked` for why not for a receiver."""
+def block_sends(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking, its sends under the kernel's own timeout (``SO_SNDTIMEO``): each send of a piece is
+    one system call, with no poll before it, and fails with ``BlockingIOError`` once the peer has taken no byte
+    for ``seconds`` (a peer that keeps taking bytes, however slowly, is waited for). For a sender only: see
+    :func:`recv_checked` for why a receiver keeps Python's timeout.
+
+    Raises:
+        ValueError: ``seconds`` is not positive (a zero timeout is the kernel's "never").
+    """
+    if not seconds > 0:
+        raise ValueError(f"a send timeout must be positive, got {seconds}")
     sock.settimeout(None)
     whole = int(seconds)
-    limit = struct.pack("ll", whole, int((seconds - whole) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+    limit = struct.pack("ll", whole, max(1, int((seconds - whole) * 1e6)))  # struct timeval, 64-bit Linux
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
 
 
 def send_checked(sock: socket.socket, header: bytes, view: memoryview) -> int:
     """Send ``header``, ``view`` and :data:`PUSH_SUM` of ``view``, taking the checksum piece by piece
     (:data:`PIECE_BYTES`) just before each piece goes out, so that the kernel copies it from the CPU's caches; the
-    checksum."""
+    checksum.
+
+    Raises:
+        OSError: as :func:`send_all`; part of the chunk may have gone out, so the connection is done for.
+    """
     running = RunningChecksum()
     n = view.nbytes
     head: list[Buffer] = [header]
@@ -196,7 +206,12 @@ def send_checked(sock: socket.socket, header: bytes, view: memoryview) -> int:
 
 
 def send_all(sock: socket.socket, buffers: list[Buffer]) -> None:
-    """Send every byte of ``buffers``, in order, in as few system calls as the kernel allows (``sendmsg``)."""
+    """Send every byte of ``buffers``, in order, in as few system calls as the kernel allows (``sendmsg``).
+
+    Raises:
+        OSError: the peer closed or reset the connection; ``BlockingIOError`` on a socket of :func:`block_sends`
+            whose peer took no byte for its timeout, ``TimeoutError`` on one with Python's timeout.
+    """
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
         sent = sock.sendmsg(views)

@@ -64,11 +64,11 @@ class Seal:
 
     def fill(self, data: memoryview) -> None:
         """Take the checksum of every block of ``data`` that has none yet (from a worker thread: the event loop
-        may take some of the same at once, alike)."""
+        and push lanes may take some of the same meanwhile; the first one kept stays)."""
         size = self.block_bytes
         for index in self.blocks(data.nbytes):
             if index not in self.sums:
-                self.sums[index] = checksum(data[index * size : (index + 1) * size])
+                self.sums.setdefault(index, checksum(data[index * size : (index + 1) * size]))
 
     def check_blobs(self, table: bytes | memoryview, meta: bytes | memoryview, what: str) -> None:
         """Raises CorruptCopy: ``table`` and ``meta`` are not the blobs this seal was made for."""

@@ -36,7 +36,7 @@ from snapshotd.proto.bulk import (
     PUSH_SUM,
     VERSION,
     Status,
-    block_with_timeout,
+    block_sends,
     send_all,
     send_checked,
 )
@@ -157,7 +157,7 @@ class _Lane:
             sock.sendall(PUSH_CHUNK.pack(0, 0, Status.END))
         except BlockingIOError:  # the socket's send timeout
             host, port = self.addr
-            raise TimeoutError(f"the bulk port {host}:{port} took no bytes for {self.timeout:g} s") from None
+            raise TimeoutError(f"the bulk port {host}:{port} took no byte for {self.timeout:g} s") from None
 
     def _connect(self) -> socket.socket:
         sock = socket.create_connection(self.addr, timeout=self.timeout)
@@ -167,7 +167,7 @@ class _Lane:
         if stopped:
             raise _Stopped
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        block_with_timeout(sock, self.timeout)
+        block_sends(sock, self.timeout)
         return sock
 
 
@@ -198,7 +198,8 @@ class LanePool:
     ) -> Lanes:
         """The lanes of one push of ``data`` to ``host:port`` under the push's ``token``: idle ones first, new
         ones for the rest (each connects as its push starts). ``timeout``: seconds a new connection may take to
-        open, or any lane stay blocked on one send."""
+        open, or the buddy take no byte from a lane that is sending (one that keeps taking bytes is waited
+        for)."""
         loop = asyncio.get_running_loop()
         self._close_idle(time.monotonic() - self.idle_seconds)
         idle = self._idle.get((host, port), [])

@@ -348,3 +348,26 @@ def test_the_ideal_scenario_prices_the_least_work_beside_training(tmp_path: Path
     ]  # warmup left out
     assert all(r["step_median_s"] > 0 and r["rank_cpu_ms"] >= 0 for r in report.results)
     assert not list(tmp_path.rglob("ideal-arena"))  # the shared arena is gone
+
+
+def test_the_sidecars_scenario_prices_their_work_against_the_floor_of_a_checked_transfer(
+    tmp_path: Path,
+) -> None:
+    args = _args(
+        *TINY_RUN, "--scenario", "sidecars", "--steps", "2", "--rounds", "2", "--workdir", str(tmp_path)
+    )
+    report = overhead.run(args)
+    summary = report.summary
+    cfg = config_for_params(TINY_PARAMS)
+    assert 12 * cfg.n_params <= summary["sidecars_state_bytes"] < 12 * cfg.n_params + 4096
+    assert (summary["sidecars_started"], summary["sidecars_skipped"], summary["sidecars_failed"]) == (4, 0, 0)
+    assert [(r["block"], r["snapshots"]) for r in report.results] == [(0, 2), (1, 2)]  # rounds x steps
+    assert all(rate >= 0 for rate in summary["sidecars_idle_cores"])
+    for row in report.results:  # /proc counts in clock ticks: a tiny snapshot's share may read below 0
+        assert row["cpu_ms"] == pytest.approx(row["user_ms"] + row["system_ms"])
+    assert summary["sidecars_floor_ms"] == pytest.approx(
+        summary["minimum_wire_ms"] + 2 * summary["checksum_ms"]
+    )
+    assert summary["sidecars_vs_floor"] == pytest.approx(
+        summary["sidecars_cpu_ms_per_snapshot"] / summary["sidecars_floor_ms"]
+    )

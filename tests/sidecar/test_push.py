@@ -36,7 +36,7 @@ from snapshotd.sidecar import bulk
 from snapshotd.sidecar import push as sender
 from snapshotd.sidecar.bulk import BulkServer, Push
 from snapshotd.sidecar.integrity import Seal
-from snapshotd.sidecar.push import LanePool, PushFailed
+from snapshotd.sidecar.push import LanePool, Lanes, PushFailed
 
 from ..deployments import InProcess
 from ..waits import wait_until
@@ -323,36 +323,69 @@ def test_lanes_whose_buddy_goes_away_fail_naming_the_cause(
     assert pool.idle == 0  # a lane that failed is never kept
 
 
+def _push_to_no_reader(pool: LanePool, listener: socket.socket, timeout: float) -> Lanes:
+    """One lane's push of 64 MiB, far more than the socket buffers at both ends hold, to a port whose
+    connections are taken (by the kernel's backlog) but never read: the lane ends up blocked in a send."""
+    sending = pool.take(
+        "127.0.0.1",
+        listener.getsockname()[1],
+        bytes(16),
+        count=1,
+        seal=Seal(4 << 20, 0),
+        data=memoryview(bytearray(64 << 20)),
+        timeout=timeout,
+    )
+    for index in range(16):
+        sending.send(index)
+    return sending
+
+
 def test_a_lane_whose_buddy_stops_reading_fails_after_its_timeout(
     loop: asyncio.AbstractEventLoop, pool: LanePool
 ) -> None:
     """A buddy that took the connection but reads nothing (hung, or its path black-holed) fails the push once
     the socket's buffers are full and no byte goes for the lane's timeout: the lane never blocks for good."""
-    data = memoryview(bytearray(64 << 20))  # far more than the socket buffers at both ends hold
     with socket.create_server(("127.0.0.1", 0)) as listener:
 
         async def push() -> None:
-            sending = pool.take(
-                "127.0.0.1",
-                listener.getsockname()[1],
-                bytes(16),
-                count=1,
-                seal=Seal(4 << 20, 0),
-                data=data,
-                timeout=0.5,
-            )
+            sending = _push_to_no_reader(pool, listener, 0.5)
             try:
-                for index in range(16):
-                    sending.send(index)
                 await sending.finish()
             finally:
                 await sending.stop()
 
         with pytest.raises(
-            PushFailed, match=r"TimeoutError: the bulk port 127\.0\.0\.1:\d+ took no bytes for 0\.5 s"
+            PushFailed, match=r"TimeoutError: the bulk port 127\.0\.0\.1:\d+ took no byte for 0\.5 s"
         ):
             run(loop, push())
     assert pool.idle == 0
+
+
+def test_stopping_a_lane_blocked_in_a_send_ends_it_at_once(
+    loop: asyncio.AbstractEventLoop, pool: LanePool
+) -> None:
+    """A stream cancelled while its lane waits in the kernel for a buddy that reads nothing does not wait out the
+    lane's timeout: stop() cuts the connection and the lane lets go of the data."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        async def push() -> float:
+            sending = _push_to_no_reader(pool, listener, 30.0)
+            with pytest.raises(TimeoutError):  # still sending, the buddy's buffers full: the stream gives up
+                await asyncio.wait_for(sending.finish(), 0.5)
+            started = loop.time()
+            await sending.stop(timeout=5.0)
+            return loop.time() - started
+
+        assert run(loop, push()) < 2.0
+    assert pool.idle == 0
+
+
+def test_a_chunk_whose_checksum_never_comes_does_not_land(buddy: Buddy) -> None:
+    whole = chunk(0)
+    raw_push(buddy, whole[: -PUSH_SUM.size])  # the sender closed between the payload and its checksum
+    raw_push(buddy, chunk(1))
+    wait_until(lambda: 1 in buddy.landed, "the next connection's chunk to land")
+    assert 0 not in buddy.landed and buddy.failures == []
 
 
 FLOATS = 300_000  # 1.2 MB: 19 chunks of 64 KiB
