@@ -6,6 +6,7 @@ The format is :mod:`snapshotd.snapshot_format`'s; :mod:`.load` reads a snapshot 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
@@ -85,9 +86,12 @@ def _plain(x: Any) -> bool:
     return t in SCALAR_TYPES or (t is int and INT_MIN <= x <= INT_MAX)
 
 
-def _ints(v: list[Any] | tuple[Any, ...]) -> bool:
+_INT = {int}
+
+
+def _ints(v: list[Any]) -> bool:
     """Whether ``v`` holds only ints within 64 bits (C-level loops: it may hold thousands)."""
-    return not v or (set(map(type, v)) == {int} and min(v) >= INT_MIN and max(v) <= INT_MAX)
+    return not v or (set(map(type, v)) == _INT and min(v) >= INT_MIN and max(v) <= INT_MAX)
 
 
 class Walk:
@@ -124,8 +128,10 @@ class Walk:
                 return v  # an optimizer's parameter indices: packed as they are (flatten packs before it returns)
             return [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
         if t is tuple:
-            if _ints(v):  # the state of Python's random module: packed as it is
-                return _ext(EXT_TUPLE, msgpack.packb(v))
+            if not v or set(map(type, v)) == _INT:  # the state of Python's random module: packed as it is
+                # msgpack takes exactly the 64-bit range: an int outside it is named by the walk below
+                with contextlib.suppress(OverflowError):
+                    return _ext(EXT_TUPLE, msgpack.packb(v))
             items = [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
             return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items))
         if t is collections.OrderedDict:

@@ -343,6 +343,7 @@ UNSUPPORTED = [
     ({"s": {1, 2}}, "state['x']['s']: cannot snapshot a value of type set"),
     ({"big": 2**64}, "state['x']['big']: cannot snapshot an int outside 64 bits"),
     ({"neg": [-(2**63) - 1]}, "state['x']['neg'][0]: cannot snapshot an int outside 64 bits"),
+    ({"tup": (1, 2, 2**64)}, "state['x']['tup'][2]: cannot snapshot an int outside 64 bits"),
     ({"ba": bytearray(b"x")}, "state['x']['ba']: cannot snapshot a value of type bytearray"),
     ({"t": (1, datetime.date(2024, 1, 1))}, "state['x']['t'][1]: cannot snapshot a value of type date"),
     (
