@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from snapshotd.bench import overhead
+from snapshotd.bench import overhead, sidecars
 from snapshotd.bench.report import Report, emit
 from snapshotd.harness.ranks import run_ranks
 from snapshotd.harness.workloads import config_for_params
@@ -351,8 +351,9 @@ def test_the_ideal_scenario_prices_the_least_work_beside_training(tmp_path: Path
 
 
 def test_the_sidecars_scenario_prices_their_work_against_the_floor_of_a_checked_transfer(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(sidecars, "IDLE_SECONDS", 0.2)  # an idle rate to subtract, not a figure, is asked for here
     args = _args(
         *TINY_RUN, "--scenario", "sidecars", "--steps", "2", "--rounds", "2", "--workdir", str(tmp_path)
     )
