@@ -353,7 +353,8 @@ def test_the_ideal_scenario_prices_the_least_work_beside_training(tmp_path: Path
 def test_the_sidecars_scenario_prices_their_work_against_the_floor_of_a_checked_transfer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sidecars, "IDLE_SECONDS", 0.2)  # an idle rate to subtract, not a figure, is asked for here
+    # it checks the report's arithmetic, not a figure: a short idle rate to subtract will do
+    monkeypatch.setattr(sidecars, "IDLE_SECONDS", 0.2)
     args = _args(
         *TINY_RUN, "--scenario", "sidecars", "--steps", "2", "--rounds", "2", "--workdir", str(tmp_path)
     )
