@@ -24,9 +24,11 @@ __all__ = ["copy_into", "copy_tensors", "dst_views"]
 def copy_tensors(
     dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool = False
 ) -> None:
-    """``dst[i].copy_(src[i])`` for every ``i``, in one call (see the module docstring)."""
+    """``dst[i].copy_(src[i])`` for every ``i``, in one call (see the module docstring), outside autograd (a
+    source may be a parameter that requires grad)."""
     if dst:
-        torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
+        with torch.no_grad():
+            torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
 
 
 class _DstViews:

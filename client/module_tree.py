@@ -32,7 +32,6 @@ _PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _POST_HOOKS, _PRE_HOOKS = (
 )
 _OVERRIDABLE = ("state_dict", "_save_to_state_dict", "get_extra_state")
 """What ``state_dict()`` calls on each module of the tree, through the instance."""
-_DETACH = torch.Tensor.detach
 _chain = itertools.chain.from_iterable
 
 
@@ -54,12 +53,12 @@ class ModuleTree:
     """What ``module.state_dict()`` holds, read from the module tree's dicts.
 
     Made with :meth:`of` from a ``state_dict()`` just taken; :meth:`tensors` then returns that state dict's
-    values (detached, in its order) as long as the tree keeps the same modules under the same names, the same
-    types, the same parameter and buffer names in each module, the same non-persistent buffer sets, no
-    state-dict hooks and the same number of instance attributes on each module (an override of
-    ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` set on an instance adds one); None once any of
-    that changed (the caller then calls ``state_dict()`` itself). A value that changes in place
-    (``param.data = ...``) is read as it is now.
+    values in its order (the parameters and buffers themselves, which ``state_dict()`` returns detached) as long
+    as the tree keeps the same modules under the same names, the same types, the same parameter and buffer names
+    in each module, the same non-persistent buffer sets, no state-dict hooks and the same number of instance
+    attributes on each module (an override of ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` set
+    on an instance adds one); None once any of that changed (the caller then calls ``state_dict()`` itself). A
+    value that changes in place (``param.data = ...``) is read as it is now.
     """
 
     __slots__ = (
@@ -151,7 +150,7 @@ class ModuleTree:
             return None
         if self._keep is not None:
             values = list(map(values.__getitem__, self._keep))
-        return list(map(_DETACH, values))
+        return values
 
 
 def _none_mask(values: list[Any]) -> list[bool]:

@@ -20,13 +20,12 @@ import torch
 from snapshotd.snapshot_format import PLAIN, STATEFUL, Path, is_stateful
 
 from .module_tree import ModuleTree
+from .optimizer_tree import OptimizerTree
 from .state import FlatState, TableCache, Walk, check_key, finish, top_part
 
 __all__ = ["StateWalker"]
 
-_SHAPE, _DTYPE, _GRAD, _LAYOUT, _META = (
-    operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad", "layout", "is_meta")
-)
+_SHAPE, _DTYPE, _LAYOUT, _META = (operator.attrgetter(a) for a in ("shape", "dtype", "layout", "is_meta"))
 _OPTIMIZER_KEYS = ("state", "param_groups")
 _OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
 _GROUPS_KEY = msgpack.packb("param_groups")
@@ -57,32 +56,41 @@ class _Memo:
     """``tensors`` of a module whose state dict can be read from its tree (see :class:`~.module_tree.ModuleTree`)."""
     tree_changed: bool = False
     """The tree no longer matched at this capture."""
+    optimizer: OptimizerTree | None = None
+    """``optimizer`` of a ``torch.optim.Optimizer`` whose state dict can be read from it (see
+    :class:`~.optimizer_tree.OptimizerTree`)."""
 
-    def matches(self, tensors: list[Any]) -> bool:
-        """Whether ``tensors`` are plain strided tensors of the dtypes and shapes seen, off the meta device, that
-        need no detach (C-level loops only; where they live is the stager's business). The very tensor objects
-        seen last time match at once (an optimizer's moments are the same objects from step to step; nothing
-        changes a tensor's dtype or shape in place but ``set_`` and ``resize_``)."""
+    def matches(self, tensors: list[Any], *, same_objects: bool) -> bool:
+        """Whether ``tensors`` are plain strided tensors or parameters of the dtypes and shapes seen, off the meta
+        device (C-level loops only; where they live is the stager's business). With ``same_objects``, the very
+        tensor objects seen last time match at once: an optimizer's moments are the same objects from step to step,
+        and nothing changes their dtype or shape in place but ``set_`` and ``resize_``. Without it (a module's
+        parameters, whose dtype and shape ``module.to()`` and ``param.data = ...`` change in place), dtypes and
+        shapes are compared every time."""
         if len(tensors) != len(self.dtypes):
             return False
-        if all(map(operator.is_, tensors, self.last)):
+        same = all(map(operator.is_, tensors, self.last))
+        if same and same_objects:
             return True
-        if tensors and not (
-            set(map(type, tensors)) == {torch.Tensor}
-            and list(map(_DTYPE, tensors)) == self.dtypes
-            and list(map(_SHAPE, tensors)) == self.shapes
-            and not any(map(_GRAD, tensors))
-            and set(map(_LAYOUT, tensors)) == {torch.strided}
-            and not any(map(_META, tensors))
-        ):
+        if not same and not _plain_tensors(tensors):
+            return False
+        if list(map(_DTYPE, tensors)) != self.dtypes or list(map(_SHAPE, tensors)) != self.shapes:
             return False
         self.last = tensors
         return True
 
 
+_PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+
+
 def _plain_tensors(values: list[Any]) -> bool:
-    """Whether every one of ``values`` is a plain tensor (no subclass, no DTensor) that needs no detach."""
-    return all(type(v) is torch.Tensor and not v.requires_grad for v in values)
+    """Whether every one of ``values`` is a plain strided tensor or parameter (no subclass, no DTensor) off the meta
+    device (C-level loops only)."""
+    return not values or (
+        set(map(type, values)) <= _PLAIN_TYPES
+        and set(map(_LAYOUT, values)) == {torch.strided}
+        and not any(map(_META, values))
+    )
 
 
 class StateWalker:
@@ -119,14 +127,30 @@ class StateWalker:
         packed = self._reuse_tree(key, value, walk)
         if packed is not None:
             return packed
-        sd = value.state_dict()
+        sd = self._read_optimizer(key, value)
+        fresh = sd is None
+        if fresh:
+            sd = value.state_dict()
         packed = self._reuse(key, sd, walk)
         if packed is None:
             return self._walk(key, sd, walk, value)
         memo = self._memos[key]
         if memo.tree_changed:  # the same state dict from a changed tree: read the tree anew
             memo.tree, memo.tree_changed = ModuleTree.of(value, memo.keys), False
+        if fresh and memo.kind == "optimizer" and isinstance(value, torch.optim.Optimizer):
+            memo.optimizer = OptimizerTree.of(value, sd)
         return packed
+
+    def _read_optimizer(self, key: str, value: Any) -> Any:
+        """The state dict of optimizer ``value`` read from the memo of ``key``'s optimizer tree, without calling
+        ``state_dict()``; None when there is no such tree or it no longer matches (it is then let go of)."""
+        memo = self._memos.get(key)
+        if memo is None or memo.optimizer is None:
+            return None
+        sd = memo.optimizer.state_dict() if memo.optimizer.optimizer is value else None
+        if sd is None:
+            memo.optimizer = None
+        return sd
 
     def _reuse_tree(self, key: str, value: Any, walk: Walk) -> bytes | None:
         """The packed tree of module ``value``'s state dict from the memo of ``key``, read from the module tree
@@ -138,7 +162,7 @@ class StateWalker:
         if tensors is None:  # let go of the tree (a module replaced is not kept alive by it)
             memo.tree, memo.tree_changed = None, True
             return None
-        if not memo.matches(tensors):
+        if not memo.matches(tensors, same_objects=False):
             return None
         walk.tensors.extend(tensors)
         walk.specs.extend(memo.specs)
@@ -166,7 +190,7 @@ class StateWalker:
             if list(map(tuple, inner)) != memo.inner:
                 return None
             tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
-        if not memo.matches(tensors):
+        if not memo.matches(tensors, same_objects=memo.kind == "optimizer"):
             return None
         walk.tensors.extend(tensors)
         walk.specs.extend(memo.specs)
@@ -189,6 +213,8 @@ class StateWalker:
                 list(itertools.chain.from_iterable(map(dict.values, inner)))
             ):
                 self._remember("optimizer", key, sd, list(st), [tuple(d) for d in inner], start, walk, packed)
+                if isinstance(value, torch.optim.Optimizer):
+                    self._memos[key].optimizer = OptimizerTree.of(value, sd)
             groups = walk.value(sd["param_groups"], (key, "param_groups"))
             return _OPTIMIZER_HEAD + packed + _GROUPS_KEY + msgpack.packb(groups)
         packed = msgpack.packb(walk.value(sd, (key,)))

@@ -5,12 +5,14 @@ from __future__ import annotations
 import collections
 import gc
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from snapshotd.client.copies import copy_into
 from snapshotd.client.rng import RNGState
 from snapshotd.client.state import FlatState, flatten
 from snapshotd.client.walker import StateWalker
@@ -137,17 +139,34 @@ def test_errors_are_the_full_walks() -> None:
         walker.flatten(state)
 
 
-def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes() -> None:
-    state, model, opt = training_state()
-    walker = StateWalker()
+def _read_alike_after_each(
+    walker: StateWalker, state: dict[str, Any], owner: type[Any], changes: list[Callable[[], Any]]
+) -> None:
+    """After each of ``changes``, ``walker`` flattens ``state`` as a full walk does, twice; the second time without
+    calling ``owner.state_dict`` but after the last change (a hook)."""
     calls = 0
-    real = nn.Module.state_dict
+    real = owner.state_dict
 
-    def counted(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal calls
         calls += 1
         return real(self, *args, **kwargs)
 
+    for n, change in enumerate(changes):
+        change()
+        assert_same(walker.flatten(state), flatten(state))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(owner, "state_dict", counted)
+            before = calls
+            again = walker.flatten(state)
+            read_without_state_dict = calls == before
+        assert_same(again, flatten(state))
+        assert read_without_state_dict == (n < len(changes) - 1)
+
+
+def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes() -> None:
+    state, model, opt = training_state()
+    walker = StateWalker()
     step(model, opt, state["sched"])
     assert_same(walker.flatten(state), flatten(state))  # remembers the tree
     changes = [
@@ -164,18 +183,44 @@ def test_a_module_tree_read_without_state_dict_is_the_full_walk_whatever_changes
         lambda: model._modules.__setitem__("head", model._modules.pop("3")),  # a submodule renamed
         lambda: model[0].register_state_dict_post_hook(lambda m, sd, prefix, meta: None),  # a hook
     ]
-    for n, change in enumerate(changes):
-        change()
-        assert_same(walker.flatten(state), flatten(state))
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(nn.Module, "state_dict", counted)
-            before = calls
-            again = walker.flatten(state)
-            read_from_tree = calls == before
-        assert_same(again, flatten(state))
-        # after any change but a hook, the tree is read anew and then read without a state_dict() call
-        assert read_from_tree == (n < len(changes) - 1)
+    _read_alike_after_each(walker, state, nn.Module, changes)
     assert walker._memos["model"].tree is None
+
+
+def test_an_optimizer_read_without_state_dict_is_the_full_walk_whatever_changes() -> None:
+    state, model, opt = training_state(momentum=True)
+    walker = StateWalker()
+    step(model, opt, state["sched"])
+    assert_same(walker.flatten(state), flatten(state))  # remembers the optimizer
+    extra = nn.Parameter(torch.ones(3))
+    changes = [
+        lambda: None,
+        lambda: opt.param_groups[0].__setitem__("lr", 0.5),  # a group's value
+        lambda: opt.param_groups[0].__setitem__("betas_like", (0.9, 0.99)),  # a key added to a group
+        lambda: opt.add_param_group({"params": [extra], "lr": 0.01}),  # a group added
+        lambda: opt.state[extra].__setitem__("momentum_buffer", torch.zeros(3)),  # a parameter's state added
+        lambda: opt.state.pop(model[0].bias),  # one taken away
+        lambda: opt.param_groups[0]["params"].reverse(),  # the parameters' order (their indices)
+        lambda: opt.state.update(reversed(list(opt.state.items()))),  # the state's order
+        lambda: setattr(opt, "state", collections.defaultdict(dict, opt.state)),  # the state replaced alike
+        lambda: opt.register_state_dict_post_hook(lambda o, sd: None),  # a hook
+    ]
+    _read_alike_after_each(walker, state, torch.optim.Optimizer, changes)
+    assert walker._memos["optim"].optimizer is None
+
+
+def test_parameters_are_staged_as_they_are_and_copied_outside_autograd() -> None:
+    state, model, opt = training_state()
+    walker = StateWalker()
+    walker.flatten(state)
+    flat = walker.flatten(state)  # read from the module tree: the parameters themselves
+    assert any(t is model[0].weight for t in flat.tensors)
+    dst = torch.zeros(flat.data_bytes, dtype=torch.uint8)
+    copy_into(flat, dst)
+    assert not dst.requires_grad and dst.grad_fn is None
+    entry = flat.entries[next(i for i, t in enumerate(flat.tensors) if t is model[0].weight)]
+    copied = dst[entry.offset : entry.offset + entry.nbytes].view(torch.float32).view(entry.shape)
+    assert torch.equal(copied, model[0].weight.detach())
 
 
 def _flattens_alike(walker: StateWalker, state: dict[str, Any]) -> None:
