@@ -8,6 +8,8 @@ busy training thread waited for it each time).
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -20,14 +22,22 @@ from .state import FlatState
 
 __all__ = ["copy_into", "copy_tensors", "dst_views"]
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
 
 def copy_tensors(
     dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool = False
 ) -> None:
-    """``dst[i].copy_(src[i])`` for every ``i``, in one call (see the module docstring), outside autograd (a
-    source may be a parameter that requires grad)."""
-    if dst:
-        with torch.no_grad():
+    """``dst[i].copy_(src[i])`` for every ``i``, in one call (see the module docstring; a single tensor, the common
+    synchronous group, with ``copy_`` itself, which costs a few times less), outside autograd (a source may be a
+    parameter that requires grad: then under ``no_grad``, whose entry and exit cost more than such a copy)."""
+    if not dst:
+        return
+    grad = torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, src))
+    with torch.no_grad() if grad else contextlib.nullcontext():
+        if len(dst) == 1:
+            dst[0].copy_(src[0], non_blocking=non_blocking)
+        else:
             torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
 
 

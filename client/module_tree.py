@@ -19,17 +19,18 @@ from torch import nn
 
 __all__ = ["ModuleTree"]
 
-_PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _POST_HOOKS, _PRE_HOOKS = (
-    operator.attrgetter(a)
-    for a in (
-        "_parameters",
-        "_buffers",
-        "_modules",
-        "_non_persistent_buffers_set",
-        "_state_dict_hooks",
-        "_state_dict_pre_hooks",
-    )
+_CONTAINERS = (
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
 )
+"""What ``state_dict()`` reads of each module besides its methods."""
+_PARAMS, _BUFFERS, _CHILDREN, _NON_PERSISTENT, _, _ = map(operator.attrgetter, _CONTAINERS)
+_FIELDS = operator.itemgetter(*_CONTAINERS)
+"""All of them, from a module's ``__dict__`` in one call."""
 _OVERRIDABLE = ("state_dict", "_save_to_state_dict", "get_extra_state")
 """What ``state_dict()`` calls on each module of the tree, through the instance."""
 _chain = itertools.chain.from_iterable
@@ -129,20 +130,27 @@ class ModuleTree:
     def tensors(self) -> list[torch.Tensor] | None:
         """The state dict's values now (see the class docstring), or None when the tree changed."""
         order = self._order
+        attributes = list(map(vars, order))
+        if list(map(len, attributes)) != self._attributes or list(map(type, order)) != self._types:
+            return None
+        try:  # each module's containers, read from its __dict__ in one call each (one missing: changed)
+            params, buffers, children, non_persistent, post_hooks, pre_hooks = zip(
+                *map(_FIELDS, attributes), strict=True
+            )
+        except KeyError:
+            return None
         if (
-            list(map(type, order)) != self._types
-            or list(map(len, map(vars, order))) != self._attributes
-            or any(map(len, map(_PRE_HOOKS, order)))
-            or any(map(len, map(_POST_HOOKS, order)))
-            or list(map(_NON_PERSISTENT, order)) != self._non_persistent
-            or list(map(len, map(_CHILDREN, order))) != self._child_counts
-            or list(_chain(map(_CHILDREN, order))) != self._child_names
+            any(pre_hooks)
+            or any(post_hooks)
+            or list(non_persistent) != self._non_persistent
+            or list(map(len, children)) != self._child_counts
+            or list(_chain(children)) != self._child_names
         ):
             return None
-        children = list(_chain(map(dict.values, map(_CHILDREN, order))))
-        if len(children) != len(self._children) or not all(map(operator.is_, children, self._children)):
+        modules = list(_chain(map(dict.values, children)))
+        if len(modules) != len(self._children) or not all(map(operator.is_, modules, self._children)):
             return None
-        dicts = list(self._dicts())
+        dicts = list(_chain(zip(params, buffers, strict=True)))
         if list(map(len, dicts)) != self._counts or list(_chain(dicts)) != self._names:
             return None
         values = list(_chain(map(dict.values, dicts)))

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,12 +88,14 @@ def _plain(x: Any) -> bool:
     return t in SCALAR_TYPES or (t is int and INT_MIN <= x <= INT_MAX)
 
 
-_INT = {int}
+def _all_ints(v: list[Any] | tuple[Any, ...]) -> bool:
+    """Whether every item of ``v`` is an int, not a subclass (one C-level pass: it may hold thousands)."""
+    return operator.countOf(map(type, v), int) == len(v)
 
 
 def _ints(v: list[Any]) -> bool:
-    """Whether ``v`` holds only ints within 64 bits (C-level loops: it may hold thousands)."""
-    return not v or (set(map(type, v)) == _INT and min(v) >= INT_MIN and max(v) <= INT_MAX)
+    """Whether ``v`` holds only ints within 64 bits."""
+    return not v or (_all_ints(v) and min(v) >= INT_MIN and max(v) <= INT_MAX)
 
 
 class Walk:
@@ -129,7 +132,7 @@ class Walk:
                 return v  # an optimizer's parameter indices: packed as they are (flatten packs before it returns)
             return [x if _plain(x) else self.value(x, (*keys, i)) for i, x in enumerate(v)]
         if t is tuple:
-            if not v or set(map(type, v)) == _INT:  # the state of Python's random module: packed as it is
+            if not v or _all_ints(v):  # the state of Python's random module: packed as it is
                 # msgpack takes exactly the 64-bit range: an int outside it is named by the walk below
                 with contextlib.suppress(OverflowError):
                     return _ext(EXT_TUPLE, msgpack.packb(v))
