@@ -54,7 +54,7 @@ class ModuleTree:
     """What ``module.state_dict()`` holds, read from the module tree's dicts.
 
     Made with :meth:`of` from a ``state_dict()`` just taken; :meth:`tensors` then returns that state dict's
-    values in its order (the parameters and buffers themselves, which ``state_dict()`` returns detached) as long
+    values in its order (the parameters and buffers themselves, where ``state_dict()`` detaches them) as long
     as the tree keeps the same modules under the same names, the same types, the same parameter and buffer names
     in each module, the same non-persistent buffer sets, no state-dict hooks and the same number of instance
     attributes on each module (an override of ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state`` set

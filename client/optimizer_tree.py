@@ -3,9 +3,9 @@
 ``torch.optim.Optimizer.state_dict()`` maps every parameter to its index, in Python, and copies every param group
 (tens of microseconds, a few hundred with the caches cold after a training step). For an optimizer that keeps
 torch's own ``state_dict`` and has no state-dict hooks, the result is a function of ``param_groups`` and ``state``
-alone: while the groups hold the same parameter objects in the same order and ``state`` has the same keys in the
-same order, every index is the one found last time, and only the groups' other values and the per-parameter
-state dicts need reading.
+alone: while the groups hold the same parameter objects in the same order (as many in each) and ``state`` has
+the same keys in the same order, every index is the one found last time, and only the groups' other values and
+the per-parameter state dicts need reading.
 """
 
 from __future__ import annotations
@@ -42,18 +42,19 @@ class OptimizerTree:
     Made with :meth:`of` from a ``state_dict()`` just taken; :meth:`state_dict` then returns what ``state_dict()``
     would (equal keys and values, the same tensor and per-parameter objects) as long as the optimizer keeps
     torch's ``state_dict``, has no state-dict hooks, its groups hold the same parameter objects in the same order
-    and its ``state`` has the same key objects in the same order; None once any of that changed (the caller then
-    calls ``state_dict()`` itself). The lists of indices under ``"params"`` are shared from one call to the next:
-    the caller only reads them.
+    (as many in each group) and its ``state`` has the same key objects in the same order; None once any of that
+    changed (the caller then calls ``state_dict()`` itself). The lists of indices under ``"params"`` are shared
+    from one call to the next: the caller only reads them.
     """
 
-    __slots__ = ("_indices", "_keys", "_params", "_state_indices", "optimizer")
+    __slots__ = ("_indices", "_keys", "_lengths", "_params", "_state_indices", "optimizer")
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, indices: list[list[int]], state_indices: list[Any]
     ) -> None:
         self.optimizer = optimizer
         self._params = list(itertools.chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+        self._lengths = list(map(len, map(_PARAMS, optimizer.param_groups)))
         self._keys = list(optimizer.state)
         self._indices = indices
         self._state_indices = state_indices
@@ -72,7 +73,7 @@ class OptimizerTree:
         groups = opt.param_groups
         if (
             not _plain(opt)
-            or len(groups) != len(self._indices)
+            or list(map(len, map(_PARAMS, groups))) != self._lengths
             or not _same(list(itertools.chain.from_iterable(map(_PARAMS, groups))), self._params)
             or not _same(list(opt.state), self._keys)
         ):

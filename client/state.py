@@ -54,9 +54,9 @@ __all__ = ["FlatState", "TableCache", "Walk", "check_key", "check_tensor", "fini
 class FlatState:
     """One capture of a state: what to copy where, and the non-tensor rest.
 
-    ``tensors`` are the live state's own (a DTensor contributes its local shard; a parameter may require grad:
-    :mod:`.copies` copies under ``no_grad``), so their values are those at the time :func:`~.copies.copy_into`
-    runs, not at the time of :func:`flatten`.
+    ``tensors`` alias the live state (detached where they require grad, so a parameter whose ``.data`` is replaced
+    after :func:`flatten` is still read from the storage it had; a DTensor contributes its local shard), so their
+    values are those at the time :func:`~.copies.copy_into` runs, not at the time of :func:`flatten`.
     """
 
     entries: list[TensorEntry]
@@ -167,7 +167,7 @@ class Walk:
             v, code = local, EXT_DTENSOR
         name = check_tensor(v, keys)
         index = len(self.tensors)
-        self.tensors.append(v)
+        self.tensors.append(v.detach() if v.requires_grad else v)
         self.specs.append((keys, name, tuple(v.shape)))
         return _ext(code, index.to_bytes(4, "big") + place)
 

@@ -25,7 +25,10 @@ from .state import FlatState, TableCache, Walk, check_key, finish, top_part
 
 __all__ = ["StateWalker"]
 
-_SHAPE, _DTYPE, _LAYOUT, _META = (operator.attrgetter(a) for a in ("shape", "dtype", "layout", "is_meta"))
+_SHAPE, _DTYPE, _GRAD, _LAYOUT, _META = (
+    operator.attrgetter(a) for a in ("shape", "dtype", "requires_grad", "layout", "is_meta")
+)
+_DETACH = torch.Tensor.detach
 _OPTIMIZER_KEYS = ("state", "param_groups")
 _OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
 _GROUPS_KEY = msgpack.packb("param_groups")
@@ -164,7 +167,7 @@ class StateWalker:
             return None
         if not memo.matches(tensors, same_objects=False):
             return None
-        walk.tensors.extend(tensors)
+        walk.tensors.extend(map(_DETACH, tensors))  # as state_dict() gives them (see FlatState.tensors)
         walk.specs.extend(memo.specs)
         return memo.packed
 
@@ -192,6 +195,8 @@ class StateWalker:
             tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
         if not memo.matches(tensors, same_objects=memo.kind == "optimizer"):
             return None
+        if any(map(_GRAD, tensors)):  # a Stateful's own parameters (see FlatState.tensors)
+            tensors = [t.detach() if t.requires_grad else t for t in tensors]
         walk.tensors.extend(tensors)
         walk.specs.extend(memo.specs)
         if memo.kind == "tensors":

@@ -198,6 +198,9 @@ def test_an_optimizer_read_without_state_dict_is_the_full_walk_whatever_changes(
         lambda: opt.param_groups[0].__setitem__("lr", 0.5),  # a group's value
         lambda: opt.param_groups[0].__setitem__("betas_like", (0.9, 0.99)),  # a key added to a group
         lambda: opt.add_param_group({"params": [extra], "lr": 0.01}),  # a group added
+        lambda: opt.param_groups[1]["params"].insert(
+            0, opt.param_groups[0]["params"].pop()
+        ),  # moved between them
         lambda: opt.state[extra].__setitem__("momentum_buffer", torch.zeros(3)),  # a parameter's state added
         lambda: opt.state.pop(model[0].bias),  # one taken away
         lambda: opt.param_groups[0]["params"].reverse(),  # the parameters' order (their indices)
@@ -209,18 +212,24 @@ def test_an_optimizer_read_without_state_dict_is_the_full_walk_whatever_changes(
     assert walker._memos["optim"].optimizer is None
 
 
-def test_parameters_are_staged_as_they_are_and_copied_outside_autograd() -> None:
+def test_a_parameter_whose_data_is_replaced_after_capture_is_copied_as_it_was() -> None:
     state, model, opt = training_state()
     walker = StateWalker()
     walker.flatten(state)
-    flat = walker.flatten(state)  # read from the module tree: the parameters themselves
-    assert any(t is model[0].weight for t in flat.tensors)
-    dst = torch.zeros(flat.data_bytes, dtype=torch.uint8)
-    copy_into(flat, dst)
-    assert not dst.requires_grad and dst.grad_fn is None
-    entry = flat.entries[next(i for i, t in enumerate(flat.tensors) if t is model[0].weight)]
-    copied = dst[entry.offset : entry.offset + entry.nbytes].view(torch.float32).view(entry.shape)
-    assert torch.equal(copied, model[0].weight.detach())
+    weight = model[0].weight
+    for walk in (walker.flatten, flatten):  # read from the module tree, and from state_dict()
+        flat = walk(state)
+        before = weight.detach().clone()
+        weight.data = torch.full_like(
+            before, 7.0
+        )  # after capture(), before the background copy (an EMA swap)
+        dst = torch.zeros(flat.data_bytes, dtype=torch.uint8)
+        copy_into(flat, dst)
+        assert not dst.requires_grad and dst.grad_fn is None
+        entry = next(e for e in flat.entries if e.path == "model/0.weight")
+        assert torch.equal(
+            dst[entry.offset : entry.offset + entry.nbytes].view(torch.float32).view(entry.shape), before
+        )
 
 
 def _flattens_alike(walker: StateWalker, state: dict[str, Any]) -> None:
