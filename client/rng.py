@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import random
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +16,69 @@ import torch
 __all__ = ["RNGState"]
 
 logger = logging.getLogger(__name__)
+
+_MT_WORDS = 624
+_MT_BYTES = 4 * _MT_WORDS + 4
+"""MT19937's ``mt19937_state`` (``uint32_t key[624]; int pos``), at ``bit_generator.ctypes.state_address``."""
+_AUG = struct.Struct("<i4xd")
+"""A legacy generator's cached Gaussian: ``int has_gauss`` (padded to 8 bytes), then ``double gauss``."""
+_PROBES = ((1, 0.7853981633974483), (1, -1.4142135623730951e-3), (0, 0.0))
+
+
+@functools.cache
+def _gauss_offset() -> int | None:
+    """Where a ``numpy.random.RandomState`` object holds its cached Gaussian (``has_gauss``, ``gauss``; which only
+    ``get_state()`` tells), found on a private instance: set to known values with ``set_state``, it must be read
+    back at exactly one offset, the key and position from ``state_address`` likewise. None where it is not (another
+    NumPy build's layout): the state is then read with ``get_state()``."""
+    rs = np.random.RandomState(0)
+    if type(rs._bit_generator) is not np.random.MT19937:
+        return None
+    base = id(rs)
+    key, pos = rs.get_state(legacy=True)[1], 5  # type: ignore[index]
+    offset = None
+    for has_gauss, gauss in _PROBES:
+        rs.set_state(("MT19937", key, pos, has_gauss, gauss))
+        if offset is None:
+            mem = ctypes.string_at(base, type(rs).__basicsize__)
+            hits = [i for i in range(8, len(mem) - 15) if _AUG.unpack_from(mem, i) == (has_gauss, gauss)]
+            if len(hits) != 1:
+                return None
+            offset = hits[0]
+        raw = ctypes.string_at(rs._bit_generator.ctypes.state_address, _MT_BYTES)
+        if _AUG.unpack(ctypes.string_at(base + offset, _AUG.size)) != (has_gauss, gauss):
+            return None
+        if raw[: 4 * _MT_WORDS] != key.tobytes() or int.from_bytes(raw[-4:], "little", signed=True) != pos:
+            return None
+    return offset
+
+
+class _NumpyGlobal:
+    """What ``np.random.get_state(legacy=True)`` returns, read from the generator's C structs (``get_state``
+    copies the key one word at a time): the same tuple object as the last read while the generator has not moved,
+    its key array read-only."""
+
+    __slots__ = ("_last", "_raw")
+
+    def __init__(self) -> None:
+        self._raw = b""
+        self._last: tuple[Any, ...] = ()
+
+    def state(self) -> tuple[Any, ...]:
+        rs = np.random.mtrand._rand
+        offset = _gauss_offset()
+        bg = rs._bit_generator
+        if offset is None or type(rs) is not np.random.RandomState or type(bg) is not np.random.MT19937:
+            return np.random.get_state(legacy=True)  # type: ignore[return-value]
+        raw = ctypes.string_at(bg.ctypes.state_address, _MT_BYTES) + ctypes.string_at(
+            id(rs) + offset, _AUG.size
+        )
+        if raw != self._raw:
+            key = np.frombuffer(raw, np.uint32, _MT_WORDS).copy()
+            key.flags.writeable = False
+            pos = int.from_bytes(raw[4 * _MT_WORDS : _MT_BYTES], "little", signed=True)
+            self._raw, self._last = raw, ("MT19937", key, pos, *_AUG.unpack_from(raw, _MT_BYTES))
+        return self._last
 
 
 class RNGState:
@@ -24,13 +90,25 @@ class RNGState:
     floats, str, a NumPy uint32 array and uint8 tensors, so it snapshots without pickle.
     """
 
+    def __init__(self) -> None:
+        self._python: tuple[Any, ...] = ()
+        self._numpy = _NumpyGlobal()
+        self._cuda: bool | None = None
+
     def state_dict(self) -> dict[str, Any]:
-        """The current state of every generator. Tensors are fresh copies, never views of generator state."""
+        """The current state of every generator. Tensors are fresh copies, never views of generator state. The
+        ``python`` and ``numpy`` entries are immutable (the NumPy key array is read-only) and are the very objects
+        of the last call while their generator has not moved, so that a capture can reuse what it made of them."""
+        python = random.getstate()
+        if python != self._python:
+            self._python = python
+        if self._cuda is None:
+            self._cuda = torch.cuda.is_available()
         return {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(legacy=True),
+            "python": self._python,
+            "numpy": self._numpy.state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state_all() if self._cuda else [],
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -281,16 +281,16 @@ def finish(walk: Walk, parts: list[bytes], last: TableCache | None) -> tuple[Fla
     _, layout, entries, data_bytes = table
     if data_bytes > L.MAX_SNAPSHOT_BYTES:
         raise ValueError(f"the state's tensors take {data_bytes} bytes, at most {L.MAX_SNAPSHOT_BYTES}")
-    meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + _header(len(parts), 0x80, 0xDE) + b"".join(parts)
+    meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + map_header(len(parts)) + b"".join(parts)
     if len(meta) > L.MAX_META_BYTES:
         raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
     return FlatState(list(entries), walk.tensors, meta, data_bytes, layout), table
 
 
-def _header(n: int, fix: int, short: int) -> bytes:
-    """msgpack's header of an array (``fix`` 0x90, ``short`` 0xdc) or map (0x80, 0xde) of ``n`` items."""
+def map_header(n: int) -> bytes:
+    """msgpack's header of a map of ``n`` entries (its packing is this, then each key and value packed)."""
     if n < 16:
-        return bytes((fix | n,))
+        return bytes((0x80 | n,))
     if n < 1 << 16:
-        return bytes((short,)) + n.to_bytes(2, "big")
-    return bytes((short + 1,)) + n.to_bytes(4, "big")
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")

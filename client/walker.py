@@ -21,7 +21,8 @@ from snapshotd.snapshot_format import PLAIN, STATEFUL, Path, is_stateful
 
 from .module_tree import ModuleTree
 from .optimizer_tree import OptimizerTree
-from .state import FlatState, TableCache, Walk, check_key, finish, top_part
+from .rng import RNGState
+from .state import FlatState, TableCache, Walk, check_key, finish, map_header, top_part
 
 __all__ = ["StateWalker"]
 
@@ -109,6 +110,7 @@ class StateWalker:
 
     def __init__(self) -> None:
         self._memos: dict[str, _Memo] = {}
+        self._rng: dict[str, dict[str, tuple[tuple[Any, ...], bytes]]] = {}
         self._table: TableCache | None = None
 
     def flatten(self, state: Mapping[str, Any]) -> FlatState:
@@ -121,12 +123,17 @@ class StateWalker:
                 parts.append(top_part(key, STATEFUL, self._stateful(key, value, walk)))
             else:
                 self._memos.pop(key, None)
+                self._rng.pop(key, None)
                 parts.append(top_part(key, PLAIN, msgpack.packb(walk.value(value, (key,)))))
         flat, self._table = finish(walk, parts, self._table)
         return flat
 
     def _stateful(self, key: str, value: Any, walk: Walk) -> bytes:
         """The packed state dict of ``value``: read from its module tree, reused from its memo, or walked."""
+        if type(value) is RNGState:
+            self._memos.pop(key, None)
+            return self._generators(key, value.state_dict(), walk)
+        self._rng.pop(key, None)
         packed = self._reuse_tree(key, value, walk)
         if packed is not None:
             return packed
@@ -143,6 +150,27 @@ class StateWalker:
         if fresh and memo.kind == "optimizer" and isinstance(value, torch.optim.Optimizer):
             memo.optimizer = OptimizerTree.of(value, sd)
         return packed
+
+    def _generators(self, key: str, sd: dict[str, Any], walk: Walk) -> bytes:
+        """The packed state dict ``sd`` of an :class:`RNGState`, entry by entry (a map's packing is its entries'
+        in order): a tuple without tensors that is the very object of the last capture (its generator has not
+        moved; RNGState's tuples are immutable) is packed as it was then."""
+        last = self._rng.get(key, {})
+        memo = self._rng[key] = {}
+        out = [map_header(len(sd))]
+        for name, v in sd.items():
+            seen = last.get(name)
+            if seen is not None and seen[0] is v:
+                packed = seen[1]
+            else:
+                count = len(walk.tensors)
+                packed = msgpack.packb(walk.value(v, (key, name)))
+                if len(walk.tensors) != count:
+                    v = None  # not to be reused: it holds tensors
+            if type(v) is tuple:
+                memo[name] = (v, packed)
+            out += (msgpack.packb(name), packed)
+        return b"".join(out)
 
     def _read_optimizer(self, key: str, value: Any) -> Any:
         """The state dict of optimizer ``value`` read from the memo of ``key``'s optimizer tree, without calling

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from snapshotd.client import rng as rng_module
 from snapshotd.client.copies import copy_into
 from snapshotd.client.load import restore_into
 from snapshotd.client.rng import RNGState
@@ -77,3 +78,66 @@ def test_missing_generator_is_a_key_error() -> None:
     del sd["numpy"]
     with pytest.raises(KeyError):
         RNGState().load_state_dict(sd)
+
+
+def assert_numpy_state(read: tuple[Any, ...]) -> None:
+    """``read`` is what ``np.random.get_state()`` returns now: the same values of the same types."""
+    expected = np.random.get_state(legacy=True)
+    assert [type(v) for v in read] == [type(v) for v in expected]
+    assert read[0] == expected[0] and read[2:] == expected[2:]
+    assert read[1].dtype == expected[1].dtype and np.array_equal(read[1], expected[1])
+
+
+def test_numpys_state_is_read_without_get_state_and_kept_while_the_generator_stays() -> None:
+    assert (
+        rng_module._gauss_offset() is not None
+    )  # this NumPy's layout was found: the fast read is the one tested
+    rng = RNGState()
+    np.random.seed(7)
+    first = rng.state_dict()
+    assert_numpy_state(first["numpy"])
+    assert not first["numpy"][1].flags.writeable
+    assert rng.state_dict()["numpy"] is first["numpy"]
+    assert rng.state_dict()["python"] is first["python"]
+    changes = [
+        lambda: np.random.standard_normal(),  # draws a pair, caches the second: has_gauss 1
+        lambda: np.random.standard_normal(),  # takes the cached one: only has_gauss and gauss change
+        lambda: np.random.rand(3),
+        lambda: np.random.seed(7),
+    ]
+    last = first["numpy"]
+    for change in changes:
+        change()
+        read = rng.state_dict()["numpy"]
+        assert read is not last
+        assert_numpy_state(read)
+        last = read
+    random.random()
+    assert rng.state_dict()["python"] is not first["python"]
+
+
+def test_numpys_state_set_back_to_the_same_key_with_a_cached_gaussian_is_read_anew() -> None:
+    rng = RNGState()
+    np.random.seed(3)
+    saved = np.random.get_state()
+    np.random.standard_normal()
+    cached = np.random.get_state()  # has_gauss 1
+    assert cached[3] == 1
+    np.random.standard_normal()  # the key stays, has_gauss 0
+    read = rng.state_dict()["numpy"]
+    assert read[3] == 0
+    np.random.set_state(cached)
+    assert_numpy_state(rng.state_dict()["numpy"])
+    np.random.set_state(saved)
+    assert_numpy_state(rng.state_dict()["numpy"])
+
+
+def test_numpys_state_from_get_state_where_the_layout_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rng_module, "_gauss_offset", lambda: None)
+    rng = RNGState()
+    np.random.standard_normal()
+    sd = rng.state_dict()
+    assert_numpy_state(sd["numpy"])
+    expected = draws()
+    rng.load_state_dict(sd)
+    assert draws() == expected

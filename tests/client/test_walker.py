@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 import gc
+import random
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -210,6 +212,28 @@ def test_an_optimizer_read_without_state_dict_is_the_full_walk_whatever_changes(
     ]
     _read_alike_after_each(walker, state, torch.optim.Optimizer, changes)
     assert walker._memos["optim"].optimizer is None
+
+
+def test_generators_that_did_not_move_are_packed_as_before_and_every_move_is_the_full_walk() -> None:
+    state = {"rng": RNGState(), "after": torch.ones(2)}
+    walker = StateWalker()
+    assert_same(walker.flatten(state), flatten(state))
+    changes: list[tuple[Callable[[], Any], set[str]]] = [
+        (lambda: None, set()),
+        (lambda: random.random(), {"python"}),
+        (lambda: random.gauss(0.0, 1.0), {"python"}),
+        (lambda: np.random.standard_normal(), {"numpy"}),
+        (lambda: np.random.standard_normal(), {"numpy"}),  # the cached Gaussian taken: the key stays
+        (lambda: np.random.seed(11), {"numpy"}),
+        (lambda: torch.rand(1), set()),  # a tensor: in the table, walked every time
+    ]
+    for change, moved in changes:
+        before = {name: blob for name, (_, blob) in walker._rng["rng"].items()}
+        assert set(before) == {"python", "numpy"}
+        change()
+        assert_same(walker.flatten(state), flatten(state))
+        reused = {name for name, (_, blob) in walker._rng["rng"].items() if blob is before[name]}
+        assert reused == {"python", "numpy"} - moved
 
 
 def test_a_parameter_whose_data_is_replaced_after_capture_is_copied_as_it_was() -> None:
