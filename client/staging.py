@@ -4,8 +4,9 @@ The fence contract: tensors that only ``optimizer.step()`` changes (parameters a
 optimizers found in the state) are copied asynchronously, overlapping the next forward and backward; a step
 pre-hook on each such optimizer waits for that copy before the optimizer may change them. Every other tensor
 (module buffers such as running statistics, plain tensors the user passed) may change at any time, so it is
-copied synchronously inside ``capture()``. With no optimizer in the state there is no fence, so everything is
-copied synchronously.
+copied synchronously inside ``capture()``; but one that nothing else holds (a fresh copy, as the generator states
+of :class:`~.rng.RNGState`: ``FlatState.owned``) cannot change and is copied in the background too. With no
+optimizer in the state there is no fence, so everything else is copied synchronously.
 
 - CPU tensors: the copy runs on the client's one background thread (:class:`~.channel.Channel`).
 - CUDA tensors: ``non_blocking`` copies on a side stream into the arena, which is page-locked with
@@ -67,6 +68,7 @@ class _Groups:
 
     def __init__(self, flat: FlatState, cuda: list[bool], safe: list[bool]) -> None:
         self.layout = flat.layout
+        self.owned = flat.owned
         self.cuda = cuda
         idx = [i for i, e in enumerate(flat.entries) if e.nbytes]  # an empty tensor has nothing to copy
         self.sync = [i for i in idx if not safe[i] and not cuda[i]]
@@ -120,6 +122,7 @@ class Stager:
         self._inflight: _Copy | None = None
         self._safe_layout: Any = None
         self._safe: list[bool] = []
+        self._owned: tuple[int, ...] = ()
         self._groups: _Groups | None = None
         self._captures = 0
         self._side_stream: Any = None
@@ -151,8 +154,10 @@ class Stager:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def _async_mask(self, flat: FlatState) -> list[bool]:
-        """Which tensors only optimizer.step() changes (cached per layout)."""
-        if flat.layout is self._safe_layout or flat.layout == self._safe_layout:
+        """Which tensors only optimizer.step() changes, or nothing can (``flat.owned``); cached per layout."""
+        if (
+            flat.layout is self._safe_layout or flat.layout == self._safe_layout
+        ) and flat.owned == self._owned:
             return self._safe
         safe: set[int] = set()
         if self.optimizers:
@@ -165,7 +170,9 @@ class Stager:
                 for per_param in opt.state.values():
                     safe.update(_storage_ptr(t) for t in per_param.values() if isinstance(t, torch.Tensor))
         self._safe = [bool(safe) and _storage_ptr(t) in safe for t in flat.tensors]
-        self._safe_layout = flat.layout
+        for i in flat.owned:
+            self._safe[i] = True
+        self._safe_layout, self._owned = flat.layout, flat.owned
         return self._safe
 
     def _plan(self, flat: FlatState) -> _Groups:
@@ -182,6 +189,7 @@ class Stager:
         if (
             groups is not None
             and groups.layout is flat.layout
+            and groups.owned == flat.owned
             and self._captures % DEVICE_CHECK_EVERY
             and (
                 not tensors or (tensors[0].is_cuda, tensors[-1].is_cuda) == (groups.cuda[0], groups.cuda[-1])
@@ -189,7 +197,12 @@ class Stager:
         ):
             return groups
         cuda = list(map(_IS_CUDA, tensors))
-        if groups is None or groups.layout is not flat.layout or groups.cuda != cuda:
+        if (
+            groups is None
+            or groups.layout is not flat.layout
+            or groups.owned != flat.owned
+            or groups.cuda != cuda
+        ):
             groups = self._groups = _Groups(flat, cuda, self._async_mask(flat))
         return groups
 

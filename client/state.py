@@ -68,6 +68,9 @@ class FlatState:
     """Size of the data buffer the entries need."""
     layout: Layout
     """``(key path, dtype, shape)`` of every entry: equal layouts mean equal tables."""
+    owned: tuple[int, ...] = ()
+    """Indices of ``tensors`` that nothing else holds (fresh copies, as :class:`~.rng.RNGState`'s generator
+    states): their values cannot change after :func:`flatten`, so they may be copied whenever."""
 
 
 def _unsupported(keys: Path, what: str) -> TypeError:
@@ -106,12 +109,14 @@ class Walk:
     needs them (a tensor's, or an error's).
     """
 
-    __slots__ = ("dtensor", "specs", "tensors")
+    __slots__ = ("dtensor", "owned", "specs", "tensors")
 
     def __init__(self) -> None:
         self.dtensor = dtensor_type()
         self.tensors: list[torch.Tensor] = []
         self.specs: list[tuple[Path, str, tuple[int, ...]]] = []
+        self.owned: list[int] = []
+        """See :attr:`FlatState.owned`."""
 
     def value(self, v: Any, keys: Path) -> Any:
         t = type(v)
@@ -284,7 +289,7 @@ def finish(walk: Walk, parts: list[bytes], last: TableCache | None) -> tuple[Fla
     meta = b"\x92" + msgpack.packb(FORMAT_VERSION) + map_header(len(parts)) + b"".join(parts)
     if len(meta) > L.MAX_META_BYTES:
         raise ValueError(f"the state's non-tensor data packs to {len(meta)} B, at most {L.MAX_META_BYTES}")
-    return FlatState(list(entries), walk.tensors, meta, data_bytes, layout), table
+    return FlatState(list(entries), walk.tensors, meta, data_bytes, layout, tuple(walk.owned)), table
 
 
 def map_header(n: int) -> bytes:

@@ -154,7 +154,7 @@ class StateWalker:
     def _generators(self, key: str, sd: dict[str, Any], walk: Walk) -> bytes:
         """The packed state dict ``sd`` of an :class:`RNGState`, entry by entry (a map's packing is its entries'
         in order): a tuple without tensors that is the very object of the last capture (its generator has not
-        moved; RNGState's tuples are immutable) is packed as it was then."""
+        moved; RNGState's tuples are immutable) is packed as it was then. Its tensors are fresh copies: owned."""
         last = self._rng.get(key, {})
         memo = self._rng[key] = {}
         out = [map_header(len(sd))]
@@ -166,6 +166,7 @@ class StateWalker:
                 count = len(walk.tensors)
                 packed = msgpack.packb(walk.value(v, (key, name)))
                 if len(walk.tensors) != count:
+                    walk.owned.extend(range(count, len(walk.tensors)))
                     v = None  # not to be reused: it holds tensors
             if type(v) is tuple:
                 memo[name] = (v, packed)

@@ -16,6 +16,7 @@ from torch import nn
 
 from snapshotd.client.copies import copy_into
 from snapshotd.client.rng import RNGState
+from snapshotd.client.staging import Stager
 from snapshotd.client.state import FlatState, flatten
 from snapshotd.client.walker import StateWalker
 
@@ -234,6 +235,25 @@ def test_generators_that_did_not_move_are_packed_as_before_and_every_move_is_the
         assert_same(walker.flatten(state), flatten(state))
         reused = {name for name, (_, blob) in walker._rng["rng"].items() if blob is before[name]}
         assert reused == {"python", "numpy"} - moved
+
+
+def test_generator_states_are_owned_and_copied_in_the_background_and_a_buffer_in_capture() -> None:
+    state, model, opt = training_state()
+    step(model, opt, state["sched"])
+    walker = StateWalker()
+    for _ in range(2):  # walked, then reused
+        flat = walker.flatten(state)
+        rng = [i for i, t in enumerate(flat.tensors) if t.dtype == torch.uint8]
+        # the torch generator's state (and CUDA's, where there is one)
+        assert rng and flat.owned == tuple(rng)
+        assert flatten(state).owned == ()  # the full walk claims nothing
+        groups = Stager(state, stats=None)._plan(flat)
+        # batch norm's statistics and a plain tensor: they may change at any time
+        mutable = [*model.buffers(), state["extra"]["w"]]
+        ptrs = {t.data_ptr() for t in mutable}
+        assert set(rng) <= set(groups.cpu_async)
+        assert sorted(groups.sync) == [i for i, t in enumerate(flat.tensors) if t.data_ptr() in ptrs]
+        assert len(groups.sync) == len(mutable)
 
 
 def test_a_parameter_whose_data_is_replaced_after_capture_is_copied_as_it_was() -> None:
