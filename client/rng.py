@@ -25,6 +25,57 @@ _AUG = struct.Struct("<i4xd")
 _PROBES = ((1, 0.7853981633974483), (1, -1.4142135623730951e-3), (0, 0.0))
 
 
+_PY_WORDS = struct.Struct(f"<i{_MT_WORDS}I")
+"""CPython's ``random.Random`` object after its header: ``int index; uint32_t state[624]``."""
+
+
+@functools.cache
+def _python_offset() -> int | None:
+    """Where a ``random.Random`` object holds its Mersenne Twister (index, then key; which only ``getstate()``
+    tells), found on a private instance: set with ``setstate`` to known states, each must be read back at exactly
+    one offset. None where it is not (another Python's layout): ``getstate()`` is then compared instead."""
+    probe = random.Random(0)
+    size = type(probe).__basicsize__
+    offset = None
+    for seed in (1, 2):
+        state = random.Random(seed).getstate()
+        probe.setstate(state)
+        words = state[1]
+        packed = _PY_WORDS.pack(words[-1], *words[:-1])
+        mem = ctypes.string_at(id(probe), size)
+        if offset is None:
+            if mem.count(packed) != 1:
+                return None
+            offset = mem.find(packed)
+        elif mem[offset : offset + _PY_WORDS.size] != packed:
+            return None
+    return offset
+
+
+class _PythonGlobal:
+    """What ``random.getstate()`` returns: the same tuple object as the last read while the generator has not
+    moved (its state words read from the generator object, where their place is known), else ``getstate()``."""
+
+    __slots__ = ("_last", "_raw")
+
+    def __init__(self) -> None:
+        self._raw = b""
+        self._last: tuple[Any, ...] = ()
+
+    def state(self) -> tuple[Any, ...]:
+        inst = random._inst  # type: ignore[attr-defined]
+        offset = _python_offset()
+        if offset is None or type(inst) is not random.Random:
+            state = random.getstate()
+            if state != self._last:
+                self._raw, self._last = b"", state
+            return self._last
+        raw = ctypes.string_at(id(inst) + offset, _PY_WORDS.size)
+        if raw != self._raw or inst.gauss_next is not self._last[2]:  # type: ignore[attr-defined]
+            self._raw, self._last = raw, random.getstate()
+        return self._last
+
+
 @functools.cache
 def _gauss_offset() -> int | None:
     """Where a ``numpy.random.RandomState`` object holds its cached Gaussian (``has_gauss``, ``gauss``; which only
@@ -91,7 +142,7 @@ class RNGState:
     """
 
     def __init__(self) -> None:
-        self._python: tuple[Any, ...] = ()
+        self._python = _PythonGlobal()
         self._numpy = _NumpyGlobal()
         self._cuda: bool | None = None
 
@@ -99,13 +150,10 @@ class RNGState:
         """The current state of every generator. Tensors are fresh copies, never views of generator state. The
         ``python`` and ``numpy`` entries are immutable (the NumPy key array is read-only) and are the very objects
         of the last call while their generator has not moved, so that a capture can reuse what it made of them."""
-        python = random.getstate()
-        if python != self._python:
-            self._python = python
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
         return {
-            "python": self._python,
+            "python": self._python.state(),
             "numpy": self._numpy.state(),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if self._cuda else [],

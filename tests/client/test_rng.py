@@ -141,3 +141,37 @@ def test_numpys_state_from_get_state_where_the_layout_is_not_found(monkeypatch: 
     expected = draws()
     rng.load_state_dict(sd)
     assert draws() == expected
+
+
+def test_pythons_state_is_read_anew_whenever_the_generator_moved_and_kept_while_it_stays() -> None:
+    assert rng_module._python_offset() is not None  # this Python's layout was found: the fast read is tested
+    rng = RNGState()
+    random.seed(5)
+    last = rng.state_dict()["python"]
+    assert last == random.getstate() and rng.state_dict()["python"] is last
+    changes = [
+        lambda: random.random(),
+        lambda: random.gauss(0.0, 1.0),  # draws a pair, keeps the second in gauss_next
+        lambda: random.gauss(0.0, 1.0),  # takes it: the words stay, gauss_next goes back to None
+        lambda: random.setstate((3, random.getstate()[1], 0.25)),  # the same words with a cached Gaussian
+        lambda: random.seed(5),
+    ]
+    for change in changes:
+        change()
+        read = rng.state_dict()["python"]
+        assert read is not last and read == random.getstate()
+        assert rng.state_dict()["python"] is read
+        last = read
+
+
+def test_pythons_state_from_getstate_where_the_layout_is_not_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rng_module, "_python_offset", lambda: None)
+    rng = RNGState()
+    first = rng.state_dict()["python"]
+    assert first == random.getstate() and rng.state_dict()["python"] is first
+    random.random()
+    sd = rng.state_dict()
+    assert sd["python"] == random.getstate() and sd["python"] is not first
+    expected = draws()
+    rng.load_state_dict(sd)
+    assert draws() == expected
