@@ -7,6 +7,7 @@ import functools
 import logging
 import random
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +35,8 @@ def _python_offset() -> int | None:
     """Where a ``random.Random`` object holds its Mersenne Twister (index, then key; which only ``getstate()``
     tells), found on a private instance: set with ``setstate`` to known states, each must be read back at exactly
     one offset. None where it is not (another Python's layout): ``getstate()`` is then compared instead."""
+    if sys.implementation.name != "cpython":  # an object's address is where its struct starts in CPython only
+        return None
     probe = random.Random(0)
     size = type(probe).__basicsize__
     offset = None
@@ -63,16 +66,18 @@ class _PythonGlobal:
         self._last: tuple[Any, ...] = ()
 
     def state(self) -> tuple[Any, ...]:
-        inst = random._inst  # type: ignore[attr-defined]
+        inst = getattr(random.getstate, "__self__", None)  # the generator random's functions draw from
         offset = _python_offset()
         if offset is None or type(inst) is not random.Random:
             state = random.getstate()
-            if state != self._last:
+            last = self._last
+            if not last or state[1] != last[1] or state[2] is not last[2]:  # gauss_next: 0.0 == -0.0
                 self._raw, self._last = b"", state
             return self._last
+        # the words before getstate(): a draw from another thread in between is then caught next time
         raw = ctypes.string_at(id(inst) + offset, _PY_WORDS.size)
         if raw != self._raw or inst.gauss_next is not self._last[2]:  # type: ignore[attr-defined]
-            self._raw, self._last = raw, random.getstate()
+            self._raw, self._last = raw, inst.getstate()
         return self._last
 
 
@@ -83,7 +88,7 @@ def _gauss_offset() -> int | None:
     back at exactly one offset, the key and position from ``state_address`` likewise. None where it is not (another
     NumPy build's layout): the state is then read with ``get_state()``."""
     rs = np.random.RandomState(0)
-    if type(rs._bit_generator) is not np.random.MT19937:
+    if sys.implementation.name != "cpython" or type(rs._bit_generator) is not np.random.MT19937:
         return None
     base = id(rs)
     key, pos = rs.get_state(legacy=True)[1], 5  # type: ignore[index]
@@ -116,17 +121,16 @@ class _NumpyGlobal:
         self._last: tuple[Any, ...] = ()
 
     def state(self) -> tuple[Any, ...]:
-        rs = np.random.mtrand._rand
+        rs = getattr(np.random.get_state, "__self__", None)  # the generator np.random's functions draw from
         offset = _gauss_offset()
-        bg = rs._bit_generator
+        bg = getattr(rs, "_bit_generator", None)
         if offset is None or type(rs) is not np.random.RandomState or type(bg) is not np.random.MT19937:
             return np.random.get_state(legacy=True)  # type: ignore[return-value]
         raw = ctypes.string_at(bg.ctypes.state_address, _MT_BYTES) + ctypes.string_at(
             id(rs) + offset, _AUG.size
         )
         if raw != self._raw:
-            key = np.frombuffer(raw, np.uint32, _MT_WORDS).copy()
-            key.flags.writeable = False
+            key = np.frombuffer(raw, np.uint32, _MT_WORDS)  # a view of bytes: read-only for good
             pos = int.from_bytes(raw[4 * _MT_WORDS : _MT_BYTES], "little", signed=True)
             self._raw, self._last = raw, ("MT19937", key, pos, *_AUG.unpack_from(raw, _MT_BYTES))
         return self._last
@@ -148,8 +152,9 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         """The current state of every generator. Tensors are fresh copies, never views of generator state. The
-        ``python`` and ``numpy`` entries are immutable (the NumPy key array is read-only) and are the very objects
-        of the last call while their generator has not moved, so that a capture can reuse what it made of them."""
+        ``python`` and ``numpy`` entries are tuples, immutable where their generator's state is read from its
+        object (the NumPy key array read-only), and then the very objects of the last call while their generator
+        has not moved, so that a capture can reuse what it made of them."""
         if self._cuda is None:
             self._cuda = torch.cuda.is_available()
         return {

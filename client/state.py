@@ -47,7 +47,18 @@ from snapshotd.snapshot_format import (
 from ..proto import limits as L
 from ..proto.manifest import DTYPE_SIZES, TensorEntry
 
-__all__ = ["FlatState", "TableCache", "Walk", "check_key", "check_tensor", "finish", "flatten", "top_part"]
+__all__ = [
+    "FlatState",
+    "TableCache",
+    "Walk",
+    "array_header",
+    "check_key",
+    "check_tensor",
+    "finish",
+    "flatten",
+    "map_header",
+    "top_part",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -294,8 +305,17 @@ def finish(walk: Walk, parts: list[bytes], last: TableCache | None) -> tuple[Fla
 
 def map_header(n: int) -> bytes:
     """msgpack's header of a map of ``n`` entries (its packing is this, then each key and value packed)."""
+    return _header(n, 0x80, 0xDE)
+
+
+def array_header(n: int) -> bytes:
+    """msgpack's header of an array of ``n`` items (its packing is this, then each item packed)."""
+    return _header(n, 0x90, 0xDC)
+
+
+def _header(n: int, fix: int, short: int) -> bytes:
     if n < 16:
-        return bytes((0x80 | n,))
+        return bytes((fix | n,))
     if n < 1 << 16:
-        return b"\xde" + n.to_bytes(2, "big")
-    return b"\xdf" + n.to_bytes(4, "big")
+        return bytes((short,)) + n.to_bytes(2, "big")
+    return bytes((short + 1,)) + n.to_bytes(4, "big")

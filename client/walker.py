@@ -11,18 +11,18 @@ import collections
 import dataclasses
 import itertools
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
 import torch
 
-from snapshotd.snapshot_format import PLAIN, STATEFUL, Path, is_stateful
+from snapshotd.snapshot_format import PLAIN, SCALAR_TYPES, STATEFUL, Path, is_stateful
 
 from .module_tree import ModuleTree
 from .optimizer_tree import OptimizerTree
 from .rng import RNGState
-from .state import FlatState, TableCache, Walk, check_key, finish, map_header, top_part
+from .state import FlatState, TableCache, Walk, array_header, check_key, finish, map_header, top_part
 
 __all__ = ["StateWalker"]
 
@@ -34,6 +34,76 @@ _ALIAS = operator.attrgetter("data")
 _OPTIMIZER_KEYS = ("state", "param_groups")
 _OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
 _GROUPS_KEY = msgpack.packb("param_groups")
+
+
+_IMMUTABLE = SCALAR_TYPES | {int}
+
+
+class _Entries:
+    """A dict packed entry by entry, as msgpack packs it whole (a map's header, then each key and value packed in
+    order): an entry whose value is the very object of the last packing, and one that cannot have changed since
+    (``reusable``), is taken as it was packed then. Its keys must be str (the caller checks)."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[Any, bytes]] = {}
+
+    def pack(
+        self, d: dict[str, Any], walk: Walk, keys: Path, reusable: Callable[[str, Any], bool], *, owned: bool
+    ) -> bytes:
+        """The packing of ``d`` (``keys``: its path), its tensors added to ``walk`` (as ``walk.owned`` too with
+        ``owned``: fresh copies nothing else holds). A value holding tensors is never reused."""
+        last, memo = self._last, {}
+        out = [map_header(len(d))]
+        for k, v in d.items():
+            hit = last.get(k)
+            if hit is not None and hit[0] is v:
+                pair = hit[1]
+            else:
+                count = len(walk.tensors)
+                pair = msgpack.packb(k) + msgpack.packb(walk.value(v, (*keys, k)))
+                if len(walk.tensors) != count:
+                    if owned:
+                        walk.owned.extend(range(count, len(walk.tensors)))
+                    out.append(pair)
+                    continue
+                if not reusable(k, v):
+                    out.append(pair)
+                    continue
+            memo[k] = (v, pair)
+            out.append(pair)
+        self._last = memo
+        return b"".join(out)
+
+
+def _immutable(v: Any) -> bool:
+    """Whether ``v`` is a scalar or a tuple of scalars (a value that cannot change while it is the same object)."""
+    t = type(v)
+    return t in _IMMUTABLE or (t is tuple and set(map(type, v)) <= _IMMUTABLE)
+
+
+def _pack_groups(memo: _Memo, groups: Any, walk: Walk, key: str, from_tree: bool) -> bytes:
+    """The packing of an optimizer's ``param_groups``, as the full walk packs them: group by group, entry by
+    entry, where each is a dict with str keys, reusing a scalar or tuple of scalars that is the very object packed
+    last time and, read from the optimizer tree (``from_tree``), its own index list under ``"params"``."""
+    if type(groups) is not list or not all(type(g) is dict and set(map(type, g)) <= {str} for g in groups):
+        memo.groups = []
+        return msgpack.packb(walk.value(groups, (key, "param_groups")))  # type: ignore[no-any-return]
+    if len(memo.groups) != len(groups):
+        memo.groups = [_Entries() for _ in groups]
+
+    def reusable(k: str, v: Any) -> bool:
+        return _immutable(v) or (from_tree and k == "params")
+
+    return array_header(len(groups)) + b"".join(
+        entries.pack(g, walk, (key, "param_groups", n), reusable, owned=False)
+        for n, (entries, g) in enumerate(zip(memo.groups, groups, strict=True))
+    )
+
+
+def _rng_entry(name: str, v: Any) -> bool:
+    return type(v) is tuple  # RNGState's tuples are immutable (its NumPy key array read-only)
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,6 +134,8 @@ class _Memo:
     optimizer: OptimizerTree | None = None
     """``optimizer`` of a ``torch.optim.Optimizer`` whose state dict can be read from it (see
     :class:`~.optimizer_tree.OptimizerTree`)."""
+    groups: list[_Entries] = dataclasses.field(default_factory=list)
+    """``optimizer``: how each of its param groups was last packed."""
 
     def matches(self, tensors: list[Any], *, same_objects: bool) -> bool:
         """Whether ``tensors`` are plain strided tensors or parameters of the dtypes and shapes seen, off the meta
@@ -111,7 +183,7 @@ class StateWalker:
 
     def __init__(self) -> None:
         self._memos: dict[str, _Memo] = {}
-        self._rng: dict[str, dict[str, tuple[tuple[Any, ...], bytes]]] = {}
+        self._rng: dict[str, _Entries] = {}
         self._table: TableCache | None = None
 
     def flatten(self, state: Mapping[str, Any]) -> FlatState:
@@ -142,7 +214,7 @@ class StateWalker:
         fresh = sd is None
         if fresh:
             sd = value.state_dict()
-        packed = self._reuse(key, sd, walk)
+        packed = self._reuse(key, sd, walk, from_tree=not fresh)
         if packed is None:
             return self._walk(key, sd, walk, value)
         memo = self._memos[key]
@@ -153,26 +225,13 @@ class StateWalker:
         return packed
 
     def _generators(self, key: str, sd: dict[str, Any], walk: Walk) -> bytes:
-        """The packed state dict ``sd`` of an :class:`RNGState`, entry by entry (a map's packing is its entries'
-        in order): a tuple without tensors that is the very object of the last capture (its generator has not
-        moved; RNGState's tuples are immutable) is packed as it was then. Its tensors are fresh copies: owned."""
-        last = self._rng.get(key, {})
-        memo = self._rng[key] = {}
-        out = [map_header(len(sd))]
-        for name, v in sd.items():
-            seen = last.get(name)
-            if seen is not None and seen[0] is v:
-                packed = seen[1]
-            else:
-                count = len(walk.tensors)
-                packed = msgpack.packb(walk.value(v, (key, name)))
-                if len(walk.tensors) != count:
-                    walk.owned.extend(range(count, len(walk.tensors)))
-                    v = None  # not to be reused: it holds tensors
-            if type(v) is tuple:
-                memo[name] = (v, packed)
-            out += (msgpack.packb(name), packed)
-        return b"".join(out)
+        """The packed state dict ``sd`` of an :class:`RNGState`, entry by entry: a generator's tuple that is the
+        very object of the last capture (the generator has not moved) as it was packed then. Its tensors are fresh
+        copies: owned."""
+        entries = self._rng.get(key)
+        if entries is None:
+            entries = self._rng[key] = _Entries()
+        return entries.pack(sd, walk, (key,), _rng_entry, owned=True)
 
     def _read_optimizer(self, key: str, value: Any) -> Any:
         """The state dict of optimizer ``value`` read from the memo of ``key``'s optimizer tree, without calling
@@ -197,14 +256,14 @@ class StateWalker:
             return None
         if not memo.matches(tensors, same_objects=False):
             return None
-        # detached, as state_dict() gives them (see FlatState.tensors)
+        # aliases without autograd, as state_dict() detaches them (see FlatState.tensors); nothing writes to them
         walk.tensors.extend(map(_ALIAS, tensors))
         walk.specs.extend(memo.specs)
         return memo.packed
 
-    def _reuse(self, key: str, sd: Any, walk: Walk) -> bytes | None:
+    def _reuse(self, key: str, sd: Any, walk: Walk, *, from_tree: bool) -> bytes | None:
         """The packed tree of ``sd`` from the memo of ``key``, its tensors added to ``walk``; None when ``sd`` no
-        longer matches it."""
+        longer matches it. ``from_tree``: ``sd`` was read from the memo's optimizer tree."""
         memo = self._memos.get(key)
         if memo is None or memo.start != len(walk.tensors) or type(sd) is not memo.sd_type:
             return None
@@ -232,8 +291,8 @@ class StateWalker:
         walk.specs.extend(memo.specs)
         if memo.kind == "tensors":
             return memo.packed
-        groups = walk.value(sd["param_groups"], (key, "param_groups"))
-        return _OPTIMIZER_HEAD + memo.packed + _GROUPS_KEY + msgpack.packb(groups)
+        groups = _pack_groups(memo, sd["param_groups"], walk, key, from_tree)
+        return _OPTIMIZER_HEAD + memo.packed + _GROUPS_KEY + groups
 
     def _walk(self, key: str, sd: Any, walk: Walk, value: Any) -> bytes:
         """Walk ``sd`` (the state dict of ``value``) in full, remembering it when it has one of the memo's

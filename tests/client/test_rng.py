@@ -80,12 +80,16 @@ def test_missing_generator_is_a_key_error() -> None:
         RNGState().load_state_dict(sd)
 
 
+def packed(state: Any) -> bytes:
+    """``state`` as a snapshot carries it (so that 0.0 and -0.0, or 1 and True, differ)."""
+    return flatten({"s": state}).meta
+
+
 def assert_numpy_state(read: tuple[Any, ...]) -> None:
     """``read`` is what ``np.random.get_state()`` returns now: the same values of the same types."""
     expected = np.random.get_state(legacy=True)
     assert [type(v) for v in read] == [type(v) for v in expected]
-    assert read[0] == expected[0] and read[2:] == expected[2:]
-    assert read[1].dtype == expected[1].dtype and np.array_equal(read[1], expected[1])
+    assert packed(read) == packed(expected)
 
 
 def test_numpys_state_is_read_without_get_state_and_kept_while_the_generator_stays() -> None:
@@ -159,7 +163,7 @@ def test_pythons_state_is_read_anew_whenever_the_generator_moved_and_kept_while_
     for change in changes:
         change()
         read = rng.state_dict()["python"]
-        assert read is not last and read == random.getstate()
+        assert read is not last and packed(read) == packed(random.getstate())
         assert rng.state_dict()["python"] is read
         last = read
 
@@ -169,9 +173,26 @@ def test_pythons_state_from_getstate_where_the_layout_is_not_found(monkeypatch: 
     rng = RNGState()
     first = rng.state_dict()["python"]
     assert first == random.getstate() and rng.state_dict()["python"] is first
+    for gauss in (0.0, -0.0):  # equal, but not the same state
+        random.setstate((3, first[1], gauss))
+        assert packed(rng.state_dict()["python"]) == packed(random.getstate())
     random.random()
     sd = rng.state_dict()
     assert sd["python"] == random.getstate() and sd["python"] is not first
     expected = draws()
     rng.load_state_dict(sd)
     assert draws() == expected
+
+
+def test_the_generators_read_are_those_the_modules_functions_draw_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rng = RNGState()
+    monkeypatch.setattr(random, "_inst", random.Random(1))  # not what random.random() draws from
+    monkeypatch.setattr(np.random.mtrand, "_rand", np.random.RandomState(1))
+    first = rng.state_dict()
+    random.random()
+    np.random.rand()
+    sd = rng.state_dict()
+    assert packed(sd["python"]) == packed(random.getstate()) != packed(first["python"])
+    assert_numpy_state(sd["numpy"])

@@ -209,6 +209,13 @@ def test_an_optimizer_read_without_state_dict_is_the_full_walk_whatever_changes(
         lambda: opt.param_groups[0]["params"].reverse(),  # the parameters' order (their indices)
         lambda: opt.state.update(reversed(list(opt.state.items()))),  # the state's order
         lambda: setattr(opt, "state", collections.defaultdict(dict, opt.state)),  # the state replaced alike
+        lambda: opt.param_groups[0].__setitem__("betas_like", (0.8, 0.99)),  # a tuple replaced
+        lambda: opt.param_groups[0].__setitem__("milestones", [1, 2]),  # a list
+        lambda: opt.param_groups[0]["milestones"].append(3),  # changed in place: the same object
+        lambda: opt.param_groups[0].__setitem__("lr", torch.tensor(0.1)),  # a tensor (in the table)
+        lambda: opt.param_groups[0]["lr"].fill_(0.2),  # changed in place
+        lambda: opt.param_groups[1].__setitem__(7, "an int key"),  # a group the full walk packs
+        lambda: opt.param_groups[1].pop(7),
         lambda: opt.register_state_dict_post_hook(lambda o, sd: None),  # a hook
     ]
     _read_alike_after_each(walker, state, torch.optim.Optimizer, changes)
@@ -229,11 +236,11 @@ def test_generators_that_did_not_move_are_packed_as_before_and_every_move_is_the
         (lambda: torch.rand(1), set()),  # a tensor: in the table, walked every time
     ]
     for change, moved in changes:
-        before = {name: blob for name, (_, blob) in walker._rng["rng"].items()}
+        before = {name: blob for name, (_, blob) in walker._rng["rng"]._last.items()}
         assert set(before) == {"python", "numpy"}
         change()
         assert_same(walker.flatten(state), flatten(state))
-        reused = {name for name, (_, blob) in walker._rng["rng"].items() if blob is before[name]}
+        reused = {name for name, (_, blob) in walker._rng["rng"]._last.items() if blob is before[name]}
         assert reused == {"python", "numpy"} - moved
 
 
@@ -247,13 +254,40 @@ def test_generator_states_are_owned_and_copied_in_the_background_and_a_buffer_in
         # the torch generator's state (and CUDA's, where there is one)
         assert rng and flat.owned == tuple(rng)
         assert flatten(state).owned == ()  # the full walk claims nothing
-        groups = Stager(state, stats=None)._plan(flat)
+        stager = Stager(state, stats=None)
+        groups = stager._plan(flat)
+        stager.remove_hooks()
         # batch norm's statistics and a plain tensor: they may change at any time
         mutable = [*model.buffers(), state["extra"]["w"]]
         ptrs = {t.data_ptr() for t in mutable}
         assert set(rng) <= set(groups.cpu_async)
         assert sorted(groups.sync) == [i for i, t in enumerate(flat.tensors) if t.data_ptr() in ptrs]
         assert len(groups.sync) == len(mutable)
+
+
+def test_an_index_list_from_an_optimizers_own_state_dict_is_packed_anew_every_time() -> None:
+    class Cached(torch.optim.SGD):
+        """Hands out the same "params" list from every state_dict(): no optimizer tree, the list not the tree's."""
+
+        indices: list[int] | None = None
+
+        def state_dict(self) -> dict[str, Any]:
+            sd = super().state_dict()
+            if self.indices is None:
+                self.indices = sd["param_groups"][0]["params"]
+            sd["param_groups"][0]["params"] = self.indices
+            return sd
+
+    model = nn.Linear(3, 2)
+    opt = Cached(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"optim": opt}
+    walker = StateWalker()
+    for n in range(3):
+        assert_same(walker.flatten(state), flatten(state))
+        assert opt.indices is not None
+        opt.indices.append(n + 7)  # changed in place: the same object
 
 
 def test_a_parameter_whose_data_is_replaced_after_capture_is_copied_as_it_was() -> None:
