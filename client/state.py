@@ -276,7 +276,13 @@ def check_key(key: Any) -> None:
 
 def top_part(key: str, kind: int, packed: bytes) -> bytes:
     """msgpack of one top-level entry of ``meta``: ``key`` and ``[kind, tree]``, the tree packed already."""
-    return msgpack.packb(key) + b"\x92" + msgpack.packb(kind) + packed
+    return _top_head(key, kind) + packed
+
+
+@functools.lru_cache(maxsize=1024)
+def _top_head(key: str, kind: int) -> bytes:
+    """What precedes a top-level entry's tree (the same few every capture: cached)."""
+    return msgpack.packb(key) + b"\x92" + msgpack.packb(kind)  # type: ignore[no-any-return]
 
 
 TableCache = tuple[list[Any], Layout, tuple[TensorEntry, ...], int]

@@ -37,6 +37,8 @@ _GROUPS_KEY = msgpack.packb("param_groups")
 
 
 _IMMUTABLE = SCALAR_TYPES | {int}
+_MAX_KEYS = 64
+"""The most key packings one :class:`_Entries` keeps."""
 
 
 class _Entries:
@@ -44,10 +46,12 @@ class _Entries:
     order): an entry whose value is the very object of the last packing, and one that cannot have changed since
     (``reusable``), is taken as it was packed then. Its keys must be str (the caller checks)."""
 
-    __slots__ = ("_last",)
+    __slots__ = ("_keys", "_last")
 
     def __init__(self) -> None:
         self._last: dict[str, tuple[Any, bytes]] = {}
+        self._keys: dict[str, bytes] = {}
+        """Each key's packing."""
 
     def pack(
         self, d: dict[str, Any], walk: Walk, keys: Path, reusable: Callable[[str, Any], bool], *, owned: bool
@@ -62,7 +66,12 @@ class _Entries:
                 pair = hit[1]
             else:
                 count = len(walk.tensors)
-                pair = msgpack.packb(k) + msgpack.packb(walk.value(v, (*keys, k)))
+                head = self._keys.get(k)
+                if head is None:
+                    head = msgpack.packb(k)
+                    if len(self._keys) < _MAX_KEYS:
+                        self._keys[k] = head
+                pair = head + msgpack.packb(walk.value(v, (*keys, k)))
                 if len(walk.tensors) != count:
                     if owned:
                         walk.owned.extend(range(count, len(walk.tensors)))
@@ -126,7 +135,9 @@ class _Memo:
     packed: bytes
     """msgpack of its tree (``optimizer``: of its ``state``)."""
     last: list[torch.Tensor]
-    """The tensors it last matched."""
+    """The tensors it last matched, as found in the state dict."""
+    grad: bool
+    """Some of ``last`` required grad (``optimizer``: when they were last read)."""
     tree: ModuleTree | None = None
     """``tensors`` of a module whose state dict can be read from its tree (see :class:`~.module_tree.ModuleTree`)."""
     tree_changed: bool = False
@@ -137,19 +148,17 @@ class _Memo:
     groups: list[_Entries] = dataclasses.field(default_factory=list)
     """``optimizer``: how each of its param groups was last packed."""
 
-    def matches(self, tensors: list[Any], *, same_objects: bool) -> bool:
+    def same(self, tensors: list[Any]) -> bool:
+        """Whether ``tensors`` are the very objects last matched, in order."""
+        return len(tensors) == len(self.last) and all(map(operator.is_, tensors, self.last))
+
+    def matches(self, tensors: list[Any]) -> bool:
         """Whether ``tensors`` are plain strided tensors or parameters of the dtypes and shapes seen, off the meta
-        device (C-level loops only; where they live is the stager's business). With ``same_objects``, the very
-        tensor objects seen last time match at once: an optimizer's moments are the same objects from step to step,
-        and nothing changes their dtype or shape in place but ``set_`` and ``resize_``. Without it (a module's
-        parameters, whose dtype and shape ``module.to()`` and ``param.data = ...`` change in place), dtypes and
-        shapes are compared every time."""
+        device (C-level loops only; where they live is the stager's business). Their dtypes and shapes are read
+        every time: ``module.to()`` and ``param.data = ...`` change a parameter's in place."""
         if len(tensors) != len(self.dtypes):
             return False
-        same = all(map(operator.is_, tensors, self.last))
-        if same and same_objects:
-            return True
-        if not same and not _plain_tensors(tensors):
+        if not self.same(tensors) and not _plain_tensors(tensors):
             return False
         if list(map(_DTYPE, tensors)) != self.dtypes or list(map(_SHAPE, tensors)) != self.shapes:
             return False
@@ -254,7 +263,7 @@ class StateWalker:
         if tensors is None:  # let go of the tree (a module replaced is not kept alive by it)
             memo.tree, memo.tree_changed = None, True
             return None
-        if not memo.matches(tensors, same_objects=False):
+        if not memo.matches(tensors):
             return None
         # aliases without autograd, as state_dict() detaches them (see FlatState.tensors); nothing writes to them
         walk.tensors.extend(map(_ALIAS, tensors))
@@ -283,9 +292,13 @@ class StateWalker:
             if list(map(tuple, inner)) != memo.inner:
                 return None
             tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
-        if not memo.matches(tensors, same_objects=memo.kind == "optimizer"):
-            return None
-        if any(map(_GRAD, tensors)):  # a Stateful's own parameters (see FlatState.tensors)
+        if memo.kind != "optimizer" or not memo.same(tensors):
+            if not memo.matches(tensors):
+                return None
+            memo.grad = any(map(_GRAD, tensors))
+        # else an optimizer's very moments of last time, whose dtype, shape and requires_grad nothing but set_(),
+        # resize_() and requires_grad_() changes in place (no optimizer does): all as read then
+        if memo.grad:  # a Stateful's own parameters (see FlatState.tensors)
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         walk.tensors.extend(tensors)
         walk.specs.extend(memo.specs)
@@ -304,17 +317,23 @@ class StateWalker:
             inner = list(st.values())
             state_tree = walk.value(st, (key, "state"))
             packed = msgpack.packb(state_tree)
-            if all(type(d) is dict for d in inner) and _plain_tensors(
+            found = (
                 list(itertools.chain.from_iterable(map(dict.values, inner)))
-            ):
-                self._remember("optimizer", key, sd, list(st), [tuple(d) for d in inner], start, walk, packed)
+                if all(type(d) is dict for d in inner)
+                else None
+            )
+            if found is not None and _plain_tensors(found):
+                self._remember(
+                    "optimizer", key, sd, list(st), [tuple(d) for d in inner], found, start, walk, packed
+                )
                 if isinstance(value, torch.optim.Optimizer):
                     self._memos[key].optimizer = OptimizerTree.of(value, sd)
             groups = walk.value(sd["param_groups"], (key, "param_groups"))
             return _OPTIMIZER_HEAD + packed + _GROUPS_KEY + msgpack.packb(groups)
         packed = msgpack.packb(walk.value(sd, (key,)))
-        if type(sd) in (dict, collections.OrderedDict) and _plain_tensors(list(sd.values())):
-            self._remember("tensors", key, sd, list(sd), [], start, walk, packed)
+        found = list(sd.values()) if type(sd) in (dict, collections.OrderedDict) else None
+        if found is not None and _plain_tensors(found):
+            self._remember("tensors", key, sd, list(sd), [], found, start, walk, packed)
             if isinstance(value, torch.nn.Module):
                 self._memos[key].tree = ModuleTree.of(value, tuple(sd))
         return packed
@@ -326,10 +345,13 @@ class StateWalker:
         sd: Any,
         keys: list[Any],
         inner: list[tuple[Any, ...]],
+        found: list[torch.Tensor],
         start: int,
         walk: Walk,
         packed: bytes,
     ) -> None:
+        """Remember the walk of ``sd`` just done: ``found``, its tensors as found in it, were added to ``walk``
+        from ``start`` on."""
         tensors = walk.tensors[start:]
         self._memos[key] = _Memo(
             kind,
@@ -341,5 +363,6 @@ class StateWalker:
             list(map(_SHAPE, tensors)),
             walk.specs[start:],
             packed,
-            tensors,
+            found,
+            any(map(_GRAD, found)),
         )

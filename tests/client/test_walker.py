@@ -133,6 +133,44 @@ def test_state_dicts_of_other_shapes_are_walked_alike(sd: Any) -> None:
         assert_same(walker.flatten(state), flatten(state))
 
 
+def test_moments_that_require_grad_are_detached_at_every_capture() -> None:
+    """An optimizer-shaped state whose moments require grad (a differentiable optimizer's) is aliased without
+    autograd capture after capture, also while the walker takes them as the very objects of last time; a moment
+    replaced is read anew."""
+    m = torch.zeros(2, requires_grad=True)
+    sd = {"state": {0: {"m": m, "v": torch.ones(2)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {"x": _Stateful(sd)}
+    walker = StateWalker()
+    for _ in range(3):
+        flat = walker.flatten(state)
+        assert_same(flat, flatten(state))
+        assert flat.tensors[0] is not m and not flat.tensors[0].requires_grad
+        assert flat.tensors[1] is sd["state"][0]["v"]
+    sd["state"][0]["m"] = plain = torch.zeros(2)  # a new object that does not: taken as it is
+    for _ in range(2):
+        flat = walker.flatten(state)
+        assert_same(flat, flatten(state))
+        assert flat.tensors[0] is plain
+    sd["state"][0]["v"] = torch.ones(2, requires_grad=True)
+    for _ in range(2):
+        flat = walker.flatten(state)
+        assert_same(flat, flatten(state))
+        assert not any(t.requires_grad for t in flat.tensors)
+
+
+def test_a_tensor_that_starts_requiring_grad_in_place_is_detached() -> None:
+    """A Stateful's own tensors are read for requires_grad at every capture: set in place, it is detached."""
+    w = torch.zeros(3)
+    state = {"x": _Stateful({"w": w})}
+    walker = StateWalker()
+    for _ in range(2):
+        assert walker.flatten(state).tensors[0] is w
+    w.requires_grad_(True)
+    flat = walker.flatten(state)
+    assert_same(flat, flatten(state))
+    assert flat.tensors[0] is not w and not flat.tensors[0].requires_grad
+
+
 def test_errors_are_the_full_walks() -> None:
     state = {"x": _Stateful({"a": torch.zeros(2)})}
     walker = StateWalker()
