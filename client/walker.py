@@ -36,6 +36,8 @@ _OPTIMIZER_HEAD = b"\x82" + msgpack.packb("state")
 _GROUPS_KEY = msgpack.packb("param_groups")
 
 
+FULL_CHECK_EVERY = 64
+"""Captures between two full reads of an optimizer's moments (see :class:`StateWalker`)."""
 _IMMUTABLE = SCALAR_TYPES | {int}
 _MAX_KEYS = 64
 """The most key packings one :class:`_Entries` keeps."""
@@ -111,6 +113,12 @@ def _pack_groups(memo: _Memo, groups: Any, walk: Walk, key: str, from_tree: bool
     )
 
 
+def _differentiable(groups: Any) -> bool:
+    """Whether an optimizer's param groups (read from its tree: dicts) ask for a differentiable step, one that
+    may update its state with grad enabled."""
+    return any(g.get("differentiable") for g in groups)
+
+
 def _rng_entry(name: str, v: Any) -> bool:
     return type(v) is tuple  # RNGState's tuples are immutable (its NumPy key array read-only)
 
@@ -137,7 +145,7 @@ class _Memo:
     last: list[torch.Tensor]
     """The tensors it last matched, as found in the state dict."""
     grad: bool
-    """Some of ``last`` required grad (``optimizer``: when they were last read)."""
+    """Some of the tensors :meth:`StateWalker._reuse` last read for requires_grad required it."""
     tree: ModuleTree | None = None
     """``tensors`` of a module whose state dict can be read from its tree (see :class:`~.module_tree.ModuleTree`)."""
     tree_changed: bool = False
@@ -188,17 +196,26 @@ class StateWalker:
     whose state dict has one of those shapes, the walker keeps the packed bytes of its tensor part and its table
     rows, and the next capture checks the new state dict against them with C-level loops over its tensors (type,
     dtype, shape) instead of walking it. Every other value, and one whose check fails, is walked in full.
+
+    One thing is taken on trust between two full checks (every :data:`FULL_CHECK_EVERY` captures): a torch
+    optimizer read from its tree (see :class:`~.optimizer_tree.OptimizerTree`) whose step is not differentiable
+    updates its moments in place under ``no_grad``, so while they are the very objects of the last capture, their
+    dtypes, shapes and requires_grad are those read then. Code outside the optimizer that replaces a moment's
+    ``.data``, calls ``set_()``, ``resize_()`` or ``requires_grad_()`` on it, or updates it in place with an
+    operand that requires grad, is seen at the next full check or once a moment object is replaced.
     """
 
     def __init__(self) -> None:
         self._memos: dict[str, _Memo] = {}
         self._rng: dict[str, _Entries] = {}
         self._table: TableCache | None = None
+        self._captures = 0
 
     def flatten(self, state: Mapping[str, Any]) -> FlatState:
         """:func:`~.state.flatten` of ``state`` (same arguments, result and errors)."""
         walk = Walk()
         parts = []
+        self._captures += 1
         for key, value in state.items():
             check_key(key)
             if not isinstance(value, torch.Tensor) and is_stateful(value):
@@ -207,6 +224,9 @@ class StateWalker:
                 self._memos.pop(key, None)
                 self._rng.pop(key, None)
                 parts.append(top_part(key, PLAIN, msgpack.packb(walk.value(value, (key,)))))
+        for gone in [k for k in (*self._memos, *self._rng) if k not in state]:  # nothing kept alive for them
+            self._memos.pop(gone, None)
+            self._rng.pop(gone, None)
         flat, self._table = finish(walk, parts, self._table)
         return flat
 
@@ -292,12 +312,13 @@ class StateWalker:
             if list(map(tuple, inner)) != memo.inner:
                 return None
             tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
-        if memo.kind != "optimizer" or not memo.same(tensors):
+        trusted = from_tree and self._captures % FULL_CHECK_EVERY and not _differentiable(sd["param_groups"])
+        if not (trusted and memo.same(tensors)):
             if not memo.matches(tensors):
                 return None
             memo.grad = any(map(_GRAD, tensors))
-        # else an optimizer's very moments of last time, whose dtype, shape and requires_grad nothing but set_(),
-        # resize_() and requires_grad_() changes in place (no optimizer does): all as read then
+        # else the very moments of a torch optimizer's last capture, which its step updates in place under no_grad:
+        # taken with the dtypes, shapes and requires_grad read then (see the class docstring)
         if memo.grad:  # a Stateful's own parameters (see FlatState.tensors)
             tensors = [t.detach() if t.requires_grad else t for t in tensors]
         walk.tensors.extend(tensors)

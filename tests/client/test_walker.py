@@ -158,6 +158,80 @@ def test_moments_that_require_grad_are_detached_at_every_capture() -> None:
         assert not any(t.requires_grad for t in flat.tensors)
 
 
+def test_an_optimizer_shaped_state_is_read_in_full_at_every_capture() -> None:
+    """Moments of a Stateful that is no torch optimizer are read for dtype, shape and requires_grad every time:
+    one that an in-place op makes require grad is detached, one whose ``.data`` changes dtype and shape is
+    packed as it is now."""
+    m = torch.zeros(2)
+    sd = {"state": {0: {"m": m}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    state = {"x": _Stateful(sd)}
+    walker = StateWalker()
+    for _ in range(2):
+        assert walker.flatten(state).tensors[0] is m
+    m.add_(torch.ones(2, requires_grad=True))  # now requires grad, the same object
+    flat = walker.flatten(state)
+    assert_same(flat, flatten(state))
+    assert flat.tensors[0] is not m and not flat.tensors[0].requires_grad
+    m.data = torch.zeros(5, dtype=torch.float64)
+    assert_same(walker.flatten(state), flatten(state))
+
+
+def _stepped_adamw() -> tuple[dict[str, Any], torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    return {"model": model, "optim": opt}, opt, model.weight
+
+
+def test_a_torch_optimizers_moments_are_taken_as_read_and_checked_in_full_every_so_often(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A torch optimizer's very moments of the last capture are taken as read then (see StateWalker); code that
+    changes one in place outside the optimizer is seen at the next full check."""
+    monkeypatch.setattr("snapshotd.client.walker.FULL_CHECK_EVERY", 4)
+    state, opt, weight = _stepped_adamw()
+    walker = StateWalker()
+    flats = [walker.flatten(state) for _ in range(2)]
+    moment = opt.state[weight]["exp_avg"]
+    assert any(t is moment for t in flats[-1].tensors)
+    moment.add_(torch.ones_like(moment, requires_grad=True))  # outside the optimizer, with grad enabled
+    taken = walker.flatten(state)  # capture 3 of 4: trusted
+    assert any(t is moment for t in taken.tensors)
+    checked = walker.flatten(state)  # capture 4: the full check
+    assert_same(checked, flatten(state))
+    assert not any(t.requires_grad for t in checked.tensors)
+
+
+def test_a_differentiable_torch_optimizers_moments_are_read_every_capture() -> None:
+    state, opt, weight = _stepped_adamw()
+    opt.param_groups[0]["differentiable"] = True  # its step may update the moments with grad enabled
+    walker = StateWalker()
+    for _ in range(2):
+        walker.flatten(state)
+    opt.state[weight]["exp_avg"].add_(torch.ones(2, 4, requires_grad=True))
+    flat = walker.flatten(state)
+    assert_same(flat, flatten(state))
+    assert not any(t.requires_grad for t in flat.tensors)
+
+
+def test_memos_of_keys_gone_from_the_state_are_let_go_of() -> None:
+    state, model, opt = training_state()
+    walker = StateWalker()
+    walker.flatten(state)
+    ref = weakref.ref(model)
+    del state["model"], model
+    walker.flatten(state)
+    gc.collect()
+    assert "model" not in walker._memos and "rng" in walker._rng
+    del state["rng"]
+    walker.flatten(state)
+    assert "rng" not in walker._rng
+    assert_same(walker.flatten(state), flatten(state))
+    assert ref() is None
+
+
 def test_a_tensor_that_starts_requiring_grad_in_place_is_detached() -> None:
     """A Stateful's own tensors are read for requires_grad at every capture: set in place, it is detached."""
     w = torch.zeros(3)
