@@ -113,10 +113,14 @@ def _pack_groups(memo: _Memo, groups: Any, walk: Walk, key: str, from_tree: bool
     )
 
 
-def _differentiable(groups: Any) -> bool:
-    """Whether an optimizer's param groups (read from its tree: dicts) ask for a differentiable step, one that
-    may update its state with grad enabled."""
-    return any(g.get("differentiable") for g in groups)
+def _steps_under_no_grad(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> bool:
+    """Whether ``optimizer``'s step updates its state under ``no_grad``: a step of torch's own optimizers (they
+    enter ``no_grad`` unless differentiable), not differentiable (``groups``: its param groups as read)."""
+    return (
+        getattr(type(optimizer).step, "__module__", "").startswith("torch.optim.")
+        and not optimizer.defaults.get("differentiable")
+        and not any(g.get("differentiable") for g in groups)
+    )
 
 
 def _rng_entry(name: str, v: Any) -> bool:
@@ -145,7 +149,8 @@ class _Memo:
     last: list[torch.Tensor]
     """The tensors it last matched, as found in the state dict."""
     grad: bool
-    """Some of the tensors :meth:`StateWalker._reuse` last read for requires_grad required it."""
+    """Some of the tensors last read for requires_grad required it (read by :meth:`StateWalker._remember` and
+    :meth:`StateWalker._reuse`; the module-tree path aliases every tensor and reads none)."""
     tree: ModuleTree | None = None
     """``tensors`` of a module whose state dict can be read from its tree (see :class:`~.module_tree.ModuleTree`)."""
     tree_changed: bool = False
@@ -197,10 +202,11 @@ class StateWalker:
     rows, and the next capture checks the new state dict against them with C-level loops over its tensors (type,
     dtype, shape) instead of walking it. Every other value, and one whose check fails, is walked in full.
 
-    One thing is taken on trust between two full checks (every :data:`FULL_CHECK_EVERY` captures): a torch
-    optimizer read from its tree (see :class:`~.optimizer_tree.OptimizerTree`) whose step is not differentiable
-    updates its moments in place under ``no_grad``, so while they are the very objects of the last capture, their
-    dtypes, shapes and requires_grad are those read then. Code outside the optimizer that replaces a moment's
+    One thing is taken on trust between two full checks (every :data:`FULL_CHECK_EVERY` captures): one of
+    torch's own optimizers (its ``step`` defined in ``torch.optim``) read from its tree (see
+    :class:`~.optimizer_tree.OptimizerTree`) and not differentiable updates its moments in place under
+    ``no_grad``, so while they are the very objects of the last capture, their dtypes, shapes and requires_grad
+    are those read then. Code outside the optimizer that replaces a moment's
     ``.data``, calls ``set_()``, ``resize_()`` or ``requires_grad_()`` on it, or updates it in place with an
     operand that requires grad, is seen at the next full check or once a moment object is replaced.
     """
@@ -312,7 +318,12 @@ class StateWalker:
             if list(map(tuple, inner)) != memo.inner:
                 return None
             tensors = list(itertools.chain.from_iterable(map(dict.values, inner)))
-        trusted = from_tree and self._captures % FULL_CHECK_EVERY and not _differentiable(sd["param_groups"])
+        trusted = (
+            memo.optimizer is not None
+            and from_tree
+            and self._captures % FULL_CHECK_EVERY
+            and _steps_under_no_grad(memo.optimizer.optimizer, sd["param_groups"])
+        )
         if not (trusted and memo.same(tensors)):
             if not memo.matches(tensors):
                 return None

@@ -204,9 +204,24 @@ def test_a_torch_optimizers_moments_are_taken_as_read_and_checked_in_full_every_
     assert not any(t.requires_grad for t in checked.tensors)
 
 
-def test_a_differentiable_torch_optimizers_moments_are_read_every_capture() -> None:
+class _OwnStep(torch.optim.AdamW):
+    """A step of its own: it may update its state with grad enabled."""
+
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("how", ["defaults", "group", "own step"])
+def test_moments_are_read_every_capture_unless_torch_steps_them_under_no_grad(how: str) -> None:
+    """A differentiable optimizer (torch reads the flag from ``defaults``; a group may carry it too) and one whose
+    step is not torch's own may update their moments with grad enabled: those are read every capture."""
     state, opt, weight = _stepped_adamw()
-    opt.param_groups[0]["differentiable"] = True  # its step may update the moments with grad enabled
+    if how == "defaults":
+        opt.defaults["differentiable"] = True
+    elif how == "group":
+        opt.param_groups[0]["differentiable"] = True
+    else:
+        opt.__class__ = _OwnStep
     walker = StateWalker()
     for _ in range(2):
         walker.flatten(state)
